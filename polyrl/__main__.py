@@ -1,0 +1,3 @@
+from polyrl.cli.main import main
+
+raise SystemExit(main())

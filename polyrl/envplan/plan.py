@@ -1,0 +1,166 @@
+"""Build the environment plan for one role and render it to a Ray runtime env.
+
+Precedence, highest first: the config's `env:` section > the user's environment > polyrl's
+rules and platform defaults. A default is never written over a value the user set.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+from polyrl.envplan.rules import (
+    ENGINE_BACKENDS,
+    FORWARDED_PREFIXES,
+    GPU_PLATFORMS,
+    POLYRL_DEFAULTS,
+    RULES,
+    EnvRule,
+)
+from polyrl.platform import Platform
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("job", "trainer", "rollout")
+BACKENDS = ("native", "vllm", "sglang", "trtllm")
+PLACEMENTS = ("hybrid", "standalone")
+MODES = ("sync", "async")
+
+Source = str  # "user-env" | "config" | "platform-default" | "polyrl-default" | "rule:<id>"
+
+_warned: set[tuple[str, str, str]] = set()
+
+
+@dataclass(frozen=True)
+class EnvEntry:
+    value: str
+    source: Source
+    reason: str
+    link: str = ""
+
+    def as_dict(self) -> dict[str, str]:
+        out = {"value": self.value, "source": self.source, "reason": self.reason}
+        if self.link:
+            out["link"] = self.link
+        return out
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    platform: Platform
+    role: Literal["job", "trainer", "rollout"] = "job"
+    backend: str = "native"
+    placement: str = "hybrid"
+    mode: str = "sync"
+    backend_version: str | None = None
+
+    def __post_init__(self):
+        for name, value, valid in (("role", self.role, ROLES), ("backend", self.backend, BACKENDS),
+                                   ("placement", self.placement, PLACEMENTS),
+                                   ("mode", self.mode, MODES)):
+            if value not in valid:
+                raise ValueError(f"{name}: {value!r} is not one of {', '.join(valid)}")
+
+
+class EnvPlan:
+    """`variable -> EnvEntry` for one role, in the order the entries were decided."""
+
+    def __init__(self, context: PlanContext, entries: dict[str, EnvEntry]):
+        self.context = context
+        self.entries = entries
+
+    def __getitem__(self, name: str) -> EnvEntry:
+        return self.entries[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.entries
+
+    def values(self) -> dict[str, str]:
+        return {name: e.value for name, e in self.entries.items()}
+
+    def runtime_env(self, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """A Ray `runtime_env` carrying exactly this plan's variables (merged into `base`)."""
+        env = dict(base or {})
+        env["env_vars"] = {**dict(env.get("env_vars") or {}), **self.values()}
+        return env
+
+    def to_json(self) -> dict[str, dict[str, str]]:
+        return {name: e.as_dict() for name, e in self.entries.items()}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2, sort_keys=True)
+
+
+def _platform_defaults(ctx: PlanContext) -> list[tuple[str, str, str, str]]:
+    p = ctx.platform
+    out = [(d.name, d.value, d.reason, d.link) for d in p.job_env_defaults()]
+    if ctx.role == "rollout":
+        if ctx.backend in ENGINE_BACKENDS and p.name in GPU_PLATFORMS:
+            reason = (f"the {ctx.backend} server actor manages its own devices (num_gpus=0); "
+                      "Ray must not rewrite its visible-devices variable")
+            out += [(k, v, reason, "https://github.com/verl-project/verl/pull/6664")
+                    for k, v in p.ray_noset_envvars().items()]
+        out += [(d.name, d.value, d.reason, d.link) for d in p.rollout_env_defaults(ctx.backend)]
+    return out
+
+
+def build_plan(
+    context: PlanContext,
+    user_env: Mapping[str, str] | None = None,
+    config_env: Mapping[str, str] | None = None,
+    rules: tuple[EnvRule, ...] = RULES,
+) -> EnvPlan:
+    """The plan for `context.role`. Roles other than "job" include the job's variables too, so
+    an actor's runtime env is complete on its own."""
+    user_env = dict(os.environ if user_env is None else user_env)
+    config_env = {k: str(v) for k, v in (config_env or {}).items()}
+    explicit = {**user_env, **config_env}
+    entries: dict[str, EnvEntry] = {}
+
+    def propose(name: str, value: str, source: Source, reason: str, link: str = "") -> None:
+        if name in entries:  # first decision wins: earlier sources rank higher below
+            return
+        if name in config_env:
+            entries[name] = _from_config(name, config_env[name], user_env, reason, link)
+        elif name in user_env:
+            entries[name] = EnvEntry(user_env[name], "user-env",
+                                     f"set in your environment (polyrl would use {value}: {reason})",
+                                     link)
+        else:
+            entries[name] = EnvEntry(value, source, reason, link)
+
+    for name, value in config_env.items():
+        propose(name, value, "config", "set in the config's env: section")
+    roles = ("job",) if context.role == "job" else ("job", context.role)
+    for role in roles:
+        ctx = PlanContext(context.platform, role, context.backend, context.placement,  # type: ignore[arg-type]
+                          context.mode, context.backend_version)
+        for rule in rules:
+            if rule.applies(ctx, explicit):
+                for name, value in rule.variables.items():
+                    propose(name, value, f"rule:{rule.id}", rule.reason, rule.link)
+        for name, value, reason, link in _platform_defaults(ctx):
+            propose(name, value, "platform-default", reason, link)
+    for name, value, reason, link in POLYRL_DEFAULTS:
+        propose(name, value, "polyrl-default", reason, link)
+    for name in sorted(user_env):
+        if name.startswith(FORWARDED_PREFIXES) and name not in entries:
+            entries[name] = EnvEntry(user_env[name], "user-env",
+                                     "set in your environment; forwarded to every polyrl process")
+    return EnvPlan(context, entries)
+
+
+def _from_config(name: str, value: str, user_env: Mapping[str, str], reason: str, link: str) -> EnvEntry:
+    if name in user_env and user_env[name] != value:
+        key = (name, user_env[name], value)
+        if key not in _warned:
+            _warned.add(key)
+            logger.warning("env: the config sets %s=%s, overriding %s=%s from your environment",
+                           name, value, name, user_env[name])
+        reason = f"config env: section overrides your environment's {name}={user_env[name]}"
+    elif reason != "set in the config's env: section":
+        reason = f"set in the config's env: section (polyrl's default reason: {reason})"
+    return EnvEntry(value, "config", reason, link)

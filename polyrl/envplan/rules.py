@@ -1,0 +1,110 @@
+"""Workaround rules as data: a condition, the variables, the reason and a link.
+
+A rule never overrides a value the user set (in their environment or the config's `env:`
+section); `build_plan` enforces that for every rule. Risky workarounds are opt-in (R2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+if TYPE_CHECKING:
+    from polyrl.envplan.plan import PlanContext
+
+
+@dataclass(frozen=True)
+class EnvRule:
+    id: str
+    variables: Mapping[str, str]
+    reason: str
+    link: str
+    roles: frozenset[str] = frozenset({"job", "trainer", "rollout"})
+    """Roles whose processes get the variables ("job" = the Ray job's runtime env)."""
+    platforms: frozenset[str] | None = None
+    backends: frozenset[str] | None = None
+    placements: frozenset[str] | None = None
+    modes: frozenset[str] | None = None
+    min_capability: tuple[int, int] | None = None
+    backend_version: str | None = None
+    """A PEP 440 specifier the installed (or declared) backend version must satisfy."""
+    opt_in: Mapping[str, str] = field(default_factory=dict)
+    """Variables the user must set (in their environment or `env:`) to enable the rule."""
+
+    def applies(self, ctx: "PlanContext", explicit: Mapping[str, str]) -> bool:
+        if ctx.role not in self.roles:
+            return False
+        if self.platforms is not None and ctx.platform.name not in self.platforms:
+            return False
+        if self.backends is not None and ctx.backend not in self.backends:
+            return False
+        if self.placements is not None and ctx.placement not in self.placements:
+            return False
+        if self.modes is not None and ctx.mode not in self.modes:
+            return False
+        if self.min_capability is not None:
+            cap = ctx.platform.capability
+            if cap is None or tuple(cap) < self.min_capability:
+                return False
+        if self.backend_version is not None:
+            if ctx.backend_version is None:
+                return False
+            try:
+                if Version(ctx.backend_version) not in SpecifierSet(self.backend_version):
+                    return False
+            except InvalidVersion:
+                return False
+        return all(explicit.get(k) == v for k, v in self.opt_in.items())
+
+
+_GPU = frozenset({"cuda", "rocm", "npu"})
+_ENGINES = frozenset({"vllm", "sglang", "trtllm"})
+
+RULES: tuple[EnvRule, ...] = (
+    EnvRule(
+        id="nccl-cumem-off",
+        variables={"NCCL_CUMEM_ENABLE": "0"},
+        reason="vLLM weight sync over NCCL can hang or crash with cuMem-based NCCL buffers; "
+        "set NCCL_CUMEM_ENABLE=1 yourself on systems that need it (GB300) and it is kept",
+        link="https://github.com/verl-project/verl/pull/7564",
+        roles=frozenset({"rollout"}),
+        platforms=frozenset({"cuda"}),
+    ),
+    EnvRule(
+        id="blackwell-nvls-mnnvl-off",
+        variables={"NCCL_NVLS_ENABLE": "0", "NCCL_MNNVL_ENABLE": "0"},
+        reason="Blackwell (capability >= 10) async Megatron weight export hangs with NVLS / "
+        "MNNVL; the same setting hangs synchronous multi-node TRT-LLM rollout, so it is opt-in "
+        "via TLLM_DISABLE_NVLS_MNNVL=1",
+        link="https://github.com/verl-project/verl/pull/6344",
+        roles=frozenset({"job", "trainer", "rollout"}),
+        platforms=frozenset({"cuda"}),
+        min_capability=(10, 0),
+        opt_in={"TLLM_DISABLE_NVLS_MNNVL": "1"},
+    ),
+)
+
+# Defaults polyrl itself needs everywhere, independent of hardware.
+POLYRL_DEFAULTS: tuple[tuple[str, str, str, str], ...] = (
+    (
+        "TOKENIZERS_PARALLELISM",
+        "false",
+        "Hugging Face tokenizers' thread pool deadlocks (and warns) after a fork; Ray and "
+        "polyrl batch tokenisation themselves",
+        "https://github.com/huggingface/tokenizers/issues/993",
+    ),
+)
+
+# Variables of the user's environment that every polyrl process must see even on a remote Ray
+# cluster (whose workers do not inherit the driver's environment). Visibility variables are
+# deliberately absent: Ray assigns devices per actor.
+FORWARDED_PREFIXES: tuple[str, ...] = (
+    "NCCL_", "GLOO_", "HCCL_", "RCCL_", "VLLM_", "SGLANG_", "TLLM_", "TRTLLM_", "HF_",
+    "TRANSFORMERS_", "TOKENIZERS_", "POLYRL_", "PYTORCH_", "TORCH_",
+)
+
+ENGINE_BACKENDS = _ENGINES
+GPU_PLATFORMS = _GPU

@@ -1,0 +1,118 @@
+"""The `Platform` contract. Subclasses are data plus a few device calls; nothing here runs at import."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from polyrl.platform.detect import HardwareProbe
+
+
+class PlatformError(RuntimeError):
+    """An unknown or unavailable platform; the message lists what is registered and detected."""
+
+
+@dataclass(frozen=True)
+class EnvDefault:
+    """An environment variable a platform wants in some role, with why."""
+
+    name: str
+    value: str
+    reason: str
+    link: str = ""
+
+
+class Platform:
+    name: str = ""
+    device_type: str = ""
+    """torch device type ("cuda" on ROCm too: HIP builds reuse the cuda device type)."""
+    comm_backend: str = ""
+    """torch.distributed backend for device tensors."""
+    visible_devices_vars: tuple[str, ...] = ()
+    """Variables that restrict which devices a process sees."""
+    ray_resource: str | None = None
+    """Ray resource that counts this platform's devices (None: CPU only)."""
+
+    def __init__(self, probe: "HardwareProbe"):
+        self.probe = probe
+
+    # --- what the hardware is --------------------------------------------------------------
+    @property
+    def device_count(self) -> int:
+        return max(self.probe.device_count, self.probe.smi_device_count)
+
+    @property
+    def capability(self) -> tuple[int, int] | None:
+        return self.probe.capability
+
+    @property
+    def device_name(self) -> str | None:
+        return self.probe.device_name
+
+    def describe(self) -> str:
+        cap = f", capability {self.capability[0]}.{self.capability[1]}" if self.capability else ""
+        name = f" ({self.device_name})" if self.device_name else ""
+        return f"{self.name}: {self.device_count} device(s){name}{cap}"
+
+    # --- devices in this process -----------------------------------------------------------
+    def device_module(self) -> Any:
+        """The torch module for this device type (torch.cuda, torch.npu, torch.cpu)."""
+        return getattr(torch, self.device_type)
+
+    def torch_device(self, index: int | None = 0) -> torch.device:
+        if index is None:
+            return torch.device(self.device_type)
+        return torch.device(self.device_type, index)
+
+    def set_device(self, index: int) -> None:
+        self.device_module().set_device(index)
+
+    def synchronize(self) -> None:
+        self.device_module().synchronize()
+
+    def empty_cache(self) -> None:
+        self.device_module().empty_cache()
+
+    def peak_memory_bytes(self) -> int:
+        return int(self.device_module().max_memory_allocated())
+
+    def supports_dtype(self, dtype: torch.dtype) -> bool:
+        return True
+
+    # --- distributed -----------------------------------------------------------------------
+    def dist_backend(self) -> str:
+        """Backend for a process group carrying this platform's tensors."""
+        return self.comm_backend
+
+    def cpu_dist_backend(self) -> str:
+        """Backend for CPU-side control messages (always gloo)."""
+        return "gloo"
+
+    # --- Ray -------------------------------------------------------------------------------
+    def ray_actor_options(self, num_devices: float, num_cpus: float = 1) -> dict[str, Any]:
+        """Ray actor options that reserve `num_devices` of this platform's devices."""
+        options: dict[str, Any] = {"num_cpus": num_cpus}
+        if self.ray_resource == "GPU":
+            options["num_gpus"] = num_devices
+        elif self.ray_resource:
+            options["resources"] = {self.ray_resource: num_devices}
+        return options
+
+    def ray_noset_envvars(self) -> dict[str, str]:
+        """Tell Ray not to rewrite our visibility variables, for actors that manage their own
+        devices (inference servers with num_gpus=0): one entry per visibility variable."""
+        return {f"RAY_EXPERIMENTAL_NOSET_{var}": "1" for var in self.visible_devices_vars}
+
+    def job_env_defaults(self) -> list[EnvDefault]:
+        """Variables the whole Ray job needs on this platform."""
+        return []
+
+    def rollout_env_defaults(self, backend: str) -> list[EnvDefault]:
+        """Variables a rollout server of `backend` needs on this platform."""
+        return []
+
+    def __repr__(self) -> str:
+        return f"<Platform {self.describe()}>"

@@ -1,0 +1,195 @@
+"""Which platform this process is on: explicit choice > POLYRL_PLATFORM > probing the hardware.
+
+Probing looks at the torch build (`torch.version.hip`, `torch.version.cuda`, `torch_npu`), device
+count and capability, then falls back to the vendors' smi tools — a CPU-only Ray actor on a GPU
+node sees no devices through torch but must still plan for the node's GPUs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, replace
+from importlib.metadata import entry_points
+
+import torch
+
+from polyrl.platform.base import Platform, PlatformError
+from polyrl.registry import Registry
+
+PLATFORMS: Registry[type[Platform]] = Registry("platform")
+PLATFORMS.register("cpu", "polyrl.platform.platforms:CPUPlatform")
+PLATFORMS.register("cuda", "polyrl.platform.platforms:CUDAPlatform")
+PLATFORMS.register("rocm", "polyrl.platform.platforms:ROCmPlatform")
+PLATFORMS.register("npu", "polyrl.platform.platforms:NPUPlatform")
+
+ENTRY_POINT_GROUP = "polyrl.platforms"
+
+
+@dataclass(frozen=True)
+class HardwareProbe:
+    """What a process can see of its hardware. Tests build these by hand."""
+
+    torch_cuda: str | None = None
+    torch_hip: str | None = None
+    has_torch_npu: bool = False
+    device_count: int = 0
+    capability: tuple[int, int] | None = None
+    device_name: str | None = None
+    smi_tool: str | None = None
+    """Vendor tool found on PATH (nvidia-smi / amd-smi / rocm-smi / npu-smi)."""
+    smi_device_count: int = 0
+    simulated: bool = False
+
+
+SIMULATED_PROBES: dict[str, HardwareProbe] = {
+    "cpu": HardwareProbe(simulated=True),
+    "h100": HardwareProbe(torch_cuda="12.8", device_count=8, capability=(9, 0),
+                          device_name="NVIDIA H100 80GB HBM3", simulated=True),
+    "gb200": HardwareProbe(torch_cuda="12.8", device_count=4, capability=(10, 0),
+                           device_name="NVIDIA GB200", simulated=True),
+    "gb300": HardwareProbe(torch_cuda="12.9", device_count=4, capability=(10, 3),
+                           device_name="NVIDIA GB300", simulated=True),
+    "mi300x": HardwareProbe(torch_hip="6.3", device_count=8, capability=(9, 4),
+                            device_name="AMD Instinct MI300X", simulated=True),
+    "ascend910": HardwareProbe(has_torch_npu=True, device_count=8,
+                               device_name="Ascend910B", simulated=True),
+}
+
+_DEFAULT_SIMULATION = {"cpu": "cpu", "cuda": "h100", "rocm": "mi300x", "npu": "ascend910"}
+
+
+def simulated_probe(platform: str, capability: tuple[int, int] | None = None) -> HardwareProbe:
+    """A probe for `platform` (a name or a SIMULATED_PROBES key), optionally at a capability."""
+    key = _DEFAULT_SIMULATION.get(platform, platform)
+    if key not in SIMULATED_PROBES:
+        raise PlatformError(
+            f"cannot simulate '{platform}'; choose one of "
+            f"{', '.join(sorted(set(_DEFAULT_SIMULATION) | set(SIMULATED_PROBES)))}"
+        )
+    probe = SIMULATED_PROBES[key]
+    if capability is not None:
+        probe = replace(probe, capability=capability, device_name=None)
+    return probe
+
+
+def _smi_count(tool: str) -> int:
+    commands = {
+        "nvidia-smi": [tool, "--query-gpu=name", "--format=csv,noheader"],
+        "amd-smi": [tool, "list"],
+        "rocm-smi": [tool, "--showid"],
+        "npu-smi": [tool, "info", "-l"],
+    }
+    try:
+        out = subprocess.run(commands[tool], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    if tool == "nvidia-smi":
+        return sum(1 for line in out.splitlines() if line.strip())
+    if tool == "amd-smi":
+        return out.count("GPU:")
+    if tool == "rocm-smi":
+        return sum(1 for line in out.splitlines() if line.strip().startswith("GPU["))
+    return sum(1 for line in out.splitlines() if "NPU ID" in line)
+
+
+def probe_hardware() -> HardwareProbe:
+    """Look at the real machine (no side effects beyond running the smi tools, if present)."""
+    torch_cuda = getattr(torch.version, "cuda", None)
+    torch_hip = getattr(torch.version, "hip", None)
+    has_npu = importlib.util.find_spec("torch_npu") is not None
+    count, capability, name = 0, None, None
+    if torch_cuda or torch_hip:
+        count = torch.cuda.device_count()
+        if count:
+            capability = tuple(torch.cuda.get_device_capability(0))  # type: ignore[assignment]
+            name = torch.cuda.get_device_name(0)
+    elif has_npu:
+        import torch_npu  # noqa: F401
+
+        count = torch.npu.device_count()  # type: ignore[attr-defined]
+        name = torch.npu.get_device_name(0) if count else None  # type: ignore[attr-defined]
+    smi_tool, smi_count = None, 0
+    if count == 0:
+        for tool in ("nvidia-smi", "amd-smi", "rocm-smi", "npu-smi"):
+            if shutil.which(tool):
+                smi_tool, smi_count = tool, _smi_count(tool)
+                if smi_count:
+                    break
+    return HardwareProbe(torch_cuda, torch_hip, has_npu, count, capability, name, smi_tool, smi_count)
+
+
+@functools.lru_cache(maxsize=1)
+def _real_probe() -> HardwareProbe:
+    return probe_hardware()
+
+
+def detect_platform_name(probe: HardwareProbe) -> str:
+    if probe.device_count:
+        if probe.torch_hip:
+            return "rocm"
+        if probe.has_torch_npu and not probe.torch_cuda:
+            return "npu"
+        if probe.torch_cuda:
+            return "cuda"
+    if probe.smi_device_count:
+        return {"nvidia-smi": "cuda", "amd-smi": "rocm", "rocm-smi": "rocm", "npu-smi": "npu"}[
+            probe.smi_tool or ""
+        ]
+    return "cpu"
+
+
+@functools.lru_cache(maxsize=1)
+def _load_entry_points() -> None:
+    """Third-party platforms register through the `polyrl.platforms` entry-point group."""
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in PLATFORMS:
+            PLATFORMS.register(ep.name, ep.value)
+
+
+def get_platform(name: str | None = None, probe: HardwareProbe | None = None) -> Platform:
+    """The platform to run on.
+
+    `name`: an explicit choice ("auto"/None means: POLYRL_PLATFORM, else detect).
+    `probe`: the hardware to assume (default: the real machine, probed once per process).
+    """
+    _load_entry_points()
+    probe = probe or _real_probe()
+    requested = name if name not in (None, "", "auto") else os.environ.get("POLYRL_PLATFORM", "")
+    detected = detect_platform_name(probe)
+    chosen = requested or detected
+    if chosen not in PLATFORMS:
+        raise PlatformError(
+            f"unknown platform '{chosen}'; registered platforms: {', '.join(PLATFORMS.names())} "
+            f"(detected here: {detected})"
+        )
+    if requested and requested != "cpu" and requested != detected and not probe.simulated:
+        raise PlatformError(
+            f"platform '{requested}' was requested but is not available here: detected "
+            f"'{detected}' ({_probe_summary(probe)}). Registered platforms: "
+            f"{', '.join(PLATFORMS.names())}. Unset POLYRL_PLATFORM / platform, or use "
+            f"--platform with --capability to plan for hardware you do not have."
+        )
+    return PLATFORMS.get(chosen)(probe)
+
+
+def current_platform() -> Platform:
+    """The platform of this process, detected once and cached."""
+    return _current()
+
+
+@functools.lru_cache(maxsize=1)
+def _current() -> Platform:
+    return get_platform()
+
+
+def _probe_summary(probe: HardwareProbe) -> str:
+    parts = [f"torch cuda={probe.torch_cuda}", f"hip={probe.torch_hip}",
+             f"torch_npu={'yes' if probe.has_torch_npu else 'no'}",
+             f"devices={probe.device_count}"]
+    if probe.smi_tool:
+        parts.append(f"{probe.smi_tool} devices={probe.smi_device_count}")
+    return ", ".join(parts)

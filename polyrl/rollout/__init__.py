@@ -1,0 +1,1 @@
+"""Rollout: the engine interface, the built-in engine, engine adapters, servers and routing."""

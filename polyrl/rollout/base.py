@@ -1,0 +1,122 @@
+"""The contract every rollout engine implements (built-in, vLLM, SGLang, TensorRT-LLM).
+
+An engine serves many concurrent `generate` calls; the n samples of one call share one prefill.
+Every output carries the weight version that produced it, so a trainer always knows which policy
+generated a sample.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Mapping, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from polyrl.registry import Registry
+
+StopReason = Literal["stop", "length", "aborted"]
+
+
+class RolloutInputError(ValueError):
+    """Bad request input. `field` names the offending field (HTTP 400 on the API)."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class WeightUpdateError(ValueError):
+    """A rejected weight update; the engine keeps serving the previous weights."""
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 (or 0) disables."""
+    max_tokens: int = 64
+    """Most tokens to generate per sample."""
+    n: int = 1
+    """Samples per prompt; they share one prefill."""
+    stop_token_ids: Sequence[int] = ()
+    """Generation of a sample ends after any of these tokens (it is kept in the output)."""
+    stop: Sequence[str] = ()
+    """Stop strings: generation ends once the decoded text contains one (text is cut before it)."""
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same tokens."""
+    logprobs: bool = True
+    """Return the log-prob of each sampled token."""
+    top_logprobs: int = 0
+    """Also return the top-k log-probs at each position (0 disables)."""
+    ignore_eos: bool = False
+    """Keep generating past the tokenizer's end-of-sequence token."""
+
+    def validate(self) -> "SamplingParams":
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise RolloutInputError("temperature", f"must be >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise RolloutInputError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise RolloutInputError("top_k", f"must be -1 (disabled) or >= 0, got {self.top_k}")
+        if self.n < 1:
+            raise RolloutInputError("n", f"must be >= 1, got {self.n}")
+        if self.max_tokens < 1:
+            raise RolloutInputError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.top_logprobs < 0:
+            raise RolloutInputError("top_logprobs", f"must be >= 0, got {self.top_logprobs}")
+        return self
+
+
+@dataclass
+class TokenOutput:
+    token_ids: list[int]
+    """Generated tokens (the prompt excluded)."""
+    logprobs: list[float]
+    """Log-prob of each generated token under the sampling policy's *unmodified* distribution
+    (temperature 1, no top-p / top-k), i.e. what a trainer forward of the same weights gives."""
+    stop_reason: StopReason
+    weight_version: int
+    """Version of the weights that generated these tokens."""
+    top_logprobs: list[dict[int, float]] | None = None
+    text: str | None = None
+    """Decoded text when the engine has a tokenizer (cut before a matched stop string)."""
+    prompt_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer and servers need from an engine. All generation is async."""
+
+    weight_version: int
+
+    async def generate(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str
+    ) -> list[TokenOutput]:
+        """n = sampling.n outputs for one prompt."""
+        ...
+
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load Hugging Face-named tensors atomically (all or nothing), then serve `version`."""
+        ...
+
+    def sleep(self) -> None:
+        """Free the KV cache (and other transient memory) while the trainer works."""
+        ...
+
+    def wake_up(self) -> None: ...
+
+    def abort_all(self) -> int:
+        """Abort every in-flight request; each returns its partial output with
+        stop_reason="aborted". Returns how many were aborted."""
+        ...
+
+    def health(self) -> dict: ...
+
+
+ROLLOUT_ENGINES: Registry[type] = Registry("rollout backend")
+ROLLOUT_ENGINES.register("native", "polyrl.rollout.native.engine:NativeEngine")
