@@ -1,0 +1,67 @@
+"""Advantage estimators: per-sequence scalar rewards -> per-token advantages.
+
+Every estimator has the signature
+    fn(rewards [B], group_ids [B], response_mask [B, T], *, norm_adv_by_std, eps) -> [B, T]
+and is registered in `ADV_ESTIMATORS` (entries load lazily). The trainer calls
+`compute_advantages(cfg, ...)`, which also finds tied groups for DAPO dynamic sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from polyrl.algorithms.advantages.groups import group_stats, tied_group_mask
+from polyrl.registry import Registry
+
+if TYPE_CHECKING:
+    from polyrl.algorithms.config import AlgorithmConfig
+
+AdvantageFn = Callable[..., torch.Tensor]
+
+ADV_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
+ADV_ESTIMATORS.register("grpo", "polyrl.algorithms.advantages.grpo:grpo_advantages")
+ADV_ESTIMATORS.register("rloo", "polyrl.algorithms.advantages.rloo:rloo_advantages")
+ADV_ESTIMATORS.register(
+    "reinforce_pp", "polyrl.algorithms.advantages.reinforce_pp:reinforce_pp_advantages"
+)
+
+
+@dataclass
+class AdvantageOutput:
+    advantages: torch.Tensor
+    """[B, T] float32, zero on padding."""
+    tied_mask: torch.Tensor
+    """[B] bool: the sample's group has all-equal rewards (drop it when filtering tied groups)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def compute_advantages(
+    cfg: "AlgorithmConfig",
+    rewards: torch.Tensor,  # [B]
+    group_ids: torch.Tensor,  # [B]
+    response_mask: torch.Tensor,  # [B, T]
+) -> AdvantageOutput:
+    """Advantages with `cfg.adv_estimator`, plus the tied-group mask and metrics."""
+    fn = ADV_ESTIMATORS.get(cfg.adv_estimator)
+    adv = fn(
+        rewards, group_ids, response_mask, norm_adv_by_std=cfg.norm_adv_by_std, eps=cfg.adv_eps
+    )
+    tied, num_tied = tied_group_mask(rewards, group_ids)
+    num_groups = group_stats(rewards, group_ids).num_groups
+    mask = response_mask.bool()
+    valid = adv[mask]
+    metrics = {
+        "adv/mean": valid.mean().item() if valid.numel() else 0.0,
+        "adv/max": valid.max().item() if valid.numel() else 0.0,
+        "adv/min": valid.min().item() if valid.numel() else 0.0,
+        "adv/num_groups": float(num_groups),
+        "adv/tied_groups": float(num_tied),
+        "adv/tied_group_frac": num_tied / max(num_groups, 1),
+    }
+    return AdvantageOutput(adv, tied, metrics)
+
+
+__all__ = ["ADV_ESTIMATORS", "AdvantageOutput", "compute_advantages", "tied_group_mask"]

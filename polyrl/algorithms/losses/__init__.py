@@ -1,0 +1,21 @@
+"""Policy losses. Each registered entry has the signature
+    fn(cfg: AlgorithmConfig, logprob, old_logprob, advantages, response_mask,
+       *, num_tokens=None, num_seqs=None) -> (loss scalar, metrics)
+with [B, T] tensors; `num_tokens` / `num_seqs` are the global counts for gradient accumulation.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from polyrl.algorithms.losses.aggregation import AGG_MODES, aggregate, masked_mean
+from polyrl.registry import Registry
+
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+POLICY_LOSSES.register("ppo_clip", "polyrl.algorithms.losses.ppo:ppo_clip_policy_loss")
+
+__all__ = ["AGG_MODES", "POLICY_LOSSES", "aggregate", "masked_mean"]
