@@ -26,6 +26,7 @@ class Config(BaseModel):
         use_attribute_docstrings=True,
         validate_assignment=True,
         protected_namespaces=(),
+        coerce_numbers_to_str=True,
     )
 
 
@@ -159,7 +160,8 @@ def format_error(cls: type[BaseModel], err: dict) -> str:
     if kind == "missing":
         return f"{key}: required but not set"
     shown = repr(value) if not isinstance(value, dict) else "{...}"
-    return f"{key}: {shown} is invalid: {err['msg'].lower()}"
+    msg = err["msg"]
+    return f"{key}: {shown} is invalid: {msg[:1].lower()}{msg[1:]}"
 
 
 def describe(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, str, Any, str]]:

@@ -126,9 +126,9 @@ def build_plan(
         if name in config_env:
             entries[name] = _from_config(name, config_env[name], user_env, reason, link)
         elif name in user_env:
-            entries[name] = EnvEntry(user_env[name], "user-env",
-                                     f"set in your environment (polyrl would use {value}: {reason})",
-                                     link)
+            entries[name] = EnvEntry(
+                user_env[name], "user-env",
+                f"set in your environment and kept (polyrl's {source} would be {value})", link)
         else:
             entries[name] = EnvEntry(value, source, reason, link)
 

@@ -27,6 +27,8 @@ PLATFORMS.register("rocm", "polyrl.platform.platforms:ROCmPlatform")
 PLATFORMS.register("npu", "polyrl.platform.platforms:NPUPlatform")
 
 ENTRY_POINT_GROUP = "polyrl.platforms"
+DEFAULT_GPU_PLATFORM = "cuda"
+"""What `--capability` alone simulates on a machine without accelerators."""
 
 
 @dataclass(frozen=True)

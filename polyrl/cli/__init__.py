@@ -1,0 +1,1 @@
+"""The `polyrl` command line: train, env, doctor, serve, bench, plot."""

@@ -1,0 +1,130 @@
+"""`polyrl doctor`: inspect the real machine and name known-bad combinations before a run."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Literal, Mapping
+
+from polyrl.cli.common import add_config_args, load_job_config
+from polyrl.envplan import PlanContext, build_plan
+from polyrl.platform import Platform, PlatformError, get_platform
+
+Level = Literal["ok", "info", "warn", "error"]
+
+
+@dataclass
+class Finding:
+    level: Level
+    topic: str
+    message: str
+
+
+PACKAGES = ("torch", "ray", "transformers", "vllm", "sglang", "tensorrt_llm", "torch_npu")
+
+
+def package_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def check_environment(platform: Platform, env: Mapping[str, str], backend: str = "native",
+                      placement: str = "hybrid") -> list[Finding]:
+    """Known-bad combinations of platform, engines and environment variables (pure)."""
+    found: list[Finding] = []
+    for var in platform.visible_devices_vars:
+        if var in env and env[var].strip() == "":
+            found.append(Finding("error", var, f"{var} is set but empty: it hides every device. "
+                                 f"Unset it or list device ids."))
+    if platform.name == "rocm" and env.get("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO") == "1":
+        found.append(Finding("warn", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO",
+                             "=1 on ROCm: Ray clears HIP_VISIBLE_DEVICES for num_gpus=0 server "
+                             "actors, hiding every GPU from them (verl PR 6664)"))
+    if env.get("NCCL_CUMEM_ENABLE") == "1" and backend == "vllm" and placement == "standalone":
+        found.append(Finding("warn", "NCCL_CUMEM_ENABLE",
+                             "=1 with standalone vLLM weight sync over NCCL is known to hang or "
+                             "crash; keep it only if your system needs cuMem NCCL (GB300 class)"))
+    if env.get("TLLM_DISABLE_NVLS_MNNVL") == "1":
+        job_plan = build_plan(PlanContext(platform, "job"), env, {})
+        if "NCCL_NVLS_ENABLE" not in job_plan or not job_plan["NCCL_NVLS_ENABLE"].source.startswith("rule:"):
+            found.append(Finding("info", "TLLM_DISABLE_NVLS_MNNVL",
+                                 "=1 has no effect here: the NVLS/MNNVL workaround applies only "
+                                 "to CUDA capability >= 10 (Blackwell)"))
+        else:
+            found.append(Finding("warn", "TLLM_DISABLE_NVLS_MNNVL",
+                                 "=1 sets NCCL_NVLS_ENABLE=0 and NCCL_MNNVL_ENABLE=0 for the job; "
+                                 "this hangs synchronous multi-node TRT-LLM rollout"))
+    if env.get("POLYRL_PLATFORM") and env["POLYRL_PLATFORM"] != platform.name:
+        found.append(Finding("error", "POLYRL_PLATFORM",
+                             f"asks for {env['POLYRL_PLATFORM']} but {platform.name} is in use"))
+    return found
+
+
+def check_ray(address: str | None) -> Finding:
+    if not address:
+        return Finding("ok", "ray", "no RAY_ADDRESS: polyrl train starts a local Ray instance")
+    if address == "auto":
+        return Finding("info", "ray", "RAY_ADDRESS=auto: polyrl joins the cluster started with "
+                       "`ray start --head` on this node")
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=3):
+            return Finding("ok", "ray", f"Ray at {address} is reachable")
+    except (OSError, ValueError) as exc:
+        return Finding("error", "ray", f"Ray at {address} is not reachable: {exc}")
+
+
+def collect(env: Mapping[str, str] | None = None, backend: str = "native",
+            placement: str = "hybrid") -> list[Finding]:
+    env = dict(os.environ if env is None else env)
+    findings: list[Finding] = []
+    try:
+        platform = get_platform(None)
+    except PlatformError as exc:
+        return [Finding("error", "platform", str(exc))]
+    findings.append(Finding("ok", "platform", platform.describe()))
+    for var in platform.visible_devices_vars:
+        findings.append(Finding("info", var, f"= {env[var]!r}" if var in env else "unset"))
+    versions = package_versions()
+    for name, ver in versions.items():
+        if ver:
+            findings.append(Finding("ok", name, ver))
+        elif name in ("torch", "ray", "transformers"):
+            findings.append(Finding("error", name, f"not installed (pip install polyrl)"))
+        else:
+            findings.append(Finding("info", name, "not installed"))
+    findings.append(check_ray(env.get("RAY_ADDRESS")))
+    findings.extend(check_environment(platform, env, backend, placement))
+    return findings
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("doctor", help="check this machine, its engines and its environment",
+                       description="Inspect the real machine: platform and devices, visible-"
+                       "device variables, engine versions, Ray reachability and known-bad "
+                       "settings. Exits 1 when something is an error.")
+    add_config_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console()
+    style = {"ok": "green", "info": "cyan", "warn": "yellow", "error": "bold red"}
+    cfg = load_job_config(args)
+    findings = collect(backend=cfg.rollout.backend, placement=cfg.rollout.placement)
+    for f in findings:
+        console.print(f"[{style[f.level]}]{f.level:>5}[/] {f.topic}: {f.message}", highlight=False)
+    errors = sum(f.level == "error" for f in findings)
+    warns = sum(f.level == "warn" for f in findings)
+    console.print(f"{errors} error(s), {warns} warning(s)")
+    return 1 if errors else 0

@@ -1,0 +1,1 @@
+"""Ray start-up, rank layout, group-leader helpers and watchdog timeouts."""

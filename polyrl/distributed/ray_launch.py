@@ -1,0 +1,72 @@
+"""Start Ray and Ray actors only through the environment plan.
+
+Every process polyrl starts gets its variables from `polyrl.envplan`, so what `polyrl env`
+prints is what the processes see — also on a remote cluster, whose workers do not inherit the
+driver's environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Mapping
+
+import ray
+
+from polyrl.envplan import EnvPlan, PlanContext, build_plan
+from polyrl.platform import Platform
+
+logger = logging.getLogger(__name__)
+
+
+def plan_for_role(
+    platform: Platform,
+    role: str,
+    *,
+    backend: str = "native",
+    placement: str = "hybrid",
+    mode: str = "sync",
+    config_env: Mapping[str, str] | None = None,
+    backend_version: str | None = None,
+) -> EnvPlan:
+    ctx = PlanContext(platform, role, backend, placement, mode, backend_version)  # type: ignore[arg-type]
+    return build_plan(ctx, user_env=os.environ, config_env=config_env or {})
+
+
+def init_ray(
+    platform: Platform,
+    *,
+    address: str | None = None,
+    num_cpus: int | None = None,
+    namespace: str = "polyrl",
+    config_env: Mapping[str, str] | None = None,
+    **plan_kwargs: Any,
+) -> EnvPlan:
+    """Join or start Ray with the job-level plan as the job's runtime env. Returns the plan.
+
+    If Ray is already initialised in this process (a test session, a notebook), it is reused
+    and the plan is applied per actor instead.
+    """
+    plan = plan_for_role(platform, "job", config_env=config_env, **plan_kwargs)
+    if ray.is_initialized():
+        return plan
+    kwargs: dict[str, Any] = dict(
+        namespace=namespace,
+        runtime_env=plan.runtime_env(),
+        include_dashboard=False,
+        log_to_driver=True,
+        configure_logging=False,
+    )
+    if address:
+        kwargs["address"] = address
+    else:
+        kwargs["num_cpus"] = num_cpus or os.cpu_count()
+    ray.init(**kwargs)
+    return plan
+
+
+def actor_options(
+    plan: EnvPlan, resources: Mapping[str, Any], **extra: Any
+) -> dict[str, Any]:
+    """Ray `.options(...)` for an actor of the plan's role: its resources plus its runtime env."""
+    return {**dict(resources), "runtime_env": plan.runtime_env(), **extra}

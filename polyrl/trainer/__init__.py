@@ -1,0 +1,1 @@
+"""The RL loop (sync colocated; async disaggregated later), checkpoints and metrics."""

@@ -1,0 +1,64 @@
+"""The job config: one schema assembled from the components' own config classes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from polyrl.config import Config
+from polyrl.rollout.config import RolloutConfig
+from polyrl.workers.config import ActorConfig, ModelConfig
+
+
+class RayConfig(Config):
+    address: str | None = None
+    """Ray cluster to join ("auto" = the cluster started by `ray start`); null starts a local
+    Ray instance for this run."""
+    num_cpus: int | None = Field(None, ge=1)
+    """CPUs of the local Ray instance (default: all cores)."""
+    namespace: str = "polyrl"
+    """Ray namespace of the run's actors."""
+    timeout_s: float = Field(600.0, gt=0)
+    """Longest wait on any remote call before polyrl names who did not answer."""
+
+
+class TrainerConfig(Config):
+    mode: Literal["sync", "async"] = "sync"
+    """sync: generate then train each step (on-policy); async: overlap them (bounded staleness)."""
+    total_steps: int | None = Field(None, ge=1)
+    """Training steps (default: enough for total_epochs over the training data)."""
+    total_epochs: int = Field(1, ge=1)
+    """Passes over the training data when total_steps is not set."""
+    seed: int = 0
+    """Seed of data order, sampling and initialisation."""
+    output_dir: str = "outputs/polyrl"
+    """Where metrics, samples, checkpoints and summary.json go."""
+    val_every: int = Field(10, ge=0)
+    """Validate every this many steps (0 disables periodic validation)."""
+    val_before_train: bool = True
+    """Validate before the first step (the 'before' of the before/after)."""
+    log_every: int = Field(1, ge=1)
+    """Write metrics every this many steps."""
+    progress_bar: bool = True
+    """Show a live progress bar on the console."""
+
+
+class JobConfig(Config):
+    """Everything one `polyrl train` run needs. Each section is owned by its component."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    platform: str = "auto"
+    """Hardware platform: auto (detect), cpu, cuda, rocm or npu (or a registered plugin)."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables for every polyrl process; they win over your environment and
+    polyrl's defaults (see `polyrl env`)."""
+
+    @property
+    def output_path(self) -> Path:
+        return Path(self.trainer.output_dir)

@@ -1,0 +1,1 @@
+"""Ray actors that hold models: the policy (actor) and, when KL is used, the reference."""

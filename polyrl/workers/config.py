@@ -1,0 +1,64 @@
+"""Configuration of the model and of the policy-training workers."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from polyrl.config import Config
+
+BUILTIN_MODEL = "builtin:tiny-arith"
+
+
+class ModelConfig(Config):
+    path: str = BUILTIN_MODEL
+    """Local Hugging Face model directory (config.json, safetensors, tokenizer files), or
+    builtin:tiny-arith for the bundled tiny model. Nothing is downloaded."""
+    tokenizer_path: str | None = None
+    """Tokenizer directory if it differs from `path`."""
+    trust_remote_code: bool = False
+    """Allow model code shipped in the model directory (transformers' trust_remote_code)."""
+
+
+class ActorConfig(Config):
+    lr: float = Field(1e-3, gt=0)
+    """Peak learning rate of AdamW."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up, in optimizer steps."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Schedule after warm-up (cosine / linear decay to min_lr_ratio at the last step)."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Final learning rate as a fraction of `lr` for decaying schedules."""
+    grad_clip: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value (null disables)."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each batch of rollouts."""
+    mini_batch_size: int | None = Field(None, ge=1)
+    """Prompts per optimizer step (default: the whole batch, i.e. one step per batch)."""
+    micro_batch_tokens: int = Field(8192, ge=64)
+    """Token budget of one forward/backward micro-batch (sequences are packed up to it)."""
+    world_size: int = Field(1, ge=1)
+    """Policy ranks (torch.distributed: gloo on CPU, the platform's backend on GPUs)."""
+    strategy: Literal["ddp", "fsdp2"] = "ddp"
+    """How the ranks share the model."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Master weights and optimizer dtype."""
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Autocast dtype of forward/backward."""
+    num_cpus_per_worker: int = Field(1, ge=1)
+    """CPU cores (and torch threads) per worker."""
+    old_logprobs: Literal["auto", "rollout", "recompute"] = "auto"
+    """Where the PPO ratio's old log-probs come from: auto uses the engine's when rollout is
+    on-policy and the engine computes in the trainer's dtype, else recomputes."""
+    gradient_checkpointing: bool = False
+    """Trade compute for memory in the policy forward."""
+    max_nonfinite_steps: int = Field(3, ge=1)
+    """Stop after this many consecutive updates with NaN/inf loss or gradients (each skipped)."""
+

@@ -1,0 +1,81 @@
+"""`polyrl env` and `polyrl doctor` as a user runs them (real subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from polyrl.cli.doctor import check_environment
+from polyrl.platform import SIMULATED_PROBES, get_platform
+
+
+def polyrl(*args, env=None):
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "polyrl", *args], capture_output=True,
+                          text=True, env=full_env, timeout=120)
+
+
+def test_env_json_rocm_sglang_keeps_user_value():
+    out = polyrl("env", "--platform", "rocm", "--backend", "sglang", "--json",
+                 env={"SGLANG_USE_AITER": "0"})
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["SGLANG_USE_AITER"]["value"] == "0"
+    assert plan["SGLANG_USE_AITER"]["source"] == "user-env"
+    assert plan["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] == {
+        "value": "0", "source": "platform-default",
+        "reason": plan["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"]["reason"],
+        "link": "https://github.com/verl-project/verl/pull/6664"}
+    for entry in plan.values():
+        assert set(entry) >= {"value", "source", "reason"}
+
+
+def test_env_capability_simulation_and_config_env(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("env:\n  NCCL_NVLS_ENABLE: '1'\n")
+    out = polyrl("env", "--role", "job", "--capability", "10.0", "--json", "-c", str(cfg),
+                 env={"TLLM_DISABLE_NVLS_MNNVL": "1"})
+    plan = json.loads(out.stdout)
+    assert plan["NCCL_NVLS_ENABLE"]["source"] == "config"
+    assert plan["NCCL_MNNVL_ENABLE"]["source"] == "rule:blackwell-nvls-mnnvl-off"
+
+
+def test_env_table_and_bad_flags():
+    out = polyrl("env", "--platform", "cuda", "--backend", "vllm")
+    assert out.returncode == 0
+    assert "NCCL_CUMEM_ENABLE" in out.stdout and "rule:nccl-cumem-off" in out.stdout
+    bad = polyrl("env", "--capability", "ten")
+    assert bad.returncode == 2 and "--capability" in bad.stderr
+    bad = polyrl("env", "--platform", "tpu")
+    assert bad.returncode == 2 and "registered platforms: cpu, cuda, rocm, npu" in bad.stderr
+    bad = polyrl("env", "rollout.backend=vlm")
+    assert bad.returncode == 2
+    assert "rollout.backend: 'vlm' is not one of native, vllm, sglang, trtllm" in bad.stderr
+
+
+def test_doctor_on_this_machine():
+    out = polyrl("doctor")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "platform: cpu" in out.stdout
+    assert "torch:" in out.stdout
+
+
+def test_doctor_exits_nonzero_on_errors():
+    out = polyrl("doctor", env={"RAY_ADDRESS": "127.0.0.1:1"})
+    assert out.returncode == 1
+    assert "not reachable" in out.stdout
+
+
+def test_doctor_known_bad_combinations():
+    cuda = get_platform(None, SIMULATED_PROBES["h100"])
+    found = check_environment(cuda, {"NCCL_CUMEM_ENABLE": "1"}, "vllm", "standalone")
+    assert [f.level for f in found] == ["warn"]
+    assert check_environment(cuda, {"NCCL_CUMEM_ENABLE": "1"}, "vllm", "hybrid") == []
+    assert check_environment(cuda, {"CUDA_VISIBLE_DEVICES": ""})[0].level == "error"
+    rocm = get_platform(None, SIMULATED_PROBES["mi300x"])
+    assert check_environment(rocm, {"HIP_VISIBLE_DEVICES": ""})[0].level == "error"
+    gb200 = get_platform(None, SIMULATED_PROBES["gb200"])
+    assert check_environment(gb200, {"TLLM_DISABLE_NVLS_MNNVL": "1"})[0].level == "warn"
+    assert check_environment(cuda, {"TLLM_DISABLE_NVLS_MNNVL": "1"})[0].level == "info"

@@ -1,0 +1,143 @@
+"""The environment plan over simulated platforms x roles x backends x placements x modes.
+
+`expected()` restates the requirements (R1-R3 of DESIGN.md, issue 2) independently of the rule
+tables, so a rule that drifts from the spec fails here.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from polyrl.envplan import BACKENDS, MODES, PLACEMENTS, ROLES, PlanContext, build_plan
+from polyrl.platform import SIMULATED_PROBES, get_platform
+
+HARDWARE = ["cpu", "h100", "gb200", "gb300", "mi300x", "ascend910"]
+ENGINES = {"vllm", "sglang", "trtllm"}
+NOSET = {
+    "cuda": ["CUDA_VISIBLE_DEVICES"],
+    "rocm": ["CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"],
+    "npu": ["ASCEND_RT_VISIBLE_DEVICES"],
+    "cpu": [],
+}
+
+
+def platform_of(hw: str):
+    probe = SIMULATED_PROBES[hw]
+    return get_platform(None if hw == "cpu" else {"h100": "cuda", "gb200": "cuda", "gb300": "cuda",
+                                                   "mi300x": "rocm", "ascend910": "npu"}[hw], probe)
+
+
+def expected(hw: str, role: str, backend: str, opt_in: bool) -> dict[str, tuple[str, str]]:
+    p = platform_of(hw)
+    out = {"TOKENIZERS_PARALLELISM": ("false", "polyrl-default")}
+    if p.name == "rocm":
+        out["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] = ("0", "platform-default")
+    if opt_in and p.name == "cuda" and p.capability >= (10, 0):
+        out["NCCL_NVLS_ENABLE"] = ("0", "rule:blackwell-nvls-mnnvl-off")
+        out["NCCL_MNNVL_ENABLE"] = ("0", "rule:blackwell-nvls-mnnvl-off")
+    if opt_in:
+        out["TLLM_DISABLE_NVLS_MNNVL"] = ("1", "user-env")
+    if role == "rollout":
+        if p.name == "cuda":
+            out["NCCL_CUMEM_ENABLE"] = ("0", "rule:nccl-cumem-off")
+        if backend in ENGINES:
+            for var in NOSET[p.name]:
+                out[f"RAY_EXPERIMENTAL_NOSET_{var}"] = ("1", "platform-default")
+        if p.name == "rocm" and backend == "sglang":
+            out["SGLANG_USE_AITER"] = ("1", "platform-default")
+    return out
+
+
+CASES = list(itertools.product(HARDWARE, ROLES, BACKENDS, PLACEMENTS, MODES, [False, True]))
+
+
+@pytest.mark.parametrize("hw,role,backend,placement,mode,opt_in", CASES)
+def test_exact_plan(hw, role, backend, placement, mode, opt_in):
+    user_env = {"TLLM_DISABLE_NVLS_MNNVL": "1"} if opt_in else {}
+    plan = build_plan(PlanContext(platform_of(hw), role, backend, placement, mode), user_env, {})
+    got = {name: (e.value, e.source) for name, e in plan.entries.items()}
+    assert got == expected(hw, role, backend, opt_in)
+    for entry in plan.entries.values():
+        assert entry.reason, "every variable carries a reason"
+
+
+@pytest.mark.parametrize("hw,role,backend", list(itertools.product(HARDWARE, ROLES, BACKENDS)))
+def test_user_value_survives_for_every_planned_variable(hw, role, backend):
+    base = build_plan(PlanContext(platform_of(hw), role, backend), {"TLLM_DISABLE_NVLS_MNNVL": "1"}, {})
+    for name in base.entries:
+        user_env = {"TLLM_DISABLE_NVLS_MNNVL": "1", name: "user-value-42"}
+        plan = build_plan(PlanContext(platform_of(hw), role, backend), user_env, {})
+        assert plan[name].value == "user-value-42", name
+        assert plan[name].source == "user-env"
+
+
+def test_gb300_user_cumem_passes_through_unchanged():
+    # The verl PR 7564 bug: a GB300 user needs NCCL_CUMEM_ENABLE=1 and polyrl must keep it.
+    plan = build_plan(PlanContext(platform_of("gb300"), "rollout", "vllm"), {"NCCL_CUMEM_ENABLE": "1"}, {})
+    assert plan["NCCL_CUMEM_ENABLE"].value == "1"
+    assert plan["NCCL_CUMEM_ENABLE"].source == "user-env"
+
+
+def test_nvls_rule_needs_opt_in_and_blackwell():
+    for hw, opt_in, applies in [("gb200", True, True), ("gb200", False, False), ("h100", True, False)]:
+        env = {"TLLM_DISABLE_NVLS_MNNVL": "1"} if opt_in else {}
+        plan = build_plan(PlanContext(platform_of(hw), "job", "trtllm"), env, {})
+        assert ("NCCL_NVLS_ENABLE" in plan) is applies
+        assert ("NCCL_MNNVL_ENABLE" in plan) is applies
+
+
+def test_opt_in_through_config_env_counts():
+    plan = build_plan(PlanContext(platform_of("gb200"), "job", "trtllm"), {},
+                      {"TLLM_DISABLE_NVLS_MNNVL": "1"})
+    assert plan["NCCL_NVLS_ENABLE"].value == "0"
+    assert plan["TLLM_DISABLE_NVLS_MNNVL"].source == "config"
+
+
+def test_config_beats_user_env_and_warns_once(caplog):
+    ctx = PlanContext(platform_of("h100"), "rollout", "vllm")
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            plan = build_plan(ctx, {"NCCL_CUMEM_ENABLE": "1"}, {"NCCL_CUMEM_ENABLE": "0"})
+    assert plan["NCCL_CUMEM_ENABLE"].value == "0"
+    assert plan["NCCL_CUMEM_ENABLE"].source == "config"
+    warnings = [r for r in caplog.records if "NCCL_CUMEM_ENABLE" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "NCCL_CUMEM_ENABLE=1" in warnings[0].getMessage()
+
+
+def test_config_only_variable_and_forwarded_user_variables():
+    plan = build_plan(PlanContext(platform_of("cpu"), "trainer"),
+                      {"NCCL_DEBUG": "INFO", "HOME": "/root", "CUDA_VISIBLE_DEVICES": "3"},
+                      {"MY_FLAG": "on"})
+    assert plan["MY_FLAG"].source == "config"
+    assert plan["NCCL_DEBUG"].value == "INFO" and plan["NCCL_DEBUG"].source == "user-env"
+    assert "HOME" not in plan  # unrelated variables reach local workers by inheritance only
+    assert "CUDA_VISIBLE_DEVICES" not in plan  # Ray assigns devices per actor
+
+
+def test_backend_version_condition():
+    from polyrl.envplan import EnvRule
+
+    rule = EnvRule(id="x", variables={"X": "1"}, reason="r", link="",
+                   backends=frozenset({"sglang"}), backend_version=">=0.5.12")
+    p = platform_of("h100")
+    for version, applies in [("0.5.12", True), ("0.6.0", True), ("0.5.11", False), (None, False)]:
+        plan = build_plan(PlanContext(p, "rollout", "sglang", backend_version=version), {}, {},
+                          rules=(rule,))
+        assert ("X" in plan) is applies, version
+
+
+def test_context_rejects_unknown_values():
+    with pytest.raises(ValueError, match="backend: 'vlm' is not one of native, vllm, sglang, trtllm"):
+        PlanContext(platform_of("cpu"), "rollout", "vlm")
+
+
+def test_runtime_env_renders_values():
+    plan = build_plan(PlanContext(platform_of("mi300x"), "rollout", "sglang"), {}, {})
+    env = plan.runtime_env({"env_vars": {"KEEP": "1"}, "pip": []})
+    assert env["pip"] == []
+    assert env["env_vars"]["KEEP"] == "1"
+    assert env["env_vars"]["RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES"] == "1"
+    assert env["env_vars"]["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] == "0"

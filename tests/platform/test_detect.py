@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from polyrl.platform import (
+    SIMULATED_PROBES,
+    HardwareProbe,
+    PlatformError,
+    detect_platform_name,
+    get_platform,
+    simulated_probe,
+)
+
+
+@pytest.mark.parametrize("hw,name,backend,dev,vis,res", [
+    ("cpu", "cpu", "gloo", "cpu", (), None),
+    ("h100", "cuda", "nccl", "cuda", ("CUDA_VISIBLE_DEVICES",), "GPU"),
+    ("gb200", "cuda", "nccl", "cuda", ("CUDA_VISIBLE_DEVICES",), "GPU"),
+    ("gb300", "cuda", "nccl", "cuda", ("CUDA_VISIBLE_DEVICES",), "GPU"),
+    ("mi300x", "rocm", "nccl", "cuda",
+     ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"), "GPU"),
+    ("ascend910", "npu", "hccl", "npu", ("ASCEND_RT_VISIBLE_DEVICES",), "NPU"),
+])
+def test_simulated_hardware(hw, name, backend, dev, vis, res):
+    probe = SIMULATED_PROBES[hw]
+    assert detect_platform_name(probe) == name
+    p = get_platform(None, probe) if hw != "cpu" else get_platform("cpu", probe)
+    assert (p.name, p.dist_backend(), p.device_type, p.visible_devices_vars, p.ray_resource) == \
+        (name, backend, dev, vis, res)
+
+
+def test_capabilities():
+    assert get_platform(None, SIMULATED_PROBES["h100"]).capability == (9, 0)
+    assert get_platform(None, SIMULATED_PROBES["gb200"]).capability == (10, 0)
+    assert get_platform(None, SIMULATED_PROBES["gb300"]).capability == (10, 3)
+    assert get_platform("cuda", simulated_probe("cuda", (10, 3))).capability == (10, 3)
+
+
+def test_smi_fallback_for_cpu_only_actor_on_gpu_node():
+    # A Ray actor with num_gpus=0 sees no devices through torch, but the node has GPUs.
+    assert detect_platform_name(HardwareProbe(smi_tool="nvidia-smi", smi_device_count=8)) == "cuda"
+    assert detect_platform_name(HardwareProbe(smi_tool="rocm-smi", smi_device_count=8)) == "rocm"
+    assert detect_platform_name(HardwareProbe(smi_tool="npu-smi", smi_device_count=8)) == "npu"
+    assert detect_platform_name(HardwareProbe(smi_tool="nvidia-smi", smi_device_count=0)) == "cpu"
+
+
+def test_ray_options_and_noset():
+    cuda = get_platform(None, SIMULATED_PROBES["h100"])
+    assert cuda.ray_actor_options(1) == {"num_cpus": 1, "num_gpus": 1}
+    npu = get_platform(None, SIMULATED_PROBES["ascend910"])
+    assert npu.ray_actor_options(2) == {"num_cpus": 1, "resources": {"NPU": 2}}
+    rocm = get_platform(None, SIMULATED_PROBES["mi300x"])
+    assert rocm.ray_noset_envvars() == {
+        "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+        "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1",
+        "RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES": "1",
+    }
+    assert get_platform("cpu").ray_actor_options(0, num_cpus=2) == {"num_cpus": 2}
+
+
+def test_real_machine_is_cpu_here():
+    p = get_platform(None)
+    assert p.name == "cpu"
+    assert p.torch_device() == torch.device("cpu")
+
+
+def test_env_var_choice(monkeypatch):
+    monkeypatch.setenv("POLYRL_PLATFORM", "cpu")
+    assert get_platform(None).name == "cpu"
+    monkeypatch.setenv("POLYRL_PLATFORM", "tpu")
+    with pytest.raises(PlatformError, match="unknown platform 'tpu'; registered platforms: cpu, cuda, rocm, npu"):
+        get_platform(None)
+
+
+def test_unavailable_platform_is_an_error_naming_detection():
+    with pytest.raises(PlatformError, match="platform 'cuda' was requested but is not available here: detected 'cpu'"):
+        get_platform("cuda")
+
+
+def test_third_party_platform_registers():
+    from polyrl.platform import PLATFORMS
+    from polyrl.platform.platforms import CPUPlatform
+
+    class Fancy(CPUPlatform):
+        name = "fancy"
+
+    PLATFORMS.register("fancy-test", Fancy)
+    assert get_platform("fancy-test", SIMULATED_PROBES["cpu"]).name == "fancy"
