@@ -1,0 +1,84 @@
+"""Reward functions keyed by `data_source`, and loading of user functions from config.
+
+Contract of a reward function:
+    fn(solution_str: str, ground_truth, extra_info: dict | None, **options) -> float | dict
+where a dict holds "score" (required) and optionally "acc" plus other numbers. Keyword options
+the RewardManager passes when the function accepts them: `finished_with_eos` (did the response
+end with the EOS token) and `data_source`. A verl-style fn(data_source, solution_str,
+ground_truth, extra_info) is recognised by its first parameter's name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from polyrl.registry import Registry
+
+RewardFn = Callable[..., "float | dict[str, Any]"]
+
+REWARD_FNS: Registry[RewardFn] = Registry("reward data_source")
+REWARD_FNS.register("arithmetic", "polyrl.rewards.arithmetic:arithmetic_score")
+for _source in ("openai/gsm8k", "gsm8k"):
+    REWARD_FNS.register(_source, "polyrl.rewards.gsm8k:gsm8k_score")
+for _source in (
+    "lighteval/MATH",
+    "DigitalLearningGmbH/MATH-lighteval",
+    "HuggingFaceH4/MATH-500",
+    "math",
+):
+    REWARD_FNS.register(_source, "polyrl.rewards.math_boxed:math_score")
+
+
+class UnknownDataSourceError(ValueError):
+    """No reward function is registered or configured for a data_source."""
+
+    def __init__(self, data_source: str):
+        self.data_source = data_source
+        super().__init__(
+            f"no reward function for data_source '{data_source}'; registered data sources: "
+            f"{', '.join(REWARD_FNS.names())}. To score it, set "
+            "reward.custom_function=my_pkg.my_module:my_fn (or /path/to/file.py:my_fn), "
+            f"optionally with reward.custom_function_sources=['{data_source}'], or call "
+            f"polyrl.rewards.REWARD_FNS.register('{data_source}', my_fn)"
+        )
+
+
+def load_function(spec: str) -> RewardFn:
+    """Load "pkg.module:fn" or "/path/to/file.py:fn"; errors name reward.custom_function."""
+    target, _, name = spec.rpartition(":")  # rpartition: a Windows path may hold "C:"
+    if not target or not name:
+        raise ValueError(f"reward.custom_function '{spec}' must look like module:function")
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        path = Path(target).expanduser().resolve()
+        if not path.is_file():
+            raise ValueError(f"reward.custom_function: file {path} does not exist")
+        # a unique, stable module name so two files called reward.py do not collide
+        module_name = "polyrl_user_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+        module = sys.modules.get(module_name)
+        if module is None:
+            module_spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
+            sys.modules[module_name] = module
+            try:
+                module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+            except BaseException:
+                del sys.modules[module_name]
+                raise
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise ValueError(f"reward.custom_function: cannot import module '{target}': {exc}") from exc
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        public = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+        raise ValueError(
+            f"reward.custom_function: '{target}' has no function '{name}'; "
+            f"functions there: {', '.join(public) or '(none)'}"
+        )
+    return fn

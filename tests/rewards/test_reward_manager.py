@@ -1,0 +1,161 @@
+"""RewardManager: routing by data_source, user functions, errors, timeouts."""
+
+import logging
+import sys
+import textwrap
+import time
+
+import pytest
+
+from polyrl.config import ConfigError, load_config
+from polyrl.rewards import (
+    RewardConfig,
+    RewardManager,
+    RewardRequest,
+    UnknownDataSourceError,
+    ended_with_eos,
+)
+
+# functions referenced by module path "<this module>:..." (pytest puts this test directory
+# on sys.path, so the module imports under its own __name__)
+THIS = __name__
+
+
+def contains_truth(solution_str, ground_truth, extra_info):
+    return {"score": 1.0 if str(ground_truth) in solution_str else 0.0, "acc": 0.5, "len": len(solution_str)}
+
+
+def verl_style(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
+    return float(solution_str == ground_truth) + bonus + (data_source == "mine")
+
+
+def boom(solution_str, ground_truth, extra_info):
+    if solution_str == "boom":
+        raise RuntimeError("verifier exploded")
+    return 1.0
+
+
+def sleepy(solution_str, ground_truth, extra_info):
+    if solution_str == "slow":
+        time.sleep(1.0)
+    return 1.0
+
+
+def req(text, truth="7", source="openai/gsm8k", eos=True):
+    return RewardRequest(source, text, truth, eos)
+
+
+@pytest.fixture
+def manager_factory():
+    made = []
+
+    def make(**cfg):
+        m = RewardManager(RewardConfig(**cfg))
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.close()
+
+
+def test_builtins_route_by_data_source(manager_factory):
+    m = manager_factory()
+    out = m.score([
+        req("#### 7"),
+        req("#### 8", source="gsm8k"),
+        req("85", "85", "arithmetic", eos=True),
+        req("85", "85", "arithmetic", eos=False),
+        req(r"\boxed{0.5}", r"\frac12", "lighteval/MATH"),
+    ])
+    assert out.scores == [1.0, 0.0, 1.0, 0.0, 1.0]
+    assert out.accs == out.scores
+    assert out.metrics["reward/errors"] == 0 and out.metrics["reward/score_mean"] == 0.6
+    assert out.metrics["reward/acc/arithmetic"] == 0.5
+
+
+def test_gsm8k_method_from_config(manager_factory):
+    assert manager_factory().score([req("answer: 7")]).scores == [0.0]
+    assert manager_factory(gsm8k_method="flexible").score([req("answer: 7")]).scores == [1.0]
+
+
+def test_unknown_data_source_lists_sources_and_fix(manager_factory):
+    m = manager_factory()
+    with pytest.raises(UnknownDataSourceError, match=r"registered data sources: arithmetic.*reward.custom_function="):
+        m.score([req("x", source="my/dataset")])
+    with pytest.raises(UnknownDataSourceError):
+        m.check_sources(["gsm8k", "my/dataset"])
+
+
+def test_custom_function_from_module_path_takes_precedence(manager_factory):
+    m = manager_factory(custom_function=f"{THIS}:contains_truth")
+    out = m.score([req("it is 7"), req("it is 8"), req("7", source="anything/else")])
+    assert out.scores == [1.0, 0.0, 1.0]
+    assert out.accs == [0.5, 0.5, 0.5]  # the function's own acc
+    assert out.extras[0] == {"len": 7.0}
+
+
+def test_custom_function_for_listed_sources_only(manager_factory):
+    m = manager_factory(custom_function=f"{THIS}:contains_truth", custom_function_sources=["mine"])
+    out = m.score([req("it is 7", source="mine"), req("it is 7")])  # second one: built-in gsm8k
+    assert out.scores == [1.0, 0.0]
+
+
+def test_custom_function_from_file_with_verl_signature(tmp_path, manager_factory):
+    path = tmp_path / "my_reward.py"
+    path.write_text(textwrap.dedent("""
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
+            return float(solution_str.strip() == ground_truth) + bonus
+    """))
+    m = manager_factory(custom_function=f"{path}:compute_score", custom_function_kwargs={"bonus": 0.5})
+    assert m.score([req("7"), req("9")]).scores == [1.5, 0.5]
+
+
+def test_custom_function_load_errors(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        RewardManager(RewardConfig(custom_function=f"{tmp_path}/nope.py:fn"))
+    with pytest.raises(ValueError, match="has no function 'nope'.*contains_truth"):
+        RewardManager(RewardConfig(custom_function=f"{THIS}:nope"))
+    with pytest.raises(ValueError, match="cannot import module"):
+        RewardManager(RewardConfig(custom_function="no_such_module_xyz:fn"))
+    with pytest.raises(ConfigError, match="reward.custom_function=my_pkg"):
+        load_config(RewardConfig, overrides=["custom_function=just_a_name"])
+    with pytest.raises(ConfigError, match="custom_function_sources is set"):
+        load_config(RewardConfig, overrides=["custom_function_sources=[a]"])
+
+
+def test_raising_function_scores_zero_counted_and_logged_once(manager_factory, caplog):
+    m = manager_factory(custom_function=f"{THIS}:boom")
+    with caplog.at_level(logging.ERROR, logger="polyrl.rewards.manager"):
+        out = m.score([req("ok"), req("boom"), req("boom")])
+    assert out.scores == [1.0, 0.0, 0.0]
+    assert out.failed == [False, True, True]
+    assert out.metrics["reward/errors"] == 2.0
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 1 and "verifier exploded" in str(tracebacks[0].exc_info[1])
+
+
+def test_bad_return_value_counts_as_error(manager_factory):
+    m = manager_factory(custom_function="builtins:str")  # returns a str, not a score
+    out = m.score([req("x")])
+    assert out.scores == [0.0] and out.metrics["reward/errors"] == 1.0
+
+
+def test_sleeping_function_times_out(manager_factory):
+    m = manager_factory(custom_function=f"{THIS}:sleepy", timeout_s=0.2, num_workers=2)
+    start = time.monotonic()
+    out = m.score([req("slow"), req("fast"), req("fast"), req("slow"), req("fast")])
+    elapsed = time.monotonic() - start
+    assert out.scores == [0.0, 1.0, 1.0, 0.0, 1.0]
+    assert out.metrics["reward/timeouts"] == 2.0 and out.metrics["reward/errors"] == 0.0
+    assert elapsed < 0.9  # did not wait for the sleeping calls
+    # the pool replaced its stuck workers: the next batch is served promptly
+    start = time.monotonic()
+    assert m.score([req("fast")] * 4).scores == [1.0] * 4
+    assert time.monotonic() - start < 0.5
+
+
+def test_ended_with_eos():
+    assert ended_with_eos([5, 2], [2])
+    assert not ended_with_eos([5, 3], [2, 0])
+    assert not ended_with_eos([], [2])
