@@ -110,3 +110,20 @@ def test_registry_entry_reads_config():
     assert loss.item() == pytest.approx(-0.17, abs=1e-6)
     # clipped tokens: (0,0) and (1,0) of 3 valid tokens
     assert metrics["actor/pg_clipfrac"] == pytest.approx(2 / 3)
+
+
+def test_actor_loss_combines_terms():
+    from polyrl.algorithms import actor_loss
+
+    cfg = AlgorithmConfig(use_kl_loss=True, kl_coef=0.5, kl_estimator="k1", entropy_coeff=0.1)
+    zeros = torch.zeros(1, 2)
+    mask = torch.ones(1, 2)
+    adv = torch.tensor([[1.0, 1.0]])
+    ref = torch.tensor([[-1.0, -3.0]])  # k1 = logp - ref = 1, 3 -> token-mean 2
+    entropy = torch.tensor([[2.0, 4.0]])  # token-mean 3
+    # pg: ratio 1, A = 1 -> -1; total = -1 + 0.5 * 2 - 0.1 * 3 = -0.3
+    loss, metrics = actor_loss(cfg, zeros, zeros, adv, mask, ref_logprob=ref, entropy=entropy)
+    assert loss.item() == pytest.approx(-0.3)
+    assert metrics["actor/kl_loss"] == pytest.approx(2.0) and metrics["actor/entropy"] == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="needs ref_logprob"):
+        actor_loss(cfg, zeros, zeros, adv, mask)
