@@ -5,9 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from polyrl.algorithms import AlgorithmConfig, check_samples_per_prompt
 from polyrl.config import Config
+from polyrl.data import DataConfig
+from polyrl.rewards.config import RewardConfig
 from polyrl.rollout.config import RolloutConfig
 from polyrl.workers.config import ActorConfig, ModelConfig
 
@@ -49,7 +52,11 @@ class JobConfig(Config):
     """Everything one `polyrl train` run needs. Each section is owned by its component."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=lambda: DataConfig(
+        train_files=["builtin:arithmetic_train"], val_files=["builtin:arithmetic_val"]))
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
     actor: ActorConfig = Field(default_factory=ActorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
@@ -58,6 +65,24 @@ class JobConfig(Config):
     env: dict[str, str] = Field(default_factory=dict)
     """Environment variables for every polyrl process; they win over your environment and
     polyrl's defaults (see `polyrl env`)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "JobConfig":
+        check_samples_per_prompt(self.algorithm, self.rollout.n)
+        mini = self.actor.mini_batch_size
+        if mini is not None and self.data.train_batch_size % mini:
+            raise ValueError(
+                f"actor.mini_batch_size={mini} must divide data.train_batch_size="
+                f"{self.data.train_batch_size} (prompts per optimizer step)")
+        if self.data.train_batch_size % self.actor.world_size and self.rollout.placement == "hybrid":
+            raise ValueError(
+                f"data.train_batch_size={self.data.train_batch_size} must be a multiple of "
+                f"actor.world_size={self.actor.world_size}: each rank's engine generates an equal share")
+        return self
+
+    @property
+    def num_mini_batches(self) -> int:
+        return self.data.train_batch_size // (self.actor.mini_batch_size or self.data.train_batch_size)
 
     @property
     def output_path(self) -> Path:

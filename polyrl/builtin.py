@@ -1,0 +1,27 @@
+"""Bundled assets addressed as `builtin:NAME`: the tiny model and the synthetic task's data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ASSETS = Path(__file__).parent / "assets"
+PREFIX = "builtin:"
+
+BUILTINS = {
+    "tiny-arith": ASSETS / "tiny-arith",
+    "arithmetic_train": ASSETS / "data" / "arithmetic_train.parquet",
+    "arithmetic_val": ASSETS / "data" / "arithmetic_val.parquet",
+}
+
+
+def resolve(path: str) -> str:
+    """`builtin:NAME` -> the bundled file or directory; any other path is returned unchanged."""
+    if not path.startswith(PREFIX):
+        return path
+    name = path[len(PREFIX):]
+    if name not in BUILTINS:
+        raise FileNotFoundError(
+            f"unknown bundled asset '{path}'; available: "
+            f"{', '.join(PREFIX + n for n in BUILTINS)}"
+        )
+    return str(BUILTINS[name])

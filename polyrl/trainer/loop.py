@@ -1,0 +1,245 @@
+"""The synchronous RL loop, readable top to bottom as named steps:
+
+    generate -> reward -> reference log-probs -> advantages -> update -> sync weights -> log
+
+The driver process owns data, rewards and advantages; the policy ranks (Ray actors) own the
+model, the optimizer and the colocated rollout engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from polyrl.algorithms import compute_advantages, kl_penalized_rewards
+from polyrl.builtin import resolve
+from polyrl.config import to_yaml
+from polyrl.data import PromptSample, build_loaders
+from polyrl.distributed.ray_launch import init_ray
+from polyrl.platform import get_platform
+from polyrl.rewards import RewardManager, RewardRequest
+from polyrl.rollout.factory import require_backend
+from polyrl.trainer.config import JobConfig
+from polyrl.trainer.metrics import MetricsWriter, PhaseTimer
+from polyrl.trainer.worker_group import PolicyGroup
+from polyrl.workers.batch import Sample
+from polyrl.workers.model_loading import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on; the message says why and what to change."""
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.out = cfg.output_path
+        self.timer = PhaseTimer()
+
+    # --- set-up -------------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg = self.cfg
+        if cfg.trainer.mode != "sync" or cfg.rollout.placement != "hybrid":
+            raise TrainingError(
+                f"trainer.mode={cfg.trainer.mode} with rollout.placement={cfg.rollout.placement} "
+                "is not available in this polyrl version; use trainer.mode=sync rollout.placement=hybrid")
+        require_backend(cfg.rollout.backend)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.yaml").write_text(to_yaml(cfg))
+        random.seed(cfg.trainer.seed)
+        np.random.seed(cfg.trainer.seed)
+        torch.manual_seed(cfg.trainer.seed)
+
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
+        data_cfg = cfg.data.model_copy(update={
+            "train_files": [resolve(f) for f in cfg.data.train_files],
+            "val_files": [resolve(f) for f in cfg.data.val_files]})
+        self.train_loader, self.val_loader = build_loaders(data_cfg, self.tokenizer)
+        self.rewards = RewardManager(cfg.reward)
+        self.rewards.check_sources(self.train_loader.dataset.data_sources)
+        if self.val_loader is not None:
+            self.rewards.check_sources(self.val_loader.dataset.data_sources)
+        self.total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * len(self.train_loader)
+        if cfg.rollout.max_model_len is None:
+            longest = max(len(p.prompt_ids) for p in self.train_loader.dataset)
+            if self.val_loader is not None:
+                longest = max(longest, max(len(p.prompt_ids) for p in self.val_loader.dataset))
+            cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
+                update={"max_model_len": longest + cfg.rollout.response_length})})
+            self.cfg = cfg
+
+        self.platform = get_platform(cfg.platform)
+        init_ray(self.platform, address=cfg.ray.address, num_cpus=cfg.ray.num_cpus,
+                 namespace=cfg.ray.namespace, config_env=cfg.env, backend=cfg.rollout.backend,
+                 placement=cfg.rollout.placement, mode=cfg.trainer.mode)
+        self.policy = PolicyGroup(cfg, self.platform, self.total_steps)
+        self.use_rollout_logprobs = self._use_rollout_logprobs()
+        logger.info("policy: %s (%.2fM parameters) on %s, %d rank(s); %d steps of %d prompts x %d samples",
+                    cfg.model.path, self.policy.num_params / 1e6, self.platform.describe(),
+                    self.policy.world_size, self.total_steps, cfg.data.train_batch_size, cfg.rollout.n)
+
+    def _use_rollout_logprobs(self) -> bool:
+        mode = self.cfg.actor.old_logprobs
+        if mode != "auto":
+            return mode == "rollout"
+        a, r = self.cfg.actor, self.cfg.rollout
+        # the engine's log-probs equal the trainer's only when both compute in the same dtype
+        return r.backend == "native" and r.dtype == a.param_dtype == a.compute_dtype == "float32"
+
+    # --- the loop -----------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        self.setup()
+        cfg = self.cfg
+        writer = MetricsWriter(self.out, self.total_steps, 0, cfg.trainer.progress_bar)
+        initial = final = None
+        try:
+            if self.val_loader is not None and cfg.trainer.val_before_train:
+                initial = self.validate()
+                writer.log(0, initial)
+            for step in range(1, self.total_steps + 1):
+                metrics = self.train_step(step)
+                if self.val_loader is not None and cfg.trainer.val_every and step % cfg.trainer.val_every == 0:
+                    metrics.update(self.validate())
+                if step % cfg.trainer.log_every == 0 or step == self.total_steps:
+                    writer.log(step, metrics)
+                writer.progress(step, metrics)
+            if self.val_loader is not None:
+                final = self._last_val(writer) or self.validate()
+                if not cfg.trainer.val_every or self.total_steps % cfg.trainer.val_every:
+                    writer.log(self.total_steps, final)
+        finally:
+            writer.close()
+            if hasattr(self, "policy"):
+                self.policy.shutdown()
+        summary = {
+            "initial_accuracy": initial.get("val/acc") if initial else None,
+            "final_accuracy": final.get("val/acc") if final else None,
+            "steps": self.total_steps,
+            "wall_seconds": round(time.perf_counter() - start, 2),
+            "output_dir": str(self.out),
+        }
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def _last_val(self, writer: MetricsWriter) -> dict | None:
+        every = self.cfg.trainer.val_every
+        if every and self.total_steps % every == 0 and writer.last_val is not None:
+            return {"val/acc": writer.last_val}
+        return None
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        cfg, timer = self.cfg, self.timer
+        t0 = time.perf_counter()
+        batch = self.train_loader.next_batch()
+        with timer("generate"):
+            samples = self.generate(batch, step)
+        with timer("reward"):
+            metrics = self.score(samples, batch)
+        if cfg.algorithm.uses_reference:
+            with timer("reference"):
+                for s, lp in zip(samples, self.policy.logprobs(samples, "reference")):
+                    s.ref_logprobs = lp
+        metrics.update(self.advantages(samples))
+        if cfg.algorithm.filter_tied_groups:
+            samples = [s for s in samples if not s.extra.get("tied")]
+        with timer("update"):
+            metrics.update(self.policy.update(samples, cfg.num_mini_batches, self.use_rollout_logprobs))
+        with timer("sync_weights"):
+            self.policy.call("sync_weights", phase="weight sync")
+        metrics.update(timer.pop())
+        metrics["timing/step"] = time.perf_counter() - t0
+        metrics["perf/samples_per_s"] = len(samples) / metrics["timing/step"]
+        metrics["train/epoch"] = self.train_loader.epoch
+        return metrics
+
+    # --- the named steps ----------------------------------------------------------------------
+    def generate(self, batch: list[PromptSample], step: int, validation: bool = False) -> list[Sample]:
+        r = self.cfg.rollout
+        sampling = dict(
+            temperature=r.val_temperature if validation else r.temperature,
+            top_p=1.0 if validation else r.top_p,
+            top_k=-1 if validation else r.top_k,
+            n=r.val_n if validation else r.n,
+            max_tokens=r.response_length,
+        )
+        # one seed per (run, step, prompt): the same run draws the same samples, however batched
+        seeds = [hash((self.cfg.trainer.seed, step, p.index, validation)) % (2**31) for p in batch]
+        samples = self.policy.generate([p.prompt_ids for p in batch], sampling, seeds,
+                                       phase="validation" if validation else "generate")
+        for s in samples:
+            s.extra["prompt"] = batch[s.group]
+        return samples
+
+    def score(self, samples: list[Sample], batch: list[PromptSample]) -> dict[str, float]:
+        requests = [RewardRequest(p.data_source, s.text, p.ground_truth, s.finished_with_eos, p.extra_info)
+                    for s in samples for p in [s.extra["prompt"]]]
+        result = self.rewards.score(requests)
+        for s, score, acc in zip(samples, result.scores, result.accs):
+            s.reward, s.acc = score, acc
+        lengths = [len(s.response_ids) for s in samples]
+        return {
+            **result.metrics,
+            "response/length_mean": float(np.mean(lengths)),
+            "response/length_max": float(np.max(lengths)),
+            "response/clip_frac": float(np.mean([s.stop_reason == "length" for s in samples])),
+            "perf/generated_tokens": float(sum(lengths)),
+        }
+
+    def advantages(self, samples: list[Sample]) -> dict[str, float]:
+        algo = self.cfg.algorithm
+        R = max(max(len(s.response_ids) for s in samples), 1)
+        mask = torch.zeros(len(samples), R)
+        for i, s in enumerate(samples):
+            mask[i, : len(s.response_ids)] = 1
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        groups = torch.tensor([s.group for s in samples])
+        metrics: dict[str, float] = {}
+        if algo.use_kl_in_reward and algo.kl_coef > 0:
+            logp, ref = (torch.zeros(len(samples), R) for _ in range(2))
+            for i, s in enumerate(samples):
+                logp[i, : len(s.response_ids)] = torch.tensor(s.rollout_logprobs)
+                ref[i, : len(s.response_ids)] = torch.tensor(s.ref_logprobs)
+            rewards, kl_metrics = kl_penalized_rewards(rewards, logp, ref, mask, kl_coef=algo.kl_coef,
+                                                       estimator=algo.kl_estimator)
+            metrics.update(kl_metrics)
+        out = compute_advantages(algo, rewards, groups, mask)
+        for i, s in enumerate(samples):
+            s.advantages = out.advantages[i, : len(s.response_ids)].tolist()
+            s.extra["tied"] = bool(out.tied_mask[i])
+            s.extra.pop("prompt", None)  # workers do not need it
+        metrics.update(out.metrics)
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        """Held-out accuracy (mean over val_n samples per prompt; pass@k when val_n > 1)."""
+        accs, scores, lengths, passes = [], [], [], []
+        for batch in iter_once(self.val_loader):
+            samples = self.generate(batch, step=0, validation=True)
+            self.score(samples, batch)
+            accs += [s.acc for s in samples]
+            scores += [s.reward for s in samples]
+            lengths += [len(s.response_ids) for s in samples]
+            by_group: dict[int, list[float]] = {}
+            for s in samples:
+                by_group.setdefault(s.group, []).append(s.acc)
+            passes += [float(max(v) > 0) for v in by_group.values()]
+        out = {"val/acc": float(np.mean(accs)), "val/reward": float(np.mean(scores)),
+               "val/response_length": float(np.mean(lengths))}
+        if self.cfg.rollout.val_n > 1:
+            out[f"val/pass@{self.cfg.rollout.val_n}"] = float(np.mean(passes))
+        return out
+
+
+def iter_once(loader) -> list[list[PromptSample]]:
+    """Every batch of a fixed-order loader, without disturbing its position."""
+    return [loader._batch(0, i) for i in range(len(loader))]

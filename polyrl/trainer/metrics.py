@@ -1,0 +1,73 @@
+"""Where metrics go: a JSONL file always, a console progress bar, and a phase timer."""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+
+class PhaseTimer:
+    """`with timer("generate"): ...` records timing/generate in seconds."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[f"timing/{phase}"] = self.times.get(f"timing/{phase}", 0.0) + time.perf_counter() - start
+
+    def pop(self) -> dict[str, float]:
+        out, self.times = self.times, {}
+        return out
+
+
+class MetricsWriter:
+    def __init__(self, output_dir: Path, total_steps: int, start_step: int, progress: bool):
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.path = output_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self.bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="polyrl", unit="step",
+                            dynamic_ncols=True)
+        self.last_val: float | None = None
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if "val/acc" in metrics:
+            self.last_val = metrics["val/acc"]
+
+    def progress(self, step: int, metrics: dict[str, Any]) -> None:
+        if self.bar is None:
+            return
+        postfix = {
+            "reward": f"{metrics.get('reward/score_mean', 0):.3f}",
+            "acc": f"{metrics.get('reward/acc_mean', 0):.3f}",
+            "s/step": f"{metrics.get('timing/step', 0):.2f}",
+        }
+        if self.last_val is not None:
+            postfix["val_acc"] = f"{self.last_val:.3f}"
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.update(step - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self._file.close()
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item"):
+        return v.item()
+    return v

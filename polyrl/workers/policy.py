@@ -1,0 +1,238 @@
+"""The policy worker: one rank of policy training, with its colocated rollout engine.
+
+Runs inside a Ray actor (the trainer wraps it with `ray.remote`). In hybrid placement the
+engine lives in the same process and shares the rank's device: after each update the weights
+are copied into the engine in place (version-stamped) and its KV cache is freed while training.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from polyrl.algorithms import POLICY_LOSSES, kl_loss
+from polyrl.platform import get_platform
+from polyrl.rollout.base import SamplingParams
+from polyrl.rollout.factory import build_colocated_engine
+from polyrl.workers.batch import Sample, collate, plan_micro_batches, split_evenly
+from polyrl.workers.logprobs import response_logprobs
+from polyrl.workers.model_loading import load_causal_lm, load_tokenizer
+from polyrl.workers.optim import build_optimizer
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteUpdate(RuntimeError):
+    pass
+
+
+class PolicyWorker:
+    def __init__(self, cfg: Any, rank: int, world_size: int, total_steps: int, num_threads: int):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.total_steps = total_steps
+        torch.set_num_threads(num_threads)
+        self.platform = get_platform(cfg.platform)
+        self.device = self.platform.torch_device(0)
+        self.version = 0
+        self.nonfinite_in_a_row = 0
+
+    def address(self) -> str:
+        """A rendezvous address on this worker's node (asked of rank 0 only)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def setup(self, dist_init: str | None) -> int:
+        cfg, rank, world_size = self.cfg, self.rank, self.world_size
+        torch.manual_seed(cfg.trainer.seed + rank)
+        if world_size > 1:
+            backend = (self.platform.cpu_dist_backend() if self.device.type == "cpu"
+                       else self.platform.dist_backend())
+            dist.init_process_group(backend, init_method=dist_init, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=cfg.ray.timeout_s))
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
+                                        cfg.model.trust_remote_code)
+        self.model = load_causal_lm(cfg.model.path, cfg.actor.param_dtype,
+                                    cfg.model.trust_remote_code).to(self.device)
+        if cfg.actor.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.model.train()
+        if world_size > 1:  # identical start on every rank, whatever each rank's RNG did
+            for p in self.model.parameters():
+                dist.broadcast(p.data, src=dist.get_global_rank(dist.group.WORLD, 0))
+        self.reference = None
+        if cfg.algorithm.uses_reference:
+            self.reference = load_causal_lm(cfg.model.path, cfg.actor.param_dtype,
+                                            cfg.model.trust_remote_code).to(self.device).eval()
+            self.reference.requires_grad_(False)
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), cfg.actor,
+                                                         self.total_steps)
+        self.engine = build_colocated_engine(cfg.rollout, self.model, self.tokenizer, self.device,
+                                             seed=cfg.trainer.seed + 1000 * rank)
+        self.engine.sleep()
+        return sum(p.numel() for p in self.model.parameters())
+
+    # --- rollout ------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling: dict, seeds: list[int] | None = None,
+                 group_offset: int = 0) -> list[Sample]:
+        """n samples for each prompt; samples of prompt i get group `group_offset + i`.
+
+        A seed per prompt makes rollouts reproducible whatever else shares the batch."""
+        params = [SamplingParams(**sampling, seed=seed).validate()
+                  for seed in (seeds or [None] * len(prompts))]
+        self.engine.wake_up()
+        try:
+            outputs = self.engine.generate_batch(prompts, params)
+        finally:
+            self.engine.sleep()
+        eos = set(self.engine.eos_token_ids)
+        samples = []
+        for i, (prompt, outs) in enumerate(zip(prompts, outputs)):
+            for out in outs:
+                samples.append(Sample(
+                    prompt_ids=list(prompt), response_ids=list(out.token_ids),
+                    rollout_logprobs=list(out.logprobs), weight_version=out.weight_version,
+                    group=group_offset + i, stop_reason=out.stop_reason,
+                    finished_with_eos=out.stop_reason == "stop" and bool(out.token_ids) and out.token_ids[-1] in eos,
+                    text=self.tokenizer.decode(out.token_ids, skip_special_tokens=True),
+                ))
+        return samples
+
+    # --- log-probs ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def logprobs(self, samples: list[Sample], which: str = "reference") -> list[list[float]]:
+        """Log-probs of each sample's response under the reference (or current) policy."""
+        model = self.reference if which == "reference" else self.model
+        if model is None:
+            raise RuntimeError("no reference model: KL is off (algorithm.use_kl_* / kl_coef)")
+        was_training = model.training
+        model.eval()
+        out: list[list[float]] = [[] for _ in samples]
+        for idx in plan_micro_batches(samples, self.cfg.actor.micro_batch_tokens):
+            mb = collate(samples, idx, self.device)
+            lp, _ = response_logprobs(model, mb)
+            for row, i in enumerate(idx):
+                out[i] = lp[row, : len(samples[i].response_ids)].tolist()
+        model.train(was_training)
+        return out
+
+    # --- update -------------------------------------------------------------------------------
+    def update(self, samples: list[Sample], num_mini_batches: int, use_rollout_logprobs: bool) -> dict:
+        """PPO epochs over `samples` split into `num_mini_batches` optimizer steps."""
+        cfg, algo = self.cfg.actor, self.cfg.algorithm
+        loss_fn = POLICY_LOSSES.get(algo.policy_loss)
+        single_step = num_mini_batches == 1 and cfg.ppo_epochs == 1
+        if not single_step and not use_rollout_logprobs:
+            for s, lp in zip(samples, self.logprobs(samples, which="current")):
+                s.rollout_logprobs = lp
+        metrics: dict[str, list[float]] = {}
+        start = time.perf_counter()
+        tokens = 0
+        for _ in range(cfg.ppo_epochs):
+            for chunk in split_evenly(list(range(len(samples))), num_mini_batches):
+                mini = [samples[i] for i in chunk]
+                tokens += sum(s.length for s in mini)
+                step_metrics = self._optimizer_step(mini, loss_fn, single_step and not use_rollout_logprobs)
+                for k, v in step_metrics.items():
+                    metrics.setdefault(k, []).append(v)
+        out = {k: sum(v) / len(v) for k, v in metrics.items()}
+        elapsed = time.perf_counter() - start
+        out["perf/update_tokens_per_s"] = tokens / max(elapsed, 1e-9)
+        return out
+
+    def _global(self, *values: float) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(t)
+        return t.tolist()
+
+    def _optimizer_step(self, samples: list[Sample], loss_fn, detach_as_old: bool) -> dict[str, float]:
+        cfg, algo = self.cfg.actor, self.cfg.algorithm
+        num_tokens, num_seqs = self._global(sum(len(s.response_ids) for s in samples), len(samples))
+        agg = {"num_tokens": max(num_tokens, 1.0), "num_seqs": max(num_seqs, 1.0)}
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                  enabled=cfg.compute_dtype == "bfloat16")
+        for idx in plan_micro_batches(samples, cfg.micro_batch_tokens):
+            mb = collate(samples, idx, self.device)
+            with autocast:
+                logprob, entropy = response_logprobs(self.model, mb, with_entropy=True,
+                                                     entropy_grad=algo.entropy_coeff > 0)
+            old = logprob.detach() if detach_as_old else mb.old_logprobs
+            loss, m = loss_fn(algo, logprob, old, mb.advantages, mb.response_mask, **agg)
+            if algo.use_kl_loss and algo.kl_coef > 0:
+                kl, km = kl_loss(logprob, mb.ref_logprobs, mb.response_mask, estimator=algo.kl_estimator,
+                                 loss_agg_mode=algo.loss_agg_mode, **agg)
+                loss = loss + algo.kl_coef * kl
+                m.update(km)
+            ent = (entropy * mb.response_mask).sum() / agg["num_tokens"]
+            if algo.entropy_coeff > 0:
+                loss = loss - algo.entropy_coeff * ent
+            loss.backward()
+            # each micro-batch's loss is already a share of the global mean: sum the shares
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + v * mb.num_tokens / agg["num_tokens"]
+            sums["actor/entropy"] = sums.get("actor/entropy", 0.0) + float(ent.detach())
+            sums["actor/loss"] = sums.get("actor/loss", 0.0) + float(loss.detach())
+        grad_norm = self._reduce_and_clip()
+        sums["actor/grad_norm"] = grad_norm
+        sums["actor/lr"] = self.scheduler.get_last_lr()[0]
+        if not math.isfinite(grad_norm) or not math.isfinite(sums["actor/loss"]):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nonfinite_in_a_row += 1
+            sums["actor/nonfinite_skipped"] = 1.0
+            if self.nonfinite_in_a_row >= cfg.max_nonfinite_steps:
+                raise NonFiniteUpdate(
+                    f"{self.nonfinite_in_a_row} updates in a row had a NaN/inf loss or gradient "
+                    f"(each was skipped); stopping. Lower actor.lr, enable actor.grad_clip, or "
+                    f"check the rewards. Last loss={sums['actor/loss']}, grad_norm={grad_norm}"
+                )
+        else:
+            self.nonfinite_in_a_row = 0
+            sums["actor/nonfinite_skipped"] = 0.0
+            self.optimizer.step()
+        self.scheduler.step()
+        return sums
+
+    def _reduce_and_clip(self) -> float:
+        params = list(self.model.parameters())
+        for p in params:  # a rank with no samples this step still joins the all-reduce
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.world_size > 1:  # sum of shares = the global loss's gradient
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat)
+            offset = 0
+            for p in params:
+                n = p.grad.numel()
+                p.grad.copy_(flat[offset: offset + n].view_as(p.grad))
+                offset += n
+        max_norm = self.cfg.actor.grad_clip or float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    # --- weights ------------------------------------------------------------------------------
+    def sync_weights(self) -> int:
+        """Copy the updated policy into the colocated engine; returns the new version."""
+        self.version += 1
+        with torch.no_grad():
+            self.engine.update_weights(dict(self.model.named_parameters()), self.version)
+        return self.version
+
+    def ping(self) -> int:
+        return self.rank
+
+    def shutdown(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
