@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from polyrl.algorithms import POLICY_LOSSES, kl_loss
+from polyrl.algorithms import actor_loss
 from polyrl.platform import get_platform
 from polyrl.rollout.base import SamplingParams
 from polyrl.rollout.factory import build_colocated_engine
@@ -26,6 +26,13 @@ from polyrl.workers.model_loading import load_causal_lm, load_tokenizer
 from polyrl.workers.optim import build_optimizer
 
 logger = logging.getLogger(__name__)
+
+
+SHARE_METRICS = frozenset({"actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy"})
+"""Metrics that are a micro-batch's share of a global mean: summed over micro-batches and ranks."""
+LOCAL_METRICS = frozenset({"actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl",
+                           "actor/ratio_mean"})
+"""Per-token means of one micro-batch: weighted by tokens, averaged over ranks."""
 
 
 class NonFiniteUpdate(RuntimeError):
@@ -131,7 +138,6 @@ class PolicyWorker:
     def update(self, samples: list[Sample], num_mini_batches: int, use_rollout_logprobs: bool) -> dict:
         """PPO epochs over `samples` split into `num_mini_batches` optimizer steps."""
         cfg, algo = self.cfg.actor, self.cfg.algorithm
-        loss_fn = POLICY_LOSSES.get(algo.policy_loss)
         single_step = num_mini_batches == 1 and cfg.ppo_epochs == 1
         if not single_step and not use_rollout_logprobs:
             for s, lp in zip(samples, self.logprobs(samples, which="current")):
@@ -143,7 +149,7 @@ class PolicyWorker:
             for chunk in split_evenly(list(range(len(samples))), num_mini_batches):
                 mini = [samples[i] for i in chunk]
                 tokens += sum(s.length for s in mini)
-                step_metrics = self._optimizer_step(mini, loss_fn, single_step and not use_rollout_logprobs)
+                step_metrics = self._optimizer_step(mini, single_step and not use_rollout_logprobs)
                 for k, v in step_metrics.items():
                     metrics.setdefault(k, []).append(v)
         out = {k: sum(v) / len(v) for k, v in metrics.items()}
@@ -157,12 +163,13 @@ class PolicyWorker:
             dist.all_reduce(t)
         return t.tolist()
 
-    def _optimizer_step(self, samples: list[Sample], loss_fn, detach_as_old: bool) -> dict[str, float]:
+    def _optimizer_step(self, samples: list[Sample], detach_as_old: bool) -> dict[str, float]:
         cfg, algo = self.cfg.actor, self.cfg.algorithm
         num_tokens, num_seqs = self._global(sum(len(s.response_ids) for s in samples), len(samples))
         agg = {"num_tokens": max(num_tokens, 1.0), "num_seqs": max(num_seqs, 1.0)}
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
+        # the same keys on every rank, even one without samples, so the all-reduce lines up
+        sums: dict[str, float] = dict.fromkeys(SHARE_METRICS | LOCAL_METRICS, 0.0)
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                   enabled=cfg.compute_dtype == "bfloat16")
         for idx in plan_micro_batches(samples, cfg.micro_batch_tokens):
@@ -171,21 +178,20 @@ class PolicyWorker:
                 logprob, entropy = response_logprobs(self.model, mb, with_entropy=True,
                                                      entropy_grad=algo.entropy_coeff > 0)
             old = logprob.detach() if detach_as_old else mb.old_logprobs
-            loss, m = loss_fn(algo, logprob, old, mb.advantages, mb.response_mask, **agg)
-            if algo.use_kl_loss and algo.kl_coef > 0:
-                kl, km = kl_loss(logprob, mb.ref_logprobs, mb.response_mask, estimator=algo.kl_estimator,
-                                 loss_agg_mode=algo.loss_agg_mode, **agg)
-                loss = loss + algo.kl_coef * kl
-                m.update(km)
-            ent = (entropy * mb.response_mask).sum() / agg["num_tokens"]
-            if algo.entropy_coeff > 0:
-                loss = loss - algo.entropy_coeff * ent
+            loss, m = actor_loss(algo, logprob, old, mb.advantages, mb.response_mask,
+                                 ref_logprob=mb.ref_logprobs, entropy=entropy, **agg)
             loss.backward()
-            # each micro-batch's loss is already a share of the global mean: sum the shares
+            weight = mb.num_tokens / agg["num_tokens"]
             for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + v * mb.num_tokens / agg["num_tokens"]
-            sums["actor/entropy"] = sums.get("actor/entropy", 0.0) + float(ent.detach())
-            sums["actor/loss"] = sums.get("actor/loss", 0.0) + float(loss.detach())
+                if k not in sums and self.world_size > 1:
+                    continue  # a key only some ranks may have cannot be all-reduced
+                # losses are already this micro-batch's share of the global mean; per-token
+                # statistics (clip fraction, ratio) are local means: weight them by tokens
+                sums[k] = sums.get(k, 0.0) + (v if k in SHARE_METRICS else v * weight)
+        if self.world_size > 1:  # shares add up across ranks; local means are averaged
+            keys = sorted(sums)
+            totals = self._global(*(sums[k] for k in keys))
+            sums = {k: t if k in SHARE_METRICS else t / self.world_size for k, t in zip(keys, totals)}
         grad_norm = self._reduce_and_clip()
         sums["actor/grad_norm"] = grad_norm
         sums["actor/lr"] = self.scheduler.get_last_lr()[0]
