@@ -72,8 +72,9 @@ def choose_platform(name: str | None, capability: str | None = None) -> Platform
 
 def fail(message: str) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
-    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     return 2
 
 

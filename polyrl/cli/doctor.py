@@ -117,13 +117,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     console = Console()
     style = {"ok": "green", "info": "cyan", "warn": "yellow", "error": "bold red"}
     cfg = load_job_config(args)
     findings = collect(backend=cfg.rollout.backend, placement=cfg.rollout.placement)
     for f in findings:
-        console.print(f"[{style[f.level]}]{f.level:>5}[/] {f.topic}: {f.message}", highlight=False)
+        console.print(f"[{style[f.level]}]{f.level:>5}[/] {escape(f.topic)}: {escape(f.message)}", highlight=False)
     errors = sum(f.level == "error" for f in findings)
     warns = sum(f.level == "warn" for f in findings)
     console.print(f"{errors} error(s), {warns} warning(s)")
