@@ -18,13 +18,14 @@ class CLIError(Exception):
 
 def setup_logging(verbose: bool = False) -> None:
     """Configured once, at CLI start (never at import)."""
+    from rich.console import Console
     from rich.logging import RichHandler
 
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(message)s",
         datefmt="[%X]",
-        handlers=[RichHandler(show_path=False, rich_tracebacks=False)],
+        handlers=[RichHandler(console=Console(stderr=True), show_path=False, rich_tracebacks=False)],
     )
     for noisy in ("httpx", "urllib3", "filelock", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -50,18 +50,23 @@ def train(cfg) -> int:
     from polyrl.data import DataFileError
     from polyrl.rewards import UnknownDataSourceError
     from polyrl.rollout.factory import EngineUnavailable
+    from polyrl.trainer.checkpoint import CheckpointError
+    from polyrl.trainer.interrupts import TrainingInterrupted
     from polyrl.trainer.loop import Trainer, TrainingError
     from polyrl.workers.model_loading import ModelLoadError
     from polyrl.workers.policy import NonFiniteUpdate
 
     try:
         summary = Trainer(cfg).fit()
+    except TrainingInterrupted as exc:
+        logger.error("%s", exc)
+        return exc.exit_code
     except (DataFileError, UnknownDataSourceError, EngineUnavailable, TrainingError,
-            ModelLoadError, NonFiniteUpdate, FileNotFoundError) as exc:
+            ModelLoadError, NonFiniteUpdate, FileNotFoundError, CheckpointError) as exc:
         raise CLIError(str(exc)) from None
     except Exception as exc:  # errors raised inside Ray actors arrive wrapped
         cause = getattr(exc, "cause", None)
-        if isinstance(cause, (ModelLoadError, NonFiniteUpdate, EngineUnavailable)):
+        if isinstance(cause, (ModelLoadError, NonFiniteUpdate, EngineUnavailable, OSError)):
             raise CLIError(str(cause)) from None
         raise
     before, after = summary["initial_accuracy"], summary["final_accuracy"]

@@ -46,6 +46,17 @@ class TrainerConfig(Config):
     """Write metrics every this many steps."""
     progress_bar: bool = True
     """Show a live progress bar on the console."""
+    save_every: int = Field(0, ge=0)
+    """Write a checkpoint every this many steps (0: only at the end, if save_at_end)."""
+    save_at_end: bool = True
+    """Write a checkpoint after the last step."""
+    save_on_interrupt: bool = True
+    """On Ctrl-C / SIGTERM, finish the current step and write a checkpoint before exiting."""
+    keep_last: int = Field(2, ge=1)
+    """Complete checkpoints to keep; older ones are deleted."""
+    resume: str = "auto"
+    """auto: continue from the latest complete checkpoint in output_dir (if any); off: start
+    fresh; or the path of a checkpoints/step_* directory."""
 
 
 class JobConfig(Config):

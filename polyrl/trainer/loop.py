@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
 from polyrl.algorithms import compute_advantages, kl_penalized_rewards
 from polyrl.builtin import resolve
@@ -26,13 +27,35 @@ from polyrl.distributed.ray_launch import init_ray
 from polyrl.platform import get_platform
 from polyrl.rewards import RewardManager, RewardRequest
 from polyrl.rollout.factory import require_backend
+from polyrl.trainer.checkpoint import (
+    CheckpointError,
+    CheckpointWriter,
+    capture_rng,
+    check_compatible,
+    check_writable,
+    complete_checkpoints,
+    find_resume_point,
+    restore_rng,
+    step_dir,
+)
 from polyrl.trainer.config import JobConfig
+from polyrl.trainer.interrupts import TrainingInterrupted, stop_on_signals
 from polyrl.trainer.metrics import MetricsWriter, PhaseTimer
 from polyrl.trainer.worker_group import PolicyGroup
 from polyrl.workers.batch import Sample
 from polyrl.workers.model_loading import load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+def truncate_metrics(output_dir: Path, after_step: int) -> None:
+    """Drop metric lines of steps a resumed run will redo (written after the checkpoint)."""
+    path = output_dir / "metrics.jsonl"
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text().splitlines()
+             if line.strip() and json.loads(line)["step"] <= after_step]
+    path.write_text("".join(line + "\n" for line in lines))
 
 
 class TrainingError(RuntimeError):
@@ -44,6 +67,8 @@ class Trainer:
         self.cfg = cfg
         self.out = cfg.output_path
         self.timer = PhaseTimer()
+        self.started_ray = False
+        self.start_time = time.perf_counter()
 
     # --- set-up -------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -53,7 +78,7 @@ class Trainer:
                 f"trainer.mode={cfg.trainer.mode} with rollout.placement={cfg.rollout.placement} "
                 "is not available in this polyrl version; use trainer.mode=sync rollout.placement=hybrid")
         require_backend(cfg.rollout.backend)
-        self.out.mkdir(parents=True, exist_ok=True)
+        check_writable(self.out, need_bytes=0)
         (self.out / "config.yaml").write_text(to_yaml(cfg))
         random.seed(cfg.trainer.seed)
         np.random.seed(cfg.trainer.seed)
@@ -78,11 +103,17 @@ class Trainer:
             self.cfg = cfg
 
         self.platform = get_platform(cfg.platform)
+        import ray
+
+        self.started_ray = not ray.is_initialized()
         init_ray(self.platform, address=cfg.ray.address, num_cpus=cfg.ray.num_cpus,
                  namespace=cfg.ray.namespace, config_env=cfg.env, backend=cfg.rollout.backend,
                  placement=cfg.rollout.placement, mode=cfg.trainer.mode)
         self.policy = PolicyGroup(cfg, self.platform, self.total_steps)
         self.use_rollout_logprobs = self._use_rollout_logprobs()
+        self.checkpoints = CheckpointWriter(self.out, cfg.trainer.keep_last)
+        # model + tokenizer + two Adam moments, fp32, for each kept checkpoint plus the one in flight
+        check_writable(self.out, self.policy.num_params * 12 * (cfg.trainer.keep_last + 1))
         logger.info("policy: %s (%.2fM parameters) on %s, %d rank(s); %d steps of %d prompts x %d samples",
                     cfg.model.path, self.policy.num_params / 1e6, self.platform.describe(),
                     self.policy.world_size, self.total_steps, cfg.data.train_batch_size, cfg.rollout.n)
@@ -98,34 +129,57 @@ class Trainer:
     # --- the loop -----------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         start = time.perf_counter()
-        self.setup()
-        cfg = self.cfg
-        writer = MetricsWriter(self.out, self.total_steps, 0, cfg.trainer.progress_bar)
-        initial = final = None
         try:
-            if self.val_loader is not None and cfg.trainer.val_before_train:
+            self.setup()
+            with stop_on_signals() as stop:
+                return self._run(start, stop)
+        finally:
+            if hasattr(self, "policy"):
+                self.policy.shutdown()
+            if self.started_ray:
+                import ray
+
+                ray.shutdown()
+
+    def _run(self, start: float, stop) -> dict[str, Any]:
+        cfg = self.cfg
+        state = self.resume_or_start()
+        first = state["step"] + 1
+        writer = MetricsWriter(self.out, self.total_steps, state["step"], cfg.trainer.progress_bar)
+        initial, final = state.get("initial_val"), None
+        try:
+            if first == 1 and self.val_loader is not None and cfg.trainer.val_before_train:
                 initial = self.validate()
                 writer.log(0, initial)
-            for step in range(1, self.total_steps + 1):
+            for step in range(first, self.total_steps + 1):
                 metrics = self.train_step(step)
                 if self.val_loader is not None and cfg.trainer.val_every and step % cfg.trainer.val_every == 0:
                     metrics.update(self.validate())
                 if step % cfg.trainer.log_every == 0 or step == self.total_steps:
                     writer.log(step, metrics)
                 writer.progress(step, metrics)
+                last = step == self.total_steps
+                if stop.requested or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) \
+                        or (last and cfg.trainer.save_at_end):
+                    if not stop.requested or cfg.trainer.save_on_interrupt:
+                        self.save(step, initial)
+                if stop.requested and not last:
+                    where = (f"checkpoint {step_dir(self.out, step)}" if cfg.trainer.save_on_interrupt
+                             else "no checkpoint (trainer.save_on_interrupt=false)")
+                    raise TrainingInterrupted(
+                        f"stopped after step {step} of {self.total_steps}; wrote {where}. "
+                        f"Continue with the same command (trainer.resume=auto).", stop.exit_code)
             if self.val_loader is not None:
                 final = self._last_val(writer) or self.validate()
                 if not cfg.trainer.val_every or self.total_steps % cfg.trainer.val_every:
                     writer.log(self.total_steps, final)
         finally:
             writer.close()
-            if hasattr(self, "policy"):
-                self.policy.shutdown()
         summary = {
             "initial_accuracy": initial.get("val/acc") if initial else None,
             "final_accuracy": final.get("val/acc") if final else None,
             "steps": self.total_steps,
-            "wall_seconds": round(time.perf_counter() - start, 2),
+            "wall_seconds": round(time.perf_counter() - start + state.get("wall_seconds", 0.0), 2),
             "output_dir": str(self.out),
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -136,6 +190,41 @@ class Trainer:
         if every and self.total_steps % every == 0 and writer.last_val is not None:
             return {"val/acc": writer.last_val}
         return None
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def resume_or_start(self) -> dict[str, Any]:
+        resume_dir = find_resume_point(self.cfg.trainer.resume, self.out)
+        if resume_dir is None:
+            truncate_metrics(self.out, after_step=-1)
+            return {"step": 0}
+        saved_cfg = yaml.safe_load((resume_dir / "config.yaml").read_text())
+        changed = check_compatible(saved_cfg, self.cfg.model_dump(mode="json"))
+        if changed:
+            logger.info("resuming with changed settings (allowed): %s", ", ".join(changed))
+        state = torch.load(resume_dir / "driver.pt", weights_only=False)
+        self.train_loader.load_state_dict(state["data"])
+        restore_rng(state["rng"])
+        self.policy.call("load_checkpoint", str(resume_dir), phase="resume")
+        truncate_metrics(self.out, after_step=state["step"])
+        logger.info("resumed from %s (step %d)", resume_dir, state["step"])
+        return state
+
+    def save(self, step: int, initial_val: dict | None) -> None:
+        tmp = self.checkpoints.begin(step)
+        try:
+            self.policy.call("save_checkpoint", str(tmp), phase="checkpoint")
+            driver = {"step": step, "data": self.train_loader.state_dict(), "rng": capture_rng(),
+                      "initial_val": initial_val,
+                      "wall_seconds": time.perf_counter() - self.start_time}
+            path = self.checkpoints.commit(tmp, step, driver, self.cfg.model_dump(mode="json"))
+        except OSError as exc:
+            self.checkpoints.abort(tmp)
+            kept = complete_checkpoints(self.out)
+            raise CheckpointError(
+                f"could not write the checkpoint of step {step} ({exc}); "
+                f"{'the previous checkpoint ' + str(kept[-1]) + ' is intact' if kept else 'no earlier checkpoint exists'}"
+            ) from None
+        logger.debug("checkpoint written: %s", path)
 
     def train_step(self, step: int) -> dict[str, Any]:
         cfg, timer = self.cfg, self.timer

@@ -11,6 +11,7 @@ import logging
 import math
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -235,6 +236,39 @@ class PolicyWorker:
         with torch.no_grad():
             self.engine.update_weights(dict(self.model.named_parameters()), self.version)
         return self.version
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def save_checkpoint(self, directory: str) -> None:
+        """Rank 0 writes the policy in Hugging Face format; every rank its optimizer and RNG."""
+        d = Path(directory)
+        if self.rank == 0:
+            self.model.save_pretrained(str(d / "policy"), safe_serialization=True)
+            self.tokenizer.save_pretrained(str(d / "policy"))
+        torch.save({
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "version": self.version,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+        }, d / f"rank{self.rank}.pt")
+
+    def load_checkpoint(self, directory: str) -> int:
+        d = Path(directory)
+        saved = load_causal_lm(str(d / "policy"), self.cfg.actor.param_dtype, self.cfg.model.trust_remote_code)
+        self.model.load_state_dict(saved.state_dict())
+        del saved
+        state = torch.load(d / f"rank{self.rank}.pt", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
+        self.version = state["version"]
+        with torch.no_grad():
+            self.engine.update_weights(dict(self.model.named_parameters()), self.version)
+        return self.version
+
+    def peak_memory_bytes(self) -> int:
+        return self.platform.peak_memory_bytes()
 
     def ping(self) -> int:
         return self.rank

@@ -1,0 +1,71 @@
+"""`polyrl serve`: an OpenAI-compatible HTTP server over the built-in engine, in this process.
+
+    polyrl serve                                  # the bundled tiny model on 127.0.0.1:8000
+    polyrl serve --model ~/models/Qwen3-0.6B --port 9000 --dtype bfloat16
+
+Then point any OpenAI client at the printed URL (`OpenAI(base_url=URL, api_key="x")`).
+Ctrl-C stops it cleanly. Endpoints: docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from polyrl.cli.common import CLIError, choose_platform
+
+DEFAULT_MODEL = "builtin:tiny-arith"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API "
+                       "(default: the bundled tiny model, on CPU)",
+                       description="Start a standalone rollout server with the built-in engine: "
+                       "/v1/completions, /v1/chat/completions (streaming too), /v1/models, /health.")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"local Hugging Face model directory or builtin:NAME (default {DEFAULT_MODEL})")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="weight and activation dtype (default float32)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + completion in tokens (default: the model's, capped at 4096)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded together (default 256)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the model directory's name)")
+    p.add_argument("--seed", type=int, default=0, help="seed for requests that carry none")
+    p.add_argument("--platform", default=None, help="cpu, cuda, rocm, npu (default: detect)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from polyrl.builtin import resolve
+    from polyrl.rollout.base import ROLLOUT_ENGINES
+    from polyrl.rollout.server.app import build_app
+    from polyrl.rollout.server.http import HTTPServer
+
+    try:
+        path = resolve(args.model)
+    except FileNotFoundError as exc:
+        raise CLIError(str(exc)) from None
+    name = args.served_model_name or os.path.basename(os.path.normpath(path))
+    platform = choose_platform(args.platform)
+    try:
+        engine = ROLLOUT_ENGINES.get("native")(
+            path, dtype=args.dtype, device=platform.torch_device(0), max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs, seed=args.seed)
+    except (FileNotFoundError, ValueError) as exc:
+        raise CLIError(f"--model {args.model}: {exc}") from None
+    try:
+        server = HTTPServer(build_app(engine, name, aliases=(args.model, path)), args.host, args.port,
+                            log_level="info" if args.verbose else "warning")
+    except OSError as exc:
+        raise CLIError(str(exc)) from None
+    print(f"serving '{name}' ({platform.name}, max_model_len {engine.max_model_len}) at "
+          f"{server.url}/v1 — OpenAI-compatible; Ctrl-C to stop", flush=True)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the signal
+        pass
+    print("server stopped", flush=True)
+    return 0

@@ -1,0 +1,285 @@
+"""NativeEngine: polyrl's built-in pure-PyTorch rollout engine (registered as "native").
+
+It runs anywhere torch runs (the CPU default, or any device handed in), loads a local Hugging Face
+decoder directory, and serves concurrent requests with continuous batching. Two front doors share
+one `Scheduler`: `await generate(...)` for servers (an asyncio loop steps the scheduler in a worker
+thread so the event loop stays responsive) and `generate_batch(...)` for a trainer thread or Ray
+actor method (steps the scheduler to completion, no event loop needed).
+
+    engine = NativeEngine("/path/to/Qwen3-0.6B", dtype="bfloat16")
+    outs = engine.generate_batch([[1, 2, 3]], SamplingParams(n=4, max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from polyrl.rollout.base import SamplingParams, TokenOutput, WeightUpdateError
+from polyrl.rollout.native.kv_cache import KVCache
+from polyrl.rollout.native.loader import (
+    eos_token_ids,
+    load_config,
+    read_state_dict,
+    resolve_model_dir,
+    spec_from_config,
+)
+from polyrl.rollout.native.model import DecoderModel
+from polyrl.rollout.native.scheduler import Request, Scheduler
+from polyrl.rollout.native.weights import ModelWeights
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} unsupported; choose one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+class NativeEngine:
+    """Implements `polyrl.rollout.base.RolloutEngine`.
+
+    Args:
+        model_path: local HF directory (config.json, *.safetensors, tokenizer files).
+        dtype: "float32" | "bfloat16" | "float16" (or a torch.dtype) for weights and KV cache.
+        device: where weights, cache and compute live; the platform layer chooses it.
+        max_model_len: prompt + generated tokens per sequence (default: the model's
+            max_position_embeddings, capped at 4096). The KV cache grows lazily up to it.
+        max_num_seqs: live sequences per decode step (n samples of a prompt count n each).
+        max_prefill_tokens: padded prompt tokens admitted into one prefill batch.
+        tokenizer: True loads it from model_path (needed for stop strings and `text`); False
+            skips it; a tokenizer object is used as is.
+        seed: seeds requests that carry no seed of their own.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: str | torch.dtype = "float32",
+        device: torch.device | str = "cpu",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_prefill_tokens: int = 8192,
+        tokenizer: bool | Any = True,
+        seed: int = 0,
+    ):
+        model_dir = resolve_model_dir(model_path)
+        config = load_config(model_dir)
+        spec_from_config(config)  # refuse unsupported architectures before reading weights
+        if tokenizer is True:
+            tokenizer = _load_tokenizer(model_dir)
+        self._setup(config, read_state_dict(model_dir), tokenizer or None, model_dir,
+                    dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                    max_prefill_tokens=max_prefill_tokens, seed=seed)
+
+    @classmethod
+    def from_model(
+        cls,
+        model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
+        config: Any = None,
+        *,
+        tokenizer: Any = None,
+        **kwargs,
+    ) -> "NativeEngine":
+        """Build from an in-memory HF model (e.g. the trainer's policy) or an HF-named state dict.
+
+        Weights are copied into the engine's fused layout; later syncs go through update_weights.
+        """
+        if isinstance(model_or_state_dict, torch.nn.Module):
+            config = config if config is not None else model_or_state_dict.config
+            state = model_or_state_dict.state_dict()
+        else:
+            state = model_or_state_dict
+        if config is None:
+            raise ValueError("from_model: pass the model's HF config when giving a state dict")
+        engine = cls.__new__(cls)
+        engine._setup(config, state, tokenizer, None, **kwargs)
+        return engine
+
+    def _setup(self, config, state, tokenizer, model_dir, *, dtype="float32", device="cpu",
+               max_model_len=None, max_num_seqs=256, max_prefill_tokens=8192, seed=0) -> None:
+        self.spec = spec_from_config(config)
+        self.dtype, self.device = _resolve_dtype(dtype), torch.device(device)
+        limit = self.spec.max_position_embeddings
+        self.max_model_len = max_model_len or min(limit, 4096)
+        if not 1 < self.max_model_len <= limit:
+            raise ValueError(f"max_model_len={self.max_model_len} must be in [2, {limit}] "
+                             f"(the model's max_position_embeddings)")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
+        self.tokenizer = tokenizer
+        self._weights = ModelWeights.from_state_dict(self.spec, state, self.dtype, self.device)
+        model = DecoderModel(self.spec, self._weights, max_len=self.max_model_len, dtype=self.dtype, device=self.device)
+        cache = KVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim,
+                        max_slots=max_num_seqs, max_len=self.max_model_len, dtype=self.dtype, device=self.device)
+        self._sched = Scheduler(
+            model, cache, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+            max_prefill_tokens=max(max_prefill_tokens, self.max_model_len),
+            eos_token_ids=eos_token_ids(model_dir, config, tokenizer), tokenizer=tokenizer, seed=seed,
+        )
+        self._lock = threading.Lock()  # one scheduler step / weight update / control op at a time
+        self._sleeping = False
+        self._loop_task: asyncio.Task | None = None
+
+    # -- generation -----------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._sched.weight_version
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._sched.eos_token_ids
+
+    @property
+    def stats(self) -> dict:
+        """Counters since start: prefill calls/tokens/seconds, decode steps/tokens/seconds."""
+        return dict(self._sched.stats)
+
+    async def generate(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> list[TokenOutput]:
+        prompt = self._sched.check(prompt_ids, sampling)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        req = Request(request_id or uuid.uuid4().hex, prompt, sampling,
+                      on_done=lambda r: loop.call_soon_threadsafe(_resolve, fut, r))
+        with self._lock:
+            self._sched.add(req)
+        if self._loop_task is None or self._loop_task.done() or self._loop_task.get_loop() is not loop:
+            self._loop_task = loop.create_task(self._serve())
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            with self._lock:
+                self._sched.cancel(req)
+            raise
+
+    async def _serve(self) -> None:
+        """Step while there is work; steps run in a worker thread so new requests can arrive."""
+        while self._sched.has_work():
+            if self._sleeping:
+                await asyncio.sleep(0.01)
+                continue
+            await asyncio.to_thread(self._step)
+
+    def _step(self) -> None:
+        with self._lock:
+            finished = [] if self._sleeping else self._sched.step()
+        for req in finished:
+            _notify(req)
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams],
+        request_ids: Sequence[str] | None = None,
+    ) -> list[list[TokenOutput]]:
+        """Synchronous: run the scheduler until every prompt's n samples are done.
+
+        Every prompt is validated before any is queued, so a bad one rejects the whole call.
+        """
+        samplings = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        if len(samplings) != len(prompts):
+            raise ValueError(f"{len(samplings)} sampling params for {len(prompts)} prompts")
+        checked = [self._sched.check(p, s) for p, s in zip(prompts, samplings)]
+        ids = list(request_ids) if request_ids is not None else [uuid.uuid4().hex for _ in prompts]
+        reqs = [Request(i, p, s) for i, p, s in zip(ids, checked, samplings)]
+        with self._lock:
+            if self._sleeping:
+                raise RuntimeError("engine is sleeping; call wake_up() before generate_batch()")
+            for req in reqs:
+                self._sched.add(req)
+        while not all(r.done for r in reqs):
+            if self._sleeping:
+                raise RuntimeError("engine was put to sleep during generate_batch()")
+            self._step()
+        for r in reqs:
+            if r.error is not None:
+                raise r.error
+        return [r.outputs for r in reqs]
+
+    # -- control --------------------------------------------------------------------------------
+
+    def update_weights(
+        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        """All or nothing: every name and shape is checked before the first byte is written."""
+        named = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        if not isinstance(version, int):
+            raise WeightUpdateError(f"version must be an int, got {type(version).__name__}")
+        with self._lock, torch.inference_mode():
+            plan = self._weights.validate(named)
+            self._weights.apply(plan)
+            self._sched.set_weight_version(version)
+
+    def sleep(self) -> None:
+        """Free the KV cache. Queued async requests wait for wake_up()."""
+        with self._lock:
+            if self._sched.running:
+                raise RuntimeError(
+                    f"cannot sleep with {len(self._sched.running)} running sequences; "
+                    f"let them finish or call abort_all() first")
+            self._sched.cache.release()
+            self._sleeping = True
+
+    def wake_up(self) -> None:
+        with self._lock, torch.inference_mode():
+            self._sched.cache.restore()
+            self._sleeping = False
+
+    def abort_all(self) -> int:
+        with self._lock, torch.inference_mode():
+            reqs = self._sched.abort_all()
+        for req in reqs:
+            _notify(req)
+        return len(reqs)
+
+    def health(self) -> dict:
+        return {
+            "ok": True,
+            "weight_version": self.weight_version,
+            "running": len(self._sched.running),
+            "waiting": len(self._sched.waiting),
+            "sleeping": self._sleeping,
+            "kv_cache_bytes": self._sched.cache.nbytes,
+        }
+
+
+def _notify(req: Request) -> None:
+    if req.on_done is not None:
+        req.on_done(req)
+
+
+def _resolve(fut: asyncio.Future, req: Request) -> None:
+    if fut.done():
+        return
+    if req.error is not None:
+        fut.set_exception(req.error)
+    else:
+        fut.set_result(req.outputs)
+
+
+def _load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"native engine: could not load a tokenizer from '{model_dir}' ({exc}); "
+            f"pass tokenizer=False to run without one (no stop strings, no text)"
+        ) from exc

@@ -1,0 +1,117 @@
+"""The lean decoder forward: Llama / Qwen2 / Qwen3 in plain torch ops over fused weights.
+
+Numerics follow the Hugging Face reference (RMSNorm, RoPE tables in float32, softmax in float32)
+so the logprobs a trainer recomputes match what the engine sampled from. Speed comes from issuing
+few, large ops: fused qkv and gate/up matmuls, q and k normed and rotated together, one shared
+attention mask per step, and logits only for the positions that are sampled.
+
+Shapes: P prompts padded to T tokens in prefill; B live sequences in decode (slots 0..B-1);
+H hidden, nh / nkv query / key-value heads, hd head dim, L attended length.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from polyrl.rollout.native.kv_cache import KVCache
+from polyrl.rollout.native.loader import ModelSpec, rope_tables
+from polyrl.rollout.native.weights import LayerWeights, ModelWeights
+
+_ACTS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class DecoderModel:
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, *, max_len: int, dtype, device):
+        self.spec, self.w = spec, weights
+        self.cos, self.sin = rope_tables(spec, max_len, dtype, device)
+        self.act = _ACTS[spec.hidden_act]
+        self.scale = spec.head_dim**-0.5
+        self.device = device
+
+    # -- shared pieces --------------------------------------------------------------------------
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.spec.rms_norm_eps)
+
+    def _qkv(self, h: torch.Tensor, lw: LayerWeights, cos: torch.Tensor, sin: torch.Tensor):
+        """[..., H] -> q [..., nh, hd], k and v [..., nkv, hd] with qk-norm and RoPE applied."""
+        s = self.spec
+        qkv = F.linear(h, lw.qkv, lw.qkv_bias)
+        qk = qkv[..., : s.q_size + s.kv_size].unflatten(-1, (s.num_heads + s.num_kv_heads, s.head_dim))
+        v = qkv[..., s.q_size + s.kv_size :].unflatten(-1, (s.num_kv_heads, s.head_dim))
+        if lw.qk_norm is not None:  # Qwen3: RMSNorm over each head's vector, before RoPE
+            qk = F.rms_norm(qk, (s.head_dim,), None, s.rms_norm_eps) * lw.qk_norm
+        # rotate_half(x) * sin == roll(x, hd/2) * sin_signed (see loader.rope_tables)
+        qk = qk * cos + qk.roll(s.head_dim // 2, -1) * sin
+        return qk[..., : s.num_heads, :], qk[..., s.num_heads :, :], v
+
+    def _mlp(self, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+        gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, lw.down, lw.down_bias)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._norm(x, self.w.final_norm), self.w.lm_head).float()
+
+    # -- prefill --------------------------------------------------------------------------------
+
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache: KVCache):
+        """Right-padded prompts [P, T] -> float32 logits [P, V] at each prompt's last token.
+
+        Right padding needs no mask: with a causal mask a real token never sees a later pad.
+        The pads' K/V land beyond each prompt's length and are overwritten by decode.
+        """
+        s = self.spec
+        P, T = tokens.shape
+        cos, sin = self.cos[:T, None, :], self.sin[:T, None, :]
+        x = F.embedding(tokens, self.w.embed)  # [P, T, H]
+        for i, lw in enumerate(self.w.layers):
+            q, k, v = self._qkv(self._norm(x, lw.input_norm), lw, cos, sin)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [P, heads, T, hd]
+            cache.k[i, slots, :, :T] = k
+            cache.v[i, slots, :, :T] = v
+            attn = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=s.num_heads != s.num_kv_heads
+            )
+            x = x + F.linear(attn.transpose(1, 2).flatten(2), lw.o, lw.o_bias)
+            x = x + self._mlp(self._norm(x, lw.post_norm), lw)
+        last = x[torch.arange(P, device=x.device), lengths - 1]
+        return self._logits(last)
+
+    # -- decode ---------------------------------------------------------------------------------
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, attend_len: int):
+        """One new token per live sequence: tokens, positions [B] -> float32 logits [B, V].
+
+        Sequence b lives in cache slot b; its token is written at `positions[b]` and it attends
+        to positions <= positions[b]. `attend_len` = max(positions) + 1.
+        """
+        s = self.spec
+        B, L = tokens.shape[0], attend_len
+        g = s.num_heads // s.num_kv_heads
+        rows = torch.arange(B, device=tokens.device)
+        cos, sin = self.cos[positions, None, :], self.sin[positions, None, :]
+        # One additive mask for all layers: 0 where visible, -inf past each sequence's end.
+        visible = torch.arange(L, device=tokens.device)[None, :] <= positions[:, None]
+        bias = torch.zeros(B, 1, 1, L, dtype=torch.float32, device=tokens.device)
+        bias.masked_fill_(~visible[:, None, None, :], float("-inf"))
+        x = F.embedding(tokens, self.w.embed)  # [B, H]
+        for i, lw in enumerate(self.w.layers):
+            q, k, v = self._qkv(self._norm(x, lw.input_norm), lw, cos, sin)
+            cache.k[i, rows, :, positions] = k
+            cache.v[i, rows, :, positions] = v
+            keys, values = cache.k[i, :B, :, :L], cache.v[i, :B, :, :L]  # [B, nkv, L, hd]
+            # GQA without repeating K/V: group the query heads that share a kv head.
+            scores = torch.matmul(q.unflatten(1, (s.num_kv_heads, g)), keys.transpose(-1, -2))
+            probs = torch.softmax(scores.float() * self.scale + bias, dim=-1).to(values.dtype)
+            attn = torch.matmul(probs, values)  # [B, nkv, g, hd]
+            x = x + F.linear(attn.flatten(1), lw.o, lw.o_bias)
+            x = x + self._mlp(self._norm(x, lw.post_norm), lw)
+        return self._logits(x)

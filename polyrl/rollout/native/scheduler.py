@@ -1,0 +1,302 @@
+"""The continuous-batching core shared by the async and the synchronous engine APIs.
+
+`step()` is one scheduler iteration: admit waiting requests that fit (one prefill per prompt, its
+KV copied to the n sample slots), then one decode step over *every* live sequence, then retire
+finished sequences. Requests join and leave between steps. `step()` holds no lock and never
+raises: a failure fails the affected requests and the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence as Seq
+
+import torch
+
+from polyrl.rollout.base import RolloutInputError, SamplingParams, TokenOutput
+from polyrl.rollout.native.kv_cache import KVCache
+from polyrl.rollout.native.model import DecoderModel
+from polyrl.rollout.native.sampling import RowParams, sample
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    on_done: Callable[["Request"], None] | None = None
+    seqs: list["Sequence"] = field(default_factory=list)
+    outputs: list[TokenOutput] | None = None
+    error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.outputs is not None or self.error is not None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One of a request's n samples. Its last token is not yet in the KV cache (decode's input)."""
+
+    request: Request
+    row: RowParams
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    stop_reason: str | None = None
+    text: str | None = None
+    min_version: int = 0
+    max_version: int = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.request.prompt) + len(self.tokens)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        model: DecoderModel,
+        cache: KVCache,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_prefill_tokens: int,
+        eos_token_ids: frozenset[int],
+        tokenizer: Any,
+        seed: int,
+    ):
+        self.model, self.cache = model, cache
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.max_prefill_tokens = max_prefill_tokens
+        self.eos_token_ids, self.tokenizer = eos_token_ids, tokenizer
+        self._rng = random.Random(seed)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Sequence] = []  # running[i] lives in cache slot i
+        self.weight_version = 0
+        self.stats = dict(prefill_calls=0, prefill_tokens=0, prefill_s=0.0,
+                          decode_steps=0, decode_tokens=0, decode_s=0.0)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def check(self, prompt_ids: Seq[int], sampling: SamplingParams) -> list[int]:
+        """Validate a request up front so a bad one never reaches (and breaks) a batch."""
+        if not isinstance(sampling, SamplingParams):
+            raise RolloutInputError("sampling", f"expected SamplingParams, got {type(sampling).__name__}")
+        sampling.validate()
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = prompt_ids.flatten().tolist()
+        try:
+            prompt = [operator.index(t) for t in prompt_ids]
+        except TypeError:
+            raise RolloutInputError("prompt_ids", "must be a sequence of integer token ids") from None
+        if not prompt:
+            raise RolloutInputError("prompt_ids", "is empty; at least one token is needed")
+        if len(prompt) >= self.max_model_len:
+            raise RolloutInputError(
+                "prompt_ids", f"has {len(prompt)} tokens, the engine's max_model_len is "
+                f"{self.max_model_len} (the prompt plus at least one generated token must fit)")
+        vocab = self.model.spec.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RolloutInputError("prompt_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if sampling.n > self.max_num_seqs:
+            raise RolloutInputError("n", f"{sampling.n} exceeds the engine's max_num_seqs={self.max_num_seqs}")
+        if sampling.stop and self.tokenizer is None:
+            raise RolloutInputError("stop", "stop strings need an engine with a tokenizer")
+        return prompt
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _new_sequence(self, req: Request, index: int) -> Sequence:
+        sp = req.sampling
+        # A seeded request's sample i always gets the same stream, whatever else is running.
+        rng = random.Random(f"{sp.seed}/{index}") if sp.seed is not None else random.Random(self._rng.getrandbits(64))
+        row = RowParams(sp.temperature, sp.top_p, sp.top_k, sp.top_logprobs, rng)
+        v = self.weight_version
+        return Sequence(req, row, min_version=v, max_version=v)
+
+    # -- one iteration --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Admit + prefill, decode every live sequence once, retire. Returns completed requests."""
+        completed: list[Request] = []
+        admitted: list[Request] = []
+        try:
+            admitted = self._admit()
+            if admitted:
+                self._prefill(admitted)
+                completed += self._retire()
+            if self.running:
+                self._decode()
+                completed += self._retire()
+        except Exception as exc:  # fail what was in flight, keep serving the queue
+            failed = {s.request for s in self.running} | set(admitted)
+            self.running = []
+            for req in failed:
+                if not req.done:
+                    req.error = exc
+                    completed.append(req)
+        return completed
+
+    def _admit(self) -> list[Request]:
+        admitted, slots, longest = [], len(self.running), 0
+        while self.waiting:
+            req = self.waiting[0]
+            longest_if = max(longest, len(req.prompt))
+            if slots + req.sampling.n > self.max_num_seqs:
+                break
+            if admitted and longest_if * (len(admitted) + 1) > self.max_prefill_tokens:
+                break
+            admitted.append(self.waiting.popleft())
+            slots += req.sampling.n
+            longest = longest_if
+        return admitted
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        t0 = time.perf_counter()
+        device = self.model.device
+        T = max(len(r.prompt) for r in reqs)
+        tokens = torch.zeros(len(reqs), T, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            tokens[i, : len(r.prompt)] = torch.tensor(r.prompt)
+        lengths = torch.tensor([len(r.prompt) for r in reqs])
+        base = len(self.running)
+        firsts, new = [], []
+        for r in reqs:
+            r.seqs = [self._new_sequence(r, i) for i in range(r.sampling.n)]
+            firsts.append(base + len(new))
+            new += r.seqs
+        self.cache.reserve(base + len(new), T)
+        logits = self.model.prefill(tokens.to(device), lengths.to(device), torch.tensor(firsts, device=device), self.cache)
+        # The n samples share the prompt's prefill: copy its KV to their slots.
+        for r, first in zip(reqs, firsts):
+            for j in range(1, r.sampling.n):
+                self.cache.move(first, first + j, len(r.prompt))
+        owner = torch.tensor([i for i, r in enumerate(reqs) for _ in range(r.sampling.n)], device=device)
+        self.running += new
+        self._append(new, logits[owner])
+        self.stats["prefill_calls"] += 1
+        self.stats["prefill_tokens"] += int(lengths.sum())
+        self.stats["prefill_s"] += time.perf_counter() - t0
+
+    def _decode(self) -> None:
+        t0 = time.perf_counter()
+        device = self.model.device
+        live = self.running
+        positions = [s.length - 1 for s in live]
+        attend_len = max(positions) + 1
+        self.cache.reserve(len(live), attend_len)
+        logits = self.model.decode(
+            torch.tensor([s.tokens[-1] for s in live], device=device),
+            torch.tensor(positions, device=device),
+            self.cache,
+            attend_len,
+        )
+        self._append(live, logits)
+        self.stats["decode_steps"] += 1
+        self.stats["decode_tokens"] += len(live)
+        self.stats["decode_s"] += time.perf_counter() - t0
+
+    def _append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        tokens, logprobs, top = sample(logits, [s.row for s in seqs])
+        for b, s in enumerate(seqs):
+            s.tokens.append(tokens[b])
+            if s.request.sampling.logprobs:
+                s.logprobs.append(logprobs[b])
+            if top is not None and top[b] is not None:
+                s.top_logprobs.append(top[b])
+            s.stop_reason = self._stop_reason(s)
+
+    def _stop_reason(self, s: Sequence) -> str | None:
+        sp, tok = s.request.sampling, s.tokens[-1]
+        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids):
+            return "stop"
+        if sp.stop:
+            text = self.tokenizer.decode(s.tokens, skip_special_tokens=True)
+            hits = [i for i in (text.find(stop) for stop in sp.stop) if i >= 0]
+            if hits:
+                s.text = text[: min(hits)]
+                return "stop"
+        if len(s.tokens) >= sp.max_tokens or s.length >= self.max_model_len:
+            return "length"
+        return None
+
+    # -- leaving --------------------------------------------------------------------------------
+
+    def _retire(self) -> list[Request]:
+        """Drop finished sequences, refilling their slots from the tail so live slots stay 0..B-1."""
+        live = [s for s in self.running if s.stop_reason is None]
+        if len(live) == len(self.running):
+            return []
+        gone = [s for s in self.running if s.stop_reason is not None]
+        keep = len(live)
+        holes = [i for i, s in enumerate(self.running[:keep]) if s.stop_reason is not None]
+        movers = [i for i, s in enumerate(self.running[keep:], start=keep) if s.stop_reason is None]
+        for hole, src in zip(holes, movers):
+            self.cache.move(src, hole, self.running[src].length - 1)
+            self.running[hole] = self.running[src]
+        self.running = self.running[:keep]
+        return [r for r in dict.fromkeys(s.request for s in gone) if self._maybe_finish(r)]
+
+    def _maybe_finish(self, req: Request) -> bool:
+        if req.done or any(s.stop_reason is None for s in req.seqs):
+            return False
+        req.outputs = [self._output(s) for s in req.seqs]
+        return True
+
+    def _output(self, s: Sequence) -> TokenOutput:
+        text = s.text
+        if text is None and self.tokenizer is not None:
+            text = self.tokenizer.decode(s.tokens, skip_special_tokens=True)
+        return TokenOutput(
+            token_ids=list(s.tokens),
+            logprobs=list(s.logprobs),
+            stop_reason=s.stop_reason,
+            weight_version=self.weight_version,
+            top_logprobs=list(s.top_logprobs) if s.request.sampling.top_logprobs else None,
+            text=text,
+            prompt_tokens=len(s.request.prompt),
+            extra={"min_weight_version": s.min_version, "max_weight_version": s.max_version},
+        )
+
+    # -- control --------------------------------------------------------------------------------
+
+    def set_weight_version(self, version: int) -> None:
+        self.weight_version = version
+        for s in self.running:
+            s.min_version = min(s.min_version, version)
+            s.max_version = max(s.max_version, version)
+
+    @torch.inference_mode()
+    def cancel(self, req: Request) -> None:
+        """Drop one request (its caller went away); its sequences free their slots now."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+            return
+        for s in req.seqs:
+            if s.stop_reason is None:
+                s.stop_reason = "aborted"
+        self._retire()
+
+    def abort_all(self) -> list[Request]:
+        """Every queued or running request completes now with what it has, stop_reason="aborted"."""
+        reqs = list(dict.fromkeys(s.request for s in self.running)) + list(self.waiting)
+        self.running, self.waiting = [], deque()
+        for req in reqs:
+            if not req.seqs:
+                req.seqs = [self._new_sequence(req, i) for i in range(req.sampling.n)]
+            for s in req.seqs:
+                if s.stop_reason is None:
+                    s.stop_reason = "aborted"
+            req.outputs = [self._output(s) for s in req.seqs]
+        return reqs

@@ -1,0 +1,149 @@
+"""The engine's own weight layout, and the map from Hugging Face parameter names into it.
+
+q/k/v and gate/up are fused into one matrix each, so a decode step issues 4 matmuls per layer
+instead of 7: on a CPU the per-call overhead is a large share of a small model's step. Every HF
+name maps to a *view* of a fused tensor, so loading from disk and `update_weights` are the same
+copy, and an update never reallocates (views stay valid, nothing else needs to know).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from polyrl.rollout.base import WeightUpdateError
+from polyrl.rollout.native.loader import ModelSpec
+
+# Buffers some checkpoints carry that the engine recomputes itself.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # [num_heads + num_kv_heads, head_dim]: q_norm then k_norm rows
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+class ModelWeights:
+    """Fused parameters plus `targets`: HF name -> (view to copy into, expected shape)."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device):
+        self.spec = spec
+        H, V, I = spec.hidden_size, spec.vocab_size, spec.intermediate_size
+        q, kv, hd = spec.q_size, spec.kv_size, spec.head_dim
+
+        def new(*shape):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.targets: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
+        self.embed = new(V, H)
+        self.final_norm = new(H)
+        self.lm_head = self.embed if spec.tie_word_embeddings else new(V, H)
+        self._add("model.embed_tokens.weight", self.embed)
+        self._add("model.norm.weight", self.final_norm)
+        # A tied checkpoint may still list lm_head.weight; it lands in the shared embedding.
+        self._add("lm_head.weight", self.lm_head)
+
+        self.layers: list[LayerWeights] = []
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            lw = LayerWeights(
+                input_norm=new(H),
+                qkv=new(q + 2 * kv, H),
+                qkv_bias=new(q + 2 * kv) if spec.qkv_bias else None,
+                qk_norm=new(spec.num_heads + spec.num_kv_heads, hd) if spec.qk_norm else None,
+                o=new(H, q),
+                o_bias=new(H) if spec.o_bias else None,
+                post_norm=new(H),
+                gate_up=new(2 * I, H),
+                gate_up_bias=new(2 * I) if spec.mlp_bias else None,
+                down=new(H, I),
+                down_bias=new(H) if spec.mlp_bias else None,
+            )
+            self.layers.append(lw)
+            self._add(p + "input_layernorm.weight", lw.input_norm)
+            self._add(p + "post_attention_layernorm.weight", lw.post_norm)
+            att, mlp = p + "self_attn.", p + "mlp."
+            for name, lo, hi in (("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv)):
+                self._add(f"{att}{name}_proj.weight", lw.qkv[lo:hi])
+                if lw.qkv_bias is not None:
+                    self._add(f"{att}{name}_proj.bias", lw.qkv_bias[lo:hi])
+            self._add(att + "o_proj.weight", lw.o)
+            if lw.o_bias is not None:
+                self._add(att + "o_proj.bias", lw.o_bias)
+            if lw.qk_norm is not None:
+                # One per-head weight broadcast over all heads: copy_ broadcasts [hd] -> [heads, hd].
+                self._add(att + "q_norm.weight", lw.qk_norm[: spec.num_heads], (hd,))
+                self._add(att + "k_norm.weight", lw.qk_norm[spec.num_heads :], (hd,))
+            self._add(mlp + "gate_proj.weight", lw.gate_up[:I])
+            self._add(mlp + "up_proj.weight", lw.gate_up[I:])
+            self._add(mlp + "down_proj.weight", lw.down)
+            if lw.gate_up_bias is not None:
+                self._add(mlp + "gate_proj.bias", lw.gate_up_bias[:I])
+                self._add(mlp + "up_proj.bias", lw.gate_up_bias[I:])
+                self._add(mlp + "down_proj.bias", lw.down_bias)
+
+    def _add(self, name: str, view: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
+        self.targets[name] = (view, tuple(view.shape) if shape is None else shape)
+
+    def required_names(self) -> set[str]:
+        names = set(self.targets)
+        if self.spec.tie_word_embeddings:
+            names.discard("lm_head.weight")
+        return names
+
+    def validate(self, named_tensors: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Check every name and shape before anything is written; returns (destination, source)."""
+        plan = []
+        for name, tensor in named_tensors.items():
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name not in self.targets:
+                raise WeightUpdateError(
+                    f"unknown parameter '{name}' for {self.spec.architecture} "
+                    f"(expected Hugging Face names like 'model.layers.0.self_attn.q_proj.weight')"
+                )
+            view, shape = self.targets[name]
+            if not isinstance(tensor, torch.Tensor):
+                raise WeightUpdateError(f"parameter '{name}': expected a tensor, got {type(tensor).__name__}")
+            if tuple(tensor.shape) != shape:
+                raise WeightUpdateError(
+                    f"parameter '{name}': shape {tuple(tensor.shape)} does not match the model's {shape}"
+                )
+            if not (tensor.is_floating_point()):
+                raise WeightUpdateError(f"parameter '{name}': dtype {tensor.dtype} is not floating point")
+            plan.append((view, tensor))
+        return plan
+
+    @torch.no_grad()
+    def apply(self, plan: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for view, tensor in plan:
+            view.copy_(tensor)
+
+    @classmethod
+    def from_state_dict(
+        cls, spec: ModelSpec, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype, device
+    ) -> "ModelWeights":
+        weights = cls(spec, dtype, torch.device(device))
+        missing = sorted(weights.required_names() - set(state_dict))
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+            raise ValueError(f"native engine: checkpoint is missing parameters: {shown}")
+        weights.apply(weights.validate(state_dict))
+        return weights
+
+    def num_matmul_params(self) -> int:
+        """Parameters multiplied per generated token (embedding lookup excluded, lm_head included)."""
+        per_layer = sum(t.numel() for t in (self.layers[0].qkv, self.layers[0].o, self.layers[0].gate_up, self.layers[0].down))
+        return per_layer * len(self.layers) + self.lm_head.numel()

@@ -1,0 +1,87 @@
+"""The FastAPI app: OpenAI routes, a token-level route, and OpenAI-style error bodies.
+
+Every client mistake — a bad field caught by pydantic or a value the engine refuses — becomes an
+HTTP 400 whose body names the field:
+`{"error": {"message": ..., "type": "invalid_request_error", "param": <field>, "code": null}}`.
+A failed request never takes the server down; the next request is served normally.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
+
+from polyrl.rollout.base import RolloutInputError
+from polyrl.rollout.server.openai_service import OpenAIService
+from polyrl.rollout.server.protocol import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+
+
+class TokenRequest(BaseModel):
+    """Body of POST /generate: the engine's own token-in / token-out call over HTTP."""
+
+    prompt_ids: list[int]
+    sampling: dict[str, Any] | None = None
+    request_id: str | None = None
+
+
+def error_body(message: str, param: str | None, kind: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def build_app(engine: Any, model_name: str, *, aliases: tuple[str, ...] = ()) -> FastAPI:
+    """An app serving `engine` as `model_name` (requests may also name any of `aliases`)."""
+    service = OpenAIService(engine, model_name, aliases=aliases)
+    app = FastAPI(title="polyrl rollout server", docs_url=None, redoc_url=None)
+    app.state.service = service
+
+    @app.exception_handler(RolloutInputError)
+    async def _input_error(_: Request, exc: RolloutInputError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), exc.field), status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": ("body",), "msg": "invalid request"}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = loc[0] if loc else "body"
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
+        return JSONResponse(error_body(message, param), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _server_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return JSONResponse(error_body(f"{type(exc).__name__}: {exc}", None, "server_error"), status_code=500)
+
+    def respond(result: dict | Any) -> JSONResponse | StreamingResponse:
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        return respond(await service.complete(req))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest):
+        return respond(await service.chat(req))
+
+    @app.get("/v1/models")
+    async def models():
+        return service.models()
+
+    @app.get("/health")
+    async def health():
+        status = service.health()
+        return JSONResponse(status, status_code=200 if status.get("ok", True) else 503)
+
+    @app.post("/generate")
+    async def generate(req: TokenRequest):
+        return await service.generate_tokens(req.prompt_ids, req.sampling, req.request_id)
+
+    return app

@@ -1,0 +1,114 @@
+"""Checkpoint / resume: a resumed run continues exactly as the uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from polyrl.config import load_config
+from polyrl.trainer.checkpoint import CheckpointError, complete_checkpoints, find_resume_point
+from polyrl.trainer.config import JobConfig
+from polyrl.trainer.loop import Trainer
+
+VOLATILE = ("timing/", "perf/", "train/epoch")
+
+
+def job(tiny_model, arith_files, out, tmp_path, *overrides):
+    reward = tmp_path / "len_reward.py"
+    reward.write_text("def score(solution_str, ground_truth, extra_info=None):\n"
+                      "    return len(solution_str) / 10\n")
+    return load_config(JobConfig, overrides=[
+        f"model.path={tiny_model}", f"data.train_files=[{arith_files['train']}]", "data.val_files=[]",
+        "data.max_samples=12", "data.train_batch_size=4",  # 3 steps per epoch
+        "rollout.n=4", "rollout.response_length=5", "actor.lr=0.01",
+        f"reward.custom_function={reward}:score",
+        "trainer.total_steps=5", "trainer.save_every=1", "trainer.keep_last=10",
+        "trainer.progress_bar=false", f"trainer.output_dir={out}", *overrides])
+
+
+def metrics(out):
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows}
+
+
+def weights(out, step=5):
+    return load_file(str(out / "checkpoints" / f"step_{step:06d}" / "policy" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_session, tiny_model, arith_files, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("full")
+    Trainer(job(tiny_model, arith_files, tmp / "out", tmp)).fit()
+    return tmp / "out"
+
+
+@pytest.mark.parametrize("resume_step", [3, 2], ids=["epoch-boundary", "mid-epoch"])
+def test_resume_matches_uninterrupted(uninterrupted, tiny_model, arith_files, tmp_path, resume_step):
+    out = tmp_path / "out"
+    src = uninterrupted / "checkpoints" / f"step_{resume_step:06d}"
+    shutil.copytree(src, out / "checkpoints" / src.name)
+    # the crashed run had logged up to its checkpoint, plus a line the resume must drop
+    lines = (uninterrupted / "metrics.jsonl").read_text().splitlines()[: resume_step + 1]
+    (out / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    Trainer(job(tiny_model, arith_files, out, tmp_path)).fit()
+
+    full, resumed = metrics(uninterrupted), metrics(out)
+    assert sorted(resumed) == sorted(full) == [1, 2, 3, 4, 5]
+    for step in range(resume_step + 1, 6):
+        assert resumed[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
+    assert full[4]["actor/grad_norm"] > 0  # not a comparison of no-op updates
+    a, b = weights(uninterrupted), weights(out)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7)
+
+
+def test_checkpoints_are_pruned_loadable_and_atomic(uninterrupted, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    steps = [int(p.name.split("_")[1]) for p in complete_checkpoints(uninterrupted)]
+    assert steps == [1, 2, 3, 4, 5]
+    AutoModelForCausalLM.from_pretrained(str(uninterrupted / "checkpoints" / "step_000005" / "policy"))
+    # a half-written checkpoint (no driver.pt, temp name) is never picked up
+    out = tmp_path / "o"
+    shutil.copytree(uninterrupted / "checkpoints" / "step_000002", out / "checkpoints" / "step_000002")
+    half = out / "checkpoints" / ".tmp-step_000003"
+    shutil.copytree(uninterrupted / "checkpoints" / "step_000003", half)
+    (half / "driver.pt").unlink()
+    assert find_resume_point("auto", out).name == "step_000002"
+    assert find_resume_point("off", out) is None
+    with pytest.raises(CheckpointError, match="not a complete polyrl checkpoint"):
+        find_resume_point(str(half), out)
+
+
+def test_keep_last_prunes(ray_session, tiny_model, arith_files, tmp_path):
+    Trainer(job(tiny_model, arith_files, tmp_path / "out", tmp_path, "trainer.total_steps=3",
+                "trainer.keep_last=2")).fit()
+    assert [p.name for p in complete_checkpoints(tmp_path / "out")] == ["step_000002", "step_000003"]
+
+
+def test_incompatible_resume_names_the_field(uninterrupted, tiny_model, arith_files, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(uninterrupted / "checkpoints" / "step_000002", out / "checkpoints" / "step_000002")
+    with pytest.raises(CheckpointError, match="rollout.n: checkpoint has 4, this run has 2"):
+        Trainer(job(tiny_model, arith_files, out, tmp_path, "rollout.n=2")).fit()
+
+
+def test_harmless_change_is_allowed(uninterrupted, tiny_model, arith_files, tmp_path, caplog):
+    out = tmp_path / "out"
+    shutil.copytree(uninterrupted / "checkpoints" / "step_000004", out / "checkpoints" / "step_000004")
+    with caplog.at_level("INFO"):
+        summary = Trainer(job(tiny_model, arith_files, out, tmp_path, "trainer.log_every=2")).fit()
+    assert summary["steps"] == 5
+    assert any("trainer.log_every" in r.getMessage() for r in caplog.records)
+
+
+def test_unwritable_output_dir_fails_before_training(tiny_model, arith_files, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(CheckpointError, match="is not writable"):
+        Trainer(job(tiny_model, arith_files, blocker / "out", tmp_path)).fit()
