@@ -160,7 +160,8 @@ def summary_rows(run_dir: Path) -> list[tuple[str, str]]:
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
     steps = sorted({r["step"] for r in records})
-    rows = [("run", str(run_dir)), ("steps logged", f"{len([s for s in steps if s > 0])} (last step {steps[-1]})")]
+    trained = [s for s in steps if s > 0]
+    rows = [("run", str(run_dir)), ("steps logged", f"{len(trained)} (last step {steps[-1]})")]
     summary = run_dir / "summary.json"
     if summary.is_file():
         try:

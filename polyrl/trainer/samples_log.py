@@ -25,18 +25,18 @@ REQUIRED = ("prompt", "response", "reward", "acc", "ground_truth")
 class SampleLog:
     """Appends examples to `run_dir/samples.jsonl` and `run_dir/samples.txt`.
 
-    `keep_through=S` (on resume) first drops the examples of steps after S and rewrites
-    samples.txt from what is kept, like the metrics file.
+    Like `build_sinks`: `resume_step=S` (a run resumed from the checkpoint of step S) drops the
+    examples of steps after S, which the run is about to redo, and keeps the rest; None (a fresh
+    run) starts both files empty.
     """
 
-    def __init__(self, run_dir: Path, max_chars: int = 2000, keep_through: int | None = None):
+    def __init__(self, run_dir: Path, resume_step: int | None = None, max_chars: int = 2000):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = self.run_dir / "samples.jsonl"
         self.txt = self.run_dir / "samples.txt"
         self.max_chars = max_chars
-        if keep_through is not None:
-            self._truncate(keep_through)
+        self._truncate(-1 if resume_step is None else resume_step)
 
     def write(self, step: int, rows: list[dict[str, Any]]) -> None:
         if not rows:
@@ -44,7 +44,8 @@ class SampleLog:
         for row in rows:
             missing = [k for k in REQUIRED if k not in row]
             if missing:
-                raise ValueError(f"sample row lacks {', '.join(missing)}; each row needs {', '.join(REQUIRED)}")
+                raise ValueError(f"sample row lacks {', '.join(missing)}; "
+                                 f"each row needs {', '.join(REQUIRED)}")
         records = [{"step": step, **{k: self._cut(_jsonable(v)) for k, v in row.items()}} for row in rows]
         with self.jsonl.open("a") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
@@ -56,6 +57,7 @@ class SampleLog:
 
     def _truncate(self, keep_through: int) -> None:
         if not self.jsonl.is_file():
+            self.txt.unlink(missing_ok=True)
             return
         kept: list[dict[str, Any]] = []
         for line in self.jsonl.read_text().splitlines():

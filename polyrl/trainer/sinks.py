@@ -42,7 +42,7 @@ class LoggingConfig(Config):
     """offline: write the W&B run under OUTPUT_DIR/wandb with no network (upload later with
     `wandb sync`); online: stream to the W&B server (needs `wandb login`)."""
     run_name: str | None = None
-    """Run name shown by TensorBoard / W&B (default: the name of trainer.output_dir)."""
+    """Run name shown by W&B (default: the name of trainer.output_dir)."""
     samples_every: int = Field(10, ge=0)
     """Write example prompts, responses and rewards to OUTPUT_DIR/samples.{jsonl,txt} every this
     many steps (0 disables)."""

@@ -18,6 +18,7 @@ def row(i, **extra):
 def test_write_jsonl_and_text(tmp_path):
     log = SampleLog(tmp_path)
     log.write(10, [row(1), row(2, data_source="arith")])
+    log.write(15, [])  # nothing to write: no header either
     log.write(20, [row(3)])
     records = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [10, 10, 20]
@@ -48,11 +49,14 @@ def test_resume_keeps_earlier_steps_in_both_files(tmp_path):
     log = SampleLog(tmp_path)
     for step in (10, 20, 30):
         log.write(step, [row(step)])
-    SampleLog(tmp_path, keep_through=20).write(30, [row(99)])
+    SampleLog(tmp_path, resume_step=20).write(30, [row(99)])
     steps = [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert steps == [10, 20, 30]
     text = (tmp_path / "samples.txt").read_text()
     assert text.count("===== step") == 3 and "What is 99+99?" in text and "What is 30+30?" not in text
+
+    SampleLog(tmp_path)  # a fresh run in the same directory starts empty
+    assert (tmp_path / "samples.jsonl").read_text() == "" and (tmp_path / "samples.txt").read_text() == ""
 
 
 def test_rows_from_samples_one_per_prompt_first():

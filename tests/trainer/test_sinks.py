@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from polyrl.trainer.sinks import (
     LoggingConfig,
     MetricsSink,
     SinkUnavailable,
+    WandbSink,
     build_sinks,
     close_all,
     log_all,
@@ -60,13 +62,15 @@ def test_jsonl_never_glues_a_record_to_a_cut_line(tmp_path):
 
 def test_logging_config_always_has_jsonl_first_and_validates_choices():
     assert LoggingConfig().sinks == ["jsonl"]
-    assert LoggingConfig(sinks=["tensorboard", "wandb", "tensorboard"]).sinks == ["jsonl", "tensorboard", "wandb"]
+    chosen = LoggingConfig(sinks=["tensorboard", "wandb", "tensorboard"]).sinks
+    assert chosen == ["jsonl", "tensorboard", "wandb"]
     assert LoggingConfig(sinks=[]).sinks == ["jsonl"]
     with pytest.raises(ConfigError, match="sinks"):
         load_config(LoggingConfig, overrides=["sinks=[mlflow]"])
     with pytest.raises(ConfigError, match="samples_every"):
         load_config(LoggingConfig, overrides=["samples_every=-1"])
-    assert LoggingConfig(run_name=None).resolved_run_name(__import__("pathlib").Path("/x/my-run")) == "my-run"
+    assert LoggingConfig().resolved_run_name(Path("/x/my-run")) == "my-run"
+    assert LoggingConfig(run_name="exp1").resolved_run_name(Path("/x/my-run")) == "exp1"
 
 
 def test_missing_optional_package_names_the_extra(tmp_path, monkeypatch):
@@ -93,13 +97,29 @@ def test_tensorboard_scalars_read_back(tmp_path):
                               "note": "not a number"})
     close_all(sinks)
 
-    acc = EventAccumulator(str(tmp_path / "tensorboard"))
-    acc.Reload()
-    assert set(acc.Tags()["scalars"]) == {"reward/score_mean", "response/length_mean"}
-    events = acc.Scalars("reward/score_mean")
-    assert [e.step for e in events] == [0, 1, 2]
-    assert [round(e.value, 5) for e in events] == [0.0, 0.1, 0.2]
+    def scalars(tag):
+        acc = EventAccumulator(str(tmp_path / "tensorboard"))
+        acc.Reload()
+        assert set(acc.Tags()["scalars"]) == {"reward/score_mean", "response/length_mean"}
+        return [(e.step, round(e.value, 5)) for e in acc.Scalars(tag)]
+
+    assert scalars("reward/score_mean") == [(0, 0.0), (1, 0.1), (2, 0.2)]
     assert len(lines(tmp_path / "metrics.jsonl")) == 3
+
+    # resumed from the checkpoint of step 1: the interrupted run's step 2 is hidden and redone
+    sinks = build_sinks(["tensorboard"], tmp_path, "run", {}, resume_step=1)
+    log_all(sinks, 2, {"reward/score_mean": 0.5, "response/length_mean": 1.0})
+    close_all(sinks)
+    assert scalars("reward/score_mean") == [(0, 0.0), (1, 0.1), (2, 0.5)]
+    assert [r["step"] for r in lines(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+
+    # a fresh run in the same directory: nothing of the old runs shows
+    sinks = build_sinks(["tensorboard"], tmp_path, "run", {})
+    log_all(sinks, 0, {"reward/score_mean": 0.9, "response/length_mean": 1.0})
+    close_all(sinks)
+    assert scalars("reward/score_mean") == [(0, 0.9)]
+    assert lines(tmp_path / "metrics.jsonl") == [
+        {"step": 0, "reward/score_mean": 0.9, "response/length_mean": 1.0}]
 
 
 def test_wandb_offline_run_without_network(tmp_path):
@@ -114,3 +134,9 @@ def test_wandb_offline_run_without_network(tmp_path):
     run_id = (tmp_path / "wandb" / "run_id").read_text().strip()
     assert (runs[0] / f"run-{run_id}.wandb").stat().st_size > 0
     assert wandb_sink.run.id == run_id
+
+    # resuming continues the same W&B run id; a fresh start gets a new one
+    resumed = WandbSink("polyrl", "offline-test", {}, tmp_path, "offline", resume=True)
+    resumed.log(3, {"x": 1.0})
+    resumed.close()
+    assert resumed.run.id == run_id
