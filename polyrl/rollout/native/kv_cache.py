@@ -27,16 +27,16 @@ class KVCache:
         self._dims = (num_layers, num_kv_heads, head_dim)
         self.max_slots, self.max_len = max_slots, max_len
         self.dtype, self.device = dtype, device
-        self.k: torch.Tensor | None = None  # [layers, slots, kv_heads, capacity, head_dim]
-        self.v: torch.Tensor | None = None
+        # K is stored transposed so q @ K^T reads it in place (no per-step copy of the keys).
+        self.k: torch.Tensor | None = None  # [layers, slots, kv_heads, head_dim, capacity]
+        self.v: torch.Tensor | None = None  # [layers, slots, kv_heads, capacity, head_dim]
         self.slots = 0
         self.capacity = 0
         self._released_shape: tuple[int, int] | None = None
 
-    def _alloc(self, slots: int, capacity: int) -> torch.Tensor:
-        layers, kv_heads, head_dim = self._dims
+    def _alloc(self, *shape: int) -> torch.Tensor:
         # zeros, not empty: a masked-out position still enters q @ k^T, and NaN * 0 is NaN.
-        return torch.zeros(layers, slots, kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device)
+        return torch.zeros(*shape, dtype=self.dtype, device=self.device)
 
     def reserve(self, slots: int, length: int) -> None:
         """Make room for `slots` rows of `length` positions, growing geometrically."""
@@ -49,15 +49,17 @@ class KVCache:
         new_cap = self.capacity
         if length > self.capacity:
             new_cap = min(self.max_len, max(-(-length // 64) * 64, 2 * self.capacity))
-        k, v = self._alloc(new_slots, new_cap), self._alloc(new_slots, new_cap)
+        layers, kv_heads, head_dim = self._dims
+        k = self._alloc(layers, new_slots, kv_heads, head_dim, new_cap)
+        v = self._alloc(layers, new_slots, kv_heads, new_cap, head_dim)
         if self.k is not None:
-            k[:, : self.slots, :, : self.capacity] = self.k
+            k[:, : self.slots, :, :, : self.capacity] = self.k
             v[:, : self.slots, :, : self.capacity] = self.v
         self.k, self.v, self.slots, self.capacity = k, v, new_slots, new_cap
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy row `src` (its first `length` positions) into row `dst`, across all layers."""
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.k[:, dst, :, :, :length] = self.k[:, src, :, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
     def release(self) -> None:

@@ -75,7 +75,7 @@ class DecoderModel:
         for i, lw in enumerate(self.w.layers):
             q, k, v = self._qkv(self._norm(x, lw.input_norm), lw, cos, sin)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [P, heads, T, hd]
-            cache.k[i, slots, :, :T] = k
+            cache.k[i, slots, :, :, :T] = k.transpose(-1, -2)
             cache.v[i, slots, :, :T] = v
             attn = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.scale, enable_gqa=s.num_heads != s.num_kv_heads
@@ -105,11 +105,12 @@ class DecoderModel:
         x = F.embedding(tokens, self.w.embed)  # [B, H]
         for i, lw in enumerate(self.w.layers):
             q, k, v = self._qkv(self._norm(x, lw.input_norm), lw, cos, sin)
-            cache.k[i, rows, :, positions] = k
+            cache.k[i, rows, :, :, positions] = k
             cache.v[i, rows, :, positions] = v
-            keys, values = cache.k[i, :B, :, :L], cache.v[i, :B, :, :L]  # [B, nkv, L, hd]
+            keys_t = cache.k[i, :B, :, :, :L]  # [B, nkv, hd, L]
+            values = cache.v[i, :B, :, :L]  # [B, nkv, L, hd]
             # GQA without repeating K/V: group the query heads that share a kv head.
-            scores = torch.matmul(q.unflatten(1, (s.num_kv_heads, g)), keys.transpose(-1, -2))
+            scores = torch.matmul(q.unflatten(1, (s.num_kv_heads, g)), keys_t)  # [B, nkv, g, L]
             probs = torch.softmax(scores.float() * self.scale + bias, dim=-1).to(values.dtype)
             attn = torch.matmul(probs, values)  # [B, nkv, g, hd]
             x = x + F.linear(attn.flatten(1), lw.o, lw.o_bias)

@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -30,13 +31,32 @@ class RowParams:
         return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1.0)
 
 
+_BLOCK = 128
+
+
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Index i with cdf[i-1] <= u * total < cdf[i]; rows of `probs` need not be normalized."""
-    cdf = probs.cumsum(-1)
-    idx = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(-1)
-    # u * total can round up to total; fall back to the last token with non-zero mass.
-    last_valid = (probs > 0).sum(-1) - 1
-    return torch.minimum(idx, last_valid)
+    """Index i with cdf[i-1] <= u * total < cdf[i]; rows of `probs` [B, V] need not sum to 1.
+
+    Two-level: a cumsum over V/128 block sums, then one within the chosen block. A flat cumsum
+    over a large vocabulary is a sequential scan and costs more than the rest of sampling.
+    """
+    B, V = probs.shape
+    nb = -(-V // _BLOCK)
+    if nb * _BLOCK != V:
+        probs = F.pad(probs, (0, nb * _BLOCK - V))
+    blocks = probs.view(B, nb, _BLOCK)
+    bcdf = blocks.sum(-1).cumsum(-1)  # [B, nb]
+    total = bcdf[:, -1:]
+    x = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    bi = torch.searchsorted(bcdf, x, right=True)  # [B, 1]; x < total so always a real block
+    before = torch.where(bi > 0, bcdf.gather(1, (bi - 1).clamp(min=0)), 0.0)
+    within = blocks.gather(1, bi[:, :, None].expand(B, 1, _BLOCK)).squeeze(1)  # [B, BLOCK]
+    wi = torch.searchsorted(within.cumsum(-1), x - before, right=True)
+    # Rounding between the block sum and the in-block cumsum can step past the block's last
+    # token with mass; fall back to that token.
+    ranks = torch.arange(_BLOCK, device=probs.device)
+    last = torch.where(within > 0, ranks, 0).amax(-1, keepdim=True)
+    return (bi * _BLOCK + torch.minimum(wi, last)).squeeze(1)
 
 
 def _sample_filtered(scaled: torch.Tensor, rows: list[RowParams], u: torch.Tensor) -> torch.Tensor:
@@ -57,17 +77,20 @@ def _sample_filtered(scaled: torch.Tensor, rows: list[RowParams], u: torch.Tenso
 
 def sample(logits: torch.Tensor, rows: list[RowParams]):
     """logits [B, V] float32 -> (token ids, their logprobs, top-logprob dicts or None), as lists."""
-    B = logits.shape[0]
     device = logits.device
-    logprobs = torch.log_softmax(logits, dim=-1)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # log_softmax = logits - lse
     greedy = [r.temperature == 0 for r in rows]
     if all(greedy):
         tokens = logits.argmax(-1)
     else:
         u = torch.tensor([0.0 if g else r.rng.random() for r, g in zip(rows, greedy)], device=device)
-        temps = torch.tensor([r.temperature or 1.0 for r in rows], device=device)
-        scaled = logits / temps[:, None]
-        tokens = _inverse_cdf(torch.softmax(scaled, dim=-1), u)
+        temps = [r.temperature or 1.0 for r in rows]
+        if all(t == 1.0 for t in temps):  # the common RL case: reuse lse, skip the division
+            scaled, probs = logits, (logits - lse).exp_()
+        else:
+            scaled = logits / torch.tensor(temps, device=device)[:, None]
+            probs = torch.softmax(scaled, dim=-1)
+        tokens = _inverse_cdf(probs, u)
         filt = [i for i, r in enumerate(rows) if r.filtered]
         if filt:
             sel = torch.tensor(filt, device=device)
@@ -75,14 +98,12 @@ def sample(logits: torch.Tensor, rows: list[RowParams]):
         if any(greedy):
             sel = torch.tensor([i for i, g in enumerate(greedy) if g], device=device)
             tokens[sel] = logits[sel].argmax(-1)
-    token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    token_logprobs = (logits.gather(1, tokens[:, None]) - lse).squeeze(1)
     top = None
     kmax = max(r.top_logprobs for r in rows)
     if kmax:
-        vals, idx = logprobs.topk(min(kmax, logits.shape[-1]), dim=-1)
-        vals, idx = vals.tolist(), idx.tolist()
-        top = [
-            dict(zip(idx[b][: rows[b].top_logprobs], vals[b][: rows[b].top_logprobs])) if rows[b].top_logprobs else None
-            for b in range(B)
-        ]
+        vals, idx = logits.topk(min(kmax, logits.shape[-1]), dim=-1)
+        vals, idx = (vals - lse).tolist(), idx.tolist()
+        top = [dict(zip(i[: r.top_logprobs], v[: r.top_logprobs])) if r.top_logprobs else None
+               for i, v, r in zip(idx, vals, rows)]
     return tokens.tolist(), token_logprobs.tolist(), top

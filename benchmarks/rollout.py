@@ -1,0 +1,147 @@
+"""Rollout throughput: polyrl's native engine vs transformers `generate`, same models, same run.
+
+Two random-init Qwen2-style models (~4M and ~30M parameters) are written to a temp dir. Each
+generates for the same workload (16 prompts x n=4 samples, 32-token prompts, a fixed number of new
+tokens, EOS ignored so every sample has the same length) in fp32 and bf16. Also reported: the
+engine's decode matmul FLOP/s as a fraction of what plain torch matmuls of the model's decode
+shapes reach on this machine right now (`roofline_fraction`).
+
+    python benchmarks/rollout.py                # ~3 minutes on 2 cores
+    python benchmarks/rollout.py --quick --json # < 1 minute; last stdout line is JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from polyrl.rollout.base import SamplingParams  # noqa: E402
+from polyrl.rollout.native.engine import NativeEngine  # noqa: E402
+
+# Shapes chosen so the parameter counts land near 4M and 30M (embeddings tied, as in small Qwen2).
+MODELS = {
+    "4M": dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, intermediate_size=688),
+    "30M": dict(vocab_size=8192, hidden_size=512, num_hidden_layers=9, num_attention_heads=8,
+                num_key_value_heads=2, intermediate_size=1408),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_model(shape: dict, path: Path) -> int:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**shape, tie_word_embeddings=True, max_position_embeddings=1024,
+                         eos_token_id=0, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(str(path))
+    return model.num_parameters()
+
+
+def bench_polyrl(path, dtype, prompts, n, new_tokens, reps) -> tuple[float, float]:
+    """(tokens/s over the whole call, decode matmul FLOP/s)."""
+    engine = NativeEngine(path, dtype=dtype, tokenizer=False, max_model_len=512, max_num_seqs=len(prompts) * n)
+    sp = SamplingParams(n=n, max_tokens=new_tokens, ignore_eos=True, temperature=1.0)
+    engine.generate_batch(prompts, SamplingParams(n=n, max_tokens=4, ignore_eos=True))  # warm-up
+    best, flops = 0.0, 0.0
+    matmul_params = engine._weights.num_matmul_params()
+    for _ in range(reps):
+        before = engine.stats
+        t0 = time.perf_counter()
+        outs = engine.generate_batch(prompts, sp)
+        wall = time.perf_counter() - t0
+        tokens = sum(len(o.token_ids) for group in outs for o in group)
+        assert tokens == len(prompts) * n * new_tokens
+        after = engine.stats
+        decode_flops = 2 * matmul_params * (after["decode_tokens"] - before["decode_tokens"])
+        best = max(best, tokens / wall)
+        flops = max(flops, decode_flops / (after["decode_s"] - before["decode_s"]))
+    return best, flops
+
+
+def bench_hf(path, dtype, prompts, n, new_tokens, reps) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    ids = torch.tensor(prompts)
+    kw = dict(do_sample=True, num_return_sequences=n, temperature=1.0, top_k=0, top_p=1.0,
+              pad_token_id=0, attention_mask=torch.ones_like(ids))
+    best = 0.0
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+            wall = time.perf_counter() - t0
+            tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
+            assert tokens == len(prompts) * n * new_tokens
+            best = max(best, tokens / wall)
+    return best
+
+
+def matmul_roofline(shape: dict, batch: int, dtype: torch.dtype, reps: int = 10) -> float:
+    """FLOP/s of plain F.linear calls with the model's (unfused) decode shapes at this batch."""
+    H, I, V = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    hd = H // shape["num_attention_heads"]
+    kv = shape["num_key_value_heads"] * hd
+    per_layer = [(H, H), (kv, H), (kv, H), (H, H), (I, H), (I, H), (H, I)]  # q k v o gate up down
+    mats = [torch.randn(o, i, dtype=dtype) * 0.02 for _ in range(shape["num_hidden_layers"]) for o, i in per_layer]
+    mats.append(torch.randn(V, H, dtype=dtype) * 0.02)  # lm_head
+    xs = {i: torch.randn(batch, i, dtype=dtype) for i in (H, I)}
+    flops = 2 * batch * sum(w.numel() for w in mats)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for w in mats:
+                F.linear(xs[w.shape[1]], w)
+            best = min(best, time.perf_counter() - t0)
+    return flops / best
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--quick", action="store_true", help="fewer tokens and one repetition")
+    args = parser.parse_args(argv)
+
+    num_prompts, n, prompt_len = 16, 4, 32
+    new_tokens, reps = (48, 1) if args.quick else (128, 2)
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, shape in MODELS.items():
+            path = Path(tmp) / name
+            params = build_model(shape, path)
+            prompts = torch.randint(1, shape["vocab_size"], (num_prompts, prompt_len), generator=gen).tolist()
+            for dtype_name, dtype in DTYPES.items():
+                polyrl_tok_s, engine_flops = bench_polyrl(str(path), dtype_name, prompts, n, new_tokens, reps)
+                hf_tok_s = bench_hf(str(path), dtype, prompts, n, new_tokens, reps)
+                peak = matmul_roofline(shape, num_prompts * n, dtype)
+                row = dict(params=params, dtype=dtype_name, polyrl_tok_s=round(polyrl_tok_s, 1),
+                           hf_tok_s=round(hf_tok_s, 1), speedup=round(polyrl_tok_s / hf_tok_s, 2),
+                           roofline_fraction=round(engine_flops / peak, 3))
+                results.append(row)
+                print(f"{name:>4} {params / 1e6:5.1f}M {dtype_name:>8}: polyrl {polyrl_tok_s:8.0f} tok/s | "
+                      f"hf {hf_tok_s:7.0f} tok/s | speedup {row['speedup']:5.2f}x | "
+                      f"decode matmul {engine_flops / 1e9:6.1f} of {peak / 1e9:6.1f} GFLOP/s "
+                      f"({row['roofline_fraction']:.2f})", flush=True)
+    print(f"workload: {num_prompts} prompts x n={n}, prompt {prompt_len} tokens, {new_tokens} new tokens; "
+          f"torch threads {torch.get_num_threads()}")
+    if args.json:
+        print(json.dumps({"results": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
