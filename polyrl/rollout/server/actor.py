@@ -21,8 +21,25 @@ import torch
 from polyrl.distributed.ray_launch import actor_options, plan_for_role
 from polyrl.distributed.waits import gather
 from polyrl.platform import Platform, current_platform, get_platform
-from polyrl.rollout.base import ROLLOUT_ENGINES, SamplingParams, TokenOutput
+from polyrl.rollout.base import ROLLOUT_ENGINES, RolloutInputError, SamplingParams, TokenOutput
 from polyrl.rollout.server.protocol import sampling_from_dict
+
+
+class RemoteInputError(RolloutInputError):
+    """A `RolloutInputError` that survives pickling, so a Ray caller can catch the input error
+    (field named) instead of an "unserializable exception": the base class's args hold one
+    formatted string while its __init__ wants (field, message)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(field, message)
+        self.message = message
+
+    @classmethod
+    def of(cls, exc: RolloutInputError) -> "RemoteInputError":
+        return cls(exc.field, str(exc).removeprefix(f"{exc.field}: "))
+
+    def __reduce__(self):
+        return type(self), (self.field, self.message)
 
 
 class RolloutServer:
@@ -50,7 +67,10 @@ class RolloutServer:
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams | Mapping[str, Any] | None,
                        request_id: str | None = None) -> list[TokenOutput]:
-        return await self.engine.generate(prompt_ids, sampling_from_dict(sampling), request_id)
+        try:
+            return await self.engine.generate(prompt_ids, sampling_from_dict(sampling), request_id)
+        except RolloutInputError as exc:
+            raise RemoteInputError.of(exc) from None
 
     async def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> int:
         await asyncio.to_thread(self.engine.update_weights, named_tensors, version)
@@ -67,7 +87,8 @@ class RolloutServer:
 
     async def health(self) -> dict:
         return {**self.engine.health(), "pid": os.getpid(), "model": self.model_name,
-                "http": self._http.url if self._http else None}
+                "http": self._http.url if self._http else None,
+                "stats": dict(getattr(self.engine, "stats", {}))}
 
     async def environment(self, names: Sequence[str]) -> dict[str, str | None]:
         """This process's values of `names`: what `polyrl env` planned vs what the actor sees."""
@@ -86,7 +107,15 @@ class RolloutServer:
         return self._http.url
 
 
-def start_rollout_server(
+def start_rollout_server(model_path: str, **kwargs: Any) -> ray.actor.ActorHandle:
+    """Start one `RolloutServer` actor with the rollout role's planned environment; returns its
+    handle once the engine has loaded (a load error is raised here, not at the first request).
+    Arguments as for `start_rollout_servers`."""
+    return start_rollout_servers(1, model_path, **kwargs)[0]
+
+
+def start_rollout_servers(
+    count: int,
     model_path: str,
     *,
     platform: Platform | None = None,
@@ -100,20 +129,24 @@ def start_rollout_server(
     model_name: str | None = None,
     name: str | None = None,
     ready_timeout_s: float = 300.0,
-) -> ray.actor.ActorHandle:
-    """Start one `RolloutServer` actor with the rollout role's planned environment; returns its
-    handle once the engine has loaded (a load error is raised here, not at the first request).
+) -> list[ray.actor.ActorHandle]:
+    """Start `count` replicas at once (they load in parallel), then wait until all are ready;
+    a replica that does not come up within `ready_timeout_s` is named in the error.
 
-    `num_devices` defaults to one device of the platform (none on CPU).
+    `num_devices` (per replica) defaults to one device of the platform (none on CPU); `name`
+    names the actors `name-0`, `name-1`, ... in Ray.
     """
     platform = platform or current_platform()
     plan = plan_for_role(platform, "rollout", backend=backend, placement=placement, mode=mode,
                          config_env=config_env)
     devices = num_devices if num_devices is not None else (1 if platform.ray_resource else 0)
-    options = actor_options(plan, platform.ray_actor_options(devices, num_cpus=num_cpus), name=name)
-    handle = ray.remote(RolloutServer).options(**options).remote(
-        model_path, backend, platform.name, dict(engine_kwargs or {}),
-        max(1, int(num_cpus)), model_name)
-    gather([handle.health.remote()], [name or f"rollout server {model_path}"],
-           phase="rollout server start-up", timeout_s=ready_timeout_s)
-    return handle
+    resources = platform.ray_actor_options(devices, num_cpus=num_cpus)
+    names = [f"{name}-{i}" if name else f"rollout server {i} ({model_path})" for i in range(count)]
+    handles = [
+        ray.remote(RolloutServer).options(**actor_options(plan, resources, name=name and names[i])).remote(
+            model_path, backend, platform.name, dict(engine_kwargs or {}), max(1, int(num_cpus)), model_name)
+        for i in range(count)
+    ]
+    gather([h.health.remote() for h in handles], names, phase="rollout server start-up",
+           timeout_s=ready_timeout_s)
+    return handles
