@@ -53,6 +53,7 @@ def train(cfg) -> int:
     from polyrl.trainer.checkpoint import CheckpointError
     from polyrl.trainer.interrupts import TrainingInterrupted
     from polyrl.trainer.loop import Trainer, TrainingError
+    from polyrl.trainer.sinks import SinkUnavailable
     from polyrl.workers.model_loading import ModelLoadError
     from polyrl.workers.policy import NonFiniteUpdate
 
@@ -62,7 +63,8 @@ def train(cfg) -> int:
         logger.error("%s", exc)
         return exc.exit_code
     except (DataFileError, UnknownDataSourceError, EngineUnavailable, TrainingError,
-            ModelLoadError, NonFiniteUpdate, FileNotFoundError, CheckpointError) as exc:
+            ModelLoadError, NonFiniteUpdate, FileNotFoundError, CheckpointError,
+            SinkUnavailable) as exc:
         raise CLIError(str(exc)) from None
     except Exception as exc:  # errors raised inside Ray actors arrive wrapped
         cause = getattr(exc, "cause", None)

@@ -22,8 +22,11 @@ class RolloutInputError(ValueError):
     """Bad request input. `field` names the offending field (HTTP 400 on the API)."""
 
     def __init__(self, field: str, message: str):
-        self.field = field
+        self.field, self.message = field, message
         super().__init__(f"{field}: {message}")
+
+    def __reduce__(self):  # survive pickling across Ray / process boundaries
+        return type(self), (self.field, self.message)
 
 
 class WeightUpdateError(ValueError):

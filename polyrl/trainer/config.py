@@ -12,6 +12,7 @@ from polyrl.config import Config
 from polyrl.data import DataConfig
 from polyrl.rewards.config import RewardConfig
 from polyrl.rollout.config import RolloutConfig
+from polyrl.trainer.sinks import LoggingConfig
 from polyrl.workers.config import ActorConfig, ModelConfig
 
 
@@ -70,6 +71,7 @@ class JobConfig(Config):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     actor: ActorConfig = Field(default_factory=ActorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     platform: str = "auto"
     """Hardware platform: auto (detect), cpu, cuda, rocm or npu (or a registered plugin)."""

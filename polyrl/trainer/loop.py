@@ -41,21 +41,14 @@ from polyrl.trainer.checkpoint import (
 from polyrl.trainer.config import JobConfig
 from polyrl.trainer.interrupts import TrainingInterrupted, stop_on_signals
 from polyrl.trainer.metrics import MetricsWriter, PhaseTimer
+from polyrl.trainer.plots import plot_run
+from polyrl.trainer.samples_log import SampleLog, rows_from_samples
+from polyrl.trainer.sinks import build_sinks, check_available
 from polyrl.trainer.worker_group import PolicyGroup
 from polyrl.workers.batch import Sample
 from polyrl.workers.model_loading import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-def truncate_metrics(output_dir: Path, after_step: int) -> None:
-    """Drop metric lines of steps a resumed run will redo (written after the checkpoint)."""
-    path = output_dir / "metrics.jsonl"
-    if not path.is_file():
-        return
-    lines = [line for line in path.read_text().splitlines()
-             if line.strip() and json.loads(line)["step"] <= after_step]
-    path.write_text("".join(line + "\n" for line in lines))
 
 
 class TrainingError(RuntimeError):
@@ -69,6 +62,7 @@ class Trainer:
         self.timer = PhaseTimer()
         self.started_ray = False
         self.start_time = time.perf_counter()
+        self.sample_log: SampleLog | None = None
 
     # --- set-up -------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -78,6 +72,7 @@ class Trainer:
                 f"trainer.mode={cfg.trainer.mode} with rollout.placement={cfg.rollout.placement} "
                 "is not available in this polyrl version; use trainer.mode=sync rollout.placement=hybrid")
         require_backend(cfg.rollout.backend)
+        check_available(cfg.logging.sinks)  # a missing tensorboard/wandb fails now, not after loading
         check_writable(self.out, need_bytes=0)
         (self.out / "config.yaml").write_text(to_yaml(cfg))
         random.seed(cfg.trainer.seed)
@@ -145,7 +140,12 @@ class Trainer:
         cfg = self.cfg
         state = self.resume_or_start()
         first = state["step"] + 1
-        writer = MetricsWriter(self.out, self.total_steps, state["step"], cfg.trainer.progress_bar)
+        resume_step = state["step"] or None  # None: a fresh run (old metrics/samples are cleared)
+        sinks = build_sinks(cfg.logging.sinks, self.out, cfg.logging.resolved_run_name(self.out),
+                            cfg.model_dump(mode="json"), wandb_mode=cfg.logging.wandb_mode,
+                            wandb_project=cfg.logging.wandb_project, resume_step=resume_step)
+        self.sample_log = SampleLog(self.out, resume_step) if cfg.logging.samples_every else None
+        writer = MetricsWriter(sinks, self.total_steps, state["step"], cfg.trainer.progress_bar)
         initial, final = state.get("initial_val"), None
         try:
             if first == 1 and self.val_loader is not None and cfg.trainer.val_before_train:
@@ -183,6 +183,11 @@ class Trainer:
             "output_dir": str(self.out),
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        if cfg.logging.plot_at_end:
+            try:
+                logger.info("curves: %s (redraw any time: polyrl plot %s)", plot_run(self.out), self.out)
+            except Exception as exc:  # a plotting problem must not fail a finished run
+                logger.warning("could not draw the curves: %s", exc)
         return summary
 
     def _last_val(self, writer: MetricsWriter) -> dict | None:
@@ -195,7 +200,6 @@ class Trainer:
     def resume_or_start(self) -> dict[str, Any]:
         resume_dir = find_resume_point(self.cfg.trainer.resume, self.out)
         if resume_dir is None:
-            truncate_metrics(self.out, after_step=-1)
             return {"step": 0}
         saved_cfg = yaml.safe_load((resume_dir / "config.yaml").read_text())
         changed = check_compatible(saved_cfg, self.cfg.model_dump(mode="json"))
@@ -205,7 +209,6 @@ class Trainer:
         self.train_loader.load_state_dict(state["data"])
         restore_rng(state["rng"])
         self.policy.call("load_checkpoint", str(resume_dir), phase="resume")
-        truncate_metrics(self.out, after_step=state["step"])
         logger.info("resumed from %s (step %d)", resume_dir, state["step"])
         return state
 
@@ -234,6 +237,9 @@ class Trainer:
             samples = self.generate(batch, step)
         with timer("reward"):
             metrics = self.score(samples, batch)
+        if self.sample_log is not None and step % cfg.logging.samples_every == 0:
+            # before advantages(), which drops each sample's prompt
+            self.sample_log.write(step, rows_from_samples(samples, cfg.logging.num_samples))
         if cfg.algorithm.uses_reference:
             with timer("reference"):
                 for s, lp in zip(samples, self.policy.logprobs(samples, "reference")):

@@ -1,12 +1,13 @@
-"""Where metrics go: a JSONL file always, a console progress bar, and a phase timer."""
+"""Each logged step to the metric sinks (polyrl/trainer/sinks.py), a console progress bar, and a
+phase timer."""
 
 from __future__ import annotations
 
-import json
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator
+
+from polyrl.trainer.sinks import MetricsSink, close_all, log_all
 
 
 class PhaseTimer:
@@ -29,10 +30,8 @@ class PhaseTimer:
 
 
 class MetricsWriter:
-    def __init__(self, output_dir: Path, total_steps: int, start_step: int, progress: bool):
-        output_dir.mkdir(parents=True, exist_ok=True)
-        self.path = output_dir / "metrics.jsonl"
-        self._file = self.path.open("a")
+    def __init__(self, sinks: list[MetricsSink], total_steps: int, start_step: int, progress: bool):
+        self.sinks = sinks
         self.bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -42,9 +41,7 @@ class MetricsWriter:
         self.last_val: float | None = None
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        log_all(self.sinks, step, metrics)
         if "val/acc" in metrics:
             self.last_val = metrics["val/acc"]
 
@@ -64,10 +61,4 @@ class MetricsWriter:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        self._file.close()
-
-
-def _plain(v: Any) -> Any:
-    if hasattr(v, "item"):
-        return v.item()
-    return v
+        close_all(self.sinks)
