@@ -57,6 +57,13 @@ class DecoderModel:
         gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
         return F.linear(self.act(gate) * up, lw.down, lw.down_bias)
 
+    @staticmethod
+    def _residual_linear(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+        """x + a @ w^T in one BLAS call (beta=1 accumulates into a copy of x)."""
+        if b is not None:
+            return x + F.linear(a, w, b)
+        return torch.addmm(x, a, w.t())
+
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self._norm(x, self.w.final_norm), self.w.lm_head).float()
 
@@ -95,24 +102,27 @@ class DecoderModel:
         """
         s = self.spec
         B, L = tokens.shape[0], attend_len
-        g = s.num_heads // s.num_kv_heads
+        nkv, g, hd = s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim
         rows = torch.arange(B, device=tokens.device)
         cos, sin = self.cos[positions, None, :], self.sin[positions, None, :]
-        # One additive mask for all layers: 0 where visible, -inf past each sequence's end.
-        visible = torch.arange(L, device=tokens.device)[None, :] <= positions[:, None]
-        bias = torch.zeros(B, 1, 1, L, dtype=torch.float32, device=tokens.device)
-        bias.masked_fill_(~visible[:, None, None, :], float("-inf"))
+        # One additive mask for all layers, already in baddbmm's [B * nkv, g, L] shape:
+        # 0 where visible, -inf past each sequence's end.
+        hidden = torch.arange(L, device=tokens.device)[None, :] > positions[:, None]  # [B, L]
+        bias = torch.zeros(B, L, dtype=self.cos.dtype, device=tokens.device).masked_fill_(hidden, float("-inf"))
+        bias = bias[:, None, None, :].expand(B, nkv, g, L).reshape(B * nkv, g, L)
         x = F.embedding(tokens, self.w.embed)  # [B, H]
         for i, lw in enumerate(self.w.layers):
             q, k, v = self._qkv(self._norm(x, lw.input_norm), lw, cos, sin)
             cache.k[i, rows, :, :, positions] = k
             cache.v[i, rows, :, positions] = v
-            keys_t = cache.k[i, :B, :, :, :L]  # [B, nkv, hd, L]
-            values = cache.v[i, :B, :, :L]  # [B, nkv, L, hd]
-            # GQA without repeating K/V: group the query heads that share a kv head.
-            scores = torch.matmul(q.unflatten(1, (s.num_kv_heads, g)), keys_t)  # [B, nkv, g, L]
-            probs = torch.softmax(scores.float() * self.scale + bias, dim=-1).to(values.dtype)
-            attn = torch.matmul(probs, values)  # [B, nkv, g, hd]
-            x = x + F.linear(attn.flatten(1), lw.o, lw.o_bias)
-            x = x + self._mlp(self._norm(x, lw.post_norm), lw)
+            # GQA without repeating K/V: the g query heads sharing a kv head form one small GEMM.
+            # K is stored transposed, so both operands are read in place from the cache.
+            keys_t = cache.k[i, :B, :, :, :L].view(B * nkv, hd, L)
+            values = cache.v[i, :B, :, :L].view(B * nkv, L, hd)
+            scores = torch.baddbmm(bias, q.reshape(B * nkv, g, hd), keys_t, alpha=self.scale)
+            attn = torch.bmm(torch.softmax(scores, dim=-1), values)  # [B * nkv, g, hd]
+            x = self._residual_linear(x, attn.view(B, s.q_size), lw.o, lw.o_bias)
+            h = self._norm(x, lw.post_norm)
+            gate, up = F.linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
+            x = self._residual_linear(x, self.act(gate) * up, lw.down, lw.down_bias)
         return self._logits(x)

@@ -78,15 +78,19 @@ def _sample_filtered(scaled: torch.Tensor, rows: list[RowParams], u: torch.Tenso
 def sample(logits: torch.Tensor, rows: list[RowParams]):
     """logits [B, V] float32 -> (token ids, their logprobs, top-logprob dicts or None), as lists."""
     device = logits.device
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # log_softmax = logits - lse
+    # Unnormalized temperature-1 probabilities and log-normalizer in four passes; the inverse
+    # CDF below does not need normalized rows. log_softmax(logits) = logits - lse.
+    peak = logits.amax(-1, keepdim=True)
+    exp = (logits - peak).exp_()
+    lse = peak + exp.sum(-1, keepdim=True).log_()
     greedy = [r.temperature == 0 for r in rows]
     if all(greedy):
         tokens = logits.argmax(-1)
     else:
         u = torch.tensor([0.0 if g else r.rng.random() for r, g in zip(rows, greedy)], device=device)
         temps = [r.temperature or 1.0 for r in rows]
-        if all(t == 1.0 for t in temps):  # the common RL case: reuse lse, skip the division
-            scaled, probs = logits, (logits - lse).exp_()
+        if all(t == 1.0 for t in temps):  # the common RL case: sample from `exp` directly
+            scaled, probs = logits, exp
         else:
             scaled = logits / torch.tensor(temps, device=device)[:, None]
             probs = torch.softmax(scaled, dim=-1)

@@ -222,10 +222,12 @@ class Scheduler:
         if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids):
             return "stop"
         if sp.stop:
-            text = self.tokenizer.decode(s.tokens, skip_special_tokens=True)
-            hits = [i for i in (text.find(stop) for stop in sp.stop) if i >= 0]
-            if hits:
-                s.text = text[: min(hits)]
+            # A stop string that just completed lies in the last few tokens (each decodes to at
+            # least one character): scan that tail, decode everything only on a hit.
+            tail = max(len(stop) for stop in sp.stop) + 4
+            if any(stop in self.tokenizer.decode(s.tokens[-tail:], skip_special_tokens=True) for stop in sp.stop):
+                text = self.tokenizer.decode(s.tokens, skip_special_tokens=True)
+                s.text = text[: min(i for i in (text.find(stop) for stop in sp.stop) if i >= 0)]
                 return "stop"
         if len(s.tokens) >= sp.max_tokens or s.length >= self.max_model_len:
             return "length"

@@ -111,6 +111,10 @@ def test_sleep_frees_the_cache_and_wake_up_restores_it(engine):
 
 
 def test_health_reports_state(engine):
+    from polyrl.rollout.base import ROLLOUT_ENGINES, RolloutEngine
+
+    assert isinstance(engine, RolloutEngine)
+    assert ROLLOUT_ENGINES.get("native") is NativeEngine
     h = engine.health()
     assert h["ok"] and h["weight_version"] == 0 and h["running"] == 0 and h["waiting"] == 0
     assert h["sleeping"] is False
