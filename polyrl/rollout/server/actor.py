@@ -21,25 +21,8 @@ import torch
 from polyrl.distributed.ray_launch import actor_options, plan_for_role
 from polyrl.distributed.waits import gather
 from polyrl.platform import Platform, current_platform, get_platform
-from polyrl.rollout.base import ROLLOUT_ENGINES, RolloutInputError, SamplingParams, TokenOutput
+from polyrl.rollout.base import ROLLOUT_ENGINES, SamplingParams, TokenOutput
 from polyrl.rollout.server.protocol import sampling_from_dict
-
-
-class RemoteInputError(RolloutInputError):
-    """A `RolloutInputError` that survives pickling, so a Ray caller can catch the input error
-    (field named) instead of an "unserializable exception": the base class's args hold one
-    formatted string while its __init__ wants (field, message)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(field, message)
-        self.message = message
-
-    @classmethod
-    def of(cls, exc: RolloutInputError) -> "RemoteInputError":
-        return cls(exc.field, str(exc).removeprefix(f"{exc.field}: "))
-
-    def __reduce__(self):
-        return type(self), (self.field, self.message)
 
 
 class RolloutServer:
@@ -67,10 +50,8 @@ class RolloutServer:
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams | Mapping[str, Any] | None,
                        request_id: str | None = None) -> list[TokenOutput]:
-        try:
-            return await self.engine.generate(prompt_ids, sampling_from_dict(sampling), request_id)
-        except RolloutInputError as exc:
-            raise RemoteInputError.of(exc) from None
+        # RolloutInputError pickles, so a Ray caller catches it with the field named
+        return await self.engine.generate(prompt_ids, sampling_from_dict(sampling), request_id)
 
     async def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> int:
         await asyncio.to_thread(self.engine.update_weights, named_tensors, version)
