@@ -1,0 +1,50 @@
+"""Weight sync configuration: which transport carries new weights to the rollout engines."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from polyrl.config import Config
+
+
+class WeightSyncConfig(Config):
+    transport: str = "auto"
+    """How weights reach the engines: in_place (hybrid placement: the engine lives in the trainer
+    process), broadcast (standalone: bucketed collective over the platform's communication
+    backend), object_store (standalone fallback through Ray's object store), or auto: in_place
+    for hybrid placement, broadcast for standalone."""
+    bucket_mb: float = Field(64, gt=0)
+    """Bucket size in MB: tensors are packed into flat buffers up to this size, one collective
+    (or object) per bucket. The sender holds two buckets of scratch memory; bigger buckets mean
+    fewer, larger messages."""
+    shared_memory: bool = True
+    """broadcast only: when every rank of the sync group can map the sender's shared memory (one
+    host, CPU tensors; checked at the first transfer), move bucket bytes through it and keep only
+    small ready/done signals on the collective. Off: every byte goes through the backend."""
+    timeout_s: float = Field(300, gt=0)
+    """Deadline for one transfer (every wait inside it); on expiry the error names the ranks or
+    replicas that did not arrive and the receivers keep serving the previous weights."""
+
+    @field_validator("transport")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        from polyrl.weights.base import WEIGHT_TRANSPORTS
+
+        if value != "auto" and value not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"unknown weight transport '{value}'; valid choices: auto, "
+                             f"{', '.join(WEIGHT_TRANSPORTS.names())}")
+        return value
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(int(self.bucket_mb * (1 << 20)), 1)
+
+    def resolve(self, placement: str) -> str:
+        """The transport to use under rollout `placement` (hybrid / standalone)."""
+        if self.transport == "auto":
+            return "in_place" if placement == "hybrid" else "broadcast"
+        if self.transport == "in_place" and placement != "hybrid":
+            raise ValueError(
+                "weights.transport=in_place needs rollout.placement=hybrid (a standalone engine "
+                "lives in another process); use weights.transport=broadcast or object_store")
+        return self.transport

@@ -1,0 +1,124 @@
+"""Fallback transport through Ray's object store, for when no collective group can be formed
+(replicas added later, mixed backends, debugging).
+
+The sender packs buckets exactly as the broadcast transport does, puts each in the object store
+(raw bytes, so any dtype travels) and publishes (version, manifest, refs) to a `WeightMailbox`
+actor. Receivers wait on the mailbox for a version newer than their engine's, fetch every bucket
+with a deadline and apply all or nothing. The sender owns the objects: if it dies before a
+receiver has fetched them, the fetch fails and the receiver keeps its previous weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import warnings
+from typing import Any
+
+import ray
+import torch
+
+from polyrl.distributed.waits import RemoteTimeout, gather
+from polyrl.weights.base import NamedTensors, TransferStats, WeightSyncError, named_items
+from polyrl.weights.bucketing import StagedWeights, WeightManifest, as_bytes, pack_bucket, plan_buckets
+from polyrl.weights.config import WeightSyncConfig
+
+
+class WeightMailbox:
+    """Holds the latest published version's manifest and object refs (a Ray actor)."""
+
+    def __init__(self) -> None:
+        self._latest: tuple[int, WeightManifest, list] | None = None
+        self._changed = asyncio.Condition()
+
+    async def publish(self, version: int, manifest: WeightManifest, refs: list) -> int:
+        if self._latest is not None and version <= self._latest[0]:
+            raise WeightSyncError(f"version {version} is not newer than the published "
+                                  f"{self._latest[0]}")
+        async with self._changed:
+            self._latest = (version, manifest, refs)
+            self._changed.notify_all()
+        return version
+
+    async def fetch(self, newer_than: int, timeout_s: float) -> tuple[int, WeightManifest, list] | None:
+        """The latest publication with version > `newer_than`, waiting up to `timeout_s`."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(
+                    lambda: self._latest is not None and self._latest[0] > newer_than), timeout_s)
+            except asyncio.TimeoutError:
+                return None
+        return self._latest
+
+    def latest_version(self) -> int | None:
+        return None if self._latest is None else self._latest[0]
+
+
+def create_mailbox(name: str | None = None, namespace: str | None = None) -> Any:
+    """Start (or find, when `name` is given) a mailbox actor. Needs a running Ray."""
+    cls = ray.remote(num_cpus=0, max_concurrency=64)(WeightMailbox)
+    options: dict[str, Any] = {}
+    if name:
+        options.update(name=name, get_if_exists=True)
+        if namespace:
+            options["namespace"] = namespace
+    return cls.options(**options).remote()
+
+
+class ObjectStoreTransport:
+    name = "object_store"
+
+    def __init__(self, config: WeightSyncConfig | None = None, *, mailbox: Any):
+        self.config = config or WeightSyncConfig(transport="object_store")
+        self.mailbox = mailbox
+        self._scratch: torch.Tensor | None = None
+        self._published: list = []  # keep our refs alive until the next version replaces them
+        self.last_stats: TransferStats | None = None
+
+    def send(self, named_tensors: NamedTensors, version: int) -> TransferStats:
+        items = named_items(named_tensors)
+        manifest, ordered = plan_buckets(items, version, self.config.bucket_bytes)
+        t0 = time.perf_counter()
+        need = max((s.nbytes for s in manifest.buckets if s.num_slots > 1), default=0)
+        if self._scratch is None or self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.uint8)
+        refs = []
+        for b in range(len(manifest.buckets)):
+            flat = as_bytes(pack_bucket(manifest, b, ordered, self._scratch))
+            refs.append(ray.put(flat.numpy()))  # copied into the store; scratch is free again
+        gather([self.mailbox.publish.remote(version, manifest, refs)], ["weight mailbox"],
+               phase=f"weight sync v{version}: publish", timeout_s=self.config.timeout_s)
+        self._published = refs
+        stats = TransferStats(self.name, version, manifest.num_tensors, len(manifest.buckets),
+                              manifest.total_bytes, time.perf_counter() - t0)
+        self.last_stats = stats
+        return stats
+
+    def receive(self, engine: Any) -> int:
+        timeout = self.config.timeout_s
+        current = int(engine.weight_version)
+        t0 = time.perf_counter()
+        [found] = gather([self.mailbox.fetch.remote(current, timeout)], ["weight mailbox"],
+                         phase="weight sync: wait for a new version", timeout_s=timeout + 10)
+        if found is None:
+            raise RemoteTimeout(f"weight sync: wait for a version newer than {current}",
+                                ["weight sender (nothing published)"], timeout)
+        version, manifest, refs = found
+        names = [f"weight bucket {b} of v{version}" for b in range(len(refs))]
+        try:
+            arrays = gather(refs, names, phase=f"weight sync v{version}: fetch", timeout_s=timeout)
+        except RemoteTimeout:
+            raise
+        except Exception as exc:  # owner died, object lost: the version never arrives whole
+            raise WeightSyncError(f"version {version} could not be fetched ({type(exc).__name__}); "
+                                  "the previous weights stay in service") from exc
+        with warnings.catch_warnings():  # store objects are read-only; we only read them
+            warnings.simplefilter("ignore", UserWarning)
+            buffers = [torch.from_numpy(a) for a in arrays]
+        staged = StagedWeights(manifest, buffers)
+        for b in range(len(buffers)):
+            staged.mark(b)
+        applied = staged.apply(engine)
+        self.last_stats = TransferStats(self.name, version, manifest.num_tensors, len(refs),
+                                        manifest.total_bytes, time.perf_counter() - t0)
+        return applied

@@ -1,0 +1,130 @@
+"""Bucketed broadcast weight sync on real gloo processes: 1 trainer rank + 2 replicas x 1 rank.
+
+Versions go through in order; a sender that fails midway (v2) or dies midway (v4) leaves every
+receiver serving the previous version, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from pathlib import Path
+
+import pytest
+
+from gloo_world import DictEngine, model_weights, run_world, same_weights
+from polyrl.distributed.layout import RankLayout, build_groups
+from polyrl.platform import get_platform
+from polyrl.weights import WeightSyncConfig, WeightSyncError, build_transport
+from polyrl.weights import bucketing
+
+LAYOUT = RankLayout(num_replicas=2, tensor_parallel_size=1, trainer_world_size=1)
+
+def config(shared_memory: bool) -> WeightSyncConfig:  # ~1 KB buckets: several per version
+    return WeightSyncConfig(transport="broadcast", bucket_mb=0.001, timeout_s=3,
+                            shared_memory=shared_memory)
+
+
+def fail_at_bucket(b: int, die: bool) -> None:
+    """From now on, packing bucket `b` fails (or kills this process), on either data path."""
+    for name in ("pack_bucket", "pack_into"):
+        real = getattr(REAL, name)
+
+        def pack(manifest, i, ordered, out=None, _real=real):
+            if i == b:
+                if die:
+                    os._exit(3)  # the trainer process dies mid-transfer
+                raise OSError("gathering a shard failed")
+            return _real(manifest, i, ordered, out)
+
+        setattr(bucketing, name, pack)
+
+
+class REAL:
+    pack_bucket = staticmethod(bucketing.pack_bucket)
+    pack_into = staticmethod(bucketing.pack_into)
+
+
+def world(rank: int, world_size: int, out_dir: str, shared_memory: bool) -> dict:
+    groups = build_groups(LAYOUT, rank, backend=get_platform("cpu").dist_backend(), timeout_s=30)
+    transport = build_transport(config(shared_memory), "standalone", group=groups.group("weight_sync"))
+    if groups.info.role == "trainer":
+        stats = [transport.send(model_weights(seed=1), version=1)]
+        fail_at_bucket(1, die=False)
+        try:
+            transport.send(model_weights(seed=2), version=2)
+        except WeightSyncError as exc:
+            stats.append(str(exc))
+        bucketing.pack_bucket, bucketing.pack_into = REAL.pack_bucket, REAL.pack_into
+        stats.append(transport.send(model_weights(seed=3), version=3))
+        stats.append(transport._ring is not None)
+        Path(out_dir, "sender-stats.pkl").write_bytes(pickle.dumps(stats))
+        fail_at_bucket(2, die=True)
+        transport.send(model_weights(seed=4), version=4)
+        return stats
+    engine = DictEngine(model_weights(seed=0))
+    out: dict = {"applied": []}
+    for _ in range(4):
+        t0 = time.monotonic()
+        try:
+            out["applied"].append(transport.receive(engine))
+        except Exception as exc:
+            out["applied"].append((type(exc).__name__, str(exc), time.monotonic() - t0))
+        out[f"after{len(out['applied'])}"] = (engine.weight_version,
+                                                {k: v.clone() for k, v in engine.weights.items()})
+    out["stats"] = transport.last_stats
+    return out
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["shared-memory", "backend-only"])
+def results(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("broadcast")
+    results = run_world(world, LAYOUT.world_size, tmp, args=(str(tmp), request.param))
+    results["shared_memory"] = request.param
+    sender = tmp / "sender-stats.pkl"
+    results["sender"] = pickle.loads(sender.read_bytes()) if sender.exists() else None
+    return results
+
+
+def test_versions_arrive_in_every_replica(results):
+    for rank in (1, 2):
+        status, out = results[rank]
+        assert status == "ok", out
+        assert out["applied"][0] == 1 and out["applied"][2] == 3
+        version, weights = out["after3"]
+        assert version == 3 and same_weights(weights, model_weights(seed=3))
+        assert out["stats"].version == 3 and out["stats"].num_buckets > 3
+
+
+def test_sender_reports_bytes_seconds_and_rate(results):
+    assert results[0] == ("missing",)  # it died on purpose during v4
+    v1, failure, v3, used_shm = results["sender"]
+    assert used_shm is results["shared_memory"]
+    assert not list(Path("/dev/shm").glob("polyrl-weights-*"))  # unlinked, even after the crash
+    nbytes = sum(t.numel() * t.element_size() for t in model_weights(seed=1).values())
+    for stats, version in ((v1, 1), (v3, 3)):
+        assert stats.version == version and stats.transport == "broadcast"
+        assert stats.bytes == nbytes and stats.num_tensors == 6 and stats.num_buckets > 3
+        assert stats.seconds > 0 and stats.bytes_per_s == pytest.approx(stats.bytes / stats.seconds)
+    assert "failed at bucket 1" in failure and "keep their previous weights" in failure
+
+
+def test_a_sender_failing_midway_leaves_the_previous_version_serving(results):
+    for rank in (1, 2):
+        out = results[rank][1]
+        kind, message, _ = out["applied"][1]
+        assert kind == "WeightSyncError" and "aborted version 2" in message
+        version, weights = out["after2"]
+        assert version == 1 and same_weights(weights, model_weights(seed=1))
+
+
+def test_a_sender_dying_midway_leaves_the_previous_version_serving(results):
+    for rank in (1, 2):
+        out = results[rank][1]
+        kind, message, seconds = out["applied"][3]
+        assert kind in ("CollectiveError", "CollectiveTimeout"), message
+        assert "weight sync v4" in message and "rank 0: step 0 'weight sync v4" in message
+        assert seconds < 3 + 2
+        version, weights = out["after4"]
+        assert version == 3 and same_weights(weights, model_weights(seed=3))

@@ -1,0 +1,113 @@
+"""Ray object-store fallback: versions through a mailbox actor, all or nothing on the receiver."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gloo_world import DictEngine, model_weights, same_weights
+from polyrl.distributed.waits import RemoteTimeout
+from polyrl.weights import WeightSyncConfig, WeightSyncError, build_transport
+from polyrl.weights.object_store import create_mailbox
+
+CONFIG = WeightSyncConfig(transport="object_store", bucket_mb=0.001, timeout_s=5)
+
+
+def sender_actor(ray, mailbox):
+    """A trainer stand-in in its own worker process (it owns the objects it puts), so it can
+    die mid-send. Defined here so Ray pickles it by value (workers cannot import tests)."""
+
+    @ray.remote(num_cpus=0)
+    class Sender:
+        def __init__(self, mailbox, config):
+            from polyrl.weights import build_transport
+
+            self.transport = build_transport(config, "standalone", mailbox=mailbox)
+
+        def send(self, named_tensors, version: int):
+            return self.transport.send(named_tensors, version)
+
+        def send_and_die(self, named_tensors, version: int, at_bucket: int):
+            import os
+
+            import polyrl.weights.object_store as object_store
+
+            real = object_store.pack_bucket
+
+            def pack(manifest, b, ordered, scratch=None):
+                if b == at_bucket:
+                    os._exit(3)
+                return real(manifest, b, ordered, scratch)
+
+            object_store.pack_bucket = pack
+            return self.transport.send(named_tensors, version)
+
+    return Sender.remote(mailbox, CONFIG)
+
+
+@pytest.fixture(scope="module")
+def mailbox(ray_session):
+    box = create_mailbox()
+    yield box
+    ray_session.kill(box)
+
+
+# These tests share one mailbox, so versions keep increasing: 1, 2, then 3 (never published).
+
+
+def test_versions_arrive_and_report_stats(mailbox):
+    sender = build_transport(CONFIG, "standalone", mailbox=mailbox)  # the driver owns the objects
+    receiver = build_transport(CONFIG, "standalone", mailbox=mailbox)
+    engine = DictEngine(model_weights(seed=0))
+    stats = sender.send(model_weights(seed=1), 1)
+    assert receiver.receive(engine) == 1 and same_weights(engine.weights, model_weights(seed=1))
+    assert stats.transport == "object_store" and stats.num_buckets > 3 and stats.bytes_per_s > 0
+    sender.send(model_weights(seed=2), 2)
+    assert receiver.receive(engine) == 2 and same_weights(engine.weights, model_weights(seed=2))
+    assert receiver.last_stats.version == 2
+
+
+def test_nothing_new_published_times_out_naming_the_sender(mailbox):
+    config = WeightSyncConfig(transport="object_store", timeout_s=0.5)
+    receiver = build_transport(config, "standalone", mailbox=mailbox)
+    engine = DictEngine(model_weights(seed=2), version=2)
+    t0 = time.monotonic()
+    with pytest.raises(RemoteTimeout, match="weight sender"):
+        receiver.receive(engine)
+    assert time.monotonic() - t0 < 10 and engine.weight_version == 2
+
+
+def test_sender_dying_midway_keeps_the_previous_version(ray_session, mailbox):
+    ray = ray_session
+    doomed = sender_actor(ray, mailbox)
+    with pytest.raises(ray.exceptions.RayActorError):  # dies after putting bucket 0 of v3
+        ray.get(doomed.send_and_die.remote(model_weights(seed=3), 3, 1), timeout=30)
+    config = WeightSyncConfig(transport="object_store", timeout_s=1)
+    receiver = build_transport(config, "standalone", mailbox=mailbox)
+    engine = DictEngine(model_weights(seed=2), version=2)
+    with pytest.raises(RemoteTimeout, match="weight sender"):
+        receiver.receive(engine)
+    assert engine.weight_version == 2 and same_weights(engine.weights, model_weights(seed=2))
+
+
+def test_lost_buckets_are_not_applied(monkeypatch):
+    """Published but unfetchable (its owner died): nothing is applied."""
+    import polyrl.weights.object_store as object_store
+    from polyrl.weights.bucketing import plan_buckets
+
+    manifest, _ = plan_buckets(list(model_weights(seed=3).items()), 3, 256)
+    answers = iter([[(3, manifest, ["ref"] * len(manifest.buckets))]])
+
+    def fake_gather(refs, names, *, phase, timeout_s):
+        if "fetch" in phase:
+            raise RuntimeError("OwnerDiedError: the owner of bucket 1 died")
+        return next(answers)
+
+    monkeypatch.setattr(object_store, "gather", fake_gather)
+    mailbox = type("Mailbox", (), {"fetch": type("M", (), {"remote": lambda self, *a: None})()})()
+    receiver = object_store.ObjectStoreTransport(CONFIG, mailbox=mailbox)
+    engine = DictEngine(model_weights(seed=2), version=2)
+    with pytest.raises(WeightSyncError, match="version 3 could not be fetched"):
+        receiver.receive(engine)
+    assert engine.weight_version == 2 and engine.calls == 0
