@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 from polyrl.cli.common import CLIError, add_config_args, load_job_config
 
 logger = logging.getLogger("polyrl")
+
+EMBEDDED_DEFAULT = Path(__file__).resolve().parents[1] / "configs" / "embedded_default.yaml"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -16,7 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "train",
         help="train a policy with GRPO-family RL (default: bundled tiny model and task, on CPU)",
         description="Train with reinforcement learning from verifiable rewards. Config: YAML "
-        "files (-c) then KEY=VALUE overrides, e.g. `polyrl train rollout.n=8 actor.lr=1e-4`.",
+        "files (-c) then KEY=VALUE overrides, e.g. `polyrl train rollout.n=8 actor.lr=1e-4`. "
+        "Without -c, training starts from the embedded default (bundled tiny model and "
+        "arithmetic task, polyrl/configs/embedded_default.yaml).",
     )
     add_config_args(p)
     p.add_argument("--output-dir", help="where metrics, samples and summary.json go "
@@ -38,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.output_dir:
         args.overrides = [*args.overrides, f"trainer.output_dir={args.output_dir}"]
+    if not args.config:  # no config file: start from the embedded default (tiny model + task)
+        args.config = [str(EMBEDDED_DEFAULT)]
     cfg = load_job_config(args)
     if args.print_config:
         print(to_yaml(cfg), end="")

@@ -23,7 +23,7 @@ class RolloutConfig(Config):
     """Nucleus sampling mass for training rollouts."""
     top_k: int = Field(-1, ge=-1)
     """Top-k filter for training rollouts (-1 disables)."""
-    response_length: int = Field(16, ge=1)
+    response_length: int = Field(512, ge=1)
     """Most tokens generated per response."""
     max_model_len: int | None = Field(None, ge=2)
     """Longest prompt + response the engine accepts (default: max prompt + response length)."""

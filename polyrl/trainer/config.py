@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from polyrl.algorithms import AlgorithmConfig, check_samples_per_prompt
 from polyrl.config import Config
@@ -58,6 +58,12 @@ class TrainerConfig(Config):
     resume: str = "auto"
     """auto: continue from the latest complete checkpoint in output_dir (if any); off: start
     fresh; or the path of a checkpoints/step_* directory."""
+
+    @field_validator("resume", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        # YAML reads a bare `off` / `on` as a boolean
+        return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
 
 
 class JobConfig(Config):

@@ -22,7 +22,7 @@ class ModelConfig(Config):
 
 
 class ActorConfig(Config):
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(1e-6, gt=0)
     """Peak learning rate of AdamW."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""

@@ -77,6 +77,13 @@ def test_resolved_config_round_trips(tmp_path):
     assert load_config(JobConfig, files=[path]) == cfg
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+SHIPPED = sorted((REPO / "configs").glob("*.yaml")) + sorted((REPO / "polyrl" / "configs").glob("*.yaml"))
+
+
+def test_configs_are_shipped():
+    assert {p.name for p in SHIPPED} >= {"gsm8k_qwen_gpu.yaml", "embedded_default.yaml"}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     load_config(JobConfig, files=[path])

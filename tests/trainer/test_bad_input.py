@@ -51,7 +51,7 @@ def test_missing_model_path(tmp_path):
     ("rollout.n=1", "GRPO needs rollout.n >= 2"),
     ("algorithm.use_kl_loss=true", None),
     ("rollout.backend=vlm", "rollout.backend: 'vlm' is not one of native, vllm, sglang, trtllm"),
-    ("actor.mini_batch_size=3", "actor.mini_batch_size=3 must divide data.train_batch_size=8"),
+    ("actor.mini_batch_size=3", "actor.mini_batch_size=3 must divide data.train_batch_size=16"),
 ])
 def test_contradictory_config(override, needle):
     if needle is None:  # both KL modes on at once
