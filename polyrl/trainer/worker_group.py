@@ -86,4 +86,7 @@ class PolicyGroup:
 
 
 def default_threads(world_size: int) -> int:
-    return max(1, (os.cpu_count() or 1) // world_size)
+    """One core stays with the driver, Ray and the reward threads; the rest are shared by the
+    ranks. Oversubscribed OpenMP threads spin-wait: on a 2-core machine a 2-thread worker next to
+    a busy driver ran a step 15x slower than a 1-thread worker (docs/benchmarks.md)."""
+    return max(1, ((os.cpu_count() or 1) - 1) // world_size)

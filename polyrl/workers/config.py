@@ -53,7 +53,7 @@ class ActorConfig(Config):
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     """Autocast dtype of forward/backward."""
     num_cpus_per_worker: int | None = Field(None, ge=1)
-    """CPU cores (and torch threads) per worker (default: this machine's cores / world_size)."""
+    """CPU cores (and torch threads) per worker (default: (this machine's cores - 1) / world_size)."""
     old_logprobs: Literal["auto", "rollout", "recompute"] = "auto"
     """Where the PPO ratio's old log-probs come from: auto uses the engine's when rollout is
     on-policy and the engine computes in the trainer's dtype, else recomputes."""
