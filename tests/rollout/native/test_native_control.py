@@ -43,7 +43,7 @@ def test_update_weights_is_all_or_nothing(engine):
 
 
 def test_full_update_from_another_checkpoint_matches_it(model_dirs, tmp_path):
-    from conftest import build_model_dir
+    from native_models import build_model_dir
 
     other_dir = build_model_dir("qwen3", tmp_path / "other", seed=1)
     engine = NativeEngine(model_dirs["qwen3"], max_model_len=64)

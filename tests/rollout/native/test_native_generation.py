@@ -10,7 +10,7 @@ import pytest
 from polyrl.rollout.base import SamplingParams
 from polyrl.rollout.native.engine import NativeEngine
 
-from conftest import EOS
+from native_models import EOS
 
 
 def test_seed_gives_same_tokens_whatever_else_is_batched(engine):
