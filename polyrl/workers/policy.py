@@ -210,7 +210,7 @@ class PolicyWorker:
             self.nonfinite_in_a_row = 0
             sums["actor/nonfinite_skipped"] = 0.0
             self.optimizer.step()
-        self.scheduler.step()
+            self.scheduler.step()  # a skipped update is not a step of the schedule
         return sums
 
     def _reduce_and_clip(self) -> float:
