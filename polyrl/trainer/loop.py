@@ -41,12 +41,13 @@ from polyrl.trainer.checkpoint import (
 from polyrl.trainer.config import JobConfig
 from polyrl.trainer.interrupts import TrainingInterrupted, stop_on_signals
 from polyrl.trainer.metrics import MetricsWriter, PhaseTimer
-from polyrl.trainer.plots import plot_run
+from polyrl.trainer.plots import plot_run, print_summary
 from polyrl.trainer.samples_log import SampleLog, rows_from_samples
 from polyrl.trainer.sinks import build_sinks, check_available
 from polyrl.trainer.worker_group import PolicyGroup
 from polyrl.workers.batch import Sample
 from polyrl.workers.model_loading import load_tokenizer
+from polyrl.workers.policy import NonFiniteUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +187,10 @@ class Trainer:
         if cfg.logging.plot_at_end:
             try:
                 logger.info("curves: %s (redraw any time: polyrl plot %s)", plot_run(self.out), self.out)
+                if cfg.trainer.progress_bar:
+                    from rich.console import Console
+
+                    print_summary(self.out, Console(stderr=True))
             except Exception as exc:  # a plotting problem must not fail a finished run
                 logger.warning("could not draw the curves: %s", exc)
         return summary
@@ -248,12 +253,20 @@ class Trainer:
         if cfg.algorithm.filter_tied_groups:
             samples = [s for s in samples if not s.extra.get("tied")]
         with timer("update"):
-            metrics.update(self.policy.update(samples, cfg.num_mini_batches, self.use_rollout_logprobs))
+            try:
+                metrics.update(self.policy.update(samples, cfg.num_mini_batches, self.use_rollout_logprobs))
+            except Exception as exc:
+                if isinstance(getattr(exc, "cause", exc), NonFiniteUpdate):
+                    kept = complete_checkpoints(self.out)
+                    last = f"the last good checkpoint is {kept[-1]}" if kept else "no checkpoint was written yet"
+                    raise TrainingError(f"step {step}: {getattr(exc, 'cause', exc)}; {last}") from None
+                raise
         with timer("sync_weights"):
             self.policy.call("sync_weights", phase="weight sync")
         metrics.update(timer.pop())
         metrics["timing/step"] = time.perf_counter() - t0
         metrics["perf/samples_per_s"] = len(samples) / metrics["timing/step"]
+        metrics["perf/generate_tokens_per_s"] = metrics["perf/generated_tokens"] / max(metrics["timing/generate"], 1e-9)
         metrics["train/epoch"] = self.train_loader.epoch
         return metrics
 

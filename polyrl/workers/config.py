@@ -46,8 +46,9 @@ class ActorConfig(Config):
     """Token budget of one forward/backward micro-batch (sequences are packed up to it)."""
     world_size: int = Field(1, ge=1)
     """Policy ranks (torch.distributed: gloo on CPU, the platform's backend on GPUs)."""
-    strategy: Literal["ddp", "fsdp2"] = "ddp"
-    """How the ranks share the model."""
+    strategy: Literal["ddp"] = "ddp"
+    """How the ranks share the model: ddp replicates it and all-reduces gradients (one flat
+    all-reduce per optimizer step). Sharded strategies (FSDP2) are not implemented yet."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """Master weights and optimizer dtype."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"

@@ -156,6 +156,7 @@ class PolicyWorker:
         out = {k: sum(v) / len(v) for k, v in metrics.items()}
         elapsed = time.perf_counter() - start
         out["perf/update_tokens_per_s"] = tokens / max(elapsed, 1e-9)
+        out["perf/peak_memory_gb"] = self.platform.peak_memory_bytes() / 2**30
         return out
 
     def _global(self, *values: float) -> list[float]:
