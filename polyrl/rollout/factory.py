@@ -42,3 +42,16 @@ def build_colocated_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer
         model, tokenizer=tokenizer, dtype=cfg.dtype, device=device,
         max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, seed=seed, **kwargs,
     )
+
+
+def build_standalone_engine(cfg: RolloutConfig, model_path: str, device: torch.device, seed: int = 0):
+    """An engine that loads the policy's initial weights from disk (standalone placement); later
+    versions arrive through the weight transport."""
+    require_backend(cfg.backend)
+    from polyrl.builtin import resolve
+
+    engine_cls = ROLLOUT_ENGINES.get(cfg.backend)
+    kwargs = dict(cfg.engine_kwargs.get(cfg.backend, {}))
+    return engine_cls(resolve(model_path), dtype=cfg.dtype, device=device,
+                      max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, seed=seed,
+                      **kwargs)

@@ -12,6 +12,7 @@ from polyrl.config import Config
 from polyrl.data import DataConfig
 from polyrl.rewards.config import RewardConfig
 from polyrl.rollout.config import RolloutConfig
+from polyrl.weights import WeightSyncConfig
 from polyrl.trainer.sinks import LoggingConfig
 from polyrl.workers.config import ActorConfig, ModelConfig
 
@@ -75,6 +76,7 @@ class JobConfig(Config):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    weights: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     actor: ActorConfig = Field(default_factory=ActorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
@@ -97,6 +99,10 @@ class JobConfig(Config):
             raise ValueError(
                 f"data.train_batch_size={self.data.train_batch_size} must be a multiple of "
                 f"actor.world_size={self.actor.world_size}: each rank's engine generates an equal share")
+        try:
+            self.weights.resolve(self.rollout.placement)
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
         return self
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from polyrl.builtin import resolve
 from polyrl.config import to_yaml
 from polyrl.data import PromptSample, build_loaders
 from polyrl.distributed.ray_launch import init_ray
+from polyrl.distributed.waits import gather
 from polyrl.platform import get_platform
 from polyrl.rewards import RewardManager, RewardRequest
 from polyrl.rollout.factory import require_backend
@@ -44,7 +46,7 @@ from polyrl.trainer.metrics import MetricsWriter, PhaseTimer
 from polyrl.trainer.plots import plot_run, print_summary
 from polyrl.trainer.samples_log import SampleLog, rows_from_samples
 from polyrl.trainer.sinks import build_sinks, check_available
-from polyrl.trainer.worker_group import PolicyGroup
+from polyrl.trainer.worker_group import cpus_needed, launch
 from polyrl.workers.batch import Sample
 from polyrl.workers.model_loading import load_tokenizer
 from polyrl.workers.policy import NonFiniteUpdate
@@ -68,10 +70,13 @@ class Trainer:
     # --- set-up -------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
-        if cfg.trainer.mode != "sync" or cfg.rollout.placement != "hybrid":
+        if cfg.trainer.mode != "sync":
             raise TrainingError(
-                f"trainer.mode={cfg.trainer.mode} with rollout.placement={cfg.rollout.placement} "
-                "is not available in this polyrl version; use trainer.mode=sync rollout.placement=hybrid")
+                f"trainer.mode={cfg.trainer.mode} is not available in this polyrl version; "
+                "use trainer.mode=sync")
+        if cfg.rollout.backend == "native" and cfg.rollout.tensor_parallel_size > 1:
+            raise TrainingError("rollout.tensor_parallel_size > 1 needs a GPU engine; the native "
+                                "engine runs one rank per replica (set rollout.tensor_parallel_size=1)")
         require_backend(cfg.rollout.backend)
         check_available(cfg.logging.sinks)  # a missing tensorboard/wandb fails now, not after loading
         check_writable(self.out, need_bytes=0)
@@ -102,10 +107,24 @@ class Trainer:
         import ray
 
         self.started_ray = not ray.is_initialized()
-        init_ray(self.platform, address=cfg.ray.address, num_cpus=cfg.ray.num_cpus,
+        per_actor, needed = cpus_needed(cfg)
+        num_cpus = cfg.ray.num_cpus
+        if num_cpus is None and cfg.ray.address is None:
+            cores = os.cpu_count() or 1
+            num_cpus = max(cores, needed)
+            if needed > cores:
+                logger.warning("%d actors x %d CPU(s) on %d core(s): they share cores (slower, "
+                               "not wrong)", needed // per_actor, per_actor, cores)
+        init_ray(self.platform, address=cfg.ray.address, num_cpus=num_cpus,
                  namespace=cfg.ray.namespace, config_env=cfg.env, backend=cfg.rollout.backend,
                  placement=cfg.rollout.placement, mode=cfg.trainer.mode)
-        self.policy = PolicyGroup(cfg, self.platform, self.total_steps)
+        available = ray.available_resources().get("CPU", 0)
+        if available < needed:
+            raise TrainingError(
+                f"the run's actors reserve {needed} CPUs ({per_actor} per rank) but Ray has {available:g} "
+                "free; lower actor.num_cpus_per_worker or rollout.num_replicas, or add CPUs (ray.num_cpus)")
+        self.policy, self.rollout = launch(cfg, self.platform, self.total_steps)
+        self.engines = self.rollout or self.policy  # whoever hosts the rollout engines
         self.use_rollout_logprobs = self._use_rollout_logprobs()
         self.checkpoints = CheckpointWriter(self.out, cfg.trainer.keep_last)
         # model + tokenizer + two Adam moments, fp32, for each kept checkpoint plus the one in flight
@@ -130,8 +149,9 @@ class Trainer:
             with stop_on_signals() as stop:
                 return self._run(start, stop)
         finally:
-            if hasattr(self, "policy"):
-                self.policy.shutdown()
+            for group in (getattr(self, "rollout", None), getattr(self, "policy", None)):
+                if group is not None:
+                    group.shutdown()
             if self.started_ray:
                 import ray
 
@@ -214,6 +234,8 @@ class Trainer:
         self.train_loader.load_state_dict(state["data"])
         restore_rng(state["rng"])
         self.policy.call("load_checkpoint", str(resume_dir), phase="resume")
+        if self.rollout is not None:  # replicas start from the model on disk: send the checkpoint's
+            self.sync_weights(bump=False)
         logger.info("resumed from %s (step %d)", resume_dir, state["step"])
         return state
 
@@ -262,7 +284,7 @@ class Trainer:
                     raise TrainingError(f"step {step}: {getattr(exc, 'cause', exc)}; {last}") from None
                 raise
         with timer("sync_weights"):
-            self.policy.call("sync_weights", phase="weight sync")
+            metrics.update(self.sync_weights())
         metrics.update(timer.pop())
         metrics["timing/step"] = time.perf_counter() - t0
         metrics["perf/samples_per_s"] = len(samples) / metrics["timing/step"]
@@ -282,11 +304,22 @@ class Trainer:
         )
         # one seed per (run, step, prompt): the same run draws the same samples, however batched
         seeds = [hash((self.cfg.trainer.seed, step, p.index, validation)) % (2**31) for p in batch]
-        samples = self.policy.generate([p.prompt_ids for p in batch], sampling, seeds,
-                                       phase="validation" if validation else "generate")
+        samples = self.engines.generate([p.prompt_ids for p in batch], sampling, seeds,
+                                        phase="validation" if validation else "generate")
         for s in samples:
             s.extra["prompt"] = batch[s.group]
         return samples
+
+    def sync_weights(self, bump: bool = True) -> dict[str, float]:
+        """Hybrid: each rank copies its weights into its engine. Standalone: the weight-sync
+        leader sends, every replica receives, all under one deadline that names the missing."""
+        policy_refs = [w.sync_weights.remote(bump) for w in self.policy.workers]
+        refs, names = list(policy_refs), list(self.policy.names)
+        if self.rollout is not None:
+            refs += [w.receive_weights.remote() for w in self.rollout.workers]
+            names += self.rollout.names
+        results = gather(refs, names, phase="weight sync", timeout_s=self.cfg.ray.timeout_s)
+        return results[0]
 
     def score(self, samples: list[Sample], batch: list[PromptSample]) -> dict[str, float]:
         requests = [RewardRequest(p.data_source, s.text, p.ground_truth, s.finished_with_eos, p.extra_info)

@@ -15,27 +15,11 @@ from polyrl.workers.batch import Sample, split_evenly
 from polyrl.workers.policy import PolicyWorker
 
 
-class PolicyGroup:
-    def __init__(self, cfg: Any, platform: Platform, total_steps: int):
-        self.cfg = cfg
-        self.timeout_s = cfg.ray.timeout_s
-        world = cfg.actor.world_size
-        cpus = cfg.actor.num_cpus_per_worker or default_threads(world)
-        plan = plan_for_role(platform, "trainer", backend=cfg.rollout.backend,
-                             placement=cfg.rollout.placement, mode=cfg.trainer.mode,
-                             config_env=cfg.env)
-        devices = 1 if platform.ray_resource else 0
-        options = actor_options(plan, platform.ray_actor_options(devices, num_cpus=cpus))
-        remote_cls = ray.remote(PolicyWorker)
-        self.workers = [
-            remote_cls.options(**options, name=None).remote(cfg, rank, world, total_steps, cpus)
-            for rank in range(world)
-        ]
-        self.names = [f"policy rank {r}" for r in range(world)]
-        address = None
-        if world > 1:
-            address = self._get([self.workers[0].address.remote()], "rendezvous", self.names[:1])[0]
-        self.num_params = self.call("setup", address, phase="start-up")[0]
+class WorkerGroup:
+    """Ray actors of one kind, called together, answers gathered with a deadline."""
+
+    def __init__(self, workers: list, names: list[str], timeout_s: float):
+        self.workers, self.names, self.timeout_s = workers, names, timeout_s
 
     @property
     def world_size(self) -> int:
@@ -66,6 +50,15 @@ class PolicyGroup:
         results = self.call_sharded("generate", shards, phase=phase)
         return [s for shard in results for s in shard]
 
+    def shutdown(self) -> None:
+        try:
+            self.call("shutdown", phase="shutdown")
+        finally:
+            for w in self.workers:
+                ray.kill(w)
+
+
+class PolicyGroup(WorkerGroup):
     def logprobs(self, samples: list[Sample], which: str) -> list[list[float]]:
         shards = [(chunk, which) for chunk in split_evenly(samples, self.world_size)]
         return [lp for shard in self.call_sharded("logprobs", shards, phase=f"{which} log-probs")
@@ -77,16 +70,64 @@ class PolicyGroup:
         per_rank = self.call_sharded("update", shards, phase="update")
         return per_rank[0]  # metrics are global (all-reduced) quantities or rank-0 timings
 
-    def shutdown(self) -> None:
-        try:
-            self.call("shutdown", phase="shutdown")
-        finally:
-            for w in self.workers:
-                ray.kill(w)
 
 
-def default_threads(world_size: int) -> int:
+def launch(cfg: Any, platform: Platform, total_steps: int) -> tuple[PolicyGroup, WorkerGroup | None]:
+    """Start the policy ranks (and, for standalone placement, the rollout replicas) with their
+    planned environments, rendezvous them in one torch.distributed world and set them up."""
+    from polyrl.workers.rollout_worker import RolloutWorker, rollout_layout
+
+    timeout = cfg.ray.timeout_s
+    world = cfg.actor.world_size
+    cpus, _ = cpus_needed(cfg)
+    devices = 1 if platform.ray_resource else 0
+    plan_kw = dict(backend=cfg.rollout.backend, placement=cfg.rollout.placement,
+                   mode=cfg.trainer.mode, config_env=cfg.env)
+    trainer_opts = actor_options(plan_for_role(platform, "trainer", **plan_kw),
+                                 platform.ray_actor_options(devices, num_cpus=cpus))
+    policy_cls = ray.remote(PolicyWorker)
+    policy = PolicyGroup([policy_cls.options(**trainer_opts).remote(cfg, r, world, total_steps, cpus)
+                          for r in range(world)], [f"policy rank {r}" for r in range(world)], timeout)
+    rollout = None
+    setup_refs, names = [], []
+    if cfg.rollout.placement == "standalone":
+        layout = rollout_layout(cfg)
+        rollout_opts = actor_options(plan_for_role(platform, "rollout", **plan_kw),
+                                     platform.ray_actor_options(devices, num_cpus=cpus))
+        rollout_cls = ray.remote(RolloutWorker)
+        ranks = [r for r in range(layout.world_size) if layout.rank_info(r).role != "trainer"]
+        rollout = WorkerGroup([rollout_cls.options(**rollout_opts).remote(cfg, r, cpus) for r in ranks],
+                              [f"rollout replica {layout.rank_info(r).replica} (rank {r})" for r in ranks],
+                              timeout)
+    address = None
+    if world > 1 or rollout is not None:
+        address = gather([policy.workers[0].address.remote()], policy.names[:1],
+                         phase="rendezvous", timeout_s=timeout)[0]
+    setup_refs = [w.setup.remote(address) for w in policy.workers]
+    names = list(policy.names)
+    if rollout is not None:
+        setup_refs += [w.setup.remote(address) for w in rollout.workers]
+        names += rollout.names
+    results = gather(setup_refs, names, phase="start-up", timeout_s=timeout)
+    policy.num_params = results[0]
+    return policy, rollout
+
+
+def cpus_needed(cfg: Any) -> tuple[int, int]:
+    """(CPUs each actor reserves, CPUs all actors reserve together)."""
+    ranks = cfg.actor.world_size + _num_rollout_ranks(cfg)
+    per = cfg.actor.num_cpus_per_worker or default_threads(ranks)
+    return per, per * ranks
+
+
+def _num_rollout_ranks(cfg: Any) -> int:
+    if cfg.rollout.placement != "standalone":
+        return 0
+    return cfg.rollout.num_replicas * cfg.rollout.tensor_parallel_size
+
+
+def default_threads(num_ranks: int) -> int:
     """One core stays with the driver, Ray and the reward threads; the rest are shared by the
-    ranks. Oversubscribed OpenMP threads spin-wait: on a 2-core machine a 2-thread worker next to
+    ranks (policy ranks plus standalone rollout ranks). Oversubscribed OpenMP threads spin-wait: on a 2-core machine a 2-thread worker next to
     a busy driver ran a step 15x slower than a 1-thread worker (docs/benchmarks.md)."""
-    return max(1, ((os.cpu_count() or 1) - 1) // world_size)
+    return max(1, ((os.cpu_count() or 1) - 1) // num_ranks)

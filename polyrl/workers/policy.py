@@ -19,10 +19,13 @@ import torch.distributed as dist
 
 from polyrl.algorithms import actor_loss
 from polyrl.platform import get_platform
-from polyrl.rollout.base import SamplingParams
 from polyrl.rollout.factory import build_colocated_engine
+from polyrl.distributed.layout import build_groups, group_leader
+from polyrl.weights import build_transport
 from polyrl.workers.batch import Sample, collate, plan_micro_batches, split_evenly
+from polyrl.workers.generation import generate_samples
 from polyrl.workers.logprobs import response_logprobs
+from polyrl.workers.rollout_worker import rollout_layout
 from polyrl.workers.model_loading import load_causal_lm, load_tokenizer
 from polyrl.workers.optim import build_optimizer
 
@@ -44,6 +47,7 @@ class PolicyWorker:
     def __init__(self, cfg: Any, rank: int, world_size: int, total_steps: int, num_threads: int):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.total_steps = total_steps
+        self.standalone = cfg.rollout.placement == "standalone"
         torch.set_num_threads(num_threads)
         self.platform = get_platform(cfg.platform)
         self.device = self.platform.torch_device(0)
@@ -64,9 +68,19 @@ class PolicyWorker:
     def setup(self, dist_init: str | None) -> int:
         cfg, rank, world_size = self.cfg, self.rank, self.world_size
         torch.manual_seed(cfg.trainer.seed + rank)
-        if world_size > 1:
-            backend = (self.platform.cpu_dist_backend() if self.device.type == "cpu"
-                       else self.platform.dist_backend())
+        self.train_group, self.transport = None, None  # None: the default (world) group
+        backend = (self.platform.cpu_dist_backend() if self.device.type == "cpu"
+                   else self.platform.dist_backend())
+        if self.standalone:
+            # one world: trainer ranks first, then every rollout replica's ranks
+            layout = rollout_layout(cfg)
+            dist.init_process_group(backend, init_method=dist_init, rank=rank, world_size=layout.world_size,
+                                    timeout=timedelta(seconds=cfg.ray.timeout_s))
+            groups = build_groups(layout, rank, backend=backend, timeout_s=cfg.ray.timeout_s)
+            self.train_group = groups.group("trainer")
+            if rank == groups.leader("weight_sync"):
+                self.transport = build_transport(cfg.weights, "standalone", group=groups.group("weight_sync"))
+        elif world_size > 1:
             dist.init_process_group(backend, init_method=dist_init, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=cfg.ray.timeout_s))
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
@@ -77,8 +91,9 @@ class PolicyWorker:
             self.model.gradient_checkpointing_enable()
         self.model.train()
         if world_size > 1:  # identical start on every rank, whatever each rank's RNG did
+            src = group_leader(self.train_group or dist.group.WORLD)
             for p in self.model.parameters():
-                dist.broadcast(p.data, src=dist.get_global_rank(dist.group.WORLD, 0))
+                dist.broadcast(p.data, src=src, group=self.train_group)
         self.reference = None
         if cfg.algorithm.uses_reference:
             self.reference = load_causal_lm(cfg.model.path, cfg.actor.param_dtype,
@@ -86,36 +101,21 @@ class PolicyWorker:
             self.reference.requires_grad_(False)
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), cfg.actor,
                                                          self.total_steps)
-        self.engine = build_colocated_engine(cfg.rollout, self.model, self.tokenizer, self.device,
-                                             seed=cfg.trainer.seed + 1000 * rank)
-        self.engine.sleep()
+        self.engine = None
+        if not self.standalone:
+            self.engine = build_colocated_engine(cfg.rollout, self.model, self.tokenizer, self.device,
+                                                 seed=cfg.trainer.seed + 1000 * rank)
+            self.engine.sleep()
         return sum(p.numel() for p in self.model.parameters())
 
     # --- rollout ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: dict, seeds: list[int] | None = None,
                  group_offset: int = 0) -> list[Sample]:
-        """n samples for each prompt; samples of prompt i get group `group_offset + i`.
-
-        A seed per prompt makes rollouts reproducible whatever else shares the batch."""
-        params = [SamplingParams(**sampling, seed=seed).validate()
-                  for seed in (seeds or [None] * len(prompts))]
         self.engine.wake_up()
         try:
-            outputs = self.engine.generate_batch(prompts, params)
+            return generate_samples(self.engine, self.tokenizer, prompts, sampling, seeds, group_offset)
         finally:
             self.engine.sleep()
-        eos = set(self.engine.eos_token_ids)
-        samples = []
-        for i, (prompt, outs) in enumerate(zip(prompts, outputs)):
-            for out in outs:
-                samples.append(Sample(
-                    prompt_ids=list(prompt), response_ids=list(out.token_ids),
-                    rollout_logprobs=list(out.logprobs), weight_version=out.weight_version,
-                    group=group_offset + i, stop_reason=out.stop_reason,
-                    finished_with_eos=out.stop_reason == "stop" and bool(out.token_ids) and out.token_ids[-1] in eos,
-                    text=self.tokenizer.decode(out.token_ids, skip_special_tokens=True),
-                ))
-        return samples
 
     # --- log-probs ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -162,7 +162,7 @@ class PolicyWorker:
     def _global(self, *values: float) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
         if self.world_size > 1:
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=self.train_group)
         return t.tolist()
 
     def _optimizer_step(self, samples: list[Sample], detach_as_old: bool) -> dict[str, float]:
@@ -221,7 +221,7 @@ class PolicyWorker:
                 p.grad = torch.zeros_like(p)
         if self.world_size > 1:  # sum of shares = the global loss's gradient
             flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat)
+            dist.all_reduce(flat, group=self.train_group)
             offset = 0
             for p in params:
                 n = p.grad.numel()
@@ -231,12 +231,17 @@ class PolicyWorker:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
     # --- weights ------------------------------------------------------------------------------
-    def sync_weights(self) -> int:
-        """Copy the updated policy into the colocated engine; returns the new version."""
-        self.version += 1
+    def sync_weights(self, bump: bool = True) -> dict[str, float]:
+        """Hand the updated policy to the engines: in place (hybrid) or, from the weight-sync
+        leader, over the transport to every standalone replica (which call receive_weights)."""
+        self.version += int(bump)
         with torch.no_grad():
-            self.engine.update_weights(dict(self.model.named_parameters()), self.version)
-        return self.version
+            named = dict(self.model.named_parameters())
+            if self.engine is not None:
+                self.engine.update_weights(named, self.version)
+            elif self.transport is not None:
+                return self.transport.send(named, self.version).metrics()
+        return {}
 
     # --- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, directory: str) -> None:
@@ -264,8 +269,9 @@ class PolicyWorker:
         torch.set_rng_state(state["torch_rng"])
         self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
         self.version = state["version"]
-        with torch.no_grad():
-            self.engine.update_weights(dict(self.model.named_parameters()), self.version)
+        if self.engine is not None:
+            with torch.no_grad():
+                self.engine.update_weights(dict(self.model.named_parameters()), self.version)
         return self.version
 
     def peak_memory_bytes(self) -> int:
