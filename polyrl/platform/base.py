@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +82,10 @@ class Platform:
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         return True
+
+    def training_attention(self, dtype: torch.dtype) -> Any:
+        """Context manager choosing SDPA kernels for a training forward/backward."""
+        return contextlib.nullcontext()
 
     # --- distributed -----------------------------------------------------------------------
     def dist_backend(self) -> str:

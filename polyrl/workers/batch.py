@@ -66,7 +66,8 @@ def _pad(rows: list[list[float]] | None, width: int, dtype: torch.dtype) -> torc
 def collate(samples: list[Sample], indices: list[int], device: torch.device) -> MicroBatch:
     """Right-pad the samples at `indices` into one micro-batch on `device`."""
     chosen = [samples[i] for i in indices]
-    L = max(s.length for s in chosen)
+    # the last token's hidden state predicts nothing that is scored: feed all but it
+    L = max(s.length for s in chosen) - 1
     R = max(max(len(s.response_ids) for s in chosen), 1)
     b = len(chosen)
     input_ids = torch.zeros(b, L, dtype=torch.long)
@@ -75,7 +76,7 @@ def collate(samples: list[Sample], indices: list[int], device: torch.device) -> 
     targets = torch.zeros(b, R, dtype=torch.long)
     mask = torch.zeros(b, R, dtype=torch.float32)
     for i, s in enumerate(chosen):
-        seq = s.prompt_ids + s.response_ids
+        seq = (s.prompt_ids + s.response_ids)[:-1]
         p, r = len(s.prompt_ids), len(s.response_ids)
         input_ids[i, : len(seq)] = torch.tensor(seq)
         attention[i, : len(seq)] = 1

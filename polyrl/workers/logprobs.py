@@ -22,11 +22,12 @@ def response_logprobs(
     H = hidden.shape[-1]
     picked = hidden.gather(1, mb.gather_index.unsqueeze(-1).expand(-1, -1, H))  # [b, R, H]
     logits = model.get_output_embeddings()(picked).float()  # [b, R, V]
-    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, mb.target_ids.unsqueeze(-1)).squeeze(-1)
+    logp_all = torch.log_softmax(logits, dim=-1)  # [b, R, V]
+    logprobs = logp_all.gather(-1, mb.target_ids.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if entropy_grad:
         entropy = entropy_from_logits(logits)
     elif with_entropy:
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits.detach())
+        with torch.no_grad():  # from the log-softmax already computed: no second softmax pass
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logprobs, entropy

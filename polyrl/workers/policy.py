@@ -174,9 +174,11 @@ class PolicyWorker:
         sums: dict[str, float] = dict.fromkeys(SHARE_METRICS | LOCAL_METRICS, 0.0)
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                   enabled=cfg.compute_dtype == "bfloat16")
+        compute = torch.bfloat16 if cfg.compute_dtype == "bfloat16" else torch.float32
         for idx in plan_micro_batches(samples, cfg.micro_batch_tokens):
+            attention = self.platform.training_attention(compute)
             mb = collate(samples, idx, self.device)
-            with autocast:
+            with autocast, attention:
                 logprob, entropy = response_logprobs(self.model, mb, with_entropy=True,
                                                      entropy_grad=algo.entropy_coeff > 0)
             old = logprob.detach() if detach_as_old else mb.old_logprobs
