@@ -77,6 +77,10 @@ class PromptLoader:
         self.epoch += 1
         self.position = 0
 
+    def epoch_batches(self, epoch: int = 0) -> list[list[PromptSample]]:
+        """Every batch of `epoch`, without moving the loader (validation reads its set this way)."""
+        return [self._batch(epoch, i) for i in range(self.batches_per_epoch)]
+
     def next_batch(self) -> list[PromptSample]:
         """The next batch, crossing epoch boundaries (for step-counted training loops)."""
         if self.position >= self.batches_per_epoch:

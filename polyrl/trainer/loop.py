@@ -364,7 +364,7 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Held-out accuracy (mean over val_n samples per prompt; pass@k when val_n > 1)."""
         accs, scores, lengths, passes = [], [], [], []
-        for batch in iter_once(self.val_loader):
+        for batch in self.val_loader.epoch_batches():
             samples = self.generate(batch, step=0, validation=True)
             self.score(samples, batch)
             accs += [s.acc for s in samples]
@@ -379,8 +379,3 @@ class Trainer:
         if self.cfg.rollout.val_n > 1:
             out[f"val/pass@{self.cfg.rollout.val_n}"] = float(np.mean(passes))
         return out
-
-
-def iter_once(loader) -> list[list[PromptSample]]:
-    """Every batch of a fixed-order loader, without disturbing its position."""
-    return [loader._batch(0, i) for i in range(len(loader))]
