@@ -167,7 +167,7 @@ class Trainer:
                             wandb_project=cfg.logging.wandb_project, resume_step=resume_step)
         self.sample_log = SampleLog(self.out, resume_step) if cfg.logging.samples_every else None
         writer = MetricsWriter(sinks, self.total_steps, state["step"], cfg.trainer.progress_bar)
-        initial, final = state.get("initial_val"), None
+        initial, final, final_step = state.get("initial_val"), None, None
         try:
             if first == 1 and self.val_loader is not None and cfg.trainer.val_before_train:
                 initial = self.validate()
@@ -175,7 +175,8 @@ class Trainer:
             for step in range(first, self.total_steps + 1):
                 metrics = self.train_step(step)
                 if self.val_loader is not None and cfg.trainer.val_every and step % cfg.trainer.val_every == 0:
-                    metrics.update(self.validate())
+                    final, final_step = self.validate(), step
+                    metrics.update(final)
                 if step % cfg.trainer.log_every == 0 or step == self.total_steps:
                     writer.log(step, metrics)
                 writer.progress(step, metrics)
@@ -190,10 +191,9 @@ class Trainer:
                     raise TrainingInterrupted(
                         f"stopped after step {step} of {self.total_steps}; wrote {where}. "
                         f"Continue with the same command (trainer.resume=auto).", stop.exit_code)
-            if self.val_loader is not None:
-                final = self._last_val(writer) or self.validate()
-                if not cfg.trainer.val_every or self.total_steps % cfg.trainer.val_every:
-                    writer.log(self.total_steps, final)
+            if self.val_loader is not None and final_step != self.total_steps:
+                final = self.validate()
+                writer.log(self.total_steps, final)
         finally:
             writer.close()
         summary = {
@@ -214,12 +214,6 @@ class Trainer:
             except Exception as exc:  # a plotting problem must not fail a finished run
                 logger.warning("could not draw the curves: %s", exc)
         return summary
-
-    def _last_val(self, writer: MetricsWriter) -> dict | None:
-        every = self.cfg.trainer.val_every
-        if every and self.total_steps % every == 0 and writer.last_val is not None:
-            return {"val/acc": writer.last_val}
-        return None
 
     # --- checkpoints --------------------------------------------------------------------------
     def resume_or_start(self) -> dict[str, Any]:

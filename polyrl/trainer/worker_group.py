@@ -1,5 +1,6 @@
-"""The policy ranks as one object: start them on Ray with their planned environment, fan calls
-out, gather answers with a deadline that names any rank that does not answer."""
+"""The run's Ray actors as groups (policy ranks; standalone rollout replicas): start them with
+their planned environment, fan calls out, gather answers with a deadline that names any actor
+that does not answer."""
 
 from __future__ import annotations
 
@@ -89,7 +90,6 @@ def launch(cfg: Any, platform: Platform, total_steps: int) -> tuple[PolicyGroup,
     policy = PolicyGroup([policy_cls.options(**trainer_opts).remote(cfg, r, world, total_steps, cpus)
                           for r in range(world)], [f"policy rank {r}" for r in range(world)], timeout)
     rollout = None
-    setup_refs, names = [], []
     if cfg.rollout.placement == "standalone":
         layout = rollout_layout(cfg)
         rollout_opts = actor_options(plan_for_role(platform, "rollout", **plan_kw),
