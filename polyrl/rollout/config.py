@@ -37,8 +37,26 @@ class RolloutConfig(Config):
     """Devices per rollout replica."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """Share of device memory a GPU engine may take (KV cache included)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prompt prefixes (the n samples of a prompt, few-shot headers).
+    GPU engines: vLLM `enable_prefix_caching`, SGLang's radix cache, TRT-LLM block reuse."""
+    enforce_eager: bool = False
+    """GPU engines: run without CUDA graphs (faster start and less memory, slower decode)."""
+    quantization: Literal["fp8"] | None = None
+    """Roll out with block-wise FP8 weights (e4m3, 128x128 blocks, dynamic activation scales).
+    There is no FP8 checkpoint on disk: weights arrive, quantized, with every weight sync (SGLang
+    and TRT-LLM quantize on the sending side, vLLM on the receiving side). GPU engines only."""
+    load_format: Literal["auto", "dummy"] | None = None
+    """How a GPU engine gets its first weights: "auto" reads the checkpoint from disk, "dummy"
+    allocates random weights that the first weight sync overwrites. Unset: "dummy" in hybrid
+    placement or with quantization=fp8, else "auto". Outside hybrid placement "dummy" is turned
+    into "auto" unless quantization=fp8 (nothing else would ever fill the weights)."""
+    update_bucket_mb: int = Field(512, ge=1)
+    """Byte budget (MiB) of one piece of a weight update pushed into a GPU engine: a vLLM
+    `load_weights` bucket, an SGLang tensor batch, a TRT-LLM IPC-handle flush."""
     engine_kwargs: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    """Extra launch arguments per engine, e.g. {"vllm": {"enforce_eager": true}}; applied last."""
+    """Extra launch arguments per engine, e.g. {"vllm": {"enforce_eager": true}}; applied last
+    (None drops a default). `engine_kwargs.trtllm.kv_cache_config` is merged key by key."""
     val_temperature: float = Field(0.0, ge=0)
     """Sampling temperature for validation (0 = greedy)."""
     val_n: int = Field(1, ge=1)
@@ -57,4 +75,12 @@ class RolloutConfig(Config):
                 f"engine_kwargs has unknown engine(s) {sorted(unknown)}; "
                 "use native, vllm, sglang or trtllm"
             )
+        if self.quantization == "fp8":
+            if self.backend == "native":
+                raise ValueError("rollout.quantization=fp8 needs a GPU engine: set rollout.backend to "
+                                 "vllm, sglang or trtllm, or unset rollout.quantization")
+            if self.load_format == "auto":
+                raise ValueError("rollout.quantization=fp8 has no FP8 checkpoint to read: its weights "
+                                 "arrive with the first weight sync. Set rollout.load_format=dummy "
+                                 "(or leave it unset)")
         return self

@@ -4,16 +4,29 @@
 plan a user inspects is the plan that runs. Builders take the config and the (possibly
 simulated) platform and never import the engine: they run on a laptop without a GPU.
 Defaults come first, the user's `rollout.engine_kwargs.<engine>` last, `None` values dropped.
+
+What each builder returns is what the adapter passes on unchanged, with one exception: TRT-LLM's
+`kv_cache_config` is a plain dict here (so it can be printed and compared) and becomes
+`KvCacheConfig(**d)` in the adapter.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from packaging.version import InvalidVersion, Version
+
 from polyrl.platform import Platform
 from polyrl.rollout.config import RolloutConfig
 
 Builder = Callable[[RolloutConfig, str, Platform, "str | None"], dict[str, Any]]
+
+VLLM_WORKER_EXTENSION = "polyrl.rollout.engines.vllm_worker.PolyrlWorkerExtension"
+"""Loaded by vLLM inside each of its workers (by dotted path: vLLM imports it, not polyrl)."""
+TRTLLM_WORKER_EXTENSION = "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
+"""TRT-LLM's own RL extension: `update_weights(ipc_handles)` on every worker, None finalizes."""
+SGLANG_FLASHINFER_SINCE = Version("0.5.12")
+"""From this SGLang version on, FA3 CUDA-graph capture is broken: default to flashinfer (R3)."""
 
 
 def merge_args(defaults: dict[str, Any], user: dict[str, Any] | None) -> dict[str, Any]:
@@ -22,6 +35,46 @@ def merge_args(defaults: dict[str, Any], user: dict[str, Any] | None) -> dict[st
     return {k: v for k, v in merged.items() if v is not None}
 
 
+def resolve_load_format(rollout: RolloutConfig) -> str:
+    """"auto" (read the checkpoint) or "dummy" (random weights, overwritten by the first sync).
+
+    Unset means "dummy" in hybrid placement (the trainer's weights are copied in right after
+    start) and with FP8 (no FP8 checkpoint exists), else "auto". Outside hybrid placement an
+    explicit "dummy" becomes "auto" unless quantization=fp8: nothing would fill the weights
+    before the first rollout (R4, verl PR 6344)."""
+    fp8 = rollout.quantization == "fp8"
+    hybrid = rollout.placement == "hybrid"
+    fmt = rollout.load_format or ("dummy" if hybrid or fp8 else "auto")
+    if fmt == "dummy" and not hybrid and not fp8:
+        return "auto"
+    return fmt
+
+
+def parse_engine_version(engine_version: str | None) -> Version | None:
+    if engine_version is None:
+        return None
+    try:
+        return Version(engine_version)
+    except InvalidVersion as exc:
+        raise ValueError(f"engine version '{engine_version}' is not a version number "
+                         "(expected e.g. 0.5.12)") from exc
+
+
+def user_kwargs(rollout: RolloutConfig, engine: str) -> dict[str, Any]:
+    return dict(rollout.engine_kwargs.get(engine) or {})
+
+
+def fp8_hf_overrides(rollout: RolloutConfig) -> dict[str, Any] | None:
+    """The quantization config FP8 rollout puts into the engine's view of the HF config."""
+    if rollout.quantization != "fp8":
+        return None
+    from polyrl.weights.fp8 import FP8_QUANT_CONFIG
+
+    return {"quantization_config": dict(FP8_QUANT_CONFIG)}
+
+
+# --- native ---------------------------------------------------------------------------------------
+
 def native_args(rollout: RolloutConfig, model_path: str, platform: Platform,
                 engine_version: str | None = None) -> dict[str, Any]:
     defaults = {"model_path": model_path, "dtype": rollout.dtype,
@@ -29,7 +82,117 @@ def native_args(rollout: RolloutConfig, model_path: str, platform: Platform,
     return merge_args(defaults, rollout.engine_kwargs.get("native"))
 
 
-BUILDERS: dict[str, Builder] = {"native": native_args}
+# --- vLLM (AsyncEngineArgs keyword arguments) -----------------------------------------------------
+
+def vllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
+              engine_version: str | None = None) -> dict[str, Any]:
+    """`vllm.AsyncEngineArgs(**args)`. FP8 is quantized on the receiving side: the engine is
+    built with the block-FP8 quantization config and the worker extension quantizes each bucket
+    before `load_weights`."""
+    defaults = {
+        "model": model_path,
+        "dtype": rollout.dtype,
+        "tensor_parallel_size": rollout.tensor_parallel_size,
+        "gpu_memory_utilization": rollout.gpu_memory_utilization,
+        "max_model_len": rollout.max_model_len,
+        "max_num_seqs": rollout.max_num_seqs,
+        "enable_prefix_caching": rollout.enable_prefix_caching,
+        "enforce_eager": rollout.enforce_eager,
+        "load_format": resolve_load_format(rollout),
+        "quantization": rollout.quantization,
+        "hf_overrides": fp8_hf_overrides(rollout),
+        # hybrid: the trainer needs the memory back between rollouts (sleep level 1 keeps weights
+        # in host memory, level 2 drops them; see the adapter)
+        "enable_sleep_mode": rollout.placement == "hybrid" or None,
+        "worker_extension_cls": VLLM_WORKER_EXTENSION,
+    }
+    return merge_args(defaults, user_kwargs(rollout, "vllm"))
+
+
+# --- SGLang (sgl.Engine / ServerArgs keyword arguments) -------------------------------------------
+
+def sglang_attention_backend(platform: Platform, engine_version: str | None) -> str:
+    """aiter on ROCm, ascend on Ascend NPUs; on CUDA flashinfer for sglang >= 0.5.12 (FA3
+    CUDA-graph capture is broken there) and fa3 below it on Hopper (FA3 kernels are sm90-only;
+    other GPUs get flashinfer). An unknown version (no sglang installed, no version declared for
+    a dry run) is treated as the newest release, i.e. flashinfer: it works on every version and
+    GPU, while fa3 would break the newest ones."""
+    if platform.name == "rocm":
+        return "aiter"
+    if platform.name == "npu":
+        return "ascend"
+    version = parse_engine_version(engine_version)
+    if version is None or version >= SGLANG_FLASHINFER_SINCE:
+        return "flashinfer"
+    capability = platform.capability
+    return "fa3" if capability is not None and capability[0] == 9 else "flashinfer"
+
+
+def sglang_args(rollout: RolloutConfig, model_path: str, platform: Platform,
+                engine_version: str | None = None) -> dict[str, Any]:
+    """`sglang.Engine(**args)`. FP8 is quantized on the sending side (the adapter), the engine
+    only needs the block-FP8 layout (`json_model_override_args`)."""
+    import json
+
+    overrides = fp8_hf_overrides(rollout)
+    defaults = {
+        "model_path": model_path,
+        "dtype": rollout.dtype,
+        "tp_size": rollout.tensor_parallel_size,
+        "mem_fraction_static": rollout.gpu_memory_utilization,
+        "context_length": rollout.max_model_len,
+        "max_running_requests": rollout.max_num_seqs,
+        "disable_radix_cache": not rollout.enable_prefix_caching,
+        "disable_cuda_graph": rollout.enforce_eager,
+        "attention_backend": sglang_attention_backend(platform, engine_version),
+        "load_format": resolve_load_format(rollout),
+        "quantization": rollout.quantization,
+        "json_model_override_args": json.dumps(overrides, sort_keys=True) if overrides else None,
+        # release/resume_memory_occupation need the memory saver (hybrid: sleep between rollouts)
+        "enable_memory_saver": rollout.placement == "hybrid" or None,
+        "log_level": "error",
+    }
+    return merge_args(defaults, user_kwargs(rollout, "sglang"))
+
+
+# --- TensorRT-LLM (tensorrt_llm LLM / AsyncLLM keyword arguments) ---------------------------------
+
+def trtllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
+                engine_version: str | None = None) -> dict[str, Any]:
+    """TRT-LLM's PyTorch-backend `LLM(**args)`, with `kv_cache_config` as ONE merged dict:
+    `enable_block_reuse` <- enable_prefix_caching, `free_gpu_memory_fraction` <-
+    gpu_memory_utilization, then the user's `kv_cache_config` key by key, so user kwargs never
+    replace the whole object (R4). The adapter builds `KvCacheConfig(**args["kv_cache_config"])`."""
+    user = user_kwargs(rollout, "trtllm")
+    user_kv = user.pop("kv_cache_config", None) or {}
+    if not isinstance(user_kv, dict):
+        raise ValueError("rollout.engine_kwargs.trtllm.kv_cache_config must be a mapping of "
+                         f"KvCacheConfig fields, got {type(user_kv).__name__}")
+    kv_cache_config = merge_args({"enable_block_reuse": rollout.enable_prefix_caching,
+                                  "free_gpu_memory_fraction": rollout.gpu_memory_utilization},
+                                 user_kv)
+    tp = rollout.tensor_parallel_size
+    defaults = {
+        "model": model_path,
+        "backend": "pytorch",
+        "dtype": rollout.dtype,
+        "tensor_parallel_size": tp,
+        "max_seq_len": rollout.max_model_len,
+        "max_batch_size": rollout.max_num_seqs,
+        "kv_cache_config": kv_cache_config,
+        "load_format": resolve_load_format(rollout),
+        "model_kwargs": fp8_hf_overrides(rollout),
+        # one Ray-orchestrated executor per replica, extended with the IPC weight-update RPCs
+        "orchestrator_type": "ray",
+        "ray_worker_extension_cls": TRTLLM_WORKER_EXTENSION,
+        # TRT-LLM's own all-reduce breaks convergence with several rollout instances (verl WAR)
+        "allreduce_strategy": "NCCL" if tp > 1 else None,
+    }
+    return merge_args(defaults, user)
+
+
+BUILDERS: dict[str, Builder] = {"native": native_args, "vllm": vllm_args, "sglang": sglang_args,
+                                "trtllm": trtllm_args}
 
 
 def engine_launch_args(rollout: RolloutConfig, model_path: str, platform: Platform,
