@@ -30,7 +30,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="print the fully resolved config and exit")
     p.add_argument("--help-config", action="store_true",
                    help="list every config key with its default and meaning, and exit")
+    plan = p.add_argument_group(
+        "dry run", "print the launch plan (Ray job, every actor's resources, environment and "
+        "engine arguments) and exit without starting anything; docs/dry_run.md")
+    plan.add_argument("--dry-run", action="store_true", help="print the launch plan and exit")
+    plan.add_argument("--json", action="store_true", help="with --dry-run: one JSON object on stdout")
+    plan.add_argument("--platform", help="plan for this platform (cpu, cuda, rocm, npu) or machine "
+                      "(h100, gb200, gb300, mi300x, ascend910) instead of this one")
+    plan.add_argument("--capability", metavar="MAJOR.MINOR",
+                      help="simulate a device capability, e.g. 10.0 for Blackwell")
+    plan.add_argument("--gpus-per-node", type=int, metavar="N",
+                      help="devices per node of the simulated machine")
+    plan.add_argument("--engine-version", metavar="VERSION",
+                      help="assume this rollout-engine version (default: the installed one)")
     p.set_defaults(func=run)
+
+
+PLAN_ONLY = ("json", "platform", "capability", "gpus_per_node", "engine_version")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,12 +61,30 @@ def run(args: argparse.Namespace) -> int:
         args.overrides = [*args.overrides, f"trainer.output_dir={args.output_dir}"]
     if not args.config:  # no config file: start from the embedded default (tiny model + task)
         args.config = [str(EMBEDDED_DEFAULT)]
+    if not args.dry_run:
+        given = [f"--{name.replace('_', '-')}" for name in PLAN_ONLY if getattr(args, name)]
+        if given:
+            raise CLIError(f"{', '.join(given)} only apply with --dry-run (to choose the platform "
+                           "of a run, set platform=cuda|rocm|npu|cpu)")
     cfg = load_job_config(args)
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
+    if args.dry_run:
+        return plan_only(cfg, args)
     logger.info("resolved config:\n%s", to_yaml(cfg))
     return train(cfg)
+
+
+def plan_only(cfg, args: argparse.Namespace) -> int:
+    """`--dry-run`: the launch plan for `cfg` on the chosen (possibly simulated) platform."""
+    from polyrl.cli.common import choose_platform
+    from polyrl.cli.dry_run import dry_run
+    from polyrl.cli.env_cmd import installed_version
+
+    platform = choose_platform(args.platform or cfg.platform, args.capability, args.gpus_per_node)
+    version = args.engine_version or installed_version(cfg.rollout.backend)
+    return dry_run(cfg, platform, version, args.json)
 
 
 def train(cfg) -> int:

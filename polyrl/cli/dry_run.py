@@ -1,0 +1,133 @@
+"""`polyrl train --dry-run [--json]`: the whole launch plan, with nothing started.
+
+Resolved config, platform, placement, and for the Ray job and every Ray actor its resources,
+environment (value, source, reason) and the engine's launch arguments. `--platform`,
+`--capability` and `--gpus-per-node` plan for hardware this machine does not have:
+
+    polyrl train --dry-run --platform gb200 -c configs/gsm8k_qwen_gpu.yaml rollout.backend=vllm
+    polyrl train --dry-run --json --platform mi300x rollout.placement=standalone rollout.num_replicas=2
+
+Exit status: 0 for a complete plan, 1 when part of it cannot be built (the run would fail the same
+way; the plan says which part), 2 for a config or flag error.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree
+
+from polyrl.trainer.launch_plan import ActorPlan, LaunchPlan, plan_launch
+
+
+def dry_run(cfg: Any, platform: Any, engine_version: str | None, as_json: bool) -> int:
+    plan = plan_launch(cfg, platform, engine_version)
+    if as_json:
+        print(json.dumps(plan_json(cfg, plan, engine_version), indent=2, default=str))
+    else:
+        render(cfg, plan, engine_version, Console(soft_wrap=False))
+    return 1 if plan.errors else 0
+
+
+def placement_summary(cfg: Any, engine_version: str | None) -> dict[str, Any]:
+    r = cfg.rollout
+    standalone = r.placement == "standalone"
+    return {"placement": r.placement, "mode": cfg.trainer.mode, "backend": r.backend,
+            "engine_version": engine_version, "policy_ranks": cfg.actor.world_size,
+            "rollout_replicas": r.num_replicas if standalone else 0,
+            "tensor_parallel_size": r.tensor_parallel_size,
+            "rollout_ranks": r.num_replicas * r.tensor_parallel_size if standalone else 0}
+
+
+def plan_json(cfg: Any, plan: LaunchPlan, engine_version: str | None) -> dict[str, Any]:
+    return {"dry_run": True, "placement": placement_summary(cfg, engine_version),
+            **plan.as_dict(), "config": cfg.model_dump(mode="json")}
+
+
+# --- human output ---------------------------------------------------------------------------
+# Every user-controlled string goes through Text(...): rich markup would eat `[vllm]`.
+
+
+def render(cfg: Any, plan: LaunchPlan, engine_version: str | None, console: Console) -> None:
+    from polyrl.config import to_yaml
+
+    console.rule(Text("resolved config"))
+    console.print(Text(to_yaml(cfg).rstrip()))
+    p, s = plan.platform, placement_summary(cfg, engine_version)
+    tree = Tree(Text("launch plan (dry run: no Ray, no model load, no engine import)", style="bold"))
+    tree.add(Text(f"platform: {p.describe()}" + (" [simulated]" if p.probe.simulated else "")))
+    rollout = (f"{s['rollout_replicas']} rollout replica(s) x TP {s['tensor_parallel_size']}"
+               if s["placement"] == "standalone" else "engine colocated on each policy rank")
+    tree.add(Text(f"placement: {s['placement']}, mode {s['mode']}; {s['policy_ranks']} policy "
+                  f"rank(s), {rollout}; backend {s['backend']} "
+                  f"(version {engine_version or 'not given / not installed'})"))
+    if p.ray_resource:
+        tree.add(Text(f"devices: {plan.devices_needed:g} {p.ray_resource} needed, "
+                      f"{p.device_count} per node -> {plan.nodes_needed} node(s)"))
+    init = ", ".join(f"{k}={v!r}" for k, v in plan.job.ray_init.items())
+    job = tree.add(Text(f"Ray job: ray.init({init}, runtime_env=<job env>)"))
+    job.add(env_table(plan.job.env.to_json(), "job env"))
+    job_vars = plan.job.env.to_json()
+    for names, actor in group_identical(plan.actors):
+        branch = tree.add(Text(f"{', '.join(names)}: {resources_text(actor.resources)}; "
+                               f"torch threads {actor.num_threads}; env role "
+                               f"{actor.env.context.role}", style="bold"))
+        extra = {k: v for k, v in actor.env.to_json().items() if job_vars.get(k) != v}
+        if extra:
+            branch.add(env_table(extra, f"env: the job env plus {len(extra)} variable(s)"))
+        else:
+            branch.add(Text("env: the job env, nothing added"))
+        if actor.engine is not None:
+            where = "colocated with training" if actor.role == "policy" else "own actor"
+            title = f"{actor.engine.backend} engine ({where}) launch arguments"
+            if actor.engine.error:
+                branch.add(Text(f"{title}: ERROR {actor.engine.error}", style="bold red"))
+            else:
+                branch.add(args_table(actor.engine.args or {}, title))
+    for note in plan.notes:
+        tree.add(Text(f"note: {note}", style="yellow"))
+    for error in plan.errors:
+        tree.add(Text(f"error: {error}", style="bold red"))
+    console.rule(Text("launch plan"))
+    console.print(tree)
+
+
+def group_identical(actors: list[ActorPlan]) -> list[tuple[list[str], ActorPlan]]:
+    """Actors that differ only in name and rank are shown once."""
+    groups: dict[str, list[ActorPlan]] = defaultdict(list)
+    for a in actors:
+        d = a.as_dict()
+        key = json.dumps({k: d[k] for k in ("role", "resources", "num_threads", "env", "engine")},
+                         sort_keys=True, default=str)
+        groups[key].append(a)
+    return [([a.name for a in group], group[0]) for group in groups.values()]
+
+
+def resources_text(resources: dict[str, Any]) -> str:
+    parts = [f"{k}={v}" for k, v in resources.items() if k != "resources"]
+    parts += [f"{k}={v}" for k, v in (resources.get("resources") or {}).items()]
+    return ", ".join(parts)
+
+
+def env_table(env: dict[str, dict[str, str]], title: str) -> Table:
+    table = Table(title=Text(title), title_justify="left", expand=False)
+    for col in ("variable", "value", "source", "reason"):
+        table.add_column(col, overflow="fold")
+    for name, e in env.items():
+        reason = e["reason"] + (f" ({e['link']})" if e.get("link") else "")
+        table.add_row(Text(name), Text(e["value"]), Text(e["source"]), Text(reason))
+    return table
+
+
+def args_table(args: dict[str, Any], title: str) -> Table:
+    table = Table(title=Text(title), title_justify="left", expand=False)
+    table.add_column("argument")
+    table.add_column("value", overflow="fold")
+    for name, value in args.items():
+        table.add_row(Text(name), Text(json.dumps(value, default=str)))
+    return table
