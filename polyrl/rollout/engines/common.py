@@ -1,0 +1,202 @@
+"""What every GPU-engine adapter shares: one event loop that owns the engine, the sync and async
+front doors on top of it, prompt checks, stop-reason mapping and the engine's tokenizer / EOS ids.
+
+Why a loop thread: vLLM's `AsyncLLM`, SGLang's `Engine` and TRT-LLM's `AsyncLLM` all bind their
+output handling to the asyncio loop they were first used on. The trainer calls the adapter from a
+plain thread (`generate_batch`), servers from their own loop (`await generate`). Both hand their
+coroutines to one loop that runs forever in a daemon thread and owns the engine, so neither
+caller's loop ever touches engine state. Every wait on it has a deadline (R5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import uuid
+from pathlib import Path
+from typing import Any, Awaitable, Sequence, TypeVar
+
+from polyrl.rollout.base import RolloutInputError, SamplingParams, StopReason, TokenOutput
+
+T = TypeVar("T")
+
+DEFAULT_CONTROL_TIMEOUT_S = 900.0
+"""Deadline of a control call (weight update, sleep, wake-up, abort) on the engine's loop."""
+
+_STOP = {"stop": "stop", "eos": "stop", "stop_token": "stop", "stop_string": "stop",
+         "length": "length", "max_tokens": "length",
+         "abort": "aborted", "aborted": "aborted", "cancelled": "aborted", "canceled": "aborted",
+         "timeout": "aborted"}
+
+
+def map_stop_reason(raw: Any) -> StopReason:
+    """An engine's finish reason as polyrl's stop / length / aborted.
+
+    vLLM and TRT-LLM give a string (None for an unfinished output, which only an abort returns),
+    SGLang a dict whose "type" is the string."""
+    if isinstance(raw, dict):
+        raw = raw.get("type")
+    if raw is None:
+        return "aborted"
+    key = str(raw).lower()
+    if key not in _STOP:
+        raise ValueError(f"unknown engine finish reason {raw!r}; expected one of {sorted(_STOP)}")
+    return _STOP[key]  # type: ignore[return-value]
+
+
+def check_prompt(prompt_ids: Sequence[int]) -> list[int]:
+    prompt = list(prompt_ids)
+    if not prompt:
+        raise RolloutInputError("prompt", "is empty; give at least one token id")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        raise RolloutInputError("prompt", "must be a list of non-negative integer token ids")
+    return prompt
+
+
+def sampled_logprobs(token_ids: Sequence[int], per_position: Sequence[Any] | None,
+                     wanted: bool, pick) -> list[float]:
+    """Log-prob of each *sampled* token. `per_position[i]` is the engine's record for position i
+    and `pick(record, token_id)` reads the sampled token's log-prob out of it."""
+    if not wanted:
+        return []
+    if per_position is None or len(per_position) != len(token_ids):
+        raise RuntimeError(f"engine returned {0 if per_position is None else len(per_position)} "
+                           f"log-prob records for {len(token_ids)} tokens")
+    return [float(pick(rec, tok)) for rec, tok in zip(per_position, token_ids)]
+
+
+class EngineLoop:
+    """An asyncio loop running forever in a daemon thread; the engine lives on it."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def run(self, coro: Awaitable[T], timeout_s: float | None, what: str) -> T:
+        """Run `coro` on the engine loop from any thread; raise TimeoutError naming `what`."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(f"{what}: called from the engine loop itself (would deadlock)")
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s") from None
+
+    async def run_async(self, coro: Awaitable[T]) -> T:
+        """Await `coro` (run on the engine loop) from another running loop."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
+class AsyncEngineAdapter:
+    """Base of the GPU adapters: subclasses implement `_start` (build the engine on the loop),
+    `_generate_one` (n outputs for one prompt, on the loop) and the control methods."""
+
+    backend = ""
+
+    def _init_adapter(self, model_path: str, tokenizer: Any, seed: int,
+                      control_timeout_s: float) -> None:
+        self.model_path = str(model_path)
+        self.seed = seed
+        self.control_timeout_s = control_timeout_s
+        self.tokenizer = _load_tokenizer(self.model_path) if tokenizer is True else (tokenizer or None)
+        self._eos = _eos_token_ids(self.model_path, self.tokenizer)
+        self._version = 0
+        self._sleeping = False
+        self._inflight: set[str] = set()
+        self._loop = EngineLoop(f"polyrl-{self.backend}-engine")
+
+    # --- generation ------------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                       request_id: str | None = None) -> list[TokenOutput]:
+        prompt = check_prompt(prompt_ids)
+        sampling.validate()
+        return await self._loop.run_async(self._tracked(prompt, sampling, request_id or uuid.uuid4().hex))
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]],
+                       sampling: SamplingParams | Sequence[SamplingParams],
+                       request_ids: Sequence[str] | None = None) -> list[list[TokenOutput]]:
+        """Synchronous; every prompt is checked before any is sent, so a bad one rejects all."""
+        samplings = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        if len(samplings) != len(prompts):
+            raise ValueError(f"{len(samplings)} sampling params for {len(prompts)} prompts")
+        checked = [check_prompt(p) for p in prompts]
+        for s in samplings:
+            s.validate()
+        if self._sleeping:
+            raise RuntimeError("engine is sleeping; call wake_up() before generate_batch()")
+        ids = list(request_ids) if request_ids is not None else [uuid.uuid4().hex for _ in prompts]
+
+        async def all_prompts():
+            return await asyncio.gather(*(self._tracked(p, s, i) for p, s, i in zip(checked, samplings, ids)))
+
+        return list(self._loop.run(all_prompts(), None, f"{self.backend} generate_batch"))
+
+    async def _tracked(self, prompt: list[int], sampling: SamplingParams, request_id: str) -> list[TokenOutput]:
+        self._inflight.add(request_id)
+        try:
+            outs = await self._generate_one(prompt, sampling, request_id)
+        finally:
+            self._inflight.discard(request_id)
+        for out in outs:
+            out.prompt_tokens = len(prompt)
+        return outs
+
+    async def _generate_one(self, prompt: list[int], sampling: SamplingParams,
+                            request_id: str) -> list[TokenOutput]:
+        raise NotImplementedError
+
+    def _output(self, token_ids: Sequence[int], logprobs: list[float], reason: Any,
+                text: str | None = None, top: list[dict[int, float]] | None = None) -> TokenOutput:
+        """One output, stamped with the version being served."""
+        return TokenOutput(token_ids=list(token_ids), logprobs=logprobs,
+                           stop_reason=map_stop_reason(reason), weight_version=self._version,
+                           top_logprobs=top, text=text)
+
+    # --- control helpers -------------------------------------------------------------------------
+    def _control(self, coro: Awaitable[T], what: str) -> T:
+        return self._loop.run(coro, self.control_timeout_s, f"{self.backend} {what}")
+
+    def health(self) -> dict:
+        return {"ok": True, "backend": self.backend, "weight_version": self._version,
+                "running": len(self._inflight), "sleeping": self._sleeping}
+
+    def shutdown(self) -> None:
+        self._loop.close()
+
+
+def _load_tokenizer(model_path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"could not load a tokenizer from '{model_path}' ({exc}); pass "
+                         "tokenizer=False to run without one") from exc
+
+
+def _eos_token_ids(model_path: str, tokenizer: Any) -> frozenset[int]:
+    from polyrl.rollout.native.loader import eos_token_ids, load_config
+
+    model_dir = Path(model_path)
+    config = load_config(model_dir) if (model_dir / "config.json").exists() else None
+    return frozenset(eos_token_ids(model_dir if model_dir.is_dir() else None, config, tokenizer))
