@@ -1,0 +1,130 @@
+"""`polyrl train --dry-run` as a user runs it: a real subprocess that plans a GPU-cluster run on
+this CPU machine, starts no Ray, and returns fast."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from polyrl.cli.main import main
+from polyrl.envplan.rules import FORWARDED_PREFIXES
+from polyrl.rollout import launch_args
+
+
+def clean_environ() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(FORWARDED_PREFIXES)}
+
+
+def polyrl(tmp_path, *args, env=None):
+    """Run the CLI with a private Ray temp dir and an unreachable RAY_ADDRESS: any ray.init
+    would either leave a session directory behind or fail."""
+    ray_tmp = tmp_path / "ray-tmp"
+    ray_tmp.mkdir(exist_ok=True)
+    full_env = {**clean_environ(), "RAY_TMPDIR": str(ray_tmp), "RAY_ADDRESS": "127.0.0.1:1",
+                "COLUMNS": "220", **(env or {})}
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "polyrl", "train", *args], capture_output=True,
+                         text=True, env=full_env, timeout=120)
+    out.seconds = time.perf_counter() - start
+    assert list(ray_tmp.iterdir()) == [], "a Ray session was started"
+    return out
+
+
+def test_json_plan_for_gb200_cluster_from_this_machine(tmp_path):
+    out = polyrl(tmp_path, "--dry-run", "--json", "--platform", "gb200", "--gpus-per-node", "2",
+                 "rollout.placement=standalone", "rollout.num_replicas=2", "rollout.backend=vllm",
+                 "actor.num_cpus_per_worker=2", "rollout.max_model_len=128",
+                 env={"NCCL_CUMEM_ENABLE": "1", "TLLM_DISABLE_NVLS_MNNVL": "1"})
+    assert out.returncode == (0 if "vllm" in launch_args.BUILDERS else 1), out.stderr
+    assert out.seconds < 60, f"dry run took {out.seconds:.1f}s"
+    plan = json.loads(out.stdout)  # one JSON object, nothing else on stdout
+    assert plan["dry_run"] is True
+    assert plan["platform"]["name"] == "cuda" and plan["platform"]["capability"] == [10, 0]
+    assert plan["platform"]["simulated"] is True and plan["platform"]["device_count"] == 2
+    assert plan["devices"] == {"needed": 3, "per_node": 2, "nodes": 2}
+    assert plan["placement"]["rollout_replicas"] == 2 and plan["placement"]["policy_ranks"] == 1
+    assert plan["config"]["rollout"]["backend"] == "vllm"
+    assert plan["job"]["ray_init"] == {"num_cpus": max(os.cpu_count() or 1, 6), "namespace": "polyrl",
+                                       "runtime_env": {"env_vars": {
+                                           k: v["value"] for k, v in plan["job"]["env"].items()}}}
+    actors = plan["actors"]
+    assert [a["name"] for a in actors] == ["policy rank 0", "rollout replica 0 (rank 1)",
+                                           "rollout replica 1 (rank 2)"]
+    for a in actors:
+        assert a["resources"] == {"num_cpus": 2, "num_gpus": 1} and a["num_threads"] == 2
+        env = a["env"]
+        assert env["NCCL_CUMEM_ENABLE"]["value"] == "1"  # R1: the user's value survives
+        assert env["NCCL_CUMEM_ENABLE"]["source"] == "user-env"
+        assert env["NCCL_NVLS_ENABLE"] == {  # R2: opted in, capability 10.0
+            "value": "0", "source": "rule:blackwell-nvls-mnnvl-off",
+            "reason": env["NCCL_NVLS_ENABLE"]["reason"],
+            "link": "https://github.com/verl-project/verl/pull/6344"}
+        for entry in env.values():
+            assert set(entry) >= {"value", "source", "reason"}
+    rollout = actors[1]
+    assert rollout["env"]["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"]["value"] == "1"
+    if "vllm" in launch_args.BUILDERS:
+        assert rollout["engine"]["args"]["max_model_len"] == 128
+        assert rollout["engine"]["args"]["tensor_parallel_size"] == 1
+    else:
+        assert "no launch-argument builder" in rollout["engine"]["error"]
+
+
+def test_human_plan_for_rocm_keeps_bracketed_text(tmp_path):
+    out = polyrl(tmp_path, "--dry-run", "--platform", "mi300x", "rollout.placement=standalone",
+                 "rollout.num_replicas=2", "rollout.backend=sglang", "actor.num_cpus_per_worker=1",
+                 "rollout.engine_kwargs={sglang: {chunked_prefill_size: '[x]'}}")
+    assert out.returncode == (0 if "sglang" in launch_args.BUILDERS else 1), out.stderr
+    text = out.stdout
+    assert "platform: rocm: 8 device(s) (AMD Instinct MI300X), capability 9.4 [simulated]" in text
+    assert "rollout replica 0 (rank 1), rollout replica 1 (rank 2): num_cpus=1, num_gpus=1" in text
+    for name in ("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES",
+                 "RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES", "SGLANG_USE_AITER"):
+        assert name in text
+    if "sglang" in launch_args.BUILDERS:
+        assert '"[x]"' in text  # rich markup would have eaten [x]
+    try:
+        import sglang  # noqa: F401
+    except ImportError:
+        assert 'pip install "polyrl[sglang]"' in text  # ... and [sglang]
+
+
+def test_plan_error_and_flag_errors(capsys, monkeypatch):
+    monkeypatch.delitem(launch_args.BUILDERS, "trtllm", raising=False)
+    assert main(["train", "--dry-run", "--json", "--platform", "h100",
+                 "rollout.backend=trtllm"]) == 1
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["errors"] == [plan["actors"][0]["name"] + ": " + plan["actors"][0]["engine"]["error"]]
+    assert "no launch-argument builder" in plan["errors"][0]
+
+    for argv, message in (
+        (["--dry-run", "--capability", "ten"], "--capability: expected MAJOR.MINOR"),
+        (["--json"], "--json only apply with --dry-run"),
+        (["--platform", "h100"], "--platform only apply with --dry-run"),
+        (["--dry-run", "--platform", "tpu"], "unknown platform 'tpu'"),
+        (["--dry-run", "--gpus-per-node", "4"], "--gpus-per-node needs an accelerator platform"),
+        (["--dry-run", "rollout.bakend=vllm"], "did you mean 'rollout.backend'"),
+    ):
+        assert main(["train", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+        if "rollout.bakend=vllm" not in argv:  # config errors list every bad key, one per line
+            assert len(err.strip().splitlines()) == 1, err
+
+
+def test_engine_version_reaches_the_builder(capsys):
+    if "sglang" not in launch_args.BUILDERS:
+        pytest.skip("no sglang launch-argument builder in this checkout yet")
+    args = ["train", "--dry-run", "--json", "--platform", "h100", "rollout.backend=sglang"]
+    assert main([*args, "--engine-version", "0.5.9"]) == 0
+    old = json.loads(capsys.readouterr().out)
+    assert old["placement"]["engine_version"] == "0.5.9"
+    assert old["actors"][0]["engine"]["args"]["attention_backend"] == "fa3"
+    assert main([*args, "--engine-version", "0.5.12"]) == 0
+    assert json.loads(capsys.readouterr().out)["actors"][0]["engine"]["args"][
+        "attention_backend"] == "flashinfer"
