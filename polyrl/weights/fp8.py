@@ -35,6 +35,7 @@ step of e4m3's top binade [256, 448]). `tests/weights/test_fp8.py` checks both.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -170,11 +171,11 @@ def apply_fp8_quant_config(hf_config: Any) -> bool:
         return _apply_to_file(Path(hf_config))
     if isinstance(hf_config, dict):
         _check_existing(hf_config.get("quantization_config"), "config dict")
-        hf_config["quantization_config"] = dict(FP8_QUANT_CONFIG)
+        hf_config["quantization_config"] = copy.deepcopy(FP8_QUANT_CONFIG)
         return True
     if hasattr(hf_config, "to_dict"):  # transformers.PretrainedConfig, without importing transformers
         _check_existing(getattr(hf_config, "quantization_config", None), type(hf_config).__name__)
-        hf_config.quantization_config = dict(FP8_QUANT_CONFIG)
+        hf_config.quantization_config = copy.deepcopy(FP8_QUANT_CONFIG)
         return True
     raise TypeError(f"apply_fp8_quant_config takes a PretrainedConfig, a dict or a model path, "
                     f"got {type(hf_config).__name__}")
@@ -186,7 +187,7 @@ def _apply_to_file(path: Path) -> bool:
         return False
     data = json.loads(config_file.read_text())
     _check_existing(data.get("quantization_config"), str(config_file))
-    data["quantization_config"] = dict(FP8_QUANT_CONFIG)
+    data["quantization_config"] = copy.deepcopy(FP8_QUANT_CONFIG)
     fd, tmp = tempfile.mkstemp(dir=config_file.parent, prefix=".config.", suffix=".json")
     try:
         with os.fdopen(fd, "w") as f:
@@ -207,5 +208,5 @@ def _check_existing(existing: Any, where: str) -> None:
     method = existing.get("quant_method") if isinstance(existing, dict) else None
     if method != "fp8":
         raise ValueError(f"{where} already has quantization_config with quant_method={method!r}; FP8 rollout "
-                         f"needs an unquantized (bfloat16/float16/float32) checkpoint: turn FP8 rollout off for "
-                         f"this model or start from its unquantized weights")
+                         f"needs an unquantized (bfloat16/float16/float32) checkpoint: unset rollout.quantization "
+                         f"for this model or start from its unquantized weights")
