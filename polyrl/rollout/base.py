@@ -123,3 +123,6 @@ class RolloutEngine(Protocol):
 
 ROLLOUT_ENGINES: Registry[type] = Registry("rollout backend")
 ROLLOUT_ENGINES.register("native", "polyrl.rollout.native.engine:NativeEngine")
+ROLLOUT_ENGINES.register("vllm", "polyrl.rollout.engines.vllm:VLLMEngine")
+ROLLOUT_ENGINES.register("sglang", "polyrl.rollout.engines.sglang:SGLangEngine")
+ROLLOUT_ENGINES.register("trtllm", "polyrl.rollout.engines.trtllm:TRTLLMEngine")

@@ -1,16 +1,24 @@
-"""Build the rollout engine a config asks for; engines that need an extra say which."""
+"""Build the rollout engine a config asks for; engines that need an extra say which.
+
+The built-in engine takes its arguments directly. GPU engines (vLLM, SGLang, TensorRT-LLM) are
+started with `engine_launch_args(...)`, the same pure function `polyrl train --dry-run` prints,
+for the installed engine version.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 from typing import Any
 
 import torch
 
+from polyrl.platform import Platform, current_platform
 from polyrl.rollout.base import ROLLOUT_ENGINES
 from polyrl.rollout.config import RolloutConfig
 
 EXTRAS = {"vllm": ("vllm", "vllm"), "sglang": ("sglang", "sglang"), "trtllm": ("tensorrt_llm", "trtllm")}
+"""backend -> (import name, polyrl extra that installs it)."""
 
 
 class EngineUnavailable(RuntimeError):
@@ -32,11 +40,46 @@ def require_backend(backend: str) -> None:
         )
 
 
+def installed_version(backend: str) -> str | None:
+    """The installed engine package's version (None for the built-in engine or when absent)."""
+    if backend not in EXTRAS:
+        return None
+    try:
+        return importlib.metadata.version(EXTRAS[backend][0])
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _is_gpu_adapter(engine_cls: type) -> bool:
+    from polyrl.rollout.engines.common import AsyncEngineAdapter
+
+    return isinstance(engine_cls, type) and issubclass(engine_cls, AsyncEngineAdapter)
+
+
+def gpu_engine_args(cfg: RolloutConfig, model_path: str, platform: Platform | None = None) -> dict[str, Any]:
+    from polyrl.rollout.launch_args import engine_launch_args
+
+    return engine_launch_args(cfg, model_path, platform or current_platform(),
+                              installed_version(cfg.backend))
+
+
 def build_colocated_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer: Any,
-                           device: torch.device, seed: int = 0):
+                           device: torch.device, seed: int = 0, platform: Platform | None = None):
     """An engine in this process that starts from `model`'s weights (hybrid placement)."""
     require_backend(cfg.backend)
     engine_cls = ROLLOUT_ENGINES.get(cfg.backend)
+    if _is_gpu_adapter(engine_cls):
+        if cfg.tensor_parallel_size > 1:
+            raise ValueError(f"rollout.tensor_parallel_size={cfg.tensor_parallel_size} with "
+                             "rollout.placement=hybrid: a hybrid GPU engine runs on its trainer "
+                             "rank's one device; use rollout.placement=standalone for tensor parallelism")
+        model_path = getattr(getattr(model, "config", None), "_name_or_path", "")
+        if not model_path:
+            raise ValueError("the policy model has no config._name_or_path: a GPU engine needs the "
+                             "model directory for its config and tokenizer (set model.path)")
+        args = gpu_engine_args(cfg, model_path, platform)
+        return engine_cls.from_model(model, launch_args=args, tokenizer=tokenizer, seed=seed,
+                                     update_bucket_mb=cfg.update_bucket_mb)
     kwargs = dict(cfg.engine_kwargs.get(cfg.backend, {}))
     return engine_cls.from_model(
         model, tokenizer=tokenizer, dtype=cfg.dtype, device=device,
@@ -44,13 +87,17 @@ def build_colocated_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer
     )
 
 
-def build_standalone_engine(cfg: RolloutConfig, model_path: str, device: torch.device, seed: int = 0):
+def build_standalone_engine(cfg: RolloutConfig, model_path: str, device: torch.device, seed: int = 0,
+                            platform: Platform | None = None):
     """An engine that loads the policy's initial weights from disk (standalone placement); later
     versions arrive through the weight transport."""
     require_backend(cfg.backend)
     from polyrl.builtin import resolve
 
     engine_cls = ROLLOUT_ENGINES.get(cfg.backend)
+    if _is_gpu_adapter(engine_cls):
+        args = gpu_engine_args(cfg, str(resolve(model_path)), platform)
+        return engine_cls(args, seed=seed, update_bucket_mb=cfg.update_bucket_mb)
     kwargs = dict(cfg.engine_kwargs.get(cfg.backend, {}))
     return engine_cls(resolve(model_path), dtype=cfg.dtype, device=device,
                       max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, seed=seed,

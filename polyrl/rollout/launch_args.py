@@ -162,7 +162,8 @@ def trtllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
     """TRT-LLM's PyTorch-backend `LLM(**args)`, with `kv_cache_config` as ONE merged dict:
     `enable_block_reuse` <- enable_prefix_caching, `free_gpu_memory_fraction` <-
     gpu_memory_utilization, then the user's `kv_cache_config` key by key, so user kwargs never
-    replace the whole object (R4). The adapter builds `KvCacheConfig(**args["kv_cache_config"])`."""
+    replace the whole object (R4). The adapter builds `KvCacheConfig(**args["kv_cache_config"])`
+    (and `SleepConfig(**args["sleep_config"])`)."""
     user = user_kwargs(rollout, "trtllm")
     user_kv = user.pop("kv_cache_config", None) or {}
     if not isinstance(user_kv, dict):
@@ -182,6 +183,9 @@ def trtllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
         "kv_cache_config": kv_cache_config,
         "load_format": resolve_load_format(rollout),
         "model_kwargs": fp8_hf_overrides(rollout),
+        # hybrid: release()/resume() of weights and KV cache between rollouts need a SleepConfig
+        # (a dict here, `SleepConfig(**d)` in the adapter)
+        "sleep_config": {} if rollout.placement == "hybrid" else None,
         # one Ray-orchestrated executor per replica, extended with the IPC weight-update RPCs
         "orchestrator_type": "ray",
         "ray_worker_extension_cls": TRTLLM_WORKER_EXTENSION,

@@ -178,7 +178,7 @@ def test_trtllm_hybrid_fp8_defaults():
         "max_seq_len": 4096, "max_batch_size": 128,
         "kv_cache_config": {"enable_block_reuse": False, "free_gpu_memory_fraction": 0.6},
         "load_format": "dummy", "model_kwargs": {"quantization_config": FP8},
-        "orchestrator_type": "ray", "ray_worker_extension_cls": TRTLLM_WORKER_EXTENSION,
+        "sleep_config": {}, "orchestrator_type": "ray", "ray_worker_extension_cls": TRTLLM_WORKER_EXTENSION,
     }
 
 

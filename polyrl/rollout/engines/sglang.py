@@ -1,0 +1,200 @@
+"""SGLang behind `RolloutEngine` (registered as "sglang"; `pip install "polyrl[sglang]"`).
+
+Written against SGLang's offline `sglang.Engine` (sglang main at commit 001067f, read 2026; the
+same calls exist in 0.4.6 - 0.5.x): `Engine(**ServerArgs fields)`, `async_generate(input_ids=...,
+sampling_params=..., return_logprob=..., top_logprobs_num=..., rid=...)`, and the tokenizer
+manager's coroutines that `Engine`'s synchronous wrappers run: `update_weights_from_tensor`,
+`flush_cache`, `release_memory_occupation` / `resume_memory_occupation` (tags "weights",
+"kv_cache"), and `abort_request(abort_all=True)`. The engine is created on the adapter's loop
+thread, so `Engine.loop` is that loop and its coroutines are awaited there directly (its
+synchronous wrappers would try to run a loop that is already running).
+
+The n samples of a prompt are n requests of one batch (the radix cache shares their prefill),
+seeded `seed + i` when the request has a seed (SGLang's `sampling_seed`).
+
+Weight update: pieces of `update_bucket_mb` through `update_weights_from_tensor(flush_cache=
+False)`, one payload per TP rank (`MultiprocessingSerializer`: GPU tensors travel as CUDA IPC
+handles), then one `flush_cache`. With `quantization=fp8` the pieces are quantized here (sending
+side) by `polyrl.weights.fp8.quantize_named_tensors`; the engine was started with the block-FP8
+layout (`json_model_override_args`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from polyrl.rollout.base import SamplingParams, TokenOutput, WeightUpdateError
+from polyrl.rollout.engines.common import DEFAULT_CONTROL_TIMEOUT_S, AsyncEngineAdapter, sampled_logprobs
+from polyrl.rollout.engines.weight_flush import iter_flushes
+
+SLEEP_TAGS = ("kv_cache", "weights")
+
+
+def sglang_sampling_params(sampling: SamplingParams, sample: int) -> dict[str, Any]:
+    """SGLang `sampling_params` for sample `sample` of a request (one request per sample)."""
+    params: dict[str, Any] = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,  # -1: whole vocabulary
+        "max_new_tokens": sampling.max_tokens,
+        "stop_token_ids": list(sampling.stop_token_ids) or None,
+        "stop": list(sampling.stop) or None,
+        "ignore_eos": sampling.ignore_eos,
+        "sampling_seed": None if sampling.seed is None else sampling.seed + sample,
+    }
+    return {k: v for k, v in params.items() if v is not None}
+
+
+def sglang_request(prompt: list[int], sampling: SamplingParams, request_id: str) -> dict[str, Any]:
+    """`Engine.async_generate` keyword arguments: the n samples as n requests of one batch."""
+    wanted = sampling.logprobs or sampling.top_logprobs > 0
+    request: dict[str, Any] = {
+        "input_ids": [list(prompt) for _ in range(sampling.n)],
+        "sampling_params": [sglang_sampling_params(sampling, i) for i in range(sampling.n)],
+        "return_logprob": wanted,
+        "rid": [f"{request_id}-{i}" for i in range(sampling.n)],
+    }
+    if wanted:
+        request["logprob_start_len"] = len(prompt)  # no prompt log-probs
+        if sampling.top_logprobs:
+            request["top_logprobs_num"] = sampling.top_logprobs
+    return request
+
+
+def _sampled(record: Any, token: int) -> float:
+    logprob, token_id = record[0], record[1]
+    if token_id != token:
+        raise RuntimeError(f"SGLang log-prob record is for token {token_id}, the output has {token}")
+    return logprob
+
+
+class SGLangEngine(AsyncEngineAdapter):
+    """Implements `polyrl.rollout.base.RolloutEngine` on `sglang.Engine`.
+
+    Args: as `VLLMEngine`; `launch_args` are `sglang.Engine` keyword arguments
+    (`polyrl.rollout.launch_args.sglang_args`).
+    """
+
+    backend = "sglang"
+
+    def __init__(self, launch_args: dict[str, Any], *, tokenizer: Any = True, seed: int = 0,
+                 update_bucket_mb: int = 512,
+                 control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S):
+        import sglang
+
+        self.launch_args = dict(launch_args)
+        self._init_adapter(self.launch_args["model_path"], tokenizer, seed, control_timeout_s)
+        self.bucket_bytes = update_bucket_mb << 20
+        self.fp8 = self.launch_args.get("quantization") == "fp8"
+        self.tp_size = int(self.launch_args.get("tp_size", 1))
+        self._asleep: set[str] = set()
+
+        async def start():  # on the loop thread: the engine adopts this running loop
+            return sglang.Engine(**self.launch_args)
+
+        self.engine = self._control(start(), "start")
+        self._tm = self.engine.tokenizer_manager
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, *, launch_args: dict[str, Any], tokenizer: Any = True,
+                   **kwargs) -> "SGLangEngine":
+        engine = cls(launch_args, tokenizer=tokenizer, **kwargs)
+        with torch.no_grad():
+            engine.update_weights(model.named_parameters(), 0)
+        return engine
+
+    # --- generation ------------------------------------------------------------------------------
+    async def _generate_one(self, prompt: list[int], sampling: SamplingParams,
+                            request_id: str) -> list[TokenOutput]:
+        if self._asleep:
+            raise RuntimeError("SGLang engine is sleeping; call wake_up() first")
+        results = await self.engine.async_generate(**sglang_request(prompt, sampling, request_id))
+        results = results if isinstance(results, list) else [results]
+        outs = []
+        for res in results:
+            meta = res["meta_info"]
+            tokens = list(res["output_ids"])
+            logprobs = sampled_logprobs(tokens, meta.get("output_token_logprobs"), sampling.logprobs,
+                                        _sampled)
+            top = None
+            if sampling.top_logprobs:
+                top = [{rec[1]: rec[0] for rec in row} for row in meta["output_top_logprobs"]]
+            outs.append(self._output(tokens, logprobs, meta["finish_reason"], res.get("text"), top))
+        return outs
+
+    # --- control ---------------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                       version: int) -> None:
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        if not isinstance(version, int):
+            raise WeightUpdateError(f"version must be an int, got {type(version).__name__}")
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        named: Iterable[tuple[str, torch.Tensor]] = [(n, t.detach()) for n, t in items]
+        if self.fp8:
+            from polyrl.weights.fp8 import quantize_named_tensors
+
+            named = quantize_named_tensors(named)
+
+        async def push() -> None:
+            if "weights" in self._asleep:
+                await self._resume(["weights"])
+            for piece in iter_flushes(named, self.bucket_bytes):
+                req = UpdateWeightsFromTensorReqInput(
+                    serialized_named_tensors=[MultiprocessingSerializer.serialize(piece)
+                                              for _ in range(self.tp_size)],
+                    load_format=None, flush_cache=False)
+                result = await self._tm.update_weights_from_tensor(req, None)
+                ok, message = (result[0], result[1]) if isinstance(result, tuple) else (True, "")
+                if not ok:
+                    raise RuntimeError(message)
+            await self._tm.flush_cache()
+
+        try:
+            self._control(push(), f"update_weights to version {version}")
+        except Exception as exc:
+            raise WeightUpdateError(f"SGLang weight update to version {version} failed part-way "
+                                    f"({exc}); the engine's weights are inconsistent until the "
+                                    "next successful update") from exc
+        self._version = version
+
+    async def _resume(self, tags: list[str]) -> None:
+        from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
+
+        await self._tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=tags), None)
+        self._asleep.difference_update(tags)
+
+    def sleep(self) -> None:
+        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
+
+        if not self.launch_args.get("enable_memory_saver"):
+            raise RuntimeError("SGLang was started without enable_memory_saver (standalone "
+                               "placement); set rollout.engine_kwargs.sglang.enable_memory_saver=true")
+        if self._inflight:
+            raise RuntimeError(f"cannot sleep with {len(self._inflight)} running requests; let them "
+                               "finish or call abort_all() first")
+        req = ReleaseMemoryOccupationReqInput(tags=list(SLEEP_TAGS))
+        self._control(self._tm.release_memory_occupation(req, None), "sleep")
+        self._asleep = set(SLEEP_TAGS)
+        self._sleeping = True
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self._control(self._resume(sorted(self._asleep)), "wake_up")
+        self._sleeping = False
+
+    def abort_all(self) -> int:
+        n = len(self._inflight)
+
+        async def abort() -> None:
+            self._tm.abort_request(abort_all=True)
+
+        self._control(abort(), "abort")
+        return n
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        super().shutdown()

@@ -1,0 +1,246 @@
+"""TensorRT-LLM behind `RolloutEngine` (registered as "trtllm"; `pip install "polyrl[trtllm]"`).
+
+Written against TRT-LLM's PyTorch-backend `AsyncLLM` with the Ray orchestrator, as verl's
+`trtllm_rollout` drives it (verl main, read 2026; TRT-LLM 1.x `tensorrt_llm.llmapi`):
+`await AsyncLLM(**args)`, `generate_async(prompt_ids, sampling_params)` (awaitable; `.abort()`
+cancels), `release(tags)` / `resume(tags)` (needs `sleep_config`), and `collective_rpc(method,
+args=...)` into `tensorrt_llm.llmapi.rlhf_utils.WorkerExtension`, whose
+`update_weights(ipc_handles)` loads {device uuid: base64(pickle([(name, reduce_tensor(t))]))}
+and, called with None, finalizes (post-load processing, prefix-cache reset).
+
+Weight update (`update_weights`, or `push_rank_weights` from every rank of a multi-process
+replica): `weight_flush.push_to_replica` cuts the tensors into IPC-handle flushes within
+`update_bucket_mb`, gathers each rank's flush to the replica leader, which hands them to the
+engine; for vision-language models the leader first asks the engine whether it accepts partial
+loading (`supports_partial_loading`, answered no when the extension lacks it) and broadcasts
+the answer (R5). IPC handles need device tensors; with `quantization=fp8` the tensors are
+quantized here (sending side).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import pickle
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from polyrl.rollout.base import SamplingParams, TokenOutput, WeightUpdateError
+from polyrl.rollout.engines.common import DEFAULT_CONTROL_TIMEOUT_S, AsyncEngineAdapter, sampled_logprobs
+from polyrl.rollout.engines.weight_flush import PushResult, push_to_replica
+
+WEIGHT_TAGS = ("sampler", "drafter", "guided_decoder", "spec_resource_manager", "model_extra",
+               "executor_extra", "model", "draft_model")
+"""TRT-LLM memory tags holding weights (verl's list); "kv_cache" is the other one."""
+ALL_TAGS = (*WEIGHT_TAGS, "kv_cache")
+
+
+def trtllm_sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
+    """`tensorrt_llm.SamplingParams(**kwargs)`. top_k 0 disables; `logprobs=k` returns the
+    sampled token's log-prob (k >= 1)."""
+    wanted = sampling.logprobs or sampling.top_logprobs > 0
+    kwargs: dict[str, Any] = {
+        "n": sampling.n,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": max(sampling.top_k, 0),
+        "max_tokens": sampling.max_tokens,
+        "stop_token_ids": list(sampling.stop_token_ids) or None,
+        "stop": list(sampling.stop) or None,
+        "ignore_eos": sampling.ignore_eos,
+        "seed": sampling.seed,
+        "logprobs": max(sampling.top_logprobs, 1) if wanted else None,
+    }
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _sampled(record: Mapping[int, Any], token: int) -> float:
+    if token not in record:
+        raise RuntimeError(f"TensorRT-LLM returned no log-prob for the sampled token {token}")
+    entry = record[token]
+    return getattr(entry, "logprob", entry)
+
+
+def serialize_handles(piece: list[tuple[str, torch.Tensor]]) -> str:
+    """One flush as TRT-LLM's extension reads it: base64(pickle([(name, (rebuild, args))]))."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    handles = []
+    for name, tensor in piece:
+        if tensor.device.type == "cpu":
+            raise WeightUpdateError(f"parameter '{name}' is in host memory; TensorRT-LLM weight "
+                                    "updates travel as device IPC handles")
+        handles.append((name, reduce_tensor(tensor.detach().contiguous())))
+    return base64.b64encode(pickle.dumps(handles)).decode("ascii")
+
+
+def device_payload(piece: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """{uuid of the piece's device: serialized handles}: the key TRT-LLM's workers look up."""
+    from tensorrt_llm._torch.utils import get_device_uuid
+
+    index = piece[0][1].device.index or 0
+    return {get_device_uuid(index): serialize_handles(piece)}
+
+
+def read_hf_config(model_path: str) -> dict | None:
+    path = Path(model_path) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+class TRTLLMEngine(AsyncEngineAdapter):
+    """Implements `polyrl.rollout.base.RolloutEngine` on TensorRT-LLM's `AsyncLLM`.
+
+    Args: as `VLLMEngine`; `launch_args` from `polyrl.rollout.launch_args.trtllm_args`
+    (`kv_cache_config` and `sleep_config` dicts become TRT-LLM config objects here).
+    """
+
+    backend = "trtllm"
+
+    def __init__(self, launch_args: dict[str, Any], *, tokenizer: Any = True, seed: int = 0,
+                 update_bucket_mb: int = 512,
+                 control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S):
+        from tensorrt_llm import AsyncLLM
+        from tensorrt_llm.llmapi import KvCacheConfig
+
+        self.launch_args = dict(launch_args)
+        self._init_adapter(self.launch_args["model"], tokenizer, seed, control_timeout_s)
+        self.bucket_bytes = update_bucket_mb << 20
+        self.fp8 = bool((self.launch_args.get("model_kwargs") or {}).get("quantization_config"))
+        self.hf_config = read_hf_config(self.model_path)
+        self._asleep: set[str] = set()
+        self._requests: dict[str, Any] = {}
+        args = dict(self.launch_args)
+        args["kv_cache_config"] = KvCacheConfig(**args.get("kv_cache_config", {}))
+        if "sleep_config" in args:
+            from tensorrt_llm.llmapi import SleepConfig
+
+            args["sleep_config"] = SleepConfig(**args["sleep_config"])
+
+        async def start():
+            return await AsyncLLM(**args)
+
+        self.engine = self._control(start(), "start")
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, *, launch_args: dict[str, Any], tokenizer: Any = True,
+                   **kwargs) -> "TRTLLMEngine":
+        engine = cls(launch_args, tokenizer=tokenizer, **kwargs)
+        with torch.no_grad():
+            engine.update_weights(model.named_parameters(), 0)
+        return engine
+
+    # --- generation ------------------------------------------------------------------------------
+    async def _generate_one(self, prompt: list[int], sampling: SamplingParams,
+                            request_id: str) -> list[TokenOutput]:
+        from tensorrt_llm import SamplingParams as TRTSamplingParams
+
+        if self._asleep:
+            raise RuntimeError("TensorRT-LLM engine is sleeping; call wake_up() first")
+        request = self.engine.generate_async(prompt, sampling_params=TRTSamplingParams(
+            **trtllm_sampling_kwargs(sampling)))
+        self._requests[request_id] = request
+        try:
+            result = await request
+        finally:
+            self._requests.pop(request_id, None)
+        outs = []
+        for c in result.outputs:
+            logprobs = sampled_logprobs(c.token_ids, c.logprobs, sampling.logprobs, _sampled)
+            outs.append(self._output(c.token_ids, logprobs, c.finish_reason, c.text))
+        return outs
+
+    # --- weights ---------------------------------------------------------------------------------
+    def supports_partial_loading(self) -> bool:
+        """Asked by the replica leader for vision-language models only."""
+        try:
+            return bool(self._control(self.engine.collective_rpc("supports_partial_loading",
+                                                                 unique_reply_rank=0),
+                                      "supports_partial_loading"))
+        except Exception:  # noqa: BLE001 - an extension without the method cannot load in parts
+            return False
+
+    def _apply(self, handles: dict[str, str] | None) -> None:
+        self._control(self.engine.collective_rpc("update_weights", args=(handles,)),
+                      "update_weights" if handles is not None else "finalize update_weights")
+
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                       version: int) -> None:
+        """This process is the whole replica (group=None). Multi-process replicas: every rank
+        calls `push_rank_weights` and the leader's adapter is passed as `engine`."""
+        push_rank_weights(named_tensors, version, engine=self, group=None, fp8=self.fp8,
+                          budget_bytes=self.bucket_bytes, hf_config=self.hf_config)
+
+    def _before_update(self) -> None:
+        if "model" in self._asleep:
+            self._control(self.engine.resume(tags=list(WEIGHT_TAGS)), "resume weights")
+            self._asleep.difference_update(WEIGHT_TAGS)
+
+    # --- control ---------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        if "sleep_config" not in self.launch_args:
+            raise RuntimeError("TensorRT-LLM was started without sleep_config (standalone "
+                               "placement); set rollout.engine_kwargs.trtllm.sleep_config={}")
+        if self._inflight:
+            raise RuntimeError(f"cannot sleep with {len(self._inflight)} running requests; let them "
+                               "finish or call abort_all() first")
+        self._control(self.engine.release(tags=list(ALL_TAGS)), "sleep")
+        self._asleep = set(ALL_TAGS)
+        self._sleeping = True
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self._control(self.engine.resume(tags=[t for t in ALL_TAGS if t in self._asleep]), "wake_up")
+        self._asleep.clear()
+        self._sleeping = False
+
+    def abort_all(self) -> int:
+        requests = list(self._requests.values())
+
+        async def abort() -> None:
+            for request in requests:
+                request.abort()
+
+        self._control(abort(), "abort")
+        return len(requests)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        super().shutdown()
+
+
+def push_rank_weights(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                      version: int, *, engine: TRTLLMEngine | None, group: Any, fp8: bool,
+                      budget_bytes: int, hf_config: Any,
+                      timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> PushResult:
+    """Every rank of a replica calls this with its weights (its shard, on its device); `engine`
+    is the adapter on the replica leader and None elsewhere; `fp8` (rollout.quantization=fp8)
+    quantizes on this rank before sending. On success the leader's engine serves `version`."""
+    if not isinstance(version, int):
+        raise WeightUpdateError(f"version must be an int, got {type(version).__name__}")
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    named: Iterable[tuple[str, torch.Tensor]] = ((n, t.detach()) for n, t in items)
+    if fp8:
+        from polyrl.weights.fp8 import quantize_named_tensors
+
+        named = quantize_named_tensors(named)
+    if engine is not None:
+        engine._before_update()
+    try:
+        result = push_to_replica(
+            named, make_payload=device_payload,
+            apply=engine._apply if engine is not None else None,
+            finish=(lambda: engine._apply(None)) if engine is not None else None,
+            budget_bytes=budget_bytes, group=group, hf_config=hf_config, engine=engine,
+            timeout_s=timeout_s)
+    except WeightUpdateError:
+        raise
+    except Exception as exc:
+        raise WeightUpdateError(f"TensorRT-LLM weight update to version {version} failed "
+                                f"part-way ({exc}); the engine's weights are inconsistent until "
+                                "the next successful update") from exc
+    if engine is not None:
+        engine._version = version
+    return result
+

@@ -1,0 +1,183 @@
+"""vLLM behind `RolloutEngine` (registered as "vllm"; `pip install "polyrl[vllm]"`).
+
+Written against vLLM's V1 `AsyncLLM` (vllm main at commit 00080ee, read 2026; the same calls
+exist since v0.8): `AsyncLLM.from_engine_args(AsyncEngineArgs(**args))`, `generate(prompt,
+SamplingParams, request_id)` (an async generator; `RequestOutputKind.FINAL_ONLY` makes it yield
+once), `abort(request_ids)`, `sleep(level)` / `wake_up(tags)`, `reset_prefix_cache()` and
+`collective_rpc(method, args=...)`, which reaches every worker's `worker_extension_cls`
+(`polyrl.rollout.engines.vllm_worker.PolyrlWorkerExtension`, named in the launch arguments).
+
+Weight update: the tensors are cut into buckets of `update_bucket_mb`, each bucket goes to every
+worker through `collective_rpc("polyrl_load_bucket")` and into `model.load_weights`; the last RPC
+runs `process_weights_after_loading` and the prefix cache is reset (its KV came from the old
+weights). With `quantization=fp8` the workers quantize each bucket (receiving side) with
+`polyrl.weights.fp8.quantize_named_tensors`. Buckets travel as host tensors: vLLM's RPC
+serializer copies tensors through host memory, so a GPU tensor would be copied anyway.
+
+Sleep (hybrid placement): level 1 offloads the weights to host memory and drops the KV cache. A
+weight update while asleep wakes the weights only; `wake_up()` then restores the KV cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from polyrl.rollout.base import SamplingParams, TokenOutput, WeightUpdateError
+from polyrl.rollout.engines.common import DEFAULT_CONTROL_TIMEOUT_S, AsyncEngineAdapter, sampled_logprobs
+from polyrl.rollout.engines.weight_flush import iter_flushes
+
+ALL_TAGS = ("weights", "kv_cache")
+
+
+def vllm_sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
+    """`vllm.SamplingParams(**kwargs)` for polyrl's sampling. `logprobs=k` returns the sampled
+    token's log-prob plus the top k (0: the sampled token's only); vLLM's default
+    `logprobs_mode="raw_logprobs"` reports them before temperature / top-p / top-k, which is
+    what `TokenOutput.logprobs` promises."""
+    wanted = sampling.logprobs or sampling.top_logprobs > 0
+    kwargs: dict[str, Any] = {
+        "n": sampling.n,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "max_tokens": sampling.max_tokens,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "stop": list(sampling.stop),
+        "ignore_eos": sampling.ignore_eos,
+        "logprobs": sampling.top_logprobs if wanted else None,
+        "seed": sampling.seed,
+    }
+    if sampling.top_k > 0:  # -1 / 0: disabled, vLLM's default (its sentinel moved from -1 to 0)
+        kwargs["top_k"] = sampling.top_k
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _sampled(record: Mapping[int, Any], token: int) -> float:
+    if token not in record:
+        raise RuntimeError(f"vLLM returned no log-prob for the sampled token {token}")
+    return record[token].logprob
+
+
+class VLLMEngine(AsyncEngineAdapter):
+    """Implements `polyrl.rollout.base.RolloutEngine` on vLLM's `AsyncLLM`.
+
+    Args:
+        launch_args: `AsyncEngineArgs` keyword arguments (`polyrl.rollout.launch_args.vllm_args`).
+        tokenizer: True loads the model's tokenizer (for `eos_token_ids` and callers that decode).
+        seed: kept for interface parity; per-request seeds are passed through.
+        update_bucket_mb: bytes per `load_weights` bucket.
+        control_timeout_s: deadline of every control call (start, update, sleep, abort).
+    """
+
+    backend = "vllm"
+
+    def __init__(self, launch_args: dict[str, Any], *, tokenizer: Any = True, seed: int = 0,
+                 update_bucket_mb: int = 512,
+                 control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S):
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.launch_args = dict(launch_args)
+        self._init_adapter(self.launch_args["model"], tokenizer, seed, control_timeout_s)
+        self.bucket_bytes = update_bucket_mb << 20
+        self.fp8 = self.launch_args.get("quantization") == "fp8"
+        self._asleep: set[str] = set()
+
+        async def start():
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**self.launch_args))
+
+        self.engine = self._control(start(), "start")
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, *, launch_args: dict[str, Any], tokenizer: Any = True,
+                   **kwargs) -> "VLLMEngine":
+        """Hybrid placement: start on dummy weights, then copy the trainer's weights in (v0)."""
+        engine = cls(launch_args, tokenizer=tokenizer, **kwargs)
+        with torch.no_grad():
+            engine.update_weights(model.named_parameters(), 0)
+        return engine
+
+    # --- generation ------------------------------------------------------------------------------
+    async def _generate_one(self, prompt: list[int], sampling: SamplingParams,
+                            request_id: str) -> list[TokenOutput]:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if self._asleep:
+            raise RuntimeError("vLLM engine is sleeping; call wake_up() first")
+        params = VLLMSamplingParams(**vllm_sampling_kwargs(sampling),
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        async for out in self.engine.generate({"prompt_token_ids": prompt}, params, request_id):
+            final = out
+        if final is None:
+            raise RuntimeError(f"vLLM returned nothing for request {request_id}")
+        wanted = sampling.logprobs or sampling.top_logprobs > 0
+        outs = []
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            logprobs = sampled_logprobs(c.token_ids, c.logprobs, wanted, _sampled)
+            top = None
+            if sampling.top_logprobs and c.logprobs is not None:
+                top = [{tid: lp.logprob for tid, lp in rec.items()} for rec in c.logprobs]
+            outs.append(self._output(c.token_ids, logprobs if sampling.logprobs else [],
+                                     c.finish_reason, c.text, top))
+        return outs
+
+    # --- control ---------------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                       version: int) -> None:
+        if not isinstance(version, int):
+            raise WeightUpdateError(f"version must be an int, got {type(version).__name__}")
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        named = [(n, t) for n, t in items]
+        for name, tensor in named:
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                raise WeightUpdateError(f"parameter '{name}': expected a floating-point tensor")
+
+        async def push() -> int:
+            if "weights" in self._asleep:
+                await self.engine.wake_up(tags=["weights"])
+                self._asleep.discard("weights")
+            await self.engine.collective_rpc("polyrl_begin_update", args=(self.fp8,))
+            for piece in iter_flushes(named, self.bucket_bytes):
+                host = [(n, t.detach().cpu().contiguous()) for n, t in piece]
+                await self.engine.collective_rpc("polyrl_load_bucket", args=(host,))
+            loaded = await self.engine.collective_rpc("polyrl_finish_update", args=(version,))
+            await self.engine.reset_prefix_cache()
+            return loaded
+
+        try:
+            self._control(push(), f"update_weights to version {version}")
+        except Exception as exc:  # the engine may hold a mix of versions now: say so
+            raise WeightUpdateError(f"vLLM weight update to version {version} failed part-way "
+                                    f"({exc}); the engine's weights are inconsistent until the "
+                                    "next successful update") from exc
+        self._version = version
+
+    def sleep(self) -> None:
+        if not self.launch_args.get("enable_sleep_mode"):
+            raise RuntimeError("vLLM was started without enable_sleep_mode (standalone placement); "
+                               "set rollout.engine_kwargs.vllm.enable_sleep_mode=true to use sleep()")
+        if self._inflight:
+            raise RuntimeError(f"cannot sleep with {len(self._inflight)} running requests; let them "
+                               "finish or call abort_all() first")
+        self._control(self.engine.sleep(level=1), "sleep")
+        self._asleep = set(ALL_TAGS)
+        self._sleeping = True
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self._control(self.engine.wake_up(tags=sorted(self._asleep)), "wake_up")
+        self._asleep.clear()
+        self._sleeping = False
+
+    def abort_all(self) -> int:
+        ids = sorted(self._inflight)
+        if ids:
+            self._control(self.engine.abort(ids), "abort")
+        return len(ids)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        super().shutdown()
