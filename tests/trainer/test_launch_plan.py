@@ -209,23 +209,23 @@ def test_missing_builder_is_an_error_in_the_plan_not_a_crash(monkeypatch):
 # --- the plan is what a real launch uses ------------------------------------------------------
 
 
-def _what_the_actor_sees(worker, names):
-    import ray
-    import torch
-
-    ctx = ray.get_runtime_context()
-    engine = getattr(worker, "engine", None)
-    return {"env": {n: os.environ.get(n) for n in names},
-            "runtime_env_vars": dict((ctx.runtime_env or {}).get("env_vars") or {}),
-            "resources": ctx.get_assigned_resources(), "threads": torch.get_num_threads(),
-            "rank": worker.rank,
-            "max_model_len": engine.max_model_len if engine is not None else None}
-
-
 def test_plan_equals_a_real_standalone_launch(ray_session, tiny_model, monkeypatch, tmp_path):
     from polyrl.trainer.worker_group import launch
 
     ray = ray_session
+
+    def what_the_actor_sees(worker, names):  # nested: cloudpickle ships it by value
+        import ray
+        import torch
+
+        ctx = ray.get_runtime_context()
+        engine = getattr(worker, "engine", None)
+        return {"env": {n: os.environ.get(n) for n in names},
+                "runtime_env_vars": dict((ctx.runtime_env or {}).get("env_vars") or {}),
+                "resources": ctx.get_assigned_resources(), "threads": torch.get_num_threads(),
+                "rank": worker.rank,
+                "max_model_len": engine.max_model_len if engine is not None else None}
+
     monkeypatch.setenv("NCCL_CUMEM_ENABLE", "1")  # forwarded user value (R1)
     cfg = job(f"model.path={tiny_model}", "rollout.placement=standalone", "rollout.num_replicas=2",
               "env={POLYRL_PLAN_CHECK: checked}", f"trainer.output_dir={tmp_path}", "ray.timeout_s=120")
@@ -236,7 +236,7 @@ def test_plan_equals_a_real_standalone_launch(ray_session, tiny_model, monkeypat
         workers = policy.workers + rollout.workers
         assert policy.names + rollout.names == [a.name for a in plan]
         for actor, worker in zip(plan, workers):
-            seen = ray.get(worker.__ray_call__.remote(_what_the_actor_sees, list(actor.env.entries)),
+            seen = ray.get(worker.__ray_call__.remote(what_the_actor_sees, list(actor.env.entries)),
                            timeout=120)
             planned = actor.env.values()
             assert planned["NCCL_CUMEM_ENABLE"] == "1" and planned["POLYRL_PLAN_CHECK"] == "checked"
