@@ -111,21 +111,22 @@ def vllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
 
 # --- SGLang (sgl.Engine / ServerArgs keyword arguments) -------------------------------------------
 
-def sglang_attention_backend(platform: Platform, engine_version: str | None) -> str:
-    """aiter on ROCm, ascend on Ascend NPUs; on CUDA flashinfer for sglang >= 0.5.12 (FA3
-    CUDA-graph capture is broken there) and fa3 below it on Hopper (FA3 kernels are sm90-only;
-    other GPUs get flashinfer). An unknown version (no sglang installed, no version declared for
-    a dry run) is treated as the newest release, i.e. flashinfer: it works on every version and
-    GPU, while fa3 would break the newest ones."""
+def sglang_attention_backend(platform: Platform, engine_version: str | None) -> str | None:
+    """aiter on ROCm; on NVIDIA GPUs flashinfer for sglang >= 0.5.12 (FA3 CUDA-graph capture is
+    broken there) and fa3 below it on Hopper (FA3 kernels are sm90-only; other GPUs get
+    flashinfer). An unknown version (no sglang installed, no version declared for a dry run) is
+    treated as the newest release, i.e. flashinfer: it works on every version and GPU, while fa3
+    would break the newest ones. Platforms without a compute capability (Ascend NPUs) get None:
+    SGLang picks its own backend there (`ascend`)."""
     if platform.name == "rocm":
         return "aiter"
-    if platform.name == "npu":
-        return "ascend"
+    capability = platform.capability
+    if capability is None:
+        return None
     version = parse_engine_version(engine_version)
     if version is None or version >= SGLANG_FLASHINFER_SINCE:
         return "flashinfer"
-    capability = platform.capability
-    return "fa3" if capability is not None and capability[0] == 9 else "flashinfer"
+    return "fa3" if capability[0] == 9 else "flashinfer"
 
 
 def sglang_args(rollout: RolloutConfig, model_path: str, platform: Platform,
