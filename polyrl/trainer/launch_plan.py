@@ -209,6 +209,13 @@ def _notes(cfg: Any, platform: Platform, plan: LaunchPlan) -> list[str]:
         notes.append(f"CPUs per actor ({plan.actors[0].resources['num_cpus']}) follow this "
                      f"machine's {os.cpu_count()} cores; the run computes them on the machine that "
                      "starts it (set actor.num_cpus_per_worker to fix them)")
+    noset = sorted({a.name for a in plan.actors if devices_reserved(a.resources)
+                    and any(v.startswith("RAY_EXPERIMENTAL_NOSET_") for v in a.env.entries)})
+    if noset:
+        notes.append(f"{', '.join(noset)} reserve devices through Ray and also get "
+                     "RAY_EXPERIMENTAL_NOSET_* (meant for server actors with no Ray devices): Ray "
+                     "leaves their visible-devices variable alone, so each sees every device of "
+                     "its node")
     if platform.ray_resource and plan.devices_needed > platform.device_count:
         notes.append(f"{plan.devices_needed:g} devices needed, {platform.device_count} per node: the "
                      f"Ray cluster needs {plan.nodes_needed} nodes (ray.address=auto)")

@@ -98,8 +98,13 @@ def test_standalone_h100_vllm_two_replicas_user_cumem_survives(monkeypatch):
 
 def test_standalone_h100_cumem_default_without_user_value():
     cfg = job("rollout.placement=standalone", "rollout.num_replicas=2", "rollout.backend=vllm")
-    rollout = plan_actors(cfg, machine("h100"))[1]
-    assert env_of(rollout.env)["NCCL_CUMEM_ENABLE"] == ("0", "rule:nccl-cumem-off")
+    plan = plan_launch(cfg, machine("h100"))
+    assert env_of(plan.actors[1].env)["NCCL_CUMEM_ENABLE"] == ("0", "rule:nccl-cumem-off")
+    # launch reserves a GPU per rollout actor AND plans RAY_EXPERIMENTAL_NOSET_*: the plan says so
+    noset = [n for n in plan.notes if "RAY_EXPERIMENTAL_NOSET_" in n]
+    assert len(noset) == 1 and noset[0].startswith("rollout replica 0 (rank 1), rollout replica 1")
+    assert not any("NOSET" in n for n in plan_launch(job("rollout.placement=standalone"),
+                                                     machine("h100")).notes)  # native: no NOSET
 
 
 @pytest.mark.parametrize("opt_in", [False, True])
