@@ -4,7 +4,8 @@ It runs anywhere torch runs (the CPU default, or any device handed in), loads a 
 decoder directory, and serves concurrent requests with continuous batching. Two front doors share
 one `Scheduler`: `await generate(...)` for servers (an asyncio loop steps the scheduler in a worker
 thread so the event loop stays responsive) and `generate_batch(...)` for a trainer thread or Ray
-actor method (steps the scheduler to completion, no event loop needed).
+actor method (steps the scheduler to completion, no event loop needed). `generate_stream(...)` is
+the token-by-token form of `generate`: an async iterator of each decode step's new tokens.
 
     engine = NativeEngine("/path/to/Qwen3-0.6B", dtype="bfloat16")
     outs = engine.generate_batch([[1, 2, 3]], SamplingParams(n=4, max_tokens=32))
@@ -31,6 +32,7 @@ from polyrl.rollout.native.loader import (
 )
 from polyrl.rollout.native.model import DecoderModel
 from polyrl.rollout.native.scheduler import Request, Scheduler
+from polyrl.rollout.native.streaming import StreamUpdate, TokenStream, post_to_loop
 from polyrl.rollout.native.weights import ModelWeights
 
 _DTYPES = {
@@ -156,17 +158,45 @@ class NativeEngine:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         req = Request(request_id or uuid.uuid4().hex, prompt, sampling,
-                      on_done=lambda r: loop.call_soon_threadsafe(_resolve, fut, r))
+                      on_done=lambda r: post_to_loop(loop, _resolve, fut, r))
+        self._submit(req, loop)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._cancel(req)
+            raise
+
+    def generate_stream(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> TokenStream:
+        """Queue one prompt now and return an async iterator of its `StreamUpdate`s.
+
+        Call from a coroutine (the updates are delivered to the running event loop). Input is
+        validated here, so a bad request raises before anything is streamed. Each update holds
+        the tokens (and log-probs) the samples gained since the previous one; the last update's
+        `outputs` equal what `generate` returns for the same request and seed. Closing the
+        stream early cancels the request (see `polyrl.rollout.native.streaming`).
+        """
+        prompt = self._sched.check(prompt_ids, sampling)
+        loop = asyncio.get_running_loop()
+        req = Request(request_id or uuid.uuid4().hex, prompt, sampling)
+        stream = TokenStream(req.request_id, loop, cancel=lambda: self._cancel(req))
+        req.on_step = stream.push
+        req.on_done = lambda r: stream.fail(r.error) if r.error is not None else stream.push(
+            StreamUpdate([], r.outputs))
+        self._submit(req, loop)
+        return stream
+
+    def _submit(self, req: Request, loop: asyncio.AbstractEventLoop) -> None:
         with self._lock:
             self._sched.add(req)
         if self._loop_task is None or self._loop_task.done() or self._loop_task.get_loop() is not loop:
             self._loop_task = loop.create_task(self._serve())
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            with self._lock:
+
+    def _cancel(self, req: Request) -> None:
+        with self._lock:
+            if not req.done:
                 self._sched.cancel(req)
-            raise
 
     async def _serve(self) -> None:
         """Step while there is work; steps run in a worker thread so new requests can arrive."""

@@ -3,7 +3,8 @@
 `step()` is one scheduler iteration: admit waiting requests that fit (one prefill per prompt, its
 KV copied to the n sample slots), then one decode step over *every* live sequence, then retire
 finished sequences. Requests join and leave between steps. `step()` holds no lock and never
-raises: a failure fails the affected requests and the engine keeps serving.
+raises: a failure fails the affected requests and the engine keeps serving. A request with an
+`on_step` hook (a token stream) is handed each step's new tokens as a `StreamUpdate`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from polyrl.rollout.base import RolloutInputError, SamplingParams, TokenOutput
 from polyrl.rollout.native.kv_cache import KVCache
 from polyrl.rollout.native.model import DecoderModel
 from polyrl.rollout.native.sampling import RowParams, sample
+from polyrl.rollout.native.streaming import SampleDelta, StreamUpdate
 
 
 @dataclass(eq=False)
@@ -29,6 +31,8 @@ class Request:
     prompt: list[int]
     sampling: SamplingParams
     on_done: Callable[["Request"], None] | None = None
+    on_step: Callable[[StreamUpdate], None] | None = None
+    """Called from the stepping thread with the tokens each step added (streaming requests)."""
     seqs: list["Sequence"] = field(default_factory=list)
     outputs: list[TokenOutput] | None = None
     error: BaseException | None = None
@@ -44,6 +48,8 @@ class Sequence:
 
     request: Request
     row: RowParams
+    index: int = 0
+    """Which of the request's n samples this is."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -122,7 +128,7 @@ class Scheduler:
         rng = random.Random(f"{sp.seed}/{index}") if sp.seed is not None else random.Random(self._rng.getrandbits(64))
         row = RowParams(sp.temperature, sp.top_p, sp.top_k, sp.top_logprobs, rng)
         v = self.weight_version
-        return Sequence(req, row, min_version=v, max_version=v)
+        return Sequence(req, row, index, min_version=v, max_version=v)
 
     # -- one iteration --------------------------------------------------------------------------
 
@@ -209,6 +215,7 @@ class Scheduler:
 
     def _append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         tokens, logprobs, top = sample(logits, [s.row for s in seqs])
+        streamed: dict[Request, list[SampleDelta]] | None = None
         for b, s in enumerate(seqs):
             s.tokens.append(tokens[b])
             if s.request.sampling.logprobs:
@@ -216,6 +223,17 @@ class Scheduler:
             if top is not None and top[b] is not None:
                 s.top_logprobs.append(top[b])
             s.stop_reason = self._stop_reason(s)
+            if s.request.on_step is not None:
+                streamed = streamed if streamed is not None else {}
+                streamed.setdefault(s.request, []).append(self._delta(s))
+        for req, deltas in (streamed or {}).items():
+            req.on_step(StreamUpdate(sorted(deltas, key=lambda d: d.index)))
+
+    def _delta(self, s: Sequence) -> SampleDelta:
+        """The token `_append` just added to `s`, as a stream delta."""
+        top = s.top_logprobs[-1:] if s.request.sampling.top_logprobs else None
+        finished = self._output(s) if s.stop_reason is not None else None
+        return SampleDelta(s.index, s.tokens[-1:], s.logprobs[-1:], top, finished)
 
     def _stop_reason(self, s: Sequence) -> str | None:
         sp, tok = s.request.sampling, s.tokens[-1]
