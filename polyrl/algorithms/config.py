@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from polyrl.algorithms.off_policy import OffPolicyConfig
 from polyrl.config import Config
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
@@ -66,6 +67,11 @@ class AlgorithmConfig(Config):
 
     policy_loss: str = "ppo_clip"
     """Policy loss from the POLICY_LOSSES registry."""
+
+    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
+    """Correction for the gap between the rollout engine's policy (its log-probs travel with each
+    sample) and the trainer's pre-update policy: truncated importance sampling and/or masking
+    (see polyrl/algorithms/off_policy.py and docs/async.md)."""
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "AlgorithmConfig":

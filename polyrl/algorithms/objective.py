@@ -13,6 +13,7 @@ import torch
 from polyrl.algorithms.config import AlgorithmConfig
 from polyrl.algorithms.kl import kl_loss
 from polyrl.algorithms.losses import POLICY_LOSSES, aggregate
+from polyrl.algorithms.off_policy import OffPolicyConfig, off_policy_correction
 
 
 def actor_loss(
@@ -26,11 +27,23 @@ def actor_loss(
     entropy: torch.Tensor | None = None,  # [B, T] per-token entropy (with grad for a bonus)
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    rollout_logprob: torch.Tensor | None = None,  # [B, T] behaviour policy (the engine's)
+    off_policy: OffPolicyConfig | None = None,  # resolved (no "auto"); None: cfg.off_policy
 ) -> tuple[torch.Tensor, dict[str, float]]:
     agg = {"num_tokens": num_tokens, "num_seqs": num_seqs}
+    off_policy = off_policy or cfg.off_policy
+    policy_mask, off_metrics = response_mask, {}
+    if off_policy.active and rollout_logprob is not None:
+        # old_logprob is the proximal policy here; scaling A by w >= 0 scales every branch of
+        # the clipped loss (and the dual-clip bound) by w, i.e. w * L_ppo per token
+        corr = off_policy_correction(old_logprob.detach(), rollout_logprob, response_mask, off_policy)
+        advantages = advantages * corr.weights
+        policy_mask = response_mask * corr.keep
+        off_metrics = corr.metrics
     loss, metrics = POLICY_LOSSES.get(cfg.policy_loss)(
-        cfg, logprob, old_logprob, advantages, response_mask, **agg
+        cfg, logprob, old_logprob, advantages, policy_mask, **agg
     )
+    metrics.update(off_metrics)
     if cfg.use_kl_loss:
         if ref_logprob is None:
             raise ValueError("algorithm.use_kl_loss=true needs ref_logprob (reference log-probs)")

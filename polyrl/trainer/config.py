@@ -67,8 +67,36 @@ class TrainerConfig(Config):
         return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
 
 
+class AsyncConfig(Config):
+    """trainer.mode=async: rollout and training overlap (docs/async.md)."""
+
+    max_staleness: int = Field(1, ge=0)
+    """Most policy versions a sample's oldest token may lag the trainer's weights when it is
+    trained on. Generation pauses when starting more groups would exceed it; samples over it
+    at consume time (e.g. after a resume) are discarded, counted and their prompts regenerated.
+    0 is on-policy (no overlap)."""
+    partial_rollout: Literal["abort", "wait"] = "abort"
+    """At a weight sync, abort in-flight requests and continue them with the new weights from
+    the tokens generated so far (abort), or let them finish on the old weights first (wait)."""
+    queue_size: int | None = Field(None, ge=1)
+    """Most finished groups waiting for the trainer; generation pauses when the queue is full
+    (default: no bound beyond max_staleness, i.e. (max_staleness + 1) x data.train_batch_size)."""
+    groups_per_request: int = Field(4, ge=1)
+    """Prompt groups per call to a replica: smaller streams finer, larger costs fewer calls."""
+    max_inflight_per_replica: int | None = Field(None, ge=1)
+    """Groups generating at once on one replica (default: data.train_batch_size)."""
+    max_retries: int = Field(3, ge=0)
+    """A group whose replica died is retried on another replica at most this many times."""
+    restart_replicas: bool = True
+    """Replace a dead replica with a new one that loads the current weights."""
+
+
 class JobConfig(Config):
     """Everything one `polyrl train` run needs. Each section is owned by its component."""
+
+    # `async` is a Python keyword: the field is async_, the config key `async`
+    model_config = {**Config.model_config, "validate_by_name": True, "validate_by_alias": True,
+                    "serialize_by_alias": True}
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=lambda: DataConfig(
@@ -79,6 +107,8 @@ class JobConfig(Config):
     weights: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     actor: ActorConfig = Field(default_factory=ActorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    """Asynchronous training (trainer.mode=async): staleness bound, partial rollouts, queue."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     platform: str = "auto"
@@ -99,11 +129,34 @@ class JobConfig(Config):
             raise ValueError(
                 f"data.train_batch_size={self.data.train_batch_size} must be a multiple of "
                 f"actor.world_size={self.actor.world_size}: each rank's engine generates an equal share")
+        if self.trainer.mode == "async":
+            if self.rollout.placement != "standalone":
+                raise ValueError(
+                    "trainer.mode=async needs rollout.placement=standalone (rollout replicas on "
+                    "their own actors keep generating while the trainer trains); set "
+                    "rollout.placement=standalone")
+            if self.weights.transport not in ("auto", "object_store"):
+                raise ValueError(
+                    f"weights.transport={self.weights.transport} cannot serve trainer.mode=async: "
+                    "a replacement for a dead replica must fetch the current weights, which a "
+                    "fixed collective group cannot give; use weights.transport=auto (object_store)")
         try:
             self.weights.resolve(self.rollout.placement)
         except ValueError as exc:
             raise ValueError(str(exc)) from None
         return self
+
+    @property
+    def weight_transport(self) -> str:
+        """The transport this run uses: object_store for async, else the weights section's."""
+        if self.trainer.mode == "async":
+            return "object_store"
+        return self.weights.resolve(self.rollout.placement)
+
+    @property
+    def resolved_weights(self) -> WeightSyncConfig:
+        """The weights section with `auto` replaced by `weight_transport`."""
+        return self.weights.model_copy(update={"transport": self.weight_transport})
 
     @property
     def num_mini_batches(self) -> int:

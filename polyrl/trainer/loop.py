@@ -1,9 +1,11 @@
-"""The synchronous RL loop, readable top to bottom as named steps:
+"""The RL loop, readable top to bottom as named steps:
 
     generate -> reward -> reference log-probs -> advantages -> update -> sync weights -> log
 
 The driver process owns data, rewards and advantages; the policy ranks (Ray actors) own the
-model, the optimizer and the colocated rollout engine.
+model, the optimizer and the colocated rollout engine. In trainer.mode=async the first two steps
+become "take a finished batch" from a `RolloutStream` that keeps standalone replicas generating
+while the policy trains (async_rollout.py, docs/async.md).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from polyrl.trainer.checkpoint import (
     restore_rng,
     step_dir,
 )
+from polyrl.trainer.async_rollout import RolloutStream
 from polyrl.trainer.config import JobConfig
 from polyrl.trainer.interrupts import TrainingInterrupted, stop_on_signals
 from polyrl.trainer.metrics import MetricsWriter, PhaseTimer
@@ -66,14 +69,11 @@ class Trainer:
         self.started_ray = False
         self.start_time = time.perf_counter()
         self.sample_log: SampleLog | None = None
+        self.stream: RolloutStream | None = None
 
     # --- set-up -------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
-        if cfg.trainer.mode != "sync":
-            raise TrainingError(
-                f"trainer.mode={cfg.trainer.mode} is not available in this polyrl version; "
-                "use trainer.mode=sync")
         if cfg.rollout.backend == "native" and cfg.rollout.tensor_parallel_size > 1:
             raise TrainingError("rollout.tensor_parallel_size > 1 needs a GPU engine; the native "
                                 "engine runs one rank per replica (set rollout.tensor_parallel_size=1)")
@@ -125,6 +125,10 @@ class Trainer:
                 "free; lower actor.num_cpus_per_worker or rollout.num_replicas, or add CPUs (ray.num_cpus)")
         self.policy, self.rollout = launch(cfg, self.platform, self.total_steps)
         self.engines = self.rollout or self.policy  # whoever hosts the rollout engines
+        if cfg.trainer.mode == "async":
+            self.stream = RolloutStream(cfg, self.rollout, self.train_loader, self.score)
+            # every wait on the policy (update, log-probs, checkpoint) keeps the replicas fed
+            self.policy.waiter = self.rollout.waiter = self.stream.gather
         self.use_rollout_logprobs = self._use_rollout_logprobs()
         self.checkpoints = CheckpointWriter(self.out, cfg.trainer.keep_last)
         # model + tokenizer + two Adam moments, fp32, for each kept checkpoint plus the one in flight
@@ -137,6 +141,8 @@ class Trainer:
         mode = self.cfg.actor.old_logprobs
         if mode != "auto":
             return mode == "rollout"
+        if self.cfg.trainer.mode == "async":  # stale behaviour policy: PPO's old side is proximal
+            return False
         a, r = self.cfg.actor, self.cfg.rollout
         # the engine's log-probs equal the trainer's only when both compute in the same dtype
         return r.backend == "native" and r.dtype == a.param_dtype == a.compute_dtype == "float32"
@@ -227,6 +233,14 @@ class Trainer:
         state = torch.load(resume_dir / "driver.pt", weights_only=False)
         self.train_loader.load_state_dict(state["data"])
         restore_rng(state["rng"])
+        if self.stream is not None:  # before any wait below pumps generation
+            if "async" not in state:
+                raise TrainingError(f"{resume_dir} was written by a trainer.mode=sync run; resume it "
+                                    "with trainer.mode=sync or start fresh (trainer.resume=off)")
+            self.stream.load_state_dict(state["async"])
+        elif "async" in state:
+            logger.warning("resuming an async checkpoint synchronously: %d drawn but untrained "
+                           "prompts are skipped", len(state["async"]["pending"]) + len(state["async"]["ready"]))
         self.policy.call("load_checkpoint", str(resume_dir), phase="resume")
         if self.rollout is not None:  # replicas start from the model on disk: send the checkpoint's
             self.sync_weights(bump=False)
@@ -240,6 +254,8 @@ class Trainer:
             driver = {"step": step, "data": self.train_loader.state_dict(), "rng": capture_rng(),
                       "initial_val": initial_val,
                       "wall_seconds": time.perf_counter() - self.start_time}
+            if self.stream is not None:  # drawn but untrained prompts, finished groups included
+                driver["async"] = self.stream.state_dict()
             path = self.checkpoints.commit(tmp, step, driver, self.cfg.model_dump(mode="json"))
         except OSError as exc:
             self.checkpoints.abort(tmp)
@@ -253,11 +269,17 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, Any]:
         cfg, timer = self.cfg, self.timer
         t0 = time.perf_counter()
-        batch = self.train_loader.next_batch()
-        with timer("generate"):
-            samples = self.generate(batch, step)
-        with timer("reward"):
-            metrics = self.score(samples, batch)
+        if self.stream is not None:
+            with timer("generate"):  # async: waiting for finished groups (the trainer's idle time)
+                groups, metrics = self.stream.take_batch()
+            samples = [s for g in groups for s in g.samples]
+            metrics.update(response_metrics(samples))
+        else:
+            batch = self.train_loader.next_batch()
+            with timer("generate"):
+                samples = self.generate(batch, step)
+            with timer("reward"):
+                metrics = self.score(samples, batch)
         if self.sample_log is not None and step % cfg.logging.samples_every == 0:
             # before advantages(), which drops each sample's prompt
             self.sample_log.write(step, rows_from_samples(samples, cfg.logging.num_samples))
@@ -282,7 +304,9 @@ class Trainer:
         metrics.update(timer.pop())
         metrics["timing/step"] = time.perf_counter() - t0
         metrics["perf/samples_per_s"] = len(samples) / metrics["timing/step"]
-        metrics["perf/generate_tokens_per_s"] = metrics["perf/generated_tokens"] / max(metrics["timing/generate"], 1e-9)
+        # async: generation overlaps the step, so its rate is tokens per step-second
+        gen_s = metrics["timing/step"] if self.stream is not None else metrics["timing/generate"]
+        metrics["perf/generate_tokens_per_s"] = metrics["perf/generated_tokens"] / max(gen_s, 1e-9)
         metrics["train/epoch"] = self.train_loader.epoch
         return metrics
 
@@ -307,6 +331,10 @@ class Trainer:
     def sync_weights(self, bump: bool = True) -> dict[str, float]:
         """Hybrid: each rank copies its weights into its engine. Standalone: the weight-sync
         leader sends, every replica receives, all under one deadline that names the missing."""
+        if self.stream is not None:  # publish to the mailbox; replicas fetch it while generating
+            results = self.policy.call("sync_weights", bump, phase="weight sync")
+            self.stream.published(results[0]["weight_sync/version"] if results[0] else self.stream.version)
+            return results[0]
         policy_refs = [w.sync_weights.remote(bump) for w in self.policy.workers]
         refs, names = list(policy_refs), list(self.policy.names)
         if self.rollout is not None:
@@ -321,14 +349,7 @@ class Trainer:
         result = self.rewards.score(requests)
         for s, score, acc in zip(samples, result.scores, result.accs):
             s.reward, s.acc = score, acc
-        lengths = [len(s.response_ids) for s in samples]
-        return {
-            **result.metrics,
-            "response/length_mean": float(np.mean(lengths)),
-            "response/length_max": float(np.max(lengths)),
-            "response/clip_frac": float(np.mean([s.stop_reason == "length" for s in samples])),
-            "perf/generated_tokens": float(sum(lengths)),
-        }
+        return {**result.metrics, **response_metrics(samples)}
 
     def advantages(self, samples: list[Sample]) -> dict[str, float]:
         algo = self.cfg.algorithm
@@ -357,6 +378,8 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """Held-out accuracy (mean over val_n samples per prompt; pass@k when val_n > 1)."""
+        if self.stream is not None:  # measure the current policy, not a replica still behind it
+            self.stream.wait_replicas_current()
         accs, scores, lengths, passes = [], [], [], []
         for batch in self.val_loader.epoch_batches():
             samples = self.generate(batch, step=0, validation=True)
@@ -373,3 +396,15 @@ class Trainer:
         if self.cfg.rollout.val_n > 1:
             out[f"val/pass@{self.cfg.rollout.val_n}"] = float(np.mean(passes))
         return out
+
+
+def response_metrics(samples: list[Sample]) -> dict[str, float]:
+    lengths = [len(s.response_ids) for s in samples]
+    return {
+        "reward/score_mean": float(np.mean([s.reward for s in samples])),
+        "reward/acc_mean": float(np.mean([s.acc for s in samples])),
+        "response/length_mean": float(np.mean(lengths)),
+        "response/length_max": float(np.max(lengths)),
+        "response/clip_frac": float(np.mean([s.stop_reason == "length" for s in samples])),
+        "perf/generated_tokens": float(sum(lengths)),
+    }

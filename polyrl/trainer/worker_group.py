@@ -21,13 +21,15 @@ class WorkerGroup:
 
     def __init__(self, workers: list, names: list[str], timeout_s: float):
         self.workers, self.names, self.timeout_s = workers, names, timeout_s
+        self.waiter = gather
+        """How answers are awaited; async training swaps in one that keeps generating."""
 
     @property
     def world_size(self) -> int:
         return len(self.workers)
 
     def _get(self, refs, phase: str, names: Sequence[str] | None = None) -> list:
-        return gather(refs, names or self.names, phase=phase, timeout_s=self.timeout_s)
+        return self.waiter(refs, names or self.names, phase=phase, timeout_s=self.timeout_s)
 
     def call(self, method: str, *args, phase: str, **kwargs) -> list:
         """The same call on every rank."""
@@ -75,10 +77,13 @@ class PolicyGroup(WorkerGroup):
 
 def launch(cfg: Any, platform: Platform, total_steps: int) -> tuple[PolicyGroup, WorkerGroup | None]:
     """Start the policy ranks (and, for standalone placement, the rollout replicas) with their
-    planned environments, rendezvous them in one torch.distributed world and set them up."""
+    planned environments, rendezvous them in one torch.distributed world and set them up.
+    Async training: the replicas are a `ReplicaPool` outside that world (object-store weights)."""
+    from polyrl.weights.object_store import create_mailbox
     from polyrl.workers.rollout_worker import RolloutWorker, rollout_layout
 
     timeout = cfg.ray.timeout_s
+    mailbox = create_mailbox() if cfg.weight_transport == "object_store" else None
     world = cfg.actor.world_size
     cpus, _ = cpus_needed(cfg)
     devices = 1 if platform.ray_resource else 0
@@ -89,6 +94,8 @@ def launch(cfg: Any, platform: Platform, total_steps: int) -> tuple[PolicyGroup,
     policy_cls = ray.remote(PolicyWorker)
     policy = PolicyGroup([policy_cls.options(**trainer_opts).remote(cfg, r, world, total_steps, cpus)
                           for r in range(world)], [f"policy rank {r}" for r in range(world)], timeout)
+    if cfg.trainer.mode == "async":
+        return _launch_async(cfg, platform, policy, mailbox)
     rollout = None
     if cfg.rollout.placement == "standalone":
         layout = rollout_layout(cfg)
@@ -103,14 +110,30 @@ def launch(cfg: Any, platform: Platform, total_steps: int) -> tuple[PolicyGroup,
     if world > 1 or rollout is not None:
         address = gather([policy.workers[0].address.remote()], policy.names[:1],
                          phase="rendezvous", timeout_s=timeout)[0]
-    setup_refs = [w.setup.remote(address) for w in policy.workers]
+    setup_refs = [w.setup.remote(address, mailbox) for w in policy.workers]
     names = list(policy.names)
     if rollout is not None:
-        setup_refs += [w.setup.remote(address) for w in rollout.workers]
+        setup_refs += [w.setup.remote(address, mailbox) for w in rollout.workers]
         names += rollout.names
     results = gather(setup_refs, names, phase="start-up", timeout_s=timeout)
     policy.num_params = results[0]
     return policy, rollout
+
+
+def _launch_async(cfg: Any, platform: Platform, policy: PolicyGroup, mailbox: Any):
+    from polyrl.trainer.replica_pool import ReplicaPool
+
+    timeout = cfg.ray.timeout_s
+    address = None
+    if policy.world_size > 1:
+        address = gather([policy.workers[0].address.remote()], policy.names[:1],
+                         phase="rendezvous", timeout_s=timeout)[0]
+    pool = ReplicaPool(cfg, platform, mailbox)
+    refs = [w.setup.remote(address, mailbox) for w in policy.workers] + pool.setup_refs()
+    results = gather(refs, list(policy.names) + list(pool.names), phase="start-up", timeout_s=timeout)
+    policy.num_params = results[0]
+    pool.versions = list(results[policy.world_size:])
+    return policy, pool
 
 
 def cpus_needed(cfg: Any) -> tuple[int, int]:

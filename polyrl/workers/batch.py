@@ -19,9 +19,18 @@ class Sample:
     response_ids: list[int]
     rollout_logprobs: list[float] | None = None
     """Log-probs the engine computed while sampling (same layout as response_ids)."""
+    old_logprobs: list[float] | None = None
+    """Proximal log-probs: the trainer's pre-update policy, recomputed when an update takes
+    several optimizer steps (None: the PPO ratio's old side is `rollout_logprobs` or, for a
+    single-step update, the detached forward)."""
     advantages: list[float] | None = None
     ref_logprobs: list[float] | None = None
     weight_version: int = 0
+    """Weight version the engine served when the response finished."""
+    min_version: int = 0
+    """Oldest policy version that produced any token of the response (async: staleness)."""
+    max_version: int = 0
+    """Newest policy version that produced any token (differs after a partial rollout)."""
     group: int = 0
     """Index of the prompt this sample answers (GRPO group)."""
     finished_with_eos: bool = False
@@ -43,7 +52,8 @@ class MicroBatch:
     gather_index: torch.Tensor  # [b, R] position whose logits predict response token k
     target_ids: torch.Tensor  # [b, R] response tokens
     response_mask: torch.Tensor  # [b, R] float, 1 on real response tokens
-    old_logprobs: torch.Tensor | None  # [b, R]
+    old_logprobs: torch.Tensor | None  # [b, R] proximal if recomputed, else the rollout's
+    rollout_logprobs: torch.Tensor | None  # [b, R] behaviour policy (the engine's)
     advantages: torch.Tensor | None  # [b, R]
     ref_logprobs: torch.Tensor | None  # [b, R]
     indices: list[int]
@@ -91,7 +101,9 @@ def collate(samples: list[Sample], indices: list[int], device: torch.device) -> 
         gather_index=gather.to(device),
         target_ids=targets.to(device),
         response_mask=mask.to(device),
-        old_logprobs=to(_pad([s.rollout_logprobs for s in chosen], R, torch.float32)),
+        old_logprobs=to(_pad([s.old_logprobs if s.old_logprobs is not None else s.rollout_logprobs
+                              for s in chosen], R, torch.float32)),
+        rollout_logprobs=to(_pad([s.rollout_logprobs for s in chosen], R, torch.float32)),
         advantages=to(_pad([s.advantages for s in chosen], R, torch.float32)),
         ref_logprobs=to(_pad([s.ref_logprobs for s in chosen], R, torch.float32)),
         indices=list(indices),

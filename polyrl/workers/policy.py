@@ -25,7 +25,7 @@ from polyrl.weights import build_transport
 from polyrl.workers.batch import Sample, collate, plan_micro_batches, split_evenly
 from polyrl.workers.generation import generate_samples
 from polyrl.workers.logprobs import response_logprobs
-from polyrl.workers.rollout_worker import rollout_layout
+from polyrl.workers.rollout_worker import rollout_layout, transport_context
 from polyrl.workers.model_loading import load_causal_lm, load_tokenizer
 from polyrl.workers.optim import build_optimizer
 
@@ -37,6 +37,11 @@ SHARE_METRICS = frozenset({"actor/loss", "actor/pg_loss", "actor/kl_loss", "acto
 LOCAL_METRICS = frozenset({"actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl",
                            "actor/ratio_mean"})
 """Per-token means of one micro-batch: weighted by tokens, averaged over ranks."""
+OFF_POLICY_METRICS = frozenset({"off_policy/is_weight_mean", "off_policy/is_clipped_frac",
+                                "off_policy/masked_frac", "off_policy/kl_rollout_proximal"})
+"""Per-token means like LOCAL_METRICS, present when the off-policy correction is on."""
+MAX_METRICS = frozenset({"off_policy/is_weight_max"})
+"""Maxima: the largest over micro-batches and ranks."""
 
 
 class NonFiniteUpdate(RuntimeError):
@@ -53,6 +58,7 @@ class PolicyWorker:
         self.device = self.platform.torch_device(0)
         self.version = 0
         self.nonfinite_in_a_row = 0
+        self.off_policy = cfg.algorithm.off_policy.resolve(cfg.trainer.mode)
 
     def address(self) -> str:
         """A rendezvous address on this worker's node (asked of rank 0 only)."""
@@ -65,13 +71,13 @@ class PolicyWorker:
             port = s.getsockname()[1]
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
-    def setup(self, dist_init: str | None) -> int:
+    def setup(self, dist_init: str | None, mailbox: Any = None) -> int:
         cfg, rank, world_size = self.cfg, self.rank, self.world_size
         torch.manual_seed(cfg.trainer.seed + rank)
         self.train_group, self.transport = None, None  # None: the default (world) group
         backend = (self.platform.cpu_dist_backend() if self.device.type == "cpu"
                    else self.platform.dist_backend())
-        if self.standalone:
+        if self.standalone and cfg.trainer.mode == "sync":
             # one world: trainer ranks first, then every rollout replica's ranks
             layout = rollout_layout(cfg)
             dist.init_process_group(backend, init_method=dist_init, rank=rank, world_size=layout.world_size,
@@ -79,10 +85,15 @@ class PolicyWorker:
             groups = build_groups(layout, rank, backend=backend, timeout_s=cfg.ray.timeout_s)
             self.train_group = groups.group("trainer")
             if rank == groups.leader("weight_sync"):
-                self.transport = build_transport(cfg.weights, "standalone", group=groups.group("weight_sync"))
-        elif world_size > 1:
-            dist.init_process_group(backend, init_method=dist_init, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=cfg.ray.timeout_s))
+                self.transport = build_transport(cfg.resolved_weights, "standalone",
+                                                 **transport_context(cfg, groups.group("weight_sync"), mailbox))
+        else:
+            # hybrid, or async: replicas join no collective (weights go through the object store)
+            if world_size > 1:
+                dist.init_process_group(backend, init_method=dist_init, rank=rank, world_size=world_size,
+                                        timeout=timedelta(seconds=cfg.ray.timeout_s))
+            if self.standalone and rank == 0:
+                self.transport = build_transport(cfg.resolved_weights, "standalone", mailbox=mailbox)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
                                         cfg.model.trust_remote_code)
         self.model = load_causal_lm(cfg.model.path, cfg.actor.param_dtype,
@@ -142,7 +153,7 @@ class PolicyWorker:
         single_step = num_mini_batches == 1 and cfg.ppo_epochs == 1
         if not single_step and not use_rollout_logprobs:
             for s, lp in zip(samples, self.logprobs(samples, which="current")):
-                s.rollout_logprobs = lp
+                s.old_logprobs = lp  # proximal; the rollout's stay for the off-policy correction
         metrics: dict[str, list[float]] = {}
         start = time.perf_counter()
         tokens = 0
@@ -171,7 +182,9 @@ class PolicyWorker:
         agg = {"num_tokens": max(num_tokens, 1.0), "num_seqs": max(num_seqs, 1.0)}
         self.optimizer.zero_grad(set_to_none=True)
         # the same keys on every rank, even one without samples, so the all-reduce lines up
-        sums: dict[str, float] = dict.fromkeys(SHARE_METRICS | LOCAL_METRICS, 0.0)
+        local = LOCAL_METRICS | (OFF_POLICY_METRICS if self.off_policy.active else frozenset())
+        sums: dict[str, float] = dict.fromkeys(SHARE_METRICS | local, 0.0)
+        maxima: dict[str, float] = dict.fromkeys(MAX_METRICS, 0.0) if self.off_policy.active else {}
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                   enabled=cfg.compute_dtype == "bfloat16")
         compute = torch.bfloat16 if cfg.compute_dtype == "bfloat16" else torch.float32
@@ -183,9 +196,12 @@ class PolicyWorker:
                                                      entropy_grad=algo.entropy_coeff > 0)
             old = logprob.detach() if detach_as_old else mb.old_logprobs
             loss, m = actor_loss(algo, logprob, old, mb.advantages, mb.response_mask,
-                                 ref_logprob=mb.ref_logprobs, entropy=entropy, **agg)
+                                 ref_logprob=mb.ref_logprobs, entropy=entropy,
+                                 rollout_logprob=mb.rollout_logprobs, off_policy=self.off_policy, **agg)
             loss.backward()
             weight = mb.num_tokens / agg["num_tokens"]
+            for k in MAX_METRICS & m.keys():
+                maxima[k] = max(maxima.get(k, 0.0), m.pop(k))
             for k, v in m.items():
                 if k not in sums and self.world_size > 1:
                     continue  # a key only some ranks may have cannot be all-reduced
@@ -196,6 +212,11 @@ class PolicyWorker:
             keys = sorted(sums)
             totals = self._global(*(sums[k] for k in keys))
             sums = {k: t if k in SHARE_METRICS else t / self.world_size for k, t in zip(keys, totals)}
+            if maxima:
+                peaks = torch.tensor([maxima[k] for k in sorted(maxima)], dtype=torch.float64)
+                dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=self.train_group)
+                maxima = dict(zip(sorted(maxima), peaks.tolist()))
+        sums.update(maxima)
         grad_norm = self._reduce_and_clip()
         sums["actor/grad_norm"] = grad_norm
         sums["actor/lr"] = self.scheduler.get_last_lr()[0]

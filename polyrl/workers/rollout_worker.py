@@ -28,6 +28,13 @@ def rollout_layout(cfg: Any) -> RankLayout:
                       trainer_world_size=cfg.actor.world_size)
 
 
+def transport_context(cfg: Any, group: Any, mailbox: Any) -> dict:
+    """What the run's weight transport needs: the weight-sync group, or the mailbox actor."""
+    if cfg.weight_transport == "object_store":
+        return {"mailbox": mailbox}
+    return {"group": group}
+
+
 class RolloutWorker:
     def __init__(self, cfg: Any, global_rank: int, num_threads: int):
         self.cfg, self.rank = cfg, global_rank
@@ -35,7 +42,7 @@ class RolloutWorker:
         self.platform = get_platform(cfg.platform)
         self.device = self.platform.torch_device(0)
 
-    def setup(self, dist_init: str) -> int:
+    def setup(self, dist_init: str, mailbox: Any = None) -> int:
         cfg = self.cfg
         layout = rollout_layout(cfg)
         backend = (self.platform.cpu_dist_backend() if self.device.type == "cpu"
@@ -47,7 +54,8 @@ class RolloutWorker:
         self.engine = build_standalone_engine(cfg.rollout, cfg.model.path, self.device,
                                               seed=cfg.trainer.seed + 1000 * self.rank)
         self.tokenizer = self.engine.tokenizer
-        self.transport = build_transport(cfg.weights, "standalone", group=groups.group("weight_sync"))
+        self.transport = build_transport(cfg.resolved_weights, "standalone",
+                                         **transport_context(cfg, groups.group("weight_sync"), mailbox))
         return self.engine.weight_version
 
     def generate(self, prompts: list[list[int]], sampling: dict, seeds: list[int] | None = None,

@@ -74,8 +74,8 @@ def test_kl_loss_uses_reference_and_reports_kl(ray_session, tiny_model, arith_fi
     assert "timing/reference" in records[1]
 
 
-def test_unavailable_mode_is_a_clear_error(ray_session, tiny_model, arith_files, tmp_path):
-    from polyrl.trainer.loop import TrainingError
+def test_async_mode_needs_standalone_placement(tiny_model, arith_files, tmp_path):
+    from polyrl.config import ConfigError
 
-    with pytest.raises(TrainingError, match="trainer.mode=async"):
-        Trainer(job(tiny_model, arith_files, tmp_path, "trainer.mode=async")).fit()
+    with pytest.raises(ConfigError, match="trainer.mode=async needs rollout.placement=standalone"):
+        job(tiny_model, arith_files, tmp_path, "trainer.mode=async")

@@ -1,0 +1,72 @@
+"""The asynchronous run's rollout replicas: start them, replace dead ones, keep each on the newest
+published policy version.
+
+Replicas are `StreamingReplica` Ray actors (threaded: generation calls and weight receives run
+at once). Weights reach them through the Ray object store (`weights/object_store.py`): the policy
+leader publishes each version to a mailbox actor; a replica fetches the newest version when told
+to, and a replacement replica fetches it at start-up. Nothing here blocks: the driver's
+`RolloutStream` waits on the refs this pool hands out.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import ray
+
+from polyrl.distributed.ray_launch import actor_options, plan_for_role
+from polyrl.trainer.worker_group import WorkerGroup, cpus_needed
+from polyrl.workers.streaming_replica import StreamingReplica
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaPool(WorkerGroup):
+    """`workers[i]` is replica i's current actor (replaced in place on restart)."""
+
+    def __init__(self, cfg: Any, platform: Any, mailbox: Any):
+        self.cfg, self.mailbox = cfg, mailbox
+        per_actor, _ = cpus_needed(cfg)
+        devices = 1 if platform.ray_resource else 0
+        plan = plan_for_role(platform, "rollout", backend=cfg.rollout.backend,
+                             placement=cfg.rollout.placement, mode=cfg.trainer.mode, config_env=cfg.env)
+        a = cfg.async_
+        inflight = a.max_inflight_per_replica or cfg.data.train_batch_size
+        # generation calls + a weight receive + health / validation calls
+        self.concurrency = math.ceil(inflight / a.groups_per_request) + 3
+        self.options = {**actor_options(plan, platform.ray_actor_options(devices, num_cpus=per_actor)),
+                        "max_concurrency": self.concurrency}
+        self.threads = per_actor
+        self.cls = ray.remote(StreamingReplica)
+        n = cfg.rollout.num_replicas
+        super().__init__([self._new(i) for i in range(n)], [f"rollout replica {i}" for i in range(n)],
+                         cfg.ray.timeout_s)
+        self.versions = [0] * n
+        self.restarts = 0
+
+    def _new(self, index: int) -> Any:
+        return self.cls.options(**self.options).remote(self.cfg, index, self.threads, self.mailbox,
+                                                       self.cfg.resolved_weights)
+
+    def setup_refs(self) -> list:
+        return [w.setup.remote() for w in self.workers]
+
+    def restart(self, index: int) -> Any:
+        """Replace replica `index` with a new actor; returns the ref of its setup (which fetches
+        the newest published weights)."""
+        try:
+            ray.kill(self.workers[index])
+        except Exception:  # already gone
+            pass
+        self.restarts += 1
+        logger.warning("rollout replica %d died; starting a replacement (restart %d)", index, self.restarts)
+        self.workers[index] = self._new(index)
+        self.versions[index] = -1  # unusable until its setup returns
+        return self.workers[index].setup.remote()
+
+    def shutdown(self) -> None:
+        for w in self.workers:  # replicas hold nothing to flush
+            ray.kill(w)
+        ray.kill(self.mailbox)

@@ -1,0 +1,152 @@
+"""Generation and weight updates taking turns inside one asynchronous rollout replica.
+
+A replica serves several generation calls at once (threads of a Ray actor) while the trainer
+publishes new weights. `WeightGate` stands between them and the engine: a weight update first
+stops new generation from starting, then either
+
+    abort  aborts every in-flight request (`engine.abort_all()`: each returns what it has so
+           far, stop_reason="aborted"), applies the new weights at once, and lets the callers
+           continue each aborted sample from its tokens so far (partial rollout, as in AReaL
+           arXiv:2505.24298 and slime); or
+    wait   lets in-flight requests finish on the old weights, then applies.
+
+`generate_resumable` is the caller's side: it runs a batch through the gate and continues
+aborted samples with a new request whose prompt is the original prompt plus the tokens generated
+so far and whose `max_tokens` is what remains; pieces are concatenated (tokens, log-probs) and the
+sample records the oldest and newest policy version that produced any of its tokens.
+
+Seeds: a request that was aborted before producing any token is resubmitted unchanged (same seed,
+same n), so it draws exactly what it would have. A continued sample draws its remaining tokens
+from a new stream seeded by (seed, sample index, tokens so far): reproducible for the same abort
+points, but the abort points depend on when weights arrive, so a run with partial rollouts is not
+bit-for-bit repeatable (wait mode is, for the same weight-arrival order).
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any, Iterator, Literal, Mapping, Sequence
+
+from polyrl.rollout.base import SamplingParams, TokenOutput
+
+
+class WeightGate:
+    """Looks like an engine to a weight transport (`weight_version`, `update_weights`); makes
+    generation and updates take turns as the `policy` says."""
+
+    def __init__(self, engine: Any, policy: Literal["abort", "wait"] = "abort", poll_s: float = 0.02):
+        if policy not in ("abort", "wait"):
+            raise ValueError(f"async.partial_rollout={policy!r}; valid choices: abort, wait")
+        self.engine, self.policy, self.poll_s = engine, policy, poll_s
+        self._cond = threading.Condition()
+        self._update_lock = threading.Lock()  # one update at a time
+        self._paused = False
+        self._active = 0
+        self.aborted_requests = 0
+        """Requests aborted by weight updates since start."""
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    @property
+    def active(self) -> int:
+        with self._cond:
+            return self._active
+
+    @contextmanager
+    def generating(self) -> Iterator[None]:
+        """Held while a generation call runs; waits while an update is being applied."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._paused)
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
+        with self._update_lock:
+            with self._cond:
+                self._paused = True
+            try:
+                if self.policy == "abort":
+                    # repeat: a call that passed the gate just before the pause may queue its
+                    # requests after an abort; it is aborted on the next round
+                    while True:
+                        with self._cond:
+                            if self._active == 0:
+                                break
+                        self.aborted_requests += self.engine.abort_all()
+                        with self._cond:
+                            self._cond.wait_for(lambda: self._active == 0, timeout=self.poll_s)
+                else:
+                    with self._cond:
+                        self._cond.wait_for(lambda: self._active == 0)
+                self.engine.update_weights(named_tensors, version)
+            finally:
+                with self._cond:
+                    self._paused = False
+                    self._cond.notify_all()
+
+
+def continuation_seed(seed: int | None, index: int, done: int) -> int | None:
+    """Seed of the rest of sample `index` after `done` tokens (stable across processes)."""
+    if seed is None:
+        return None
+    return zlib.crc32(f"{seed}/{index}/{done}".encode()) & 0x7FFFFFFF
+
+
+def merge(first: TokenOutput, rest: TokenOutput) -> TokenOutput:
+    """`first` (aborted) followed by its continuation `rest`."""
+    lo = min(_versions(first)[0], _versions(rest)[0])
+    hi = max(_versions(first)[1], _versions(rest)[1])
+    return replace(
+        rest,
+        token_ids=list(first.token_ids) + list(rest.token_ids),
+        logprobs=list(first.logprobs) + list(rest.logprobs),
+        text=None,
+        prompt_tokens=first.prompt_tokens,
+        extra={**rest.extra, "min_weight_version": lo, "max_weight_version": hi,
+               "continuations": first.extra.get("continuations", 0) + 1},
+    )
+
+
+def _versions(out: TokenOutput) -> tuple[int, int]:
+    return (out.extra.get("min_weight_version", out.weight_version),
+            out.extra.get("max_weight_version", out.weight_version))
+
+
+def generate_resumable(engine: Any, gate: WeightGate, prompts: Sequence[Sequence[int]],
+                       params: Sequence[SamplingParams]) -> list[list[TokenOutput]]:
+    """`engine.generate_batch(prompts, params)` through `gate`, continuing aborted samples until
+    every sample has stopped (stop / length)."""
+    with gate.generating():
+        outputs = [list(o) for o in engine.generate_batch(prompts, list(params))]
+    while True:
+        fresh, partial = [], []  # (prompt i) never started / (prompt i, sample j) to continue
+        for i, outs in enumerate(outputs):
+            if all(o.stop_reason == "aborted" and not o.token_ids for o in outs):
+                fresh.append(i)
+            else:
+                partial += [(i, j) for j, o in enumerate(outs) if o.stop_reason == "aborted"]
+        if not fresh and not partial:
+            return outputs
+        requests = [(list(prompts[i]), params[i]) for i in fresh]
+        for i, j in partial:
+            done = outputs[i][j]
+            sp = params[i]
+            requests.append((list(prompts[i]) + list(done.token_ids), replace(
+                sp, n=1, max_tokens=sp.max_tokens - len(done.token_ids),
+                seed=continuation_seed(sp.seed, j, len(done.token_ids)))))
+        with gate.generating():
+            results = engine.generate_batch([p for p, _ in requests], [sp for _, sp in requests])
+        for i, res in zip(fresh, results):
+            outputs[i] = list(res)
+        for (i, j), res in zip(partial, results[len(fresh):]):
+            outputs[i][j] = merge(outputs[i][j], res[0])

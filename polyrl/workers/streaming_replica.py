@@ -1,0 +1,82 @@
+"""A rollout replica for asynchronous training (trainer.mode=async, standalone placement).
+
+A threaded Ray actor: several `generate_groups` calls run at once (their requests share the
+engine's continuous batching) while `receive_weights` fetches the next policy version from the
+Ray object store and applies it through a `WeightGate` (abort + continue, or wait; see
+partial_rollout.py). The replica joins no collective group: the trainer publishes each version to
+a mailbox actor, so a replica that dies can be replaced by a new one that fetches the current
+version at start-up, which a fixed torch.distributed world cannot offer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from polyrl.distributed.waits import gather
+from polyrl.platform import get_platform
+from polyrl.rollout.factory import build_standalone_engine
+from polyrl.weights import build_transport
+from polyrl.workers.batch import Sample
+from polyrl.workers.generation import sampling_params, to_samples
+from polyrl.workers.partial_rollout import WeightGate, generate_resumable
+
+
+class StreamingReplica:
+    def __init__(self, cfg: Any, index: int, num_threads: int, mailbox: Any, weights_cfg: Any):
+        self.cfg, self.index, self.mailbox, self.weights_cfg = cfg, index, mailbox, weights_cfg
+        torch.set_num_threads(num_threads)
+        self.platform = get_platform(cfg.platform)
+        self.device = self.platform.torch_device(0)
+        self.busy_s = 0.0
+
+    def setup(self) -> int:
+        """Build the engine and catch up with the newest published policy version."""
+        cfg = self.cfg
+        self.engine = build_standalone_engine(cfg.rollout, cfg.model.path, self.device,
+                                              seed=cfg.trainer.seed + 1000 * self.index)
+        self.tokenizer = self.engine.tokenizer
+        self.gate = WeightGate(self.engine, cfg.async_.partial_rollout)
+        self.transport = build_transport(self.weights_cfg, "standalone", mailbox=self.mailbox)
+        [latest] = gather([self.mailbox.latest_version.remote()], ["weight mailbox"],
+                          phase=f"replica {self.index} start-up", timeout_s=cfg.ray.timeout_s)
+        if latest is not None and latest > self.engine.weight_version:
+            self.receive_weights()
+        return self.engine.weight_version
+
+    def generate_groups(self, group_ids: list[int], prompts: list[list[int]], sampling: dict,
+                        seeds: list[int]) -> dict[int, list[Sample]]:
+        """n samples per prompt; a group's samples come back together, keyed by group id."""
+        t0 = time.perf_counter()
+        params = sampling_params(sampling, seeds, len(prompts))
+        outputs = generate_resumable(self.engine, self.gate, prompts, params)
+        samples = to_samples(self.tokenizer, self.engine.eos_token_ids, prompts, outputs, group_ids)
+        self.busy_s += time.perf_counter() - t0
+        out: dict[int, list[Sample]] = {g: [] for g in group_ids}
+        for s in samples:
+            out[s.group].append(s)
+        return out
+
+    def generate(self, prompts: list[list[int]], sampling: dict, seeds: list[int] | None = None,
+                 group_offset: int = 0) -> list[Sample]:
+        """The WorkerGroup generate API (validation), through the same gate."""
+        params = sampling_params(sampling, seeds, len(prompts))
+        outputs = generate_resumable(self.engine, self.gate, prompts, params)
+        groups = [group_offset + i for i in range(len(prompts))]
+        return to_samples(self.tokenizer, self.engine.eos_token_ids, prompts, outputs, groups)
+
+    def receive_weights(self) -> int:
+        """Fetch the newest published version and apply it (all or nothing); returns it."""
+        return self.transport.receive(self.gate)
+
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def health(self) -> dict:
+        return {"replica": self.index, "aborted_requests": self.gate.aborted_requests,
+                "busy_s": self.busy_s, **self.engine.health()}
+
+    def shutdown(self) -> None:
+        pass
