@@ -78,6 +78,13 @@ def _block(block: Sequence[int]) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
+def _skip_list(skip: Iterable[str]) -> tuple[str, ...]:
+    patterns = () if isinstance(skip, (str, bytes)) else tuple(skip)
+    if isinstance(skip, (str, bytes)) or any(not isinstance(s, str) for s in patterns):
+        raise TypeError(f"skip takes a list of name substrings such as ['visual.'], got {skip!r}")
+    return patterns
+
+
 def quantize_block_fp8(weight: torch.Tensor, block: Sequence[int] = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """A 2-D weight -> (float8_e4m3fn weight of the same shape, float32 scale_inv per block).
 
@@ -130,7 +137,7 @@ def is_quantizable(name: str, tensor: torch.Tensor, skip: Iterable[str] = ()) ->
         return False
     if any(p.search(name) for p in _KEEP_PATTERNS):
         return False
-    return not any(s in name for s in skip)
+    return not any(s in name for s in _skip_list(skip))
 
 
 def quantize_named_tensors(named: Iterable[tuple[str, torch.Tensor]],
@@ -141,9 +148,7 @@ def quantize_named_tensors(named: Iterable[tuple[str, torch.Tensor]],
     A generator: one weight is quantized at a time, as the consumer asks for it, so a bucketed
     sender never holds the whole quantized model next to the original.
     """
-    skip = tuple(skip)
-    if isinstance(named, (str, bytes)) or any(not isinstance(s, str) for s in skip):
-        raise TypeError("quantize_named_tensors takes (name, tensor) pairs and skip as a list of name substrings")
+    skip = _skip_list(skip)
     for name, tensor in named:
         if not is_quantizable(name, tensor, skip):
             yield name, tensor

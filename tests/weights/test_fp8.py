@@ -275,8 +275,10 @@ def test_quantize_named_tensors_streams_lazily():
     assert rest[2][1] is state["model.layers.0.self_attn.q_proj.bias"]
     skipped = dict(quantize_named_tensors(state.items(), skip=["q_proj"]))
     assert all(skipped[n] is t for n, t in state.items()) and len(skipped) == len(state)
-    with pytest.raises(TypeError, match="skip as a list"):
+    with pytest.raises(TypeError, match="list of name substrings"):
         list(quantize_named_tensors(state.items(), skip=[1]))
+    with pytest.raises(TypeError, match="list of name substrings"):  # a bare string is not a list
+        is_quantizable("model.layers.0.mlp.up_proj.weight", torch.ones(4, 4), skip="visual.")
 
 
 def test_round_trip_of_a_tiny_model_keeps_logits_close(tmp_path):
