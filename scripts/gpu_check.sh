@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# GPU check of the vLLM / SGLang / TensorRT-LLM adapters: for every installed engine, the adapter
+# tests on the real engine, then a 3-step GRPO run (`polyrl train`, hybrid placement) in bf16 and,
+# where the model allows, with FP8 rollout. Prints one PASS / FAIL / SKIP line per check and exits
+# non-zero if any check failed.
+#
+#   scripts/gpu_check.sh [MODEL_DIR]
+#
+# MODEL_DIR: a local Hugging Face decoder directory (e.g. Qwen2.5-0.5B-Instruct). Default: the
+# bundled tiny model, copied to a temp dir with its config converted for older transformers
+# (adds `torch_dtype`, top-level `rope_theta`). FP8 needs every linear layer to be whole 128x128
+# blocks (hidden, intermediate and KV sizes multiples of 128): the tiny model is not, so its FP8
+# checks are skipped with the reason; pass a real model to run them.
+#
+# Environment: ENGINES (default "vllm sglang trtllm"), GPU_CHECK_TIMEOUT (total seconds, default
+# 1500), GPU_CHECK_STEP_TIMEOUT (seconds per check, default 600). Needs one GPU; installed
+# engines only (`pip install "polyrl[vllm]"` etc.); engines that are not installed are skipped.
+# Documented in docs/gpu_engines.md.
+set -u
+cd "$(dirname "$0")/.."
+
+TOTAL=${GPU_CHECK_TIMEOUT:-1500}
+PER_CHECK=${GPU_CHECK_STEP_TIMEOUT:-600}
+ENGINES=${ENGINES:-"vllm sglang trtllm"}
+deadline=$((SECONDS + TOTAL))
+failures=0
+work=$(mktemp -d /tmp/polyrl-gpu-check.XXXXXX)
+
+declare -A MODULE=([vllm]=vllm [sglang]=sglang [trtllm]=tensorrt_llm)
+
+if [ $# -ge 1 ]; then
+  model=$1
+else
+  model="$work/tiny-arith"
+  cp -r polyrl/assets/tiny-arith "$model"
+  python - "$model/config.json" <<'EOF'
+import json, sys
+path = sys.argv[1]
+cfg = json.load(open(path))
+cfg.setdefault("torch_dtype", cfg.get("dtype", "float32"))
+rope = cfg.get("rope_parameters") or {}
+if "rope_theta" in rope:
+    cfg.setdefault("rope_theta", rope["rope_theta"])
+json.dump(cfg, open(path, "w"), indent=2)
+EOF
+fi
+
+fp8_reason=$(python - "$model/config.json" <<'EOF'
+import json, sys
+c = json.load(open(sys.argv[1]))
+head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+sizes = {"hidden_size": c["hidden_size"], "intermediate_size": c["intermediate_size"],
+         "kv size": head * c.get("num_key_value_heads", c["num_attention_heads"])}
+bad = [f"{k}={v}" for k, v in sizes.items() if v % 128]
+print(f"not whole 128x128 FP8 blocks: {', '.join(bad)}" if bad else "")
+EOF
+)
+
+budget() {  # seconds for the next check, or 0 when the total timeout is spent
+  local left=$((deadline - SECONDS))
+  if [ "$left" -lt 30 ]; then echo 0; elif [ "$left" -lt "$PER_CHECK" ]; then echo "$left"; else echo "$PER_CHECK"; fi
+}
+
+report() {  # name rc logfile
+  if [ "$2" -eq 0 ]; then
+    echo "PASS $1"
+  else
+    failures=$((failures + 1))
+    [ "$2" -eq 124 ] && why="timed out" || why="exit $2"
+    echo "FAIL $1 ($why; log: $3)"
+    tail -n 15 "$3" | sed 's/^/    /'
+  fi
+}
+
+grpo() {  # name engine [overrides...]
+  local name=$1 engine=$2; shift 2
+  local t; t=$(budget)
+  if [ "$t" -eq 0 ]; then failures=$((failures + 1)); echo "FAIL $name (total timeout ${TOTAL}s reached)"; return; fi
+  local out="$work/$name"
+  mkdir -p "$out"
+  timeout "$t" python -m polyrl train --output-dir "$out" \
+    model.path="$model" rollout.backend="$engine" rollout.dtype=bfloat16 \
+    rollout.gpu_memory_utilization=0.3 rollout.enforce_eager=true rollout.n=4 \
+    rollout.response_length=16 data.train_batch_size=8 trainer.total_steps=3 \
+    trainer.val_before_train=false trainer.val_every=0 trainer.save_at_end=false \
+    trainer.progress_bar=false actor.param_dtype=bfloat16 actor.compute_dtype=bfloat16 \
+    "$@" >"$out/log" 2>&1
+  local rc=$?
+  if [ "$rc" -eq 0 ]; then  # a finished run wrote summary.json with 3 steps
+    python -c "import json,sys; s=json.load(open('$out/summary.json')); sys.exit(s['steps'] != 3)" \
+      >>"$out/log" 2>&1 || rc=1
+  fi
+  report "$name" "$rc" "$out/log"
+}
+
+echo "polyrl GPU check: model $model, engines: $ENGINES, total timeout ${TOTAL}s"
+python -m polyrl doctor 2>&1 | sed 's/^/    /' | head -n 20
+for engine in $ENGINES; do
+  if ! python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('${MODULE[$engine]}') is None)"; then
+    echo "SKIP $engine: ${MODULE[$engine]} is not installed (pip install \"polyrl[$engine]\")"
+    continue
+  fi
+  t=$(budget)
+  if [ "$t" -eq 0 ]; then failures=$((failures + 1)); echo "FAIL $engine-adapter-tests (total timeout reached)"; continue; fi
+  timeout "$t" python -m pytest -q -x tests/rollout/engines/test_engine_adapters_gpu.py -k "$engine" \
+    >"$work/$engine-adapter-tests.log" 2>&1
+  report "$engine-adapter-tests" $? "$work/$engine-adapter-tests.log"
+  grpo "$engine-grpo-bf16" "$engine"
+  if [ -n "$fp8_reason" ]; then
+    echo "SKIP $engine-grpo-fp8: model $fp8_reason (pass a model directory whose layers are)"
+  else
+    grpo "$engine-grpo-fp8" "$engine" rollout.quantization=fp8
+  fi
+done
+echo "done: $failures failed check(s); logs in $work"
+[ "$failures" -eq 0 ]
