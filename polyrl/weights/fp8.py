@@ -78,6 +78,10 @@ def _block(block: Sequence[int]) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
+def _high_precision(t: torch.Tensor) -> bool:
+    return t.is_floating_point() and t.element_size() >= 2  # not int, not any 8-bit float
+
+
 def _skip_list(skip: Iterable[str]) -> tuple[str, ...]:
     patterns = () if isinstance(skip, (str, bytes)) else tuple(skip)
     if isinstance(skip, (str, bytes)) or any(not isinstance(s, str) for s in patterns):
@@ -94,7 +98,7 @@ def quantize_block_fp8(weight: torch.Tensor, block: Sequence[int] = FP8_BLOCK) -
     """
     if weight.dim() != 2:
         raise ValueError(f"block FP8 quantization needs a 2-D weight, got shape {tuple(weight.shape)}")
-    if not weight.is_floating_point() or weight.dtype == FP8_DTYPE:
+    if not _high_precision(weight):
         raise ValueError(f"block FP8 quantization needs a float16/bfloat16/float32 weight, got {weight.dtype}")
     br, bc = _block(block)
     rows, cols = weight.shape
@@ -133,7 +137,7 @@ def is_quantizable(name: str, tensor: torch.Tensor, skip: Iterable[str] = ()) ->
     """True for a 2-D float linear weight that FP8 rollout quantizes (rules in the module docstring)."""
     if tensor.dim() != 2 or not name.endswith(".weight"):
         return False
-    if not tensor.is_floating_point() or tensor.dtype == FP8_DTYPE:
+    if not _high_precision(tensor):
         return False
     if any(p.search(name) for p in _KEEP_PATTERNS):
         return False

@@ -207,6 +207,7 @@ def test_shape_and_dtype_rules_and_skip():
     assert not is_quantizable(name, torch.ones(2, 128, 128))  # fused 3-D experts pass through
     assert not is_quantizable(name, torch.ones(128, 128, dtype=torch.int8))
     assert not is_quantizable(name, torch.ones(128, 128).to(F8))
+    assert not is_quantizable(name, torch.ones(128, 128).to(torch.float8_e5m2))
     assert is_quantizable(name, torch.ones(128, 128, dtype=torch.bfloat16))
     assert not is_quantizable(name, torch.ones(128, 128), skip=["self_attn"])
     assert not is_quantizable(name, torch.ones(128, 128), skip=("layers.0.",))
