@@ -7,7 +7,7 @@ with provenance (`polyrl.envplan`) and the exact engine launch arguments
 the `.options(...)` dict an actor is started with, so the plan a user inspects is the plan that
 runs. Pure: no Ray start, no model load, no engine import — the platform may be simulated.
 
-    plan = plan_launch(cfg, get_platform("cuda", simulated_probe("gb200")))
+    plan = plan_launch(cfg, get_platform(None, simulated_probe("gb200")))  # a GB200 node
     for actor in plan.actors:
         print(actor.name, actor.ray_options())
 """
