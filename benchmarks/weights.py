@@ -92,7 +92,7 @@ def memcpy_once(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> f
 # --- broadcast: one process per rank (this file re-run with --rank) ---------------------------
 
 def broadcast_rank(rank: int, world: int, store_path: str, out: str, reps: int, bucket_mb: float,
-                   shared_memory: bool) -> None:
+                   shared_memory: bool, slot_mb: float, slots: int) -> None:
     import datetime
 
     import torch.distributed as dist
@@ -109,7 +109,7 @@ def broadcast_rank(rank: int, world: int, store_path: str, out: str, reps: int, 
     groups = build_groups(layout, rank, backend=backend, timeout_s=120)
     sync = groups.group("weight_sync")
     config = WeightSyncConfig(transport="broadcast", bucket_mb=bucket_mb, timeout_s=120,
-                              shared_memory=shared_memory)
+                              shared_memory=shared_memory, shm_slot_mb=slot_mb, shm_slots=slots)
     transport = build_transport(config, "standalone", group=sync, watchdog=Watchdog(store, rank))
     tensors = model_tensors()
     dst = {k: torch.empty_like(v) for k, v in tensors.items()}
@@ -134,12 +134,14 @@ def broadcast_rank(rank: int, world: int, store_path: str, out: str, reps: int, 
     os._exit(0)
 
 
-def run_broadcast(reps: int, bucket_mb: float, receivers: int, shared_memory: bool) -> list[list[dict]]:
+def run_broadcast(reps: int, bucket_mb: float, receivers: int, shared_memory: bool, slot_mb: float,
+                  slots: int) -> list[list[dict]]:
     world = receivers + 1
     with tempfile.TemporaryDirectory() as tmp:
         procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--world", str(world),
                                    "--store", f"{tmp}/store", "--out", f"{tmp}/rank{r}.json",
-                                   "--reps", str(reps), "--bucket-mb", str(bucket_mb)]
+                                   "--reps", str(reps), "--bucket-mb", str(bucket_mb),
+                                   "--shm-slot-mb", str(slot_mb), "--shm-slots", str(slots)]
                                   + ([] if shared_memory else ["--no-shm"]))
                  for r in range(world)]
         for p in procs:
@@ -207,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-ray", action="store_true", help="skip the object-store transport")
     ap.add_argument("--no-shm", action="store_true",
                     help="broadcast every byte through the backend (weights.shared_memory=false)")
+    ap.add_argument("--shm-slot-mb", type=float, default=WeightSyncConfig().shm_slot_mb,
+                    help="shared-memory ring slot size (weights.shm_slot_mb)")
+    ap.add_argument("--shm-slots", type=int, default=WeightSyncConfig().shm_slots,
+                    help="shared-memory ring slots (weights.shm_slots)")
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
@@ -215,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.reps or (3 if args.quick else 7)
     torch.set_num_threads(1)  # like the broadcast ranks: one copy thread per process everywhere
     if args.rank is not None:
-        broadcast_rank(args.rank, args.world, args.store, args.out, reps, args.bucket_mb, not args.no_shm)
+        broadcast_rank(args.rank, args.world, args.store, args.out, reps, args.bucket_mb, not args.no_shm,
+                       args.shm_slot_mb, args.shm_slots)
         return 0
 
     tensors = model_tensors()
@@ -233,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     in_place.send(tensors, 0)
     in_place_s = statistics.median(in_place.send(tensors, v + 1).seconds for v in range(reps))
 
-    ranks = run_broadcast(reps, args.bucket_mb, args.receivers, not args.no_shm)
+    ranks = run_broadcast(reps, args.bucket_mb, args.receivers, not args.no_shm, args.shm_slot_mb,
+                          args.shm_slots)
     sender = ranks[0]
     bcast_s = statistics.median(r["end_to_end_s"] for r in sender)
     bcast_memcpy_s = statistics.median(r["memcpy_s"] for r in sender)

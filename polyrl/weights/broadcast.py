@@ -1,25 +1,32 @@
-"""Standalone placement: bucketed broadcast from the sync group's leader over torch.distributed.
+"""Standalone placement: bucketed broadcast from the sync group's leader.
 
 The group is the layout's `weight_sync` group (trainer leader + every rollout rank) on the
 platform's communication backend (gloo on CPU). The source is the group's leader, never a
-literal rank 0. One transfer is:
+literal rank 0. Two data paths carry the same manifest (names, shapes, dtypes, bucket layout,
+version) and the same all-or-nothing guarantee:
 
-    manifest   names, shapes, dtypes, bucket layout, version   (pickled, from the leader)
+backend (other hosts, device tensors, `shared_memory: false`)
+    manifest   pickled broadcast from the leader (with the shared-memory offer, see below)
     buckets    one broadcast per bucket, raw bytes; the sender packs bucket i+1 while bucket i
                is on the wire and holds at most two scratch buckets
     commit     [version, buckets, ok]: ok=0 when the sender failed midway
 
-When every rank can map the sender's shared memory (CPU tensors, one host: checked at the first
-transfer), bucket bytes go through two shared slots instead and the collective carries one
-small all-reduce per bucket (`shm.py`): same manifest, same deadlines, same commit.
+shared memory (one host, CPU tensors; `shm.py`)
+    The first transfer offers a ring in /dev/shm with its manifest; one all-reduce checks that
+    every receiver opened it. From then on a transfer uses no collective at all: the manifest
+    goes down each receiver's FIFO, the bucket bytes stream through the ring in slot-sized
+    chunks (the sender packs chunk n+1 while receivers copy chunk n straight into their flat
+    staging buffer), and an abort signal replaces the commit. A peer that dies is seen at once
+    (its FIFO end closes); one that stalls, at the deadline.
 
-Receivers stage every bucket, check the commit, then apply with one `engine.update_weights`.
-Staging memory is reused across versions (engines copy what they load). Every wait has the
-transfer's deadline; a rank that does not arrive is named (watchdog).
+Receivers stage every byte, then apply with one `engine.update_weights`. Staging memory is one
+flat buffer reused across versions (engines copy what they load). Every wait has the transfer's
+deadline; a rank that does not arrive is named with its last heartbeat (watchdog).
 """
 
 from __future__ import annotations
 
+import pickle
 import time
 from collections import deque
 from typing import Any
@@ -29,12 +36,14 @@ import torch.distributed as dist
 
 from polyrl.distributed.collectives import broadcast_from_leader
 from polyrl.distributed.layout import group_leader
-from polyrl.distributed.watchdog import Watch, Watchdog, default_watchdog
+from polyrl.distributed.watchdog import (CollectiveError, CollectiveTimeout, Watch, Watchdog,
+                                         default_watchdog)
 from polyrl.weights import bucketing
 from polyrl.weights.base import NamedTensors, TransferStats, WeightSyncError, named_items
-from polyrl.weights.bucketing import StagedWeights, WeightManifest, as_bytes, plan_buckets
+from polyrl.weights.bucketing import (StagedWeights, WeightManifest, as_bytes, flat_staging,
+                                      plan_buckets, staging_views)
 from polyrl.weights.config import WeightSyncConfig
-from polyrl.weights.shm import SLOTS, ShmRing, attach
+from polyrl.weights.shm import ABORT, CHUNK, MESSAGE, PeerLost, ReceiverRing, SenderRing, attach
 
 IN_FLIGHT = 2
 
@@ -47,13 +56,16 @@ class BroadcastTransport:
         self.config = config or WeightSyncConfig(transport="broadcast")
         self.group = group
         self.src = group_leader(group)
+        self.members = dist.get_process_group_ranks(group)
+        self.receivers = [r for r in self.members if r != self.src]
         self.device = device
         """Where receivers stage buckets (the platform's device for device backends)."""
         self._watchdog = watchdog
         self._scratch: list[torch.Tensor] = []
-        self._ring: ShmRing | None = None
-        self._agreed: list[str] | None = None  # ring names every receiver has mapped
-        self._staging: list[torch.Tensor] | None = None
+        self._ring: SenderRing | ReceiverRing | None = None
+        """The shared-memory ring, once every receiver has opened it."""
+        self._shm_refused = False  # some receiver could not open a ring: do not offer again
+        self._staging: torch.Tensor | None = None
         self.last_stats: TransferStats | None = None
 
     @property
@@ -73,27 +85,46 @@ class BroadcastTransport:
         manifest, ordered = plan_buckets(items, version, self.config.bucket_bytes)
         phase = f"weight sync v{version}"
         t0 = time.perf_counter()
-        offer = self._shm_offer(manifest, ordered)
-        broadcast_from_leader({"manifest": manifest, "shm": offer}, self.group,
-                              timeout_s=self.config.timeout_s, phase=f"{phase}: manifest",
-                              watchdog=self.watchdog)
-        watch = self.watchdog.watch(self.group, phase=f"{phase}: buckets",
-                                    timeout_s=self.config.timeout_s, what="weight broadcast")
-        use_shm = offer is not None and (not offer["vote"] or self._step_signal(watch, True))
-        if offer is not None and not use_shm:
-            self._close_ring()  # some receiver cannot map it: plain path (a new ring next time)
-        if use_shm:
-            assert self._ring is not None
-            self._ring.unlink()  # every receiver has it mapped: nothing can leak from here on
-            self._agreed = self._ring.names
-            failure = self._send_shm(manifest, ordered, watch)
+        deadline = time.monotonic() + self.config.timeout_s
+        on_cpu = all(t.device.type == "cpu" for t in ordered)
+        if isinstance(self._ring, SenderRing):  # every receiver listens on the ring
+            use_shm = on_cpu
+            self.watchdog.beat(f"{phase}: manifest")
+            payload = pickle.dumps({"manifest": manifest, "shm": use_shm})
+            self._on_ring(lambda: self._ring.message(payload, deadline), phase, deadline)
         else:
+            ring = self._new_ring() if on_cpu and ordered else None
+            offer = None if ring is None else {
+                "name": ring.name, "slots": ring.slots, "slot_bytes": ring.slot_bytes,
+                "receivers": ring.receivers, "token": ring.token}
+            try:
+                broadcast_from_leader({"manifest": manifest, "shm": offer}, self.group,
+                                      timeout_s=self.config.timeout_s, phase=f"{phase}: manifest",
+                                      watchdog=self.watchdog)
+                use_shm = ring is not None and self._vote(phase, deadline, True)
+            except BaseException:
+                if ring is not None:
+                    ring.close()
+                raise
+            if use_shm:
+                ring.connect()  # every receiver has it open: nothing can leak from here on
+                self._ring = ring
+            elif ring is not None:
+                ring.close()
+                self._shm_refused = True  # a receiver cannot open it: backend path from now on
+        if use_shm:
+            self.watchdog.beat(f"{phase}: shared memory")
+            failure = self._on_ring(lambda: self._send_shm(manifest, ordered, deadline), phase, deadline)
+        else:
+            watch = self.watchdog.watch(self.group, phase=f"{phase}: buckets",
+                                        timeout_s=max(deadline - time.monotonic(), 0.001),
+                                        what="weight broadcast")
             failure = self._send_plain(manifest, ordered, watch)
-        commit = torch.tensor([version, len(manifest.buckets), 0 if failure else 1], dtype=torch.int64)
-        watch.wait(dist.broadcast(self._control(commit), src=self.src, group=self.group, async_op=True))
+            commit = torch.tensor([version, len(manifest.buckets), 0 if failure else 1], dtype=torch.int64)
+            watch.wait(dist.broadcast(self._control(commit), src=self.src, group=self.group, async_op=True))
         if failure is not None:
-            b, exc = failure
-            raise WeightSyncError(f"sending version {version} failed at bucket {b} "
+            where, exc = failure
+            raise WeightSyncError(f"sending version {version} failed at {where} "
                                   f"({type(exc).__name__}: {exc}); receivers discarded it and keep "
                                   "their previous weights") from exc
         stats = TransferStats(self.name, version, manifest.num_tensors, len(manifest.buckets),
@@ -107,7 +138,7 @@ class BroadcastTransport:
             device = ordered[0].device if ordered else None
             self._scratch = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(IN_FLIGHT)]
         inflight: deque = deque()
-        failure: tuple[int, BaseException] | None = None
+        failure: tuple[str, BaseException] | None = None
         for b, spec in enumerate(manifest.buckets):
             if len(inflight) >= IN_FLIGHT:  # scratch[b % 2] is free once bucket b-2 is sent
                 watch.wait(inflight.popleft())
@@ -116,7 +147,7 @@ class BroadcastTransport:
                 try:
                     flat = as_bytes(bucketing.pack_bucket(manifest, b, ordered, self._scratch[b % IN_FLIGHT]))
                 except Exception as exc:  # keep the collective sequence aligned, then abort
-                    failure = (b, exc)
+                    failure = (f"bucket {b}", exc)
             if flat is None:
                 flat = torch.empty(spec.nbytes, dtype=torch.uint8, device=self._scratch[0].device)
             inflight.append(dist.broadcast(flat, src=self.src, group=self.group, async_op=True))
@@ -124,39 +155,39 @@ class BroadcastTransport:
             watch.wait(inflight.popleft())
         return failure
 
-    def _send_shm(self, manifest: WeightManifest, ordered: list[torch.Tensor], watch: Watch):
+    def _send_shm(self, manifest: WeightManifest, ordered: list[torch.Tensor], deadline: float):
         ring = self._ring
-        assert ring is not None
-        failure: tuple[int, BaseException] | None = None
-        for b in range(len(manifest.buckets)):
-            # Slot b % 2 held bucket b-2; the previous step's signal said every receiver copied it.
-            if failure is None:
-                try:
-                    bucketing.pack_into(manifest, b, ordered, ring.slots[b % SLOTS])
-                except Exception as exc:
-                    failure = (b, exc)
-            self._step_signal(watch, failure is None)  # "bucket b is in its slot" (or: abort)
-        self._step_signal(watch, failure is None)  # receivers have copied the last bucket
+        assert isinstance(ring, SenderRing)
+        failure: tuple[str, BaseException] | None = None
+        size = ring.slot_bytes
+        total = manifest.stream_layout()[1]
+        try:
+            pieces = bucketing.stream_pieces(manifest, ordered)
+        except Exception as exc:
+            pieces, failure = [], ("chunk 0", exc)
+        for n in range(-(-total // size) if failure is None else 0):
+            slot = ring.claim_slot(deadline)  # the slowest receiver has copied out its old chunk
+            lo, hi = n * size, min(total, (n + 1) * size)
+            try:
+                bucketing.pack_range(pieces, lo, slot[: hi - lo])
+            except Exception as exc:
+                failure = (f"chunk {n} (stream bytes {lo}..{hi})", exc)
+                break
+            ring.publish(deadline)
+        if failure is not None:
+            ring.publish(deadline, ABORT)
+        ring.drain(deadline)  # every receiver has copied every chunk: the ring is idle again
         return failure
 
-    def _shm_offer(self, manifest: WeightManifest, ordered: list[torch.Tensor]) -> dict | None:
-        if not self.config.shared_memory or not ordered:
+    def _new_ring(self) -> SenderRing | None:
+        if not self.config.shared_memory or self._shm_refused or not self.receivers:
             return None
-        if any(t.device.type != "cpu" for t in ordered):
+        try:
+            return SenderRing(self.config.shm_slots, self.config.shm_slot_bytes, len(self.receivers))
+        except OSError:  # no /dev/shm, or it is full
             return None
-        need = max(s.nbytes for s in manifest.buckets)
-        if self._ring is None or self._ring.nbytes < need:
-            self._close_ring()
-            try:
-                self._ring = ShmRing(need)
-            except OSError:  # no /dev/shm, or it is full
-                return None
-            self._ring.write_token()
-        return {"names": self._ring.names, "nbytes": self._ring.nbytes, "token": self._ring.token,
-                "vote": self._ring.names != self._agreed}  # every receiver mapped it before
 
     def _close_ring(self) -> None:
-        self._agreed = None
         if self._ring is not None:
             self._ring.close()
             self._ring = None
@@ -166,81 +197,140 @@ class BroadcastTransport:
         if self.is_sender:
             raise WeightSyncError(f"rank {self.src} leads the weight-sync group: call send()")
         t0 = time.perf_counter()
-        msg = broadcast_from_leader(None, self.group, timeout_s=self.config.timeout_s,
-                                    phase="weight sync: manifest", watchdog=self.watchdog)
+        deadline = time.monotonic() + self.config.timeout_s
+        if isinstance(self._ring, ReceiverRing):
+            self.watchdog.beat("weight sync: manifest")
+            msg = self._on_ring(lambda: self._ring_message(deadline), "weight sync", deadline)
+        else:
+            msg = broadcast_from_leader(None, self.group, timeout_s=self.config.timeout_s,
+                                        phase="weight sync: manifest", watchdog=self.watchdog)
         manifest = msg.get("manifest") if isinstance(msg, dict) else None
         if not isinstance(manifest, WeightManifest):
             raise WeightSyncError(f"weight sync: the leader sent a {type(msg).__name__}, not a "
                                   "manifest (are both sides on the same polyrl version?)")
         version = manifest.version
-        watch = self.watchdog.watch(self.group, phase=f"weight sync v{version}: buckets",
-                                    timeout_s=self.config.timeout_s, what="weight broadcast")
+        phase = f"weight sync v{version}"
         offer = msg.get("shm")
-        if offer is not None and offer["vote"]:
-            use_shm = self._step_signal(watch, self._attach(offer))
-        else:  # the ring we already map (a receiver that cannot map it voted no before)
-            use_shm = offer is not None and self._ring is not None and self._ring.names == offer["names"]
-        staged = StagedWeights(manifest, self._staging_for(manifest), device=self.device)
+        if isinstance(offer, dict):  # a new ring: can every receiver open it?
+            index = self.receivers.index(dist.get_rank())
+            ring = attach(offer, index) if self.device is None or self.device.type == "cpu" else None
+            try:
+                agreed = self._vote(phase, deadline, ring is not None)
+            except BaseException:
+                if ring is not None:
+                    ring.close()
+                raise
+            if agreed:
+                self._ring = ring
+            elif ring is not None:
+                ring.close()
+        use_shm = bool(offer) and self._ring is not None
+        staged = StagedWeights(manifest, staging_views(manifest, self._staging_for(manifest)))
         if use_shm:
-            aborted = self._receive_shm(manifest, staged, watch)
-        else:
-            works = [dist.broadcast(staged.buffer(b), src=self.src, group=self.group, async_op=True)
-                     for b in range(len(manifest.buckets))]
-            for b, work in enumerate(works):
-                watch.wait(work)
+            self.watchdog.beat(f"{phase}: shared memory")
+            aborted = self._on_ring(lambda: self._receive_shm(manifest, deadline), phase, deadline)
+            if aborted:
+                raise WeightSyncError(f"the sender aborted version {version} midway; discarded, "
+                                      "the previous weights stay in service")
+            for b in range(len(manifest.buckets)):
                 staged.mark(b)
-            aborted = False
-        commit = self._control(torch.zeros(3, dtype=torch.int64))
-        watch.wait(dist.broadcast(commit, src=self.src, group=self.group, async_op=True))
-        got = [int(x) for x in commit.cpu()]
-        if aborted or got[2] != 1:
-            raise WeightSyncError(f"the sender aborted version {version} midway; discarded, the "
-                                  "previous weights stay in service")
-        if got[:2] != [version, len(manifest.buckets)]:
-            raise WeightSyncError(f"commit {got[:2]} does not match manifest (version {version}, "
-                                  f"{len(manifest.buckets)} buckets); discarded")
+        else:
+            self._receive_plain(manifest, staged, phase, deadline)
         applied = staged.apply(engine)
         self.last_stats = TransferStats(self.name, version, manifest.num_tensors,
                                         len(manifest.buckets), manifest.total_bytes,
                                         time.perf_counter() - t0)
         return applied
 
-    def _receive_shm(self, manifest: WeightManifest, staged: StagedWeights, watch: Watch) -> bool:
+    def _receive_plain(self, manifest: WeightManifest, staged: StagedWeights, phase: str,
+                       deadline: float) -> None:
+        watch = self.watchdog.watch(self.group, phase=f"{phase}: buckets",
+                                    timeout_s=max(deadline - time.monotonic(), 0.001),
+                                    what="weight broadcast")
+        works = [dist.broadcast(staged.buffer(b), src=self.src, group=self.group, async_op=True)
+                 for b in range(len(manifest.buckets))]
+        for b, work in enumerate(works):
+            watch.wait(work)
+            staged.mark(b)
+        commit = self._control(torch.zeros(3, dtype=torch.int64))
+        watch.wait(dist.broadcast(commit, src=self.src, group=self.group, async_op=True))
+        got = [int(x) for x in commit.cpu()]
+        if got[2] != 1:
+            raise WeightSyncError(f"the sender aborted version {manifest.version} midway; "
+                                  "discarded, the previous weights stay in service")
+        if got[:2] != [manifest.version, len(manifest.buckets)]:
+            raise WeightSyncError(f"commit {got[:2]} does not match manifest (version "
+                                  f"{manifest.version}, {len(manifest.buckets)} buckets); discarded")
+
+    def _ring_message(self, deadline: float) -> Any:
         ring = self._ring
-        assert ring is not None
-        aborted = False
-        for b, spec in enumerate(manifest.buckets):
-            # One signal per bucket: "I copied bucket b-1" from us, "bucket b is ready" (or abort)
-            # from the sender; then we copy b while the sender packs b+1 into the other slot.
-            if not self._step_signal(watch, True):
-                aborted = True
-            if not aborted:
-                staged.buffer(b).copy_(ring.slots[b % SLOTS][: spec.nbytes])
-                staged.mark(b)
-        self._step_signal(watch, True)
-        return aborted
+        assert isinstance(ring, ReceiverRing)
+        signal = ring.next_signal(deadline)
+        if signal != MESSAGE:
+            self._close_ring()
+            raise WeightSyncError(f"weight ring out of step: expected a manifest, got {signal!r}")
+        return pickle.loads(ring.read_message(deadline))
 
-    def _attach(self, offer: dict) -> bool:
-        if self.device is not None and self.device.type != "cpu":
-            return False
-        if self._ring is not None and self._ring.names == offer["names"]:
-            return True
-        self._close_ring()
-        self._ring = attach(offer["names"], offer["nbytes"], offer["token"])
-        return self._ring is not None
+    def _receive_shm(self, manifest: WeightManifest, deadline: float) -> bool:
+        """Copy every chunk out of the ring into the flat staging buffer; True if aborted."""
+        ring = self._ring
+        assert isinstance(ring, ReceiverRing) and self._staging is not None
+        size, total = ring.slot_bytes, self._staging.numel()
+        failure: BaseException | None = None
+        for n in range(-(-total // size)):
+            signal = ring.next_signal(deadline)
+            if signal == ABORT:
+                return True
+            if signal != CHUNK:
+                self._close_ring()
+                raise WeightSyncError(f"weight ring out of step: expected chunk {n}, got {signal!r}")
+            lo, hi = n * size, min(total, (n + 1) * size)
+            if failure is None:
+                try:
+                    self._staging[lo:hi].copy_(ring.current_slot()[: hi - lo])
+                except Exception as exc:  # keep acknowledging so the ring stays in step
+                    failure = exc
+            ring.release(deadline)
+        if failure is not None:
+            raise WeightSyncError(f"staging version {manifest.version} failed "
+                                  f"({type(failure).__name__}: {failure}); discarded") from failure
+        return False
 
-    def _staging_for(self, manifest: WeightManifest) -> list[torch.Tensor]:
-        sizes = [s.nbytes for s in manifest.buckets]
-        if self._staging is None or [t.numel() for t in self._staging] != sizes:
-            self._staging = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
+    def _staging_for(self, manifest: WeightManifest) -> torch.Tensor:
+        total = manifest.stream_layout()[1]
+        if self._staging is None or self._staging.numel() != total:  # reused: no page faults
+            self._staging = flat_staging(manifest, self.device)
         return self._staging
 
-    # --- control messages --------------------------------------------------------------------
-    def _step_signal(self, watch: Watch, ok: bool) -> bool:
-        """One all-reduce (MIN) over the group: every rank reached this step, all with ok."""
+    # --- control -----------------------------------------------------------------------------
+    def _vote(self, phase: str, deadline: float, ok: bool) -> bool:
+        """One all-reduce (MIN) over the group: every rank can use the offered ring."""
+        watch = self.watchdog.watch(self.group, phase=f"{phase}: shared-memory check",
+                                    timeout_s=max(deadline - time.monotonic(), 0.001),
+                                    what="weight broadcast")
         flag = self._control(torch.tensor([int(ok)], dtype=torch.int64))
         watch.wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True))
         return bool(int(flag.cpu()[0]))
+
+    def _on_ring(self, step: Any, phase: str, deadline: float) -> Any:
+        """Run a ring step; a peer that stalls or exits becomes a watchdog error naming it (the
+        ring is then out of step and closed, like a group after a failed collective)."""
+        try:
+            return step()
+        except PeerLost as exc:
+            self._close_ring()
+            ranks = [self.src if p < 0 else self.receivers[p] for p in exc.peers]
+            dog = self.watchdog
+            cls = CollectiveTimeout if exc.timed_out else CollectiveError
+            detail = (f"no progress after {self.config.timeout_s:g}s" if exc.timed_out
+                      else f"{', '.join(f'rank {r}' for r in ranks)} {exc}")
+            raise cls("weight broadcast (shared memory)", f"{phase}: shared memory", dog.step,
+                      self.members, {r: dog.last_seen(r) for r in ranks}, detail) from None
+        except WeightSyncError:  # the sender aborted, or staging failed: the ring is in step
+            raise
+        except BaseException:  # interrupted mid-chunk: the ring is out of step
+            self._close_ring()
+            raise
 
     def _control(self, t: torch.Tensor) -> torch.Tensor:
         """Small control tensors live where the backend wants them (the staging device)."""

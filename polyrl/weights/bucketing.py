@@ -8,10 +8,15 @@ views into the buckets (no copy), for one `engine.update_weights` call.
 
 Buckets hold one dtype each so a tensor's view into its bucket is always aligned. A tensor bigger
 than the budget gets a bucket of its own and is sent without packing (zero copy).
+
+The shared-memory path sees the buckets as one byte stream (`stream_layout`): bucket b starts
+at an aligned offset of one flat staging buffer, and the stream travels in ring-sized chunks
+(`pack_range` copies any byte range of the tensors straight into a ring slot).
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +70,18 @@ class WeightManifest:
     def bucket_slots(self, b: int) -> tuple[TensorSlot, ...]:
         spec = self.buckets[b]
         return self.slots[spec.first_slot: spec.first_slot + spec.num_slots]
+
+    def stream_layout(self) -> tuple[list[int], int]:
+        """Where each bucket starts in one flat buffer (ALIGN-byte aligned), and its length."""
+        starts, end = [], 0
+        for spec in self.buckets:
+            starts.append(end)
+            end = -(-(end + spec.nbytes) // ALIGN) * ALIGN
+        return starts, end
+
+
+ALIGN = 64
+"""Bucket alignment in the flat staging buffer: every dtype's view of its bucket is aligned."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -127,6 +144,42 @@ def pack_into(manifest: WeightManifest, b: int, ordered: list[torch.Tensor], out
     for slot, tensor in zip(manifest.bucket_slots(b), tensors):
         flat[slot.offset: slot.offset + slot.numel].copy_(tensor.detach().reshape(-1))
     return flat
+
+
+def stream_pieces(manifest: WeightManifest, ordered: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+    """(offset in the flat stream, raw bytes) of every tensor, in stream order."""
+    starts, _ = manifest.stream_layout()
+    pieces = []
+    for slot, tensor in zip(manifest.slots, ordered):
+        offset = starts[slot.bucket] + slot.offset * tensor.element_size()
+        pieces.append((offset, as_bytes(tensor.detach().reshape(-1))))
+    return pieces
+
+
+def pack_range(pieces: list[tuple[int, torch.Tensor]], start: int, out: torch.Tensor) -> None:
+    """Copy bytes [start, start + len(out)) of the stream into `out` (uint8); gaps between
+    buckets are left as they are."""
+    end = start + out.numel()
+    first = max(bisect.bisect_right(pieces, start, key=lambda p: p[0]) - 1, 0)
+    for offset, raw in pieces[first:]:
+        if offset >= end:
+            break
+        lo, hi = max(start, offset), min(end, offset + raw.numel())
+        if lo < hi:
+            out[lo - start: hi - start].copy_(raw[lo - offset: hi - offset])
+
+
+def flat_staging(manifest: WeightManifest, device: torch.device | None = None) -> torch.Tensor:
+    """One uint8 buffer for the whole stream (`staging_views` cuts it into buckets)."""
+    return torch.empty(manifest.stream_layout()[1], dtype=torch.uint8, device=device)
+
+
+def staging_views(manifest: WeightManifest, flat: torch.Tensor) -> list[torch.Tensor]:
+    starts, total = manifest.stream_layout()
+    if flat.numel() != total:
+        raise WeightSyncError(f"version {manifest.version}: staging holds {flat.numel()} bytes, "
+                              f"the stream needs {total}")
+    return [flat[s: s + spec.nbytes] for s, spec in zip(starts, manifest.buckets)]
 
 
 def as_bytes(flat: torch.Tensor) -> torch.Tensor:

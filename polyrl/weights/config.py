@@ -19,8 +19,16 @@ class WeightSyncConfig(Config):
     fewer, larger messages."""
     shared_memory: bool = True
     """broadcast only: when every rank of the sync group can map the sender's shared memory (one
-    host, CPU tensors; checked at the first transfer), move bucket bytes through it and keep only
-    small ready/done signals on the collective. Off: every byte goes through the backend."""
+    host, CPU tensors; checked at the first transfer), stream the bucket bytes through a ring in
+    /dev/shm with FIFO signals and no collective per transfer after the first. Off: every byte
+    goes through the backend."""
+    shm_slot_mb: float = Field(4, gt=0)
+    """Shared-memory path: ring slot size in MB (the chunk the sender packs while receivers
+    copy the previous one). Small enough to stay in the CPU's last-level cache; independent of
+    bucket_mb."""
+    shm_slots: int = Field(3, ge=2)
+    """Shared-memory path: ring slots (the sender may run this many chunks ahead of the
+    slowest receiver)."""
     timeout_s: float = Field(300, gt=0)
     """Deadline for one transfer (every wait inside it); on expiry the error names the ranks or
     replicas that did not arrive and the receivers keep serving the previous weights."""
@@ -38,6 +46,10 @@ class WeightSyncConfig(Config):
     @property
     def bucket_bytes(self) -> int:
         return max(int(self.bucket_mb * (1 << 20)), 1)
+
+    @property
+    def shm_slot_bytes(self) -> int:
+        return -(-max(int(self.shm_slot_mb * (1 << 20)), 1) // 64) * 64  # whole cache lines
 
     def resolve(self, placement: str) -> str:
         """The transport to use under rollout `placement` (hybrid / standalone)."""

@@ -21,29 +21,32 @@ from polyrl.weights import bucketing
 
 LAYOUT = RankLayout(num_replicas=2, tensor_parallel_size=1, trainer_world_size=1)
 
-def config(shared_memory: bool) -> WeightSyncConfig:  # ~1 KB buckets: several per version
-    return WeightSyncConfig(transport="broadcast", bucket_mb=0.001, timeout_s=3,
-                            shared_memory=shared_memory)
+def config(shared_memory: bool) -> WeightSyncConfig:  # ~1 KB buckets and ring slots: several
+    return WeightSyncConfig(transport="broadcast", bucket_mb=0.001, timeout_s=3,  # per version
+                            shared_memory=shared_memory, shm_slot_mb=0.001)
 
 
-def fail_at_bucket(b: int, die: bool) -> None:
-    """From now on, packing bucket `b` fails (or kills this process), on either data path."""
-    for name in ("pack_bucket", "pack_into"):
+def fail_at_pack(k: int, die: bool) -> None:
+    """The k-th pack of the next transfer (bucket k on the backend path, ring chunk k on the
+    shared-memory path) fails, or kills this process."""
+    calls = [0]
+    for name in ("pack_bucket", "pack_range"):
         real = getattr(REAL, name)
 
-        def pack(manifest, i, ordered, out=None, _real=real):
-            if i == b:
+        def pack(*args, _real=real):
+            calls[0] += 1
+            if calls[0] == k + 1:
                 if die:
                     os._exit(3)  # the trainer process dies mid-transfer
                 raise OSError("gathering a shard failed")
-            return _real(manifest, i, ordered, out)
+            return _real(*args)
 
         setattr(bucketing, name, pack)
 
 
 class REAL:
     pack_bucket = staticmethod(bucketing.pack_bucket)
-    pack_into = staticmethod(bucketing.pack_into)
+    pack_range = staticmethod(bucketing.pack_range)
 
 
 def world(rank: int, world_size: int, out_dir: str, shared_memory: bool) -> dict:
@@ -51,16 +54,16 @@ def world(rank: int, world_size: int, out_dir: str, shared_memory: bool) -> dict
     transport = build_transport(config(shared_memory), "standalone", group=groups.group("weight_sync"))
     if groups.info.role == "trainer":
         stats = [transport.send(model_weights(seed=1), version=1)]
-        fail_at_bucket(1, die=False)
+        fail_at_pack(1, die=False)
         try:
             transport.send(model_weights(seed=2), version=2)
         except WeightSyncError as exc:
             stats.append(str(exc))
-        bucketing.pack_bucket, bucketing.pack_into = REAL.pack_bucket, REAL.pack_into
+        bucketing.pack_bucket, bucketing.pack_range = REAL.pack_bucket, REAL.pack_range
         stats.append(transport.send(model_weights(seed=3), version=3))
         stats.append(transport._ring is not None)
         Path(out_dir, "sender-stats.pkl").write_bytes(pickle.dumps(stats))
-        fail_at_bucket(2, die=True)
+        fail_at_pack(2, die=True)
         transport.send(model_weights(seed=4), version=4)
         return stats
     engine = DictEngine(model_weights(seed=0))
@@ -107,7 +110,8 @@ def test_sender_reports_bytes_seconds_and_rate(results):
         assert stats.version == version and stats.transport == "broadcast"
         assert stats.bytes == nbytes and stats.num_tensors == 6 and stats.num_buckets > 3
         assert stats.seconds > 0 and stats.bytes_per_s == pytest.approx(stats.bytes / stats.seconds)
-    assert "failed at bucket 1" in failure and "keep their previous weights" in failure
+    where = "chunk 1" if results["shared_memory"] else "bucket 1"
+    assert f"failed at {where}" in failure and "keep their previous weights" in failure
 
 
 def test_a_sender_failing_midway_leaves_the_previous_version_serving(results):

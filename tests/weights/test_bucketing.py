@@ -7,7 +7,8 @@ import torch
 
 from gloo_world import DictEngine, model_weights, same_weights
 from polyrl.weights import WeightSyncError
-from polyrl.weights.bucketing import StagedWeights, as_bytes, pack_bucket, plan_buckets
+from polyrl.weights.bucketing import (ALIGN, StagedWeights, as_bytes, flat_staging, pack_bucket,
+                                      pack_range, plan_buckets, staging_views, stream_pieces)
 
 
 def test_buckets_hold_one_dtype_and_respect_the_budget():
@@ -62,3 +63,33 @@ def test_incomplete_or_wrong_sized_versions_are_never_applied():
         staged.mark(1)
     with pytest.raises(WeightSyncError, match="not a manifest|expected a weight manifest"):
         StagedWeights({"version": 1})
+
+
+@pytest.mark.parametrize("chunk", [3, 64, 1000, 1 << 20])
+def test_any_chunking_of_the_stream_stages_every_tensor_exactly(chunk):
+    weights = model_weights(seed=4)
+    weights["mask"] = torch.tensor([True, False, True])  # 3 bytes: the next bucket is realigned
+    weights["scalar"] = torch.tensor(2.5, dtype=torch.float64)
+    weights["transposed"] = torch.randn(4, 6).t()
+    manifest, ordered = plan_buckets(list(weights.items()), version=5, bucket_bytes=256)
+    starts, total = manifest.stream_layout()
+    assert all(s % ALIGN == 0 for s in starts) and total % ALIGN == 0
+    assert total >= manifest.total_bytes
+    pieces = stream_pieces(manifest, ordered)
+    flat = flat_staging(manifest).fill_(0xAB)
+    for lo in range(0, total, chunk):  # what the ring does: pack a chunk, copy it out
+        slot = torch.empty(min(chunk, total - lo), dtype=torch.uint8)
+        pack_range(pieces, lo, slot)
+        flat[lo: lo + slot.numel()].copy_(slot)
+    staged = StagedWeights(manifest, staging_views(manifest, flat))
+    for b in range(len(manifest.buckets)):
+        staged.mark(b)
+    engine = DictEngine({k: torch.zeros_like(v) for k, v in weights.items()})
+    staged.apply(engine)
+    assert same_weights(engine.weights, weights)
+
+
+def test_staging_of_the_wrong_size_is_refused():
+    manifest, _ = plan_buckets(list(model_weights(seed=1).items()), version=1, bucket_bytes=256)
+    with pytest.raises(WeightSyncError, match="staging holds"):
+        staging_views(manifest, torch.empty(3, dtype=torch.uint8))

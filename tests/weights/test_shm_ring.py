@@ -1,0 +1,114 @@
+"""The shared-memory data path of the broadcast transport, on real gloo processes.
+
+1 trainer rank + 2 replicas x 1 rank. After the first transfer no collective runs at all; a
+receiver that dies is noticed at once (its FIFO closes), one that stalls at the deadline, and
+either way the error names the rank and nobody applies a partial version.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from gloo_world import DictEngine, model_weights, run_world, same_weights
+from polyrl.distributed.layout import RankLayout, build_groups
+from polyrl.distributed.watchdog import default_watchdog
+from polyrl.platform import get_platform
+from polyrl.weights import WeightSyncConfig, build_transport
+
+LAYOUT = RankLayout(num_replicas=2, tensor_parallel_size=1, trainer_world_size=1)
+CONFIG = WeightSyncConfig(transport="broadcast", bucket_mb=0.001, timeout_s=3, shm_slot_mb=0.001)
+
+
+def count_collectives() -> list[int]:
+    """From now on, count this process's gloo broadcasts and all-reduces."""
+    calls = [0]
+    for name in ("broadcast", "all_reduce"):
+        real = getattr(dist, name)
+
+        def counted(*args, _real=real, **kwargs):
+            calls[0] += 1
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    return calls
+
+
+def one_peer_fails(rank: int, world_size: int, how: str) -> dict:
+    """v1 and v2 go through; then receiver rank 2 exits (`how="dies"`) or stalls past the
+    deadline (`how="stalls"`) while rank 0 sends v3."""
+    groups = build_groups(LAYOUT, rank, backend=get_platform("cpu").dist_backend(), timeout_s=30)
+    transport = build_transport(CONFIG, "standalone", group=groups.group("weight_sync"))
+    calls = count_collectives()
+    out: dict = {"collectives": []}
+    engine = DictEngine(model_weights(seed=0))
+    for version in (1, 2, 3):
+        before = calls[0]
+        t0 = time.monotonic()
+        try:
+            if rank == 0:
+                transport.send(model_weights(seed=version), version=version)
+            elif rank == 2 and version == 3:
+                if how == "dies":
+                    os._exit(0)
+                default_watchdog().beat("scoring rollouts")
+                time.sleep(CONFIG.timeout_s + 1)
+                return out
+            else:
+                transport.receive(engine)
+        except Exception as exc:
+            out["error"] = (type(exc).__name__, str(exc), time.monotonic() - t0)
+        out["collectives"].append(calls[0] - before)
+    out["ring_slots"] = CONFIG.shm_slots
+    out["chunks"] = -(-sum(t.numel() * t.element_size() for t in model_weights(1).values())
+                      // CONFIG.shm_slot_bytes)
+    out["engine"] = (engine.weight_version, engine.weights)
+    return out
+
+
+@pytest.fixture(scope="module", params=["dies", "stalls"])
+def outcome(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"ring-{request.param}")
+    return request.param, run_world(one_peer_fails, LAYOUT.world_size, tmp, args=(request.param,))
+
+
+def test_after_the_first_transfer_no_collective_runs(outcome):
+    _, results = outcome
+    for rank in (0, 1):
+        status, out = results[rank]
+        assert status == "ok", out
+        first, second = out["collectives"][:2]
+        assert first >= 3  # manifest (length + payload) and the shared-memory check
+        assert second == 0
+        assert out["chunks"] > out["ring_slots"]  # the ring wrapped around within a version
+
+
+def test_the_sender_names_the_receiver_that_died_or_stalled(outcome):
+    how, results = outcome
+    kind, message, seconds = results[0][1]["error"]
+    assert "rank(s) 2" in message and "weight sync v3" in message
+    if how == "dies":
+        assert kind == "CollectiveError" and "exited" in message
+        assert seconds < 1.5  # noticed when its FIFO closed, not at the 3 s deadline
+    else:
+        assert kind == "CollectiveTimeout" and "rank 2: step 0 'scoring rollouts'" in message
+        assert CONFIG.timeout_s - 0.5 < seconds < CONFIG.timeout_s + 2
+
+
+def test_the_other_receiver_keeps_the_previous_version(outcome):
+    how, results = outcome
+    out = results[1][1]
+    kind, message, seconds = out["error"]
+    assert "rank(s) 0 did not arrive" in message and "weight sync v3" in message
+    if how == "dies":  # the sender gave up at once and closed the ring
+        assert kind == "CollectiveError" and "rank 0 closed its end" in message and seconds < 1.5
+    else:  # the sender and this receiver reach the same deadline; either may notice first
+        assert kind in ("CollectiveError", "CollectiveTimeout") and seconds < CONFIG.timeout_s + 2
+    version, weights = out["engine"]
+    assert version == 2 and same_weights(weights, model_weights(seed=2))
+    assert not list(Path("/dev/shm").glob("polyrl-weights-*"))
+
