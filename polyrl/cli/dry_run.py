@@ -63,9 +63,10 @@ def render(cfg: Any, plan: LaunchPlan, engine_version: str | None, console: Cons
     tree.add(Text(f"platform: {p.describe()}" + (" [simulated]" if p.probe.simulated else "")))
     rollout = (f"{s['rollout_replicas']} rollout replica(s) x TP {s['tensor_parallel_size']}"
                if s["placement"] == "standalone" else "engine colocated on each policy rank")
+    version = f" {engine_version}" if engine_version else (
+        " (version unknown: not installed here; see --engine-version)" if s["backend"] != "native" else "")
     tree.add(Text(f"placement: {s['placement']}, mode {s['mode']}; {s['policy_ranks']} policy "
-                  f"rank(s), {rollout}; backend {s['backend']} "
-                  f"(version {engine_version or 'not given / not installed'})"))
+                  f"rank(s), {rollout}; backend {s['backend']}{version}"))
     if p.ray_resource:
         tree.add(Text(f"devices: {plan.devices_needed:g} {p.ray_resource} needed, "
                       f"{p.device_count} per node -> {plan.nodes_needed} node(s)"))
@@ -74,7 +75,8 @@ def render(cfg: Any, plan: LaunchPlan, engine_version: str | None, console: Cons
     job.add(env_table(plan.job.env.to_json(), "job env"))
     job_vars = plan.job.env.to_json()
     for names, actor in group_identical(plan.actors):
-        branch = tree.add(Text(f"{', '.join(names)}: {resources_text(actor.resources)}; "
+        who = ", ".join(names) if len(names) < 3 else f"{names[0]} ... {names[-1]} ({len(names)} actors)"
+        branch = tree.add(Text(f"{who}: {resources_text(actor.resources)}; "
                                f"torch threads {actor.num_threads}; env role "
                                f"{actor.env.context.role}", style="bold"))
         extra = {k: v for k, v in actor.env.to_json().items() if job_vars.get(k) != v}
