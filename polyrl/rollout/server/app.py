@@ -23,6 +23,23 @@ from polyrl.rollout.server.protocol import ChatCompletionRequest, CompletionRequ
 logger = logging.getLogger(__name__)
 
 
+class ClosingStreamingResponse(StreamingResponse):
+    """Closes its body generator however the response ends.
+
+    When a client disconnects, Starlette cancels the sending task, which may leave the generator
+    suspended (not closed) until garbage collection; closing it here runs its cleanup at once,
+    which cancels the request in the engine.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
 class TokenRequest(BaseModel):
     """Body of POST /generate: the engine's own token-in / token-out call over HTTP."""
 
@@ -61,7 +78,7 @@ def build_app(engine: Any, model_name: str, *, aliases: tuple[str, ...] = ()) ->
     def respond(result: dict | Any) -> JSONResponse | StreamingResponse:
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream")
+        return ClosingStreamingResponse(result, media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):

@@ -5,31 +5,26 @@ sampling fields become `SamplingParams`, and the engine does the rest. Input err
 `RolloutInputError(field, ...)` with the field named as the *client* sent it ("prompt",
 "messages"), which `app.py` turns into HTTP 400.
 
-Streaming note: the engine's `generate` returns finished samples, so a stream is produced once a
-request is complete, one SSE chunk per generated token. Clients see the standard chunk protocol;
-true token-by-token latency needs an engine-side token stream.
+With `stream=true` the engine's per-request token stream (`generate_stream`) is forwarded as SSE
+chunks while the request runs (see `openai_stream.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import uuid
-from typing import Any, Iterator, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 from polyrl.rollout.base import RolloutInputError, SamplingParams, TokenOutput
 from polyrl.rollout.server.openai_format import TokenText, envelope, finish_reason, usage
+from polyrl.rollout.server.openai_stream import FinishedStream, close_all, sse_events
 from polyrl.rollout.server.protocol import (
     COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     sampling_from_dict,
 )
-
-
-def sse(payload: dict | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
 class OpenAIService:
@@ -63,7 +58,7 @@ class OpenAIService:
 
     # -- /v1/completions ------------------------------------------------------------------------
 
-    async def complete(self, req: CompletionRequest) -> dict | Iterator[str]:
+    async def complete(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
         self._check_model(req.model)
         if req.echo:
             raise RolloutInputError("echo", "is not supported by this server")
@@ -71,11 +66,24 @@ class OpenAIService:
         max_tokens = COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         sampling = req.sampling(max_tokens, top_logprobs=req.logprobs or 0)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        results = await self._generate_all(prompts, sampling, rid, field="prompt")
         n_prompt = sum(len(p) for p in prompts)
-        flat = [o for outs in results for o in outs]
         if req.stream:
-            return self._completion_chunks(rid, flat, req, usage(n_prompt, flat))
+            streams = await self._open_streams(prompts, sampling, rid, field="prompt")
+
+            def choice(index, delta, piece, reason):
+                logprobs = None
+                if req.logprobs is not None and delta.token_ids:
+                    logprobs = self.text.completion_logprobs(
+                        _partial(delta), [self.text.token(t) for t in delta.token_ids])
+                if not piece and logprobs is None and reason is None:
+                    return None
+                return {"index": index, "text": piece, "logprobs": logprobs, "finish_reason": reason}
+
+            return sse_events(streams, n=sampling.n, text=self.text, stops=sampling.stop,
+                              kind="text_completion", rid=rid, model=self.model_name, choice=choice,
+                              prompt_tokens=n_prompt, include_usage=req.include_usage_in_stream)
+        results = await self._generate_all(prompts, sampling, rid, field="prompt")
+        flat = [o for outs in results for o in outs]
         choices = []
         for index, out in enumerate(flat):
             pieces = self.text.pieces(out) if req.logprobs is not None else ()
@@ -85,26 +93,9 @@ class OpenAIService:
             })
         return envelope("text_completion", rid, self.model_name, choices, usage=usage(n_prompt, flat))
 
-    def _completion_chunks(self, rid: str, outs: list[TokenOutput], req: CompletionRequest,
-                           totals: dict) -> Iterator[str]:
-        for index, out in enumerate(outs):
-            pieces, offset = self.text.pieces(out), 0
-            for k, piece in enumerate(pieces or [""]):
-                last = k >= len(pieces) - 1
-                logprobs = None
-                if req.logprobs is not None and pieces:
-                    logprobs = self.text.completion_logprobs(out, [piece], start=k, offset=offset)
-                offset += len(piece)
-                choice = {"index": index, "text": piece, "logprobs": logprobs,
-                          "finish_reason": finish_reason(out) if last else None}
-                yield sse(envelope("text_completion", rid, self.model_name, [choice]))
-        if req.include_usage_in_stream:
-            yield sse(envelope("text_completion", rid, self.model_name, [], usage=totals))
-        yield sse("[DONE]")
-
     # -- /v1/chat/completions -------------------------------------------------------------------
 
-    async def chat(self, req: ChatCompletionRequest) -> dict | Iterator[str]:
+    async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         self._check_model(req.model)
         prompt = self._render_chat(req)
         max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), None)
@@ -113,34 +104,29 @@ class OpenAIService:
         top = (req.top_logprobs or 0) if req.logprobs else 0
         sampling = req.sampling(max_tokens, top_logprobs=top)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        (outs,) = await self._generate_all([prompt], sampling, rid, field="messages")
-        totals = usage(len(prompt), outs)
         if req.stream:
-            return self._chat_chunks(rid, outs, req, totals)
+            streams = await self._open_streams([prompt], sampling, rid, field="messages")
+
+            def choice(index, delta, piece, reason):
+                logprobs = self.text.chat_logprobs(_partial(delta)) if req.logprobs and delta.token_ids else None
+                if not piece and logprobs is None and reason is None:
+                    return None
+                return {"index": index, "delta": {"content": piece} if piece or reason is None else {},
+                        "logprobs": logprobs, "finish_reason": reason}
+
+            opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None} for i in range(sampling.n)]
+            return sse_events(streams, n=sampling.n, text=self.text, stops=sampling.stop,
+                              kind="chat.completion.chunk", rid=rid, model=self.model_name,
+                              choice=choice, prompt_tokens=len(prompt),
+                              include_usage=req.include_usage_in_stream, opening=opening)
+        (outs,) = await self._generate_all([prompt], sampling, rid, field="messages")
         choices = [{
             "index": i, "message": {"role": "assistant", "content": self.text.text(out)},
             "logprobs": self.text.chat_logprobs(out) if req.logprobs else None,
             "finish_reason": finish_reason(out),
         } for i, out in enumerate(outs)]
-        return envelope("chat.completion", rid, self.model_name, choices, usage=totals)
-
-    def _chat_chunks(self, rid: str, outs: list[TokenOutput], req: ChatCompletionRequest,
-                     totals: dict) -> Iterator[str]:
-        def chunk(choice: dict) -> str:
-            return sse(envelope("chat.completion.chunk", rid, self.model_name, [choice]))
-
-        for index, out in enumerate(outs):
-            yield chunk({"index": index, "delta": {"role": "assistant", "content": ""},
-                         "logprobs": None, "finish_reason": None})
-            pieces = self.text.pieces(out)
-            for k, piece in enumerate(pieces):
-                logprobs = self.text.chat_logprobs(out, k, k + 1) if req.logprobs else None
-                yield chunk({"index": index, "delta": {"content": piece}, "logprobs": logprobs,
-                             "finish_reason": None})
-            yield chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(out)})
-        if req.include_usage_in_stream:
-            yield sse(envelope("chat.completion.chunk", rid, self.model_name, [], usage=totals))
-        yield sse("[DONE]")
+        return envelope("chat.completion", rid, self.model_name, choices, usage=usage(len(prompt), outs))
 
     # -- shared ---------------------------------------------------------------------------------
 
@@ -168,6 +154,24 @@ class OpenAIService:
         # The template already wrote any BOS / special tokens as text.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    async def _open_streams(self, prompts: list[list[int]], sampling: SamplingParams, rid: str,
+                            field: str) -> list[Any]:
+        """One token stream per prompt, all queued before the response starts (input errors -> 400)."""
+        if not hasattr(self.engine, "generate_stream"):
+            results = await self._generate_all(prompts, sampling, rid, field)
+            return [FinishedStream(outs) for outs in results]
+        streams: list[Any] = []
+        try:
+            for i, p in enumerate(prompts):
+                streams.append(self.engine.generate_stream(p, sampling, f"{rid}-{i}"))
+        except RolloutInputError as exc:
+            close_all(streams)
+            raise _client_field(exc, field) from None
+        except BaseException:
+            close_all(streams)
+            raise
+        return streams
+
     async def _generate_all(self, prompts: list[list[int]], sampling: SamplingParams, rid: str,
                             field: str) -> list[list[TokenOutput]]:
         """All prompts concurrently; one failure cancels the rest (their slots free at once)."""
@@ -176,9 +180,18 @@ class OpenAIService:
         try:
             return list(await asyncio.gather(*tasks))
         except RolloutInputError as exc:
-            if exc.field == "prompt_ids":  # name the field the client sent
-                raise RolloutInputError(field, str(exc).split(": ", 1)[-1]) from None
-            raise
+            raise _client_field(exc, field) from None
         finally:
             for task in tasks:
                 task.cancel()
+
+
+def _client_field(exc: RolloutInputError, field: str) -> RolloutInputError:
+    """The engine says "prompt_ids"; the client sent `field` ("prompt" / "messages")."""
+    return RolloutInputError(field, exc.message) if exc.field == "prompt_ids" else exc
+
+
+def _partial(delta) -> TokenOutput:
+    """A stream delta in TokenOutput's shape, for the log-prob formatters."""
+    return TokenOutput(token_ids=delta.token_ids, logprobs=delta.logprobs, stop_reason="stop",
+                       weight_version=0, top_logprobs=delta.top_logprobs)
