@@ -113,7 +113,10 @@ def quantize_block_fp8(weight: torch.Tensor, block: Sequence[int] = FP8_BLOCK) -
         bad = int((~torch.isfinite(amax)).sum())
         raise ValueError(f"weight has inf/nan values in {bad} of {nbr * nbc} blocks; cannot quantize it to FP8")
     scale_inv = (amax / FP8_MAX).clamp_(min=_MIN_SCALE)
-    q = (blocks / scale_inv[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    scale = scale_inv[:, None, :, None]
+    # Divide in place when `w` is already our own float32 copy (bf16/fp16 input or padded).
+    scaled = blocks.div_(scale) if w is not weight else blocks / scale
+    q = scaled.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     q = q.view(nbr * br, nbc * bc)
     if q.shape != weight.shape:
         q = q[:rows, :cols].contiguous()

@@ -80,7 +80,9 @@ SHAPES = [(1, 1), (127, 129), (128, 128), (300, 17), (17, 300), (64, 96), (129, 
 def test_matches_per_block_reference_and_bound(shape, dtype):
     g = torch.Generator().manual_seed(hash(shape) % 1000)
     w = (torch.randn(shape, generator=g) * 0.05).to(dtype)
+    before = w.clone()
     q, s = quantize_block_fp8(w)
+    assert torch.equal(w, before)  # the caller's weight is never modified
     ref_q, ref_s = reference_quantize(w)
     assert q.shape == w.shape and q.device == w.device
     assert s.dtype == torch.float32 and s.shape == (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128))
