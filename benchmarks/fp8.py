@@ -19,6 +19,7 @@ against the e4m3 error bound (16 * scale_inv per block, `within_bound`).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -27,10 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from weights import model_tensors  # noqa: E402  (the weight-sync benchmark's 30M state dict)
 
 from polyrl.weights.fp8 import (  # noqa: E402
     FP8_BLOCK,
@@ -40,6 +38,15 @@ from polyrl.weights.fp8 import (  # noqa: E402
 )
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def model_tensors() -> dict[str, torch.Tensor]:
+    """The weight-sync benchmark's 30M state dict, loaded by path: under pytest `tests/` is on
+    sys.path too, and its `weights/` folder would shadow a plain `import weights`."""
+    spec = importlib.util.spec_from_file_location("polyrl_bench_weights", Path(__file__).with_name("weights.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module.model_tensors()
 
 
 def linear_weights(dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
