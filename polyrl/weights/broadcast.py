@@ -87,34 +87,37 @@ class BroadcastTransport:
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.config.timeout_s
         on_cpu = all(t.device.type == "cpu" for t in ordered)
+        total = manifest.stream_layout()[1]
         if isinstance(self._ring, SenderRing):  # every receiver listens on the ring
-            use_shm = on_cpu
+            ring: SenderRing | None = self._ring
+            geometry = self._geometry(ring, total) if on_cpu else None
             self.watchdog.beat(f"{phase}: manifest")
-            payload = pickle.dumps({"manifest": manifest, "shm": use_shm})
-            self._on_ring(lambda: self._ring.message(payload, deadline), phase, deadline)
+            payload = pickle.dumps({"manifest": manifest, "ring": geometry})
+            self._on_ring(lambda: ring.message(payload, deadline), phase, deadline)
         else:
-            ring = self._new_ring() if on_cpu and ordered else None
-            offer = None if ring is None else {
-                "name": ring.name, "slots": ring.slots, "slot_bytes": ring.slot_bytes,
-                "receivers": ring.receivers, "token": ring.token}
+            ring = self._new_ring(total) if on_cpu and ordered else None
+            geometry = None if ring is None else self._geometry(ring, total)
             try:
-                broadcast_from_leader({"manifest": manifest, "shm": offer}, self.group,
-                                      timeout_s=self.config.timeout_s, phase=f"{phase}: manifest",
-                                      watchdog=self.watchdog)
-                use_shm = ring is not None and self._vote(phase, deadline, True)
+                broadcast_from_leader(
+                    {"manifest": manifest, "offer": ring and ring.offer(), "ring": geometry},
+                    self.group, timeout_s=self.config.timeout_s, phase=f"{phase}: manifest",
+                    watchdog=self.watchdog)
+                agreed = ring is not None and self._vote(phase, deadline, True)
             except BaseException:
                 if ring is not None:
                     ring.close()
                 raise
-            if use_shm:
+            if agreed:
                 ring.connect()  # every receiver has it open: nothing can leak from here on
                 self._ring = ring
             elif ring is not None:
                 ring.close()
                 self._shm_refused = True  # a receiver cannot open it: backend path from now on
-        if use_shm:
+                geometry = None
+        if geometry is not None:
             self.watchdog.beat(f"{phase}: shared memory")
-            failure = self._on_ring(lambda: self._send_shm(manifest, ordered, deadline), phase, deadline)
+            failure = self._on_ring(lambda: self._send_shm(manifest, ordered, geometry, deadline),
+                                    phase, deadline)
         else:
             watch = self.watchdog.watch(self.group, phase=f"{phase}: buckets",
                                         timeout_s=max(deadline - time.monotonic(), 0.001),
@@ -155,9 +158,11 @@ class BroadcastTransport:
             watch.wait(inflight.popleft())
         return failure
 
-    def _send_shm(self, manifest: WeightManifest, ordered: list[torch.Tensor], deadline: float):
+    def _send_shm(self, manifest: WeightManifest, ordered: list[torch.Tensor], geometry: tuple,
+                  deadline: float):
         ring = self._ring
         assert isinstance(ring, SenderRing)
+        ring.geometry(*geometry[:2])
         failure: tuple[str, BaseException] | None = None
         size = ring.slot_bytes
         total = manifest.stream_layout()[1]
@@ -165,8 +170,8 @@ class BroadcastTransport:
             pieces = bucketing.stream_pieces(manifest, ordered)
         except Exception as exc:
             pieces, failure = [], ("chunk 0", exc)
-        for n in range(-(-total // size) if failure is None else 0):
-            slot = ring.claim_slot(deadline)  # the slowest receiver has copied out its old chunk
+        for n in range(_chunks(total, size) if failure is None else 0):
+            slot = ring.claim_slot(deadline)  # every receiver is done with what it held
             lo, hi = n * size, min(total, (n + 1) * size)
             try:
                 bucketing.pack_range(pieces, lo, slot[: hi - lo])
@@ -176,16 +181,29 @@ class BroadcastTransport:
             ring.publish(deadline)
         if failure is not None:
             ring.publish(deadline, ABORT)
-        ring.drain(deadline)  # every receiver has copied every chunk: the ring is idle again
+        ring.drain(deadline)  # every receiver has copied (or, direct: applied) every chunk
         return failure
 
-    def _new_ring(self) -> SenderRing | None:
+    def _new_ring(self, total: int) -> SenderRing | None:
+        """A segment for the whole stream (direct staging), else a ring; None if /dev/shm is
+        missing or full, or shared memory is off."""
         if not self.config.shared_memory or self._shm_refused or not self.receivers:
             return None
-        try:
-            return SenderRing(self.config.shm_slots, self.config.shm_slot_bytes, len(self.receivers))
-        except OSError:  # no /dev/shm, or it is full
-            return None
+        ring_bytes = self.config.shm_slots * self.config.shm_slot_bytes
+        sizes = ([max(_round_up(total), ring_bytes)] if self.config.shm_direct else []) + [ring_bytes]
+        for capacity in sizes:
+            try:
+                return SenderRing(capacity, len(self.receivers))
+            except OSError:
+                continue
+        return None
+
+    def _geometry(self, ring: SenderRing, total: int) -> tuple[int, int, bool]:
+        """(slots, slot bytes, direct) for a stream of `total` bytes through `ring`."""
+        if self.config.shm_direct and total <= ring.capacity:
+            return 1, ring.capacity, True
+        slot = min(self.config.shm_slot_bytes, ring.capacity // self.config.shm_slots // 64 * 64)
+        return min(self.config.shm_slots, ring.capacity // slot), slot, False
 
     def _close_ring(self) -> None:
         if self._ring is not None:
@@ -210,7 +228,7 @@ class BroadcastTransport:
                                   "manifest (are both sides on the same polyrl version?)")
         version = manifest.version
         phase = f"weight sync v{version}"
-        offer = msg.get("shm")
+        offer = msg.get("offer")
         if isinstance(offer, dict):  # a new ring: can every receiver open it?
             index = self.receivers.index(dist.get_rank())
             ring = attach(offer, index) if self.device is None or self.device.type == "cpu" else None
@@ -224,19 +242,15 @@ class BroadcastTransport:
                 self._ring = ring
             elif ring is not None:
                 ring.close()
-        use_shm = bool(offer) and self._ring is not None
-        staged = StagedWeights(manifest, staging_views(manifest, self._staging_for(manifest)))
-        if use_shm:
+        geometry = msg.get("ring") if self._ring is not None else None
+        if geometry is not None:
             self.watchdog.beat(f"{phase}: shared memory")
-            aborted = self._on_ring(lambda: self._receive_shm(manifest, deadline), phase, deadline)
-            if aborted:
-                raise WeightSyncError(f"the sender aborted version {version} midway; discarded, "
-                                      "the previous weights stay in service")
-            for b in range(len(manifest.buckets)):
-                staged.mark(b)
+            applied = self._on_ring(lambda: self._receive_shm(manifest, geometry, engine, deadline),
+                                    phase, deadline)
         else:
+            staged = StagedWeights(manifest, staging_views(manifest, self._staging_for(manifest)))
             self._receive_plain(manifest, staged, phase, deadline)
-        applied = staged.apply(engine)
+            applied = staged.apply(engine)
         self.last_stats = TransferStats(self.name, version, manifest.num_tensors,
                                         len(manifest.buckets), manifest.total_bytes,
                                         time.perf_counter() - t0)
@@ -271,30 +285,50 @@ class BroadcastTransport:
             raise WeightSyncError(f"weight ring out of step: expected a manifest, got {signal!r}")
         return pickle.loads(ring.read_message(deadline))
 
-    def _receive_shm(self, manifest: WeightManifest, deadline: float) -> bool:
-        """Copy every chunk out of the ring into the flat staging buffer; True if aborted."""
+    def _receive_shm(self, manifest: WeightManifest, geometry: tuple, engine: Any,
+                     deadline: float) -> int:
         ring = self._ring
-        assert isinstance(ring, ReceiverRing) and self._staging is not None
-        size, total = ring.slot_bytes, self._staging.numel()
+        assert isinstance(ring, ReceiverRing)
+        ring.geometry(*geometry[:2])
+        total = manifest.stream_layout()[1]
+        if geometry[2]:  # direct: the engine loads straight from the segment, then we release it
+            self._staging = None
+            self._next_chunk(ring, 0, manifest, deadline)
+            try:
+                return self._apply(manifest, ring.slot[0][:total], engine)
+            finally:
+                ring.release(deadline)
+        staging = self._staging_for(manifest)
         failure: BaseException | None = None
-        for n in range(-(-total // size)):
-            signal = ring.next_signal(deadline)
-            if signal == ABORT:
-                return True
-            if signal != CHUNK:
-                self._close_ring()
-                raise WeightSyncError(f"weight ring out of step: expected chunk {n}, got {signal!r}")
-            lo, hi = n * size, min(total, (n + 1) * size)
+        for n in range(_chunks(total, ring.slot_bytes)):
+            self._next_chunk(ring, n, manifest, deadline)
+            lo, hi = n * ring.slot_bytes, min(total, (n + 1) * ring.slot_bytes)
             if failure is None:
                 try:
-                    self._staging[lo:hi].copy_(ring.current_slot()[: hi - lo])
+                    staging[lo:hi].copy_(ring.current_slot()[: hi - lo])
                 except Exception as exc:  # keep acknowledging so the ring stays in step
                     failure = exc
             ring.release(deadline)
         if failure is not None:
             raise WeightSyncError(f"staging version {manifest.version} failed "
                                   f"({type(failure).__name__}: {failure}); discarded") from failure
-        return False
+        return self._apply(manifest, staging, engine)
+
+    def _next_chunk(self, ring: ReceiverRing, n: int, manifest: WeightManifest, deadline: float) -> None:
+        signal = ring.next_signal(deadline)
+        if signal == ABORT:
+            raise WeightSyncError(f"the sender aborted version {manifest.version} midway; "
+                                  "discarded, the previous weights stay in service")
+        if signal != CHUNK:
+            self._close_ring()
+            raise WeightSyncError(f"weight ring out of step: expected chunk {n}, got {signal!r}")
+
+    @staticmethod
+    def _apply(manifest: WeightManifest, flat: torch.Tensor, engine: Any) -> int:
+        staged = StagedWeights(manifest, staging_views(manifest, flat))
+        for b in range(len(manifest.buckets)):
+            staged.mark(b)
+        return staged.apply(engine)
 
     def _staging_for(self, manifest: WeightManifest) -> torch.Tensor:
         total = manifest.stream_layout()[1]
@@ -314,7 +348,8 @@ class BroadcastTransport:
 
     def _on_ring(self, step: Any, phase: str, deadline: float) -> Any:
         """Run a ring step; a peer that stalls or exits becomes a watchdog error naming it (the
-        ring is then out of step and closed, like a group after a failed collective)."""
+        ring is then out of step and closed, like a group after a failed collective). Other
+        errors (an abort, an engine that rejects the weights) leave the ring in step."""
         try:
             return step()
         except PeerLost as exc:
@@ -326,12 +361,16 @@ class BroadcastTransport:
                       else f"{', '.join(f'rank {r}' for r in ranks)} {exc}")
             raise cls("weight broadcast (shared memory)", f"{phase}: shared memory", dog.step,
                       self.members, {r: dog.last_seen(r) for r in ranks}, detail) from None
-        except WeightSyncError:  # the sender aborted, or staging failed: the ring is in step
-            raise
-        except BaseException:  # interrupted mid-chunk: the ring is out of step
-            self._close_ring()
-            raise
 
     def _control(self, t: torch.Tensor) -> torch.Tensor:
         """Small control tensors live where the backend wants them (the staging device)."""
         return t if self.device is None else t.to(self.device)
+
+
+def _chunks(total: int, slot_bytes: int) -> int:
+    """Chunks of a stream through slots of `slot_bytes` (an empty stream still sends one)."""
+    return max(-(-total // slot_bytes), 1)
+
+
+def _round_up(n: int, to: int = 64) -> int:
+    return max(-(-n // to) * to, to)

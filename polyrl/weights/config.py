@@ -22,6 +22,12 @@ class WeightSyncConfig(Config):
     host, CPU tensors; checked at the first transfer), stream the bucket bytes through a ring in
     /dev/shm with FIFO signals and no collective per transfer after the first. Off: every byte
     goes through the backend."""
+    shm_direct: bool = True
+    """Shared-memory path: stage the whole version in one segment that receivers hand to the
+    engine without a copy of their own (one copy in total; receivers release it once the engine
+    has loaded it). Needs /dev/shm room for one copy of the weights (reserved up front); when
+    off or when it does not fit, the stream goes through a ring of shm_slots x shm_slot_mb and
+    each receiver copies it out into its own staging buffer."""
     shm_slot_mb: float = Field(4, gt=0)
     """Shared-memory path: ring slot size in MB (the chunk the sender packs while receivers
     copy the previous one). Small enough to stay in the CPU's last-level cache; independent of

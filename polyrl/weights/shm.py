@@ -4,15 +4,19 @@ Gloo carries every byte through the kernel's TCP stack twice (send and receive c
 on one host caps weight sync far below memory bandwidth. NCCL avoids the same problem inside a
 node with its shared-memory transport; this is the CPU equivalent.
 
-    segment   /dev/shm/polyrl-weights-<id>: a header page (a random token) and `slots` slots
-              of `slot_bytes`; the weights stream through it in slot-sized chunks
+    segment   /dev/shm/polyrl-weights-<id>: a header page (a random token), then either one
+              slot as big as the whole stream (direct staging: the sender packs every byte
+              once and receivers hand views of the segment to the engine, no copy of their
+              own), or a ring of `slots` slots of `slot_bytes` that the stream passes through
+              in slot-sized chunks (receivers copy each chunk out)
     down_i    FIFO sender -> receiver i: one byte per chunk ("chunk n is in slot n % slots"),
               an abort byte, or a framed message (the next transfer's manifest)
     up_i      FIFO receiver i -> sender: one byte per chunk copied out ("slot free again")
 
-The sender writes chunk n once every receiver has acknowledged chunk n - slots, so it packs
-chunk n+1 while receivers copy chunk n (the two copies overlap on two cores) and the ring
-stays cache-sized whatever the model size. Signals are blocking reads with the transfer's
+The sender writes chunk n once every receiver has acknowledged chunk n - slots, so in a ring it
+packs chunk n+1 while receivers copy chunk n (the two copies overlap on two cores) and the ring
+stays cache-sized whatever the model size. With direct staging the single chunk is acknowledged
+after the engine has loaded it, so the sender never writes a version a receiver is reading. Signals are blocking reads with the transfer's
 deadline (no spinning, no collective per chunk), and a FIFO whose other end closed reads as
 end-of-file: a peer process that dies is noticed at once, not at the deadline.
 
@@ -52,16 +56,19 @@ class PeerLost(RuntimeError):
 
 
 class ShmRing:
-    """The segment, created (`name=None`, by the sender) or mapped by name (by a receiver)."""
+    """The segment, created (`name=None`, by the sender) or mapped by name (by a receiver).
 
-    def __init__(self, slots: int, slot_bytes: int, receivers: int, name: str | None = None):
-        self.slots, self.slot_bytes, self.receivers = slots, slot_bytes, receivers
+    How a transfer uses it (`geometry`) is the sender's choice per transfer: `slots` slots of
+    `slot_bytes`, or one slot holding the whole stream (direct staging)."""
+
+    def __init__(self, capacity: int, receivers: int, name: str | None = None):
+        self.capacity, self.receivers = capacity, receivers
         self.owner = name is None
         self.token = secrets.token_bytes(TOKEN_BYTES) if self.owner else b""
         if self.owner and not SHM_DIR.is_dir():
             raise OSError(f"{SHM_DIR} does not exist")
         self.name = name or f"polyrl-weights-{secrets.token_hex(8)}"
-        self.nbytes = HEADER_BYTES + slots * slot_bytes
+        self.nbytes = HEADER_BYTES + capacity
         self._map: mmap.mmap | None = None
         self._fds: list[int] = []
         try:
@@ -69,19 +76,29 @@ class ShmRing:
         except BaseException:
             self.close()
             raise
-        whole = torch.frombuffer(self._map, dtype=torch.uint8, count=self.nbytes)
-        self.header = whole[:HEADER_BYTES]
-        self.slot = [whole[HEADER_BYTES + i * slot_bytes: HEADER_BYTES + (i + 1) * slot_bytes]
-                     for i in range(slots)]
+        self._whole = torch.frombuffer(self._map, dtype=torch.uint8, count=self.nbytes)
+        self.header = self._whole[:HEADER_BYTES]
         if self.owner:
             self.header[:TOKEN_BYTES].copy_(torch.frombuffer(bytearray(self.token), dtype=torch.uint8))
+        self.slot: list[torch.Tensor] = []
+        self.slots = self.slot_bytes = 0
+        self.position = 0
+
+    def geometry(self, slots: int, slot_bytes: int) -> None:
+        """Cut the segment into `slots` slots of `slot_bytes` for the next transfer (the ring
+        is idle between transfers, so each may choose)."""
+        if slots < 1 or slots * slot_bytes > self.capacity:
+            raise ValueError(f"{slots} slots of {slot_bytes} bytes do not fit {self.capacity}")
+        self.slots, self.slot_bytes, self.position = slots, slot_bytes, 0
+        self.slot = [self._whole[HEADER_BYTES + i * slot_bytes: HEADER_BYTES + (i + 1) * slot_bytes]
+                     for i in range(slots)]
 
     def _open_segment(self) -> mmap.mmap:
         path = SHM_DIR / self.name
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if self.owner else 0), 0o600)
         try:
-            if self.owner:
-                os.ftruncate(fd, self.nbytes)
+            if self.owner:  # reserve the pages now: a full tmpfs fails here, not with SIGBUS later
+                os.posix_fallocate(fd, 0, self.nbytes)
             elif os.fstat(fd).st_size < self.nbytes:
                 raise OSError(f"{path} is smaller than {self.nbytes} bytes")
             return mmap.mmap(fd, self.nbytes)
@@ -116,7 +133,8 @@ class ShmRing:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
-        self.header, self.slot = None, []  # drop the tensor views before unmapping
+        self._whole = self.header = None  # drop the tensor views before unmapping
+        self.slot = []
         if self._map is not None:
             try:
                 self._map.close()
@@ -132,8 +150,8 @@ class ShmRing:
 class SenderRing(ShmRing):
     """The sender's side: creates the ring, then `connect()` once every receiver opened it."""
 
-    def __init__(self, slots: int, slot_bytes: int, receivers: int):
-        super().__init__(slots, slot_bytes, receivers)
+    def __init__(self, capacity: int, receivers: int):
+        super().__init__(capacity, receivers)
         self.down: list[int] = []
         self.up: list[int] = []
         self._placeholders: list[int] = []
@@ -151,8 +169,10 @@ class SenderRing(ShmRing):
             raise
         self.inflight = [0] * receivers
         """Chunks written that receiver i has not acknowledged yet (at most `slots`)."""
-        self.position = 0
-        """Chunks written since the ring was created: the next goes to slot position % slots."""
+
+    def offer(self) -> dict:
+        return {"name": self.name, "capacity": self.capacity, "receivers": self.receivers,
+                "token": self.token}
 
     def connect(self) -> None:
         """Every receiver has the ring open: drop our placeholder readers and the names."""
@@ -199,7 +219,7 @@ class ReceiverRing(ShmRing):
     """Receiver `index`'s side: maps the sender's ring by name and checks its token."""
 
     def __init__(self, offer: dict, index: int):
-        super().__init__(offer["slots"], offer["slot_bytes"], offer["receivers"], name=offer["name"])
+        super().__init__(offer["capacity"], offer["receivers"], name=offer["name"])
         if not self.token_ok(offer["token"]):
             self.close()
             raise OSError("the shared-memory ring holds another token (another host or namespace)")
@@ -209,7 +229,6 @@ class ReceiverRing(ShmRing):
         except BaseException:
             self.close()
             raise
-        self.position = 0
 
     def next_signal(self, deadline: float) -> bytes:
         """CHUNK, ABORT or MESSAGE, waiting up to `deadline` (monotonic seconds)."""

@@ -21,9 +21,18 @@ from polyrl.weights import bucketing
 
 LAYOUT = RankLayout(num_replicas=2, tensor_parallel_size=1, trainer_world_size=1)
 
-def config(shared_memory: bool) -> WeightSyncConfig:  # ~1 KB buckets and ring slots: several
-    return WeightSyncConfig(transport="broadcast", bucket_mb=0.001, timeout_s=3,  # per version
-                            shared_memory=shared_memory, shm_slot_mb=0.001)
+MODES = {  # data path -> (shared_memory, shm_direct); ~1 KB buckets and ring slots: several each
+    "direct": (True, True), "ring": (True, False), "backend-only": (False, False)}
+
+
+def config(mode: str) -> WeightSyncConfig:
+    shared_memory, direct = MODES[mode]
+    return WeightSyncConfig(transport="broadcast", bucket_mb=0.001, timeout_s=3, shm_slot_mb=0.001,
+                            shared_memory=shared_memory, shm_direct=direct)
+
+
+def first_failing_pack(mode: str) -> int:
+    return 0 if mode == "direct" else 1  # direct staging packs a version in one go
 
 
 def fail_at_pack(k: int, die: bool) -> None:
@@ -49,12 +58,12 @@ class REAL:
     pack_range = staticmethod(bucketing.pack_range)
 
 
-def world(rank: int, world_size: int, out_dir: str, shared_memory: bool) -> dict:
+def world(rank: int, world_size: int, out_dir: str, mode: str) -> dict:
     groups = build_groups(LAYOUT, rank, backend=get_platform("cpu").dist_backend(), timeout_s=30)
-    transport = build_transport(config(shared_memory), "standalone", group=groups.group("weight_sync"))
+    transport = build_transport(config(mode), "standalone", group=groups.group("weight_sync"))
     if groups.info.role == "trainer":
         stats = [transport.send(model_weights(seed=1), version=1)]
-        fail_at_pack(1, die=False)
+        fail_at_pack(first_failing_pack(mode), die=False)
         try:
             transport.send(model_weights(seed=2), version=2)
         except WeightSyncError as exc:
@@ -63,7 +72,7 @@ def world(rank: int, world_size: int, out_dir: str, shared_memory: bool) -> dict
         stats.append(transport.send(model_weights(seed=3), version=3))
         stats.append(transport._ring is not None)
         Path(out_dir, "sender-stats.pkl").write_bytes(pickle.dumps(stats))
-        fail_at_pack(2, die=True)
+        fail_at_pack(0 if mode == "direct" else 2, die=True)
         transport.send(model_weights(seed=4), version=4)
         return stats
     engine = DictEngine(model_weights(seed=0))
@@ -80,11 +89,11 @@ def world(rank: int, world_size: int, out_dir: str, shared_memory: bool) -> dict
     return out
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["shared-memory", "backend-only"])
+@pytest.fixture(scope="module", params=list(MODES))
 def results(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("broadcast")
     results = run_world(world, LAYOUT.world_size, tmp, args=(str(tmp), request.param))
-    results["shared_memory"] = request.param
+    results["mode"] = request.param
     sender = tmp / "sender-stats.pkl"
     results["sender"] = pickle.loads(sender.read_bytes()) if sender.exists() else None
     return results
@@ -103,14 +112,14 @@ def test_versions_arrive_in_every_replica(results):
 def test_sender_reports_bytes_seconds_and_rate(results):
     assert results[0] == ("missing",)  # it died on purpose during v4
     v1, failure, v3, used_shm = results["sender"]
-    assert used_shm is results["shared_memory"]
+    assert used_shm is MODES[results["mode"]][0]
     assert not list(Path("/dev/shm").glob("polyrl-weights-*"))  # unlinked, even after the crash
     nbytes = sum(t.numel() * t.element_size() for t in model_weights(seed=1).values())
     for stats, version in ((v1, 1), (v3, 3)):
         assert stats.version == version and stats.transport == "broadcast"
         assert stats.bytes == nbytes and stats.num_tensors == 6 and stats.num_buckets > 3
         assert stats.seconds > 0 and stats.bytes_per_s == pytest.approx(stats.bytes / stats.seconds)
-    where = "chunk 1" if results["shared_memory"] else "bucket 1"
+    where = {"direct": "chunk 0", "ring": "chunk 1", "backend-only": "bucket 1"}[results["mode"]]
     assert f"failed at {where}" in failure and "keep their previous weights" in failure
 
 

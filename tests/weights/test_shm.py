@@ -12,14 +12,20 @@ from polyrl.weights.shm import ABORT, CHUNK, MESSAGE, PeerLost, SenderRing, atta
 
 
 def offer(ring: SenderRing, **change) -> dict:
-    return {"name": ring.name, "slots": ring.slots, "slot_bytes": ring.slot_bytes,
-            "receivers": ring.receivers, "token": ring.token} | change
+    return ring.offer() | change
+
+
+def pair(slots: int, slot_bytes: int):
+    sender = SenderRing(capacity=slots * slot_bytes, receivers=1)
+    receiver = attach(sender.offer(), 0)
+    assert receiver is not None
+    sender.geometry(slots, slot_bytes)
+    receiver.geometry(slots, slot_bytes)
+    return sender, receiver
 
 
 def test_chunks_messages_and_backpressure_then_nothing_left_in_dev_shm():
-    sender = SenderRing(slots=2, slot_bytes=128, receivers=1)
-    receiver = attach(offer(sender), 0)
-    assert receiver is not None
+    sender, receiver = pair(2, 128)
     sender.connect()
     assert not any(p.exists() for p in sender.names())  # unlinked once everyone has it open
     deadline = time.monotonic() + 5
@@ -48,7 +54,7 @@ def test_chunks_messages_and_backpressure_then_nothing_left_in_dev_shm():
 
 
 def test_a_ring_with_another_token_or_name_is_not_attached():
-    sender = SenderRing(slots=2, slot_bytes=64, receivers=1)
+    sender = SenderRing(capacity=128, receivers=1)
     assert attach(offer(sender, token=b"\0" * 16), 0) is None
     assert attach(offer(sender, name="polyrl-weights-missing"), 0) is None
     sender.close()
@@ -56,8 +62,7 @@ def test_a_ring_with_another_token_or_name_is_not_attached():
 
 
 def test_a_receiver_that_exits_is_seen_by_the_sender_at_once():
-    sender = SenderRing(slots=2, slot_bytes=64, receivers=1)
-    receiver = attach(offer(sender), 0)
+    sender, receiver = pair(2, 64)
     sender.connect()
     deadline = time.monotonic() + 5
     sender.claim_slot(deadline)
@@ -72,8 +77,7 @@ def test_a_receiver_that_exits_is_seen_by_the_sender_at_once():
 def test_a_message_bigger_than_the_fifo_arrives_whole_while_the_receiver_reads():
     import threading
 
-    sender = SenderRing(slots=2, slot_bytes=64, receivers=1)
-    receiver = attach(offer(sender), 0)
+    sender, receiver = pair(2, 64)
     sender.connect()
     payload = bytes(range(256)) * 2000  # 512 KB, several times a pipe's capacity
     got = {}
@@ -90,3 +94,11 @@ def test_a_message_bigger_than_the_fifo_arrives_whole_while_the_receiver_reads()
     assert got == {"signal": MESSAGE, "payload": payload}
     sender.close()
     receiver.close()
+
+
+def test_a_geometry_that_does_not_fit_the_segment_is_refused():
+    sender = SenderRing(capacity=256, receivers=1)
+    sender.geometry(1, 256)  # direct staging: one slot, the whole segment
+    with pytest.raises(ValueError, match="do not fit"):
+        sender.geometry(3, 128)
+    sender.close()
