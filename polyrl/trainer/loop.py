@@ -119,6 +119,10 @@ class Trainer:
                  namespace=cfg.ray.namespace, config_env=cfg.env, backend=cfg.rollout.backend,
                  placement=cfg.rollout.placement, mode=cfg.trainer.mode)
         available = ray.available_resources().get("CPU", 0)
+        deadline = time.perf_counter() + 10  # a previous run's killed actors free CPUs lazily
+        while available < needed and time.perf_counter() < deadline:
+            time.sleep(0.2)
+            available = ray.available_resources().get("CPU", 0)
         if available < needed:
             raise TrainingError(
                 f"the run's actors reserve {needed} CPUs ({per_actor} per rank) but Ray has {available:g} "
