@@ -66,6 +66,7 @@ class BroadcastTransport:
         """The shared-memory ring, once every receiver has opened it."""
         self._shm_refused = False  # some receiver could not open a ring: do not offer again
         self._staging: torch.Tensor | None = None
+        self._views: tuple[tuple, dict[str, torch.Tensor]] | None = None
         self.last_stats: TransferStats | None = None
 
     @property
@@ -206,6 +207,7 @@ class BroadcastTransport:
         return min(self.config.shm_slots, ring.capacity // slot), slot, False
 
     def _close_ring(self) -> None:
+        self._views = None  # views of the segment would keep it mapped
         if self._ring is not None:
             self._ring.close()
             self._ring = None
@@ -291,28 +293,43 @@ class BroadcastTransport:
         assert isinstance(ring, ReceiverRing)
         ring.geometry(*geometry[:2])
         total = manifest.stream_layout()[1]
-        if geometry[2]:  # direct: the engine loads straight from the segment, then we release it
+        direct = geometry[2]
+        if direct:  # the engine loads straight from the segment; we release it afterwards
             self._staging = None
-            self._next_chunk(ring, 0, manifest, deadline)
-            try:
-                return self._apply(manifest, ring.slot[0][:total], engine)
-            finally:
-                ring.release(deadline)
-        staging = self._staging_for(manifest)
+        flat = ring.slot[0][:total] if direct else self._staging_for(manifest)
+        named = self._views_of(manifest, flat)  # built while the sender packs
         failure: BaseException | None = None
-        for n in range(_chunks(total, ring.slot_bytes)):
+        for n in range(1 if direct else _chunks(total, ring.slot_bytes)):
             self._next_chunk(ring, n, manifest, deadline)
+            if direct:
+                break
             lo, hi = n * ring.slot_bytes, min(total, (n + 1) * ring.slot_bytes)
             if failure is None:
                 try:
-                    staging[lo:hi].copy_(ring.current_slot()[: hi - lo])
+                    flat[lo:hi].copy_(ring.current_slot()[: hi - lo])
                 except Exception as exc:  # keep acknowledging so the ring stays in step
                     failure = exc
             ring.release(deadline)
         if failure is not None:
             raise WeightSyncError(f"staging version {manifest.version} failed "
                                   f"({type(failure).__name__}: {failure}); discarded") from failure
-        return self._apply(manifest, staging, engine)
+        try:  # every chunk is in: one all-or-nothing update
+            engine.update_weights(dict(named), manifest.version)
+        finally:
+            if direct:
+                ring.release(deadline)
+        return manifest.version
+
+    def _views_of(self, manifest: WeightManifest, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The named tensors as views of `flat` (checked against the manifest); reused while the
+        layout and the buffer stay the same, which is every version after the first."""
+        key = (manifest.slots, manifest.buckets, flat.data_ptr(), flat.numel())
+        if self._views is None or self._views[0] != key:
+            staged = StagedWeights(manifest, staging_views(manifest, flat))
+            for b in range(len(manifest.buckets)):
+                staged.mark(b)  # sizes checked; the caller applies only once all bytes arrived
+            self._views = (key, staged.tensors())
+        return self._views[1]
 
     def _next_chunk(self, ring: ReceiverRing, n: int, manifest: WeightManifest, deadline: float) -> None:
         signal = ring.next_signal(deadline)
@@ -322,13 +339,6 @@ class BroadcastTransport:
         if signal != CHUNK:
             self._close_ring()
             raise WeightSyncError(f"weight ring out of step: expected chunk {n}, got {signal!r}")
-
-    @staticmethod
-    def _apply(manifest: WeightManifest, flat: torch.Tensor, engine: Any) -> int:
-        staged = StagedWeights(manifest, staging_views(manifest, flat))
-        for b in range(len(manifest.buckets)):
-            staged.mark(b)
-        return staged.apply(engine)
 
     def _staging_for(self, manifest: WeightManifest) -> torch.Tensor:
         total = manifest.stream_layout()[1]
