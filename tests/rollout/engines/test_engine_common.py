@@ -119,3 +119,16 @@ def test_engines_are_registered_without_importing_them():
             "assert not [m for m in sys.modules if m.startswith('polyrl.rollout.engines')];"
             "assert not [m for m in ('vllm', 'sglang', 'tensorrt_llm') if m in sys.modules]")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_trtllm_ipc_handles_refuse_host_tensors(tmp_path):
+    import torch
+
+    from polyrl.rollout.base import WeightUpdateError
+    from polyrl.rollout.engines.trtllm import read_hf_config, serialize_handles
+
+    with pytest.raises(WeightUpdateError, match="parameter 'lm_head.weight' is in host memory"):
+        serialize_handles([("lm_head.weight", torch.zeros(2, 2))])
+    assert read_hf_config(str(tmp_path)) is None
+    (tmp_path / "config.json").write_text('{"vision_config": {"depth": 2}}')
+    assert read_hf_config(str(tmp_path)) == {"vision_config": {"depth": 2}}
