@@ -1,0 +1,153 @@
+"""Asynchronous against synchronous standalone training, same resources, same task, one run.
+
+Both train the embedded default (`polyrl/configs/embedded_default.yaml`: the bundled tiny model
+learning 2-digit addition, 40 steps of 16 prompts x 8 samples) with standalone placement, one
+policy rank and one rollout replica, one torch thread each (`--threads`), on one local Ray
+instance started here. sync generates, then trains, each step; async (`trainer.mode=async`,
+`async.max_staleness` = `--staleness`, partial rollouts `--partial`) lets the replica generate
+the next batches while the policy trains. The runs alternate (sync, async, sync, ... for
+`--repeats` pairs) so both see the same machine load.
+
+Reported per mode (median over repeats): samples/s = trained samples / the summed seconds of the
+training steps (validation is excluded, it is the same work in both modes); seconds of training
+steps until held-out accuracy first reaches `--target` (validation every 5 steps); the final and
+best held-out accuracy; async's mean staleness, trainer idle and partial-rollout count.
+
+    python benchmarks/async.py             # = polyrl bench async: ~2 min on an idle 2-core machine
+    python benchmarks/async.py --json      # last line is JSON
+    python benchmarks/async.py --repeats 3 # steadier on a busy machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def config(out: Path, mode: str, args: argparse.Namespace):
+    from polyrl.cli.train import EMBEDDED_DEFAULT
+    from polyrl.config import load_config
+    from polyrl.trainer.config import JobConfig
+
+    overrides = [
+        "rollout.placement=standalone", "rollout.num_replicas=1", "actor.world_size=1",
+        f"actor.num_cpus_per_worker={args.threads}", f"trainer.mode={mode}",
+        f"trainer.total_steps={args.steps}", "trainer.progress_bar=false", "trainer.save_at_end=false",
+        "logging.plot_at_end=false", f"trainer.output_dir={out}", f"trainer.seed={args.seed}",
+    ]
+    if mode == "async":
+        overrides += [f"async.max_staleness={args.staleness}", f"async.partial_rollout={args.partial}"]
+    return load_config(JobConfig, files=[EMBEDDED_DEFAULT], overrides=overrides)
+
+
+def run_once(mode: str, args: argparse.Namespace, root: Path, index: int) -> dict:
+    from polyrl.trainer.loop import Trainer
+
+    out = root / f"{mode}-{index}"
+    cfg = config(out, mode, args)
+    t0 = time.perf_counter()
+    summary = Trainer(cfg).fit()
+    wall = time.perf_counter() - t0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "timing/step" in r]
+    train_s = sum(r["timing/step"] for r in steps)
+    samples = len(steps) * cfg.data.train_batch_size * cfg.rollout.n
+    elapsed, to_target = 0.0, None
+    vals = [r.get("val/acc") for r in rows if "val/acc" in r]
+    for r in rows:
+        elapsed += r.get("timing/step", 0.0)
+        if to_target is None and r.get("val/acc", -1) >= args.target and r["step"] > 0:
+            to_target = elapsed
+    out_row = {"samples_per_s": samples / train_s, "train_s": train_s, "wall_s": wall,
+               "to_target_s": to_target, "final_acc": summary["final_accuracy"],
+               "best_acc": max(vals) if vals else None, "initial_acc": summary["initial_accuracy"]}
+    for phase in ("generate", "update", "sync_weights"):  # per-step medians (async generate = waiting)
+        out_row[f"{phase}_s"] = median(r.get(f"timing/{phase}", 0.0) for r in steps)
+    if mode == "async":
+        out_row["staleness_mean"] = sum(r["async/staleness_mean"] for r in steps) / len(steps)
+        out_row["trainer_idle_s"] = sum(r["async/trainer_idle_s"] for r in steps)
+        out_row["partial_rollouts"] = steps[-1]["async/partial_rollouts_total"]
+        out_row["discarded_stale"] = steps[-1]["async/discarded_stale_total"]
+    return out_row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    p.add_argument("--repeats", type=int, default=1, help="sync/async pairs to run (median reported)")
+    p.add_argument("--steps", type=int, default=40, help="training steps per run")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per actor")
+    p.add_argument("--staleness", type=int, default=1, help="async.max_staleness")
+    p.add_argument("--partial", choices=["abort", "wait"], default="abort", help="async.partial_rollout")
+    p.add_argument("--target", type=float, default=0.9, help="held-out accuracy to time")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+
+    import ray
+
+    from polyrl.distributed.ray_launch import init_ray
+    from polyrl.platform import get_platform
+
+    # one Ray instance for every run: 2 actors x threads, whatever the core count
+    init_ray(get_platform("cpu"), num_cpus=max(os.cpu_count() or 1, 2 * args.threads),
+             namespace="polyrl-bench-async")
+    results: dict[str, list[dict]] = {"sync": [], "async": []}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for i in range(args.repeats):
+                for mode in ("sync", "async"):
+                    row = run_once(mode, args, Path(tmp), i)
+                    results[mode].append(row)
+                    print(f"{mode:5s} run {i + 1}: {row['samples_per_s']:.0f} samples/s, "
+                          f"{row['train_s']:.1f} s of steps, {row['to_target_s'] if row['to_target_s'] is None else round(row['to_target_s'], 1)} s "
+                          f"to {args.target:.0%}, final acc {row['final_acc']:.3f}; per step: generate "
+                          f"{row['generate_s']:.3f} s, update {row['update_s']:.3f} s, weight sync "
+                          f"{row['sync_weights_s']:.3f} s", flush=True)
+    finally:
+        ray.shutdown()
+
+    def med(mode: str, key: str):
+        values = [r[key] for r in results[mode] if r.get(key) is not None]
+        return median(values) if values else None
+
+    summary = {
+        "sync_samples_per_s": med("sync", "samples_per_s"),
+        "async_samples_per_s": med("async", "samples_per_s"),
+        "sync_to_target_s": med("sync", "to_target_s"),
+        "async_to_target_s": med("async", "to_target_s"),
+        "sync_final_accuracy": med("sync", "final_acc"),
+        "async_final_accuracy": med("async", "final_acc"),
+        "sync_best_accuracy": med("sync", "best_acc"),
+        "async_best_accuracy": med("async", "best_acc"),
+        "async_staleness_mean": med("async", "staleness_mean"),
+        "async_trainer_idle_s": med("async", "trainer_idle_s"),
+        "async_partial_rollouts": med("async", "partial_rollouts"),
+        **{f"{m}_{phase}_s": med(m, f"{phase}_s") for m in ("sync", "async")
+           for phase in ("generate", "update", "sync_weights")},
+        "target_accuracy": args.target, "steps": args.steps, "repeats": args.repeats,
+        "threads": args.threads, "max_staleness": args.staleness, "partial_rollout": args.partial,
+        "load_average": os.getloadavg()[0],
+    }
+    summary["speedup"] = summary["async_samples_per_s"] / summary["sync_samples_per_s"]
+    if summary["sync_to_target_s"] and summary["async_to_target_s"]:
+        summary["to_target_speedup"] = summary["sync_to_target_s"] / summary["async_to_target_s"]
+    print(f"\nsamples/s: sync {summary['sync_samples_per_s']:.0f}, async {summary['async_samples_per_s']:.0f} "
+          f"(speedup {summary['speedup']:.2f}x); final accuracy: sync {summary['sync_final_accuracy']:.3f}, "
+          f"async {summary['async_final_accuracy']:.3f}; load average {summary['load_average']:.1f}")
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
