@@ -7,8 +7,10 @@ weight sync, in fp32 and in bf16. Two plain copies of the same tensors are the b
 rep by rep alternating with the quantizer so all three see the same machine load:
     copy_   into preallocated tensors (memcpy; what `ratio` divides by)
     clone   allocating its output, as quantization does (`clone_ratio`)
-Throughput is bytes of *input* weights per second. Each dtype's output is also checked once
-against the e4m3 error bound (16 * scale_inv per block, `within_bound`).
+Throughput is bytes of *input* weights per second of wall time (median of the reps); `cpu_ratio`
+is the same ratio in CPU seconds of this process, which a busy neighbour disturbs less. Each
+dtype's output is also checked once against the e4m3 error bound (16 * scale_inv per block,
+`within_bound`).
 
     python benchmarks/fp8.py                     # ~10 s on 2 cores
     python benchmarks/fp8.py --quick --json      # 3 reps; the last stdout line is JSON
@@ -54,30 +56,17 @@ def linear_weights(dtype: torch.dtype, device: torch.device) -> dict[str, torch.
             if is_quantizable(name, t)}
 
 
-def time_clone(tensors: dict[str, torch.Tensor], sync) -> float:
-    t0 = time.perf_counter()
-    out = [t.clone() for t in tensors.values()]
+def timed(work, sync) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of work() and the device sync after it."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    work()
     sync()
-    elapsed = time.perf_counter() - t0
-    del out
-    return elapsed
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
-def time_copy(tensors: dict[str, torch.Tensor], dst: list[torch.Tensor], sync) -> float:
-    t0 = time.perf_counter()
-    for d, t in zip(dst, tensors.values()):
-        d.copy_(t)
-    sync()
-    return time.perf_counter() - t0
-
-
-def time_quantize(tensors: dict[str, torch.Tensor], sync) -> tuple[float, int]:
-    out_bytes = 0
-    t0 = time.perf_counter()
-    for _, t in quantize_named_tensors(tensors.items()):  # consumed and dropped, as a bucketed sender
-        out_bytes += t.numel() * t.element_size()
-    sync()
-    return time.perf_counter() - t0, out_bytes
+def drain(named) -> None:
+    for _ in named:  # each tensor is dropped as soon as it is taken, as a bucketed sender does
+        pass
 
 
 def within_bound(tensors: dict[str, torch.Tensor]) -> bool:
@@ -98,22 +87,32 @@ def bench_dtype(dtype: torch.dtype, device: torch.device, reps: int, sync) -> di
     tensors = linear_weights(dtype, device)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     dst = [torch.empty_like(t) for t in tensors.values()]
-    time_copy(tensors, dst, sync), time_clone(tensors, sync), time_quantize(tensors, sync)  # warm-up
-    copy_s, clone_s, quant_s = [], [], []
-    for _ in range(reps):
-        copy_s.append(time_copy(tensors, dst, sync))
-        clone_s.append(time_clone(tensors, sync))
-        seconds, out_bytes = time_quantize(tensors, sync)
-        quant_s.append(seconds)
+    work = {
+        "copy": lambda: [d.copy_(t) for d, t in zip(dst, tensors.values())],
+        "clone": lambda: [t.clone() for t in tensors.values()],
+        "quant": lambda: drain(quantize_named_tensors(tensors.items())),
+    }
+    for fn in work.values():  # warm-up: allocator, page tables, caches
+        timed(fn, sync)
+    times = {key: [] for key in work}
+    for _ in range(reps):  # alternate, so every variant sees the same machine load
+        for key, fn in work.items():
+            times[key].append(timed(fn, sync))
+    wall = {key: statistics.median(w for w, _ in rows) for key, rows in times.items()}
+    cpu = {key: statistics.median(c for _, c in rows) for key, rows in times.items()}
     row = {
-        "bytes": nbytes, "out_bytes": out_bytes,
-        "copy_bytes_per_s": nbytes / statistics.median(copy_s),
-        "clone_bytes_per_s": nbytes / statistics.median(clone_s),
-        "quant_bytes_per_s": nbytes / statistics.median(quant_s),
+        "bytes": nbytes,
+        "out_bytes": sum(t.numel() * t.element_size() for _, t in quantize_named_tensors(tensors.items())),
+        "copy_bytes_per_s": nbytes / wall["copy"],
+        "clone_bytes_per_s": nbytes / wall["clone"],
+        "quant_bytes_per_s": nbytes / wall["quant"],
+        "ratio": wall["copy"] / wall["quant"],
+        "clone_ratio": wall["clone"] / wall["quant"],
+        # CPU seconds of this process: less sensitive to a shared machine (CPU runs only).
+        "quant_cpu_bytes_per_s": nbytes / max(cpu["quant"], 1e-9),
+        "cpu_ratio": cpu["copy"] / max(cpu["quant"], 1e-9),
         "within_bound": within_bound(tensors),
     }
-    row["ratio"] = row["quant_bytes_per_s"] / row["copy_bytes_per_s"]
-    row["clone_ratio"] = row["quant_bytes_per_s"] / row["clone_bytes_per_s"]
     return row
 
 
@@ -123,10 +122,10 @@ def run_on(device: torch.device, reps: int, sync) -> dict:
 
 def print_table(label: str, rows: dict) -> None:
     print(f"{label}: {'dtype':<6}{'quant GB/s':>12}{'copy_ GB/s':>12}{'clone GB/s':>12}{'ratio':>8}"
-          f"{'x clone':>9}{'out/in':>8}  bound ok")
+          f"{'x clone':>9}{'cpu ratio':>10}{'out/in':>8}  bound ok")
     for key, r in rows.items():
         print(f"{'':<{len(label) + 2}}{key:<6}{r['quant_bytes_per_s'] / 1e9:>12.2f}{r['copy_bytes_per_s'] / 1e9:>12.2f}"
-              f"{r['clone_bytes_per_s'] / 1e9:>12.2f}{r['ratio']:>8.3f}{r['clone_ratio']:>9.3f}"
+              f"{r['clone_bytes_per_s'] / 1e9:>12.2f}{r['ratio']:>8.3f}{r['clone_ratio']:>9.3f}{r['cpu_ratio']:>10.3f}"
               f"{r['out_bytes'] / r['bytes']:>8.3f}  {r['within_bound']}")
 
 

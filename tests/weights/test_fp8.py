@@ -398,9 +398,10 @@ def test_bench_fp8_quick_json(capsys):
     for dtype, width in (("fp32", 4), ("bf16", 2)):
         row = result["cpu"][dtype]
         assert {"bytes", "out_bytes", "quant_bytes_per_s", "copy_bytes_per_s", "clone_bytes_per_s",
-                "ratio", "clone_ratio", "within_bound"} <= set(row)
+                "ratio", "clone_ratio", "quant_cpu_bytes_per_s", "cpu_ratio", "within_bound"} <= set(row)
         assert row["bytes"] == result["params"] * width
         assert row["out_bytes"] > result["params"]  # fp8 codes plus the float32 scales
         assert row["within_bound"] is True
-        assert row["quant_bytes_per_s"] > 0 and row["ratio"] > 0
+        assert row["ratio"] == pytest.approx(row["quant_bytes_per_s"] / row["copy_bytes_per_s"])
+        assert row["quant_bytes_per_s"] > 0 and row["cpu_ratio"] > 0
     assert result["ratio"] == result["cpu"]["bf16"]["ratio"]
