@@ -12,15 +12,18 @@ backend (other hosts, device tensors, `shared_memory: false`)
     commit     [version, buckets, ok]: ok=0 when the sender failed midway
 
 shared memory (one host, CPU tensors; `shm.py`)
-    The first transfer offers a ring in /dev/shm with its manifest; one all-reduce checks that
-    every receiver opened it. From then on a transfer uses no collective at all: the manifest
-    goes down each receiver's FIFO, the bucket bytes stream through the ring in slot-sized
-    chunks (the sender packs chunk n+1 while receivers copy chunk n straight into their flat
-    staging buffer), and an abort signal replaces the commit. A peer that dies is seen at once
-    (its FIFO end closes); one that stalls, at the deadline.
+    The first transfer offers a segment in /dev/shm with its manifest; one all-reduce checks
+    that every receiver opened it. From then on a transfer uses no collective at all: the
+    manifest goes down each receiver's FIFO, the bytes through the segment, and an abort signal
+    replaces the commit. Direct staging (default, when the weights fit): the sender packs the
+    whole stream into the segment once and receivers hand views of it to the engine, releasing
+    it after the engine loaded them (one copy in total). Otherwise a ring of slot-sized chunks:
+    the sender packs chunk n+1 while receivers copy chunk n into their own staging buffer.
+    A peer that dies is seen at once (its FIFO end closes); one that stalls, at the deadline.
 
-Receivers stage every byte, then apply with one `engine.update_weights`. Staging memory is one
-flat buffer reused across versions (engines copy what they load). Every wait has the transfer's
+Receivers apply with one `engine.update_weights` once every byte arrived. Staging memory (a
+flat buffer, or the shared segment) is reused across versions and written only while every
+receiver is inside `receive()` (engines copy what they load). Every wait has the transfer's
 deadline; a rank that does not arrive is named with its last heartbeat (watchdog).
 """
 
@@ -87,38 +90,10 @@ class BroadcastTransport:
         phase = f"weight sync v{version}"
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.config.timeout_s
-        on_cpu = all(t.device.type == "cpu" for t in ordered)
-        total = manifest.stream_layout()[1]
-        if isinstance(self._ring, SenderRing):  # every receiver listens on the ring
-            ring: SenderRing | None = self._ring
-            geometry = self._geometry(ring, total) if on_cpu else None
-            self.watchdog.beat(f"{phase}: manifest")
-            payload = pickle.dumps({"manifest": manifest, "ring": geometry})
-            self._on_ring(lambda: ring.message(payload, deadline), phase, deadline)
-        else:
-            ring = self._new_ring(total) if on_cpu and ordered else None
-            geometry = None if ring is None else self._geometry(ring, total)
-            try:
-                broadcast_from_leader(
-                    {"manifest": manifest, "offer": ring and ring.offer(), "ring": geometry},
-                    self.group, timeout_s=self.config.timeout_s, phase=f"{phase}: manifest",
-                    watchdog=self.watchdog)
-                agreed = ring is not None and self._vote(phase, deadline, True)
-            except BaseException:
-                if ring is not None:
-                    ring.close()
-                raise
-            if agreed:
-                ring.connect()  # every receiver has it open: nothing can leak from here on
-                self._ring = ring
-            elif ring is not None:
-                ring.close()
-                self._shm_refused = True  # a receiver cannot open it: backend path from now on
-                geometry = None
+        geometry = self._announce(manifest, ordered, phase, deadline)
         if geometry is not None:
             self.watchdog.beat(f"{phase}: shared memory")
-            failure = self._on_ring(lambda: self._send_shm(manifest, ordered, geometry, deadline),
-                                    phase, deadline)
+            failure = self._on_ring(lambda: self._send_shm(manifest, ordered, geometry, deadline), phase)
         else:
             watch = self.watchdog.watch(self.group, phase=f"{phase}: buckets",
                                         timeout_s=max(deadline - time.monotonic(), 0.001),
@@ -135,6 +110,40 @@ class BroadcastTransport:
                               manifest.total_bytes, time.perf_counter() - t0)
         self.last_stats = stats
         return stats
+
+    def _announce(self, manifest: WeightManifest, ordered: list[torch.Tensor], phase: str,
+                  deadline: float) -> tuple[int, int, bool] | None:
+        """Deliver the manifest; returns the ring geometry this transfer uses, or None (backend
+        path). On the ring: down each receiver's FIFO. Otherwise a broadcast, with the offer of
+        a new ring and the all-reduce that checks every receiver opened it."""
+        on_cpu = all(t.device.type == "cpu" for t in ordered)
+        total = manifest.stream_layout()[1]
+        if isinstance(self._ring, SenderRing):  # every receiver listens on the ring
+            ring = self._ring
+            geometry = self._geometry(ring, total) if on_cpu else None
+            self.watchdog.beat(f"{phase}: manifest")
+            payload = pickle.dumps({"manifest": manifest, "ring": geometry})
+            self._on_ring(lambda: ring.message(payload, deadline), phase)
+            return geometry
+        new = self._new_ring(total) if on_cpu and ordered else None
+        geometry = None if new is None else self._geometry(new, total)
+        try:
+            broadcast_from_leader({"manifest": manifest, "offer": new and new.offer(), "ring": geometry},
+                                  self.group, timeout_s=self.config.timeout_s,
+                                  phase=f"{phase}: manifest", watchdog=self.watchdog)
+            agreed = new is not None and self._vote(phase, deadline, True)
+        except BaseException:
+            if new is not None:
+                new.close()
+            raise
+        if agreed:
+            new.connect()  # every receiver has it open: nothing can leak from here on
+            self._ring = new
+            return geometry
+        if new is not None:
+            new.close()
+            self._shm_refused = True  # a receiver cannot open it: backend path from now on
+        return None
 
     def _send_plain(self, manifest: WeightManifest, ordered: list[torch.Tensor], watch: Watch):
         need = max((s.nbytes for s in manifest.buckets if s.num_slots > 1), default=0)
@@ -164,6 +173,8 @@ class BroadcastTransport:
         ring = self._ring
         assert isinstance(ring, SenderRing)
         ring.geometry(*geometry[:2])
+        if geometry[2]:
+            ring.hold()  # until every receiver is inside receive()
         failure: tuple[str, BaseException] | None = None
         size = ring.slot_bytes
         total = manifest.stream_layout()[1]
@@ -220,7 +231,7 @@ class BroadcastTransport:
         deadline = time.monotonic() + self.config.timeout_s
         if isinstance(self._ring, ReceiverRing):
             self.watchdog.beat("weight sync: manifest")
-            msg = self._on_ring(lambda: self._ring_message(deadline), "weight sync", deadline)
+            msg = self._on_ring(lambda: self._ring_message(deadline), "weight sync")
         else:
             msg = broadcast_from_leader(None, self.group, timeout_s=self.config.timeout_s,
                                         phase="weight sync: manifest", watchdog=self.watchdog)
@@ -247,8 +258,7 @@ class BroadcastTransport:
         geometry = msg.get("ring") if self._ring is not None else None
         if geometry is not None:
             self.watchdog.beat(f"{phase}: shared memory")
-            applied = self._on_ring(lambda: self._receive_shm(manifest, geometry, engine, deadline),
-                                    phase, deadline)
+            applied = self._on_ring(lambda: self._receive_shm(manifest, geometry, engine, deadline), phase)
         else:
             staged = StagedWeights(manifest, staging_views(manifest, self._staging_for(manifest)))
             self._receive_plain(manifest, staged, phase, deadline)
@@ -296,6 +306,7 @@ class BroadcastTransport:
         direct = geometry[2]
         if direct:  # the engine loads straight from the segment; we release it afterwards
             self._staging = None
+            ring.ready(deadline)  # the sender may write the segment now
         flat = ring.slot[0][:total] if direct else self._staging_for(manifest)
         named = self._views_of(manifest, flat)  # built while the sender packs
         failure: BaseException | None = None
@@ -356,7 +367,7 @@ class BroadcastTransport:
         watch.wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True))
         return bool(int(flag.cpu()[0]))
 
-    def _on_ring(self, step: Any, phase: str, deadline: float) -> Any:
+    def _on_ring(self, step: Any, phase: str) -> Any:
         """Run a ring step; a peer that stalls or exits becomes a watchdog error naming it (the
         ring is then out of step and closed, like a group after a failed collective). Other
         errors (an abort, an engine that rejects the weights) leave the ring in step."""

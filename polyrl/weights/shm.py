@@ -15,8 +15,9 @@ node with its shared-memory transport; this is the CPU equivalent.
 
 The sender writes chunk n once every receiver has acknowledged chunk n - slots, so in a ring it
 packs chunk n+1 while receivers copy chunk n (the two copies overlap on two cores) and the ring
-stays cache-sized whatever the model size. With direct staging the single chunk is acknowledged
-after the engine has loaded it, so the sender never writes a version a receiver is reading. Signals are blocking reads with the transfer's
+stays cache-sized whatever the model size. With direct staging a receiver first says it is
+ready (it is inside receive()) and acknowledges the single chunk after the engine has loaded
+it, so the segment only changes while every receiver is waiting for it. Signals are blocking reads with the transfer's
 deadline (no spinning, no collective per chunk), and a FIFO whose other end closed reads as
 end-of-file: a peer process that dies is noticed at once, not at the deadline.
 
@@ -182,6 +183,11 @@ class SenderRing(ShmRing):
         self._placeholders = []
         self.unlink()
 
+    def hold(self) -> None:
+        """Direct staging: every receiver still holds the segment until it says `ready()` (it is
+        then inside receive(), so nothing it serves from can change under it)."""
+        self.inflight = [self.slots] * self.receivers
+
     def claim_slot(self, deadline: float) -> torch.Tensor:
         """The next slot, once every receiver has copied what it held."""
         for i in range(self.receivers):
@@ -240,6 +246,10 @@ class ReceiverRing(ShmRing):
 
     def current_slot(self) -> torch.Tensor:
         return self.slot[self.position % self.slots]
+
+    def ready(self, deadline: float) -> None:
+        """Direct staging: this receiver is inside receive(); the sender may write the segment."""
+        _write_all(self.up, FREE, deadline, -1)
 
     def release(self, deadline: float) -> None:
         """The current slot is copied out: tell the sender it may overwrite it."""

@@ -118,3 +118,37 @@ def test_the_other_receiver_keeps_the_previous_version(outcome):
     assert version == 2 and same_weights(weights, model_weights(seed=2))
     assert not list(Path("/dev/shm").glob("polyrl-weights-*"))
 
+
+
+class KeepEngine:
+    """Keeps the tensors it is given: views of the shared segment with direct staging."""
+
+    weight_version = 0
+
+    def update_weights(self, named, version):
+        self.weights, self.weight_version = dict(named), version
+
+
+def late_receivers(rank: int, world_size: int) -> dict:
+    groups = build_groups(LAYOUT, rank, backend=get_platform("cpu").dist_backend(), timeout_s=30)
+    transport = build_transport(CONFIG, "standalone", group=groups.group("weight_sync"))
+    if rank == 0:
+        transport.send(model_weights(seed=1), version=1)
+        transport.send(model_weights(seed=2), version=2)  # starts while receivers still serve v1
+        return {}
+    engine = KeepEngine()
+    transport.receive(engine)
+    time.sleep(0.5)  # serving v1 while the sender is already in send(v2)
+    before = {k: v.clone() for k, v in engine.weights.items()}
+    transport.receive(engine)
+    after = {k: v.clone() for k, v in engine.weights.items()}
+    return {"before": before, "after": after, "version": engine.weight_version}
+
+
+def test_direct_staging_only_changes_while_every_receiver_is_inside_receive(tmp_path):
+    results = run_world(late_receivers, LAYOUT.world_size, tmp_path)
+    for rank in (1, 2):
+        status, out = results[rank]
+        assert status == "ok", out
+        assert same_weights(out["before"], model_weights(seed=1))  # not overwritten early
+        assert out["version"] == 2 and same_weights(out["after"], model_weights(seed=2))
