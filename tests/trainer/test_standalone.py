@@ -66,3 +66,13 @@ def test_tensor_parallel_native_is_refused(ray_session, tiny_model, arith_files,
     with pytest.raises(TrainingError, match="tensor_parallel_size > 1 needs a GPU engine"):
         Trainer(job(tiny_model, arith_files, tmp_path / "o", tmp_path, "rollout.placement=standalone",
                     "rollout.tensor_parallel_size=2")).fit()
+
+
+def test_sync_standalone_over_the_object_store(ray_session, tiny_model, arith_files, tmp_path):
+    # the transport async mode uses, in a synchronous run: every replica gets every version
+    Trainer(job(tiny_model, arith_files, tmp_path / "store", tmp_path, "rollout.placement=standalone",
+                "weights.transport=object_store", "trainer.total_steps=2", "data.val_files=[]",
+                "trainer.val_before_train=false")).fit()
+    steps = [r for r in read(tmp_path / "store") if "actor/loss" in r]
+    assert [r["weight_sync/version"] for r in steps] == [1, 2]
+    assert all(r["weight_sync/bytes"] > 0 for r in steps)
