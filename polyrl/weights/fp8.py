@@ -65,7 +65,7 @@ _MIN_SCALE = torch.finfo(torch.float32).tiny
 _KEEP_PATTERNS = (
     re.compile(r"embed"),                           # embed_tokens, embed_positions, word_embeddings
     re.compile(r"(^|\.)lm_head(\.|$)"),             # the LM head (tied or not)
-    re.compile(r"norm[^.]*\.weight$"),              # input_layernorm, model.norm, q_norm, ln_f...
+    re.compile(r"norm[^.]*\.weight$"),              # input_layernorm, model.norm, q_norm, k_norm
     re.compile(r"(^|\.)gate\.weight$"),             # MoE routers: mlp.gate, block_sparse_moe.gate
     re.compile(r"(^|\.)shared_expert_gate\.weight$"),  # Qwen2-MoE's shared-expert gate (hidden -> 1)
     re.compile(r"(^|\.)router(\.|$)"),              # routers named router (e.g. router.weight)
