@@ -8,6 +8,7 @@ shapes reach on this machine right now (`roofline_fraction`).
 
     python benchmarks/rollout.py                # ~3 minutes on 2 cores
     python benchmarks/rollout.py --quick --json # < 1 minute; last stdout line is JSON
+    python benchmarks/rollout.py --profile 4M:float32 --threads 1   # where a decode step's time goes
 """
 
 from __future__ import annotations
@@ -91,6 +92,30 @@ class HFRunner:
         return self.expected / wall
 
 
+# torch.profiler op names -> the part of a decode step they belong to.
+_OP_GROUPS = {
+    "weight matmuls": ("aten::mm", "aten::addmm"),
+    "attention (KV read + softmax)": ("aten::bmm", "aten::baddbmm", "aten::_softmax"),
+    "KV cache writes": ("aten::_index_put_impl_",),
+    "norms": ("aten::_fused_rms_norm", "aten::rms_norm", "aten::pow", "aten::mean", "aten::rsqrt"),
+}
+
+
+def profile_breakdown(runner: "PolyrlRunner") -> dict[str, float]:
+    """Share of the engine's self CPU time per op group (the rest: element-wise, sampling, glue)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        runner.run()
+    times = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    total = sum(times.values())
+    shares = {group: sum(times.get(op, 0.0) for op in ops) / total for group, ops in _OP_GROUPS.items()}
+    shares["everything else"] = 1.0 - sum(shares.values())
+    top = sorted(times.items(), key=lambda kv: -kv[1])[:12]
+    shares["top ops"] = {op: round(t / total, 3) for op, t in top}
+    return shares
+
+
 def matmul_roofline(shape: dict, batch: int, dtype: torch.dtype, reps: int = 10) -> float:
     """FLOP/s of plain F.linear calls with the model's (unfused) decode shapes at this batch."""
     H, I, V = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
@@ -117,9 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer tokens and repetitions")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads for both engines (default: torch's choice)")
+    parser.add_argument("--profile", metavar="SIZE:DTYPE", default=None,
+                        help="instead of benchmarking, profile the engine on one case, e.g. 30M:bfloat16")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.profile:
+        return _profile(args.profile)
 
     num_prompts, n, prompt_len = 16, 4, 32
     new_tokens, reps = (32, 1) if args.quick else (128, 2)
@@ -154,6 +183,23 @@ def main(argv: list[str] | None = None) -> int:
           f"torch threads {torch.get_num_threads()}")
     if args.json:
         print(json.dumps({"results": results}))
+    return 0
+
+
+def _profile(case: str) -> int:
+    name, _, dtype_name = case.partition(":")
+    if name not in MODELS or dtype_name not in DTYPES:
+        raise SystemExit(f"--profile {case!r}: expected SIZE:DTYPE with SIZE in {list(MODELS)} "
+                         f"and DTYPE in {list(DTYPES)}")
+    gen = torch.Generator().manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        build_model(MODELS[name], Path(tmp))
+        prompts = torch.randint(1, MODELS[name]["vocab_size"], (16, 32), generator=gen).tolist()
+        shares = profile_breakdown(PolyrlRunner(tmp, dtype_name, prompts, 4, 128))
+    top = shares.pop("top ops")
+    for group, share in shares.items():
+        print(f"{group:>32}: {share:6.1%}")
+    print("top ops:", json.dumps(top))
     return 0
 
 
