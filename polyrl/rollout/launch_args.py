@@ -68,9 +68,11 @@ def fp8_hf_overrides(rollout: RolloutConfig) -> dict[str, Any] | None:
     """The quantization config FP8 rollout puts into the engine's view of the HF config."""
     if rollout.quantization != "fp8":
         return None
+    import copy
+
     from polyrl.weights.fp8 import FP8_QUANT_CONFIG
 
-    return {"quantization_config": dict(FP8_QUANT_CONFIG)}
+    return {"quantization_config": copy.deepcopy(FP8_QUANT_CONFIG)}  # nested list: never share it
 
 
 # --- native ---------------------------------------------------------------------------------------
