@@ -89,10 +89,13 @@ class RolloutStream:
         self.idle_s = [0.0] * n
         self.trainer_idle_s = 0.0
 
-    # --- start-up / weights ---------------------------------------------------------------------
-    def start(self, setup_results: Sequence[int]) -> None:
-        self.pool.versions = list(setup_results)
+        self.closed = False
 
+    def close(self) -> None:
+        """Dispatch nothing more (the run is ending; replicas are about to be shut down)."""
+        self.closed = True
+
+    # --- weights -------------------------------------------------------------------------------
     def published(self, version: int) -> None:
         """The trainer published `version`: every live replica behind it fetches it."""
         self.version = version
@@ -139,6 +142,8 @@ class RolloutStream:
         if done:  # take everything else that is finished too
             done, _ = ray.wait(watched, num_returns=len(watched), timeout=0)
         for ref in done:
+            if self.closed:
+                break
             if ref in self.calls:
                 self._collect(ref)
             elif ref in self.receives:
@@ -161,7 +166,7 @@ class RolloutStream:
         return limit
 
     def _dispatch(self) -> None:
-        while True:
+        while not self.closed:
             busy = set(self.starting.values())
             free = [i for i in range(len(self.pool.workers))
                     if i not in busy and self.pool.versions[i] >= 0 and self.load[i] < self.inflight_cap]

@@ -159,13 +159,21 @@ class Trainer:
             with stop_on_signals() as stop:
                 return self._run(start, stop)
         finally:
-            for group in (getattr(self, "rollout", None), getattr(self, "policy", None)):
-                if group is not None:
-                    group.shutdown()
+            self.shutdown()
             if self.started_ray:
                 import ray
 
                 ray.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop generating and shut the run's actors down (Ray itself stays up)."""
+        if self.stream is not None:
+            self.stream.close()
+        for group in (getattr(self, "rollout", None), getattr(self, "policy", None)):
+            if group is not None:
+                group.waiter = gather
+                group.shutdown()
+        self.rollout = self.policy = None
 
     def _run(self, start: float, stop) -> dict[str, Any]:
         cfg = self.cfg

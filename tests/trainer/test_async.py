@@ -100,9 +100,7 @@ def test_replica_killed_mid_step(ray_session, tiny_model, arith_files, tmp_path)
             [g.gid for c in t.stream.calls.values() for g in c.groups]
         assert sorted(consumed + owed) == list(range(t.stream.next_gid))
     finally:
-        for group in (getattr(t, "rollout", None), getattr(t, "policy", None)):
-            if group is not None:
-                group.shutdown()
+        t.shutdown()
 
 
 def test_trainer_killed_and_resumed(ray_session, tiny_model, arith_files, tmp_path):
