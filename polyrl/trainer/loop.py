@@ -45,7 +45,7 @@ from polyrl.trainer.checkpoint import (
 from polyrl.trainer.async_rollout import RolloutStream
 from polyrl.trainer.config import JobConfig
 from polyrl.trainer.interrupts import TrainingInterrupted, stop_on_signals
-from polyrl.trainer.metrics import MetricsWriter, PhaseTimer
+from polyrl.trainer.metrics import MetricsWriter, PhaseTimer, response_metrics
 from polyrl.trainer.plots import plot_run, print_summary
 from polyrl.trainer.samples_log import SampleLog, rows_from_samples
 from polyrl.trainer.sinks import build_sinks, check_available
@@ -409,14 +409,3 @@ class Trainer:
             out[f"val/pass@{self.cfg.rollout.val_n}"] = float(np.mean(passes))
         return out
 
-
-def response_metrics(samples: list[Sample]) -> dict[str, float]:
-    lengths = [len(s.response_ids) for s in samples]
-    return {
-        "reward/score_mean": float(np.mean([s.reward for s in samples])),
-        "reward/acc_mean": float(np.mean([s.acc for s in samples])),
-        "response/length_mean": float(np.mean(lengths)),
-        "response/length_max": float(np.max(lengths)),
-        "response/clip_frac": float(np.mean([s.stop_reason == "length" for s in samples])),
-        "perf/generated_tokens": float(sum(lengths)),
-    }

@@ -1,11 +1,13 @@
-"""Each logged step to the metric sinks (polyrl/trainer/sinks.py), a console progress bar, and a
-phase timer."""
+"""Each logged step to the metric sinks (polyrl/trainer/sinks.py), a console progress bar, a
+phase timer, and the metrics of a batch of scored samples."""
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
+
+import numpy as np
 
 from polyrl.trainer.sinks import MetricsSink, close_all, log_all
 
@@ -62,3 +64,16 @@ class MetricsWriter:
         if self.bar is not None:
             self.bar.close()
         close_all(self.sinks)
+
+
+def response_metrics(samples: list) -> dict[str, float]:
+    """Reward and response-length statistics of scored samples (`workers.batch.Sample`)."""
+    lengths = [len(s.response_ids) for s in samples]
+    return {
+        "reward/score_mean": float(np.mean([s.reward for s in samples])),
+        "reward/acc_mean": float(np.mean([s.acc for s in samples])),
+        "response/length_mean": float(np.mean(lengths)),
+        "response/length_max": float(np.max(lengths)),
+        "response/clip_frac": float(np.mean([s.stop_reason == "length" for s in samples])),
+        "perf/generated_tokens": float(sum(lengths)),
+    }

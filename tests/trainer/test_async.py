@@ -55,6 +55,8 @@ def test_async_run_within_the_staleness_bound(ray_session, tiny_model, arith_fil
                     "off_policy/is_clipped_frac", "actor/grad_norm"):
             assert key in r, key
     assert rows[0]["async/staleness_max"] == 0  # the first batch comes from the initial weights
+    # generation overlapped training: batch 2 was sampled while update 1 ran
+    assert rows[1]["async/staleness_1"] > 0
     assert rows[-1]["weight_sync/version"] == 3
     assert summary["final_accuracy"] is not None
 
