@@ -45,6 +45,7 @@ class ReplicaPool(WorkerGroup):
                          cfg.ray.timeout_s)
         self.versions = [0] * n
         self.restarts = 0
+        self.helpers.append(mailbox)
 
     def _new(self, index: int) -> Any:
         return self.cls.options(**self.options).remote(self.cfg, index, self.threads, self.mailbox,
@@ -67,6 +68,5 @@ class ReplicaPool(WorkerGroup):
         return self.workers[index].setup.remote()
 
     def shutdown(self) -> None:
-        for w in self.workers:  # replicas hold nothing to flush
+        for w in self.workers + self.helpers:  # replicas hold nothing to flush
             ray.kill(w)
-        ray.kill(self.mailbox)

@@ -23,6 +23,8 @@ class WorkerGroup:
         self.workers, self.names, self.timeout_s = workers, names, timeout_s
         self.waiter = gather
         """How answers are awaited; async training swaps in one that keeps generating."""
+        self.helpers: list = []
+        """Other actors of this group (a weight mailbox), killed with it."""
 
     @property
     def world_size(self) -> int:
@@ -57,7 +59,7 @@ class WorkerGroup:
         try:
             self.call("shutdown", phase="shutdown")
         finally:
-            for w in self.workers:
+            for w in self.workers + self.helpers:
                 ray.kill(w)
 
 
@@ -106,6 +108,8 @@ def launch(cfg: Any, platform: Platform, total_steps: int) -> tuple[PolicyGroup,
         rollout = WorkerGroup([rollout_cls.options(**rollout_opts).remote(cfg, r, cpus) for r in ranks],
                               [f"rollout replica {layout.rank_info(r).replica} (rank {r})" for r in ranks],
                               timeout)
+        if mailbox is not None:
+            rollout.helpers.append(mailbox)
     address = None
     if world > 1 or rollout is not None:
         address = gather([policy.workers[0].address.remote()], policy.names[:1],
