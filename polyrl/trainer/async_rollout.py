@@ -107,11 +107,16 @@ class RolloutStream:
     def wait_replicas_current(self, phase: str = "validation") -> None:
         """Block (pumping) until every replica serves the trainer's version."""
         deadline = time.perf_counter() + self.cfg.ray.timeout_s
-        while any(v != self.version for v in self.pool.versions):
+
+        def lagging() -> list[str]:  # a dead replica that is not being replaced does not count
+            restarting = set(self.starting.values())
+            return [self.pool.names[i] for i, v in enumerate(self.pool.versions)
+                    if v != self.version and (v >= 0 or i in restarting)]
+
+        while lagging():
             if time.perf_counter() > deadline:
-                lagging = [self.pool.names[i] for i, v in enumerate(self.pool.versions) if v != self.version]
                 raise RemoteTimeout(f"{phase}: replicas reaching weight version {self.version}",
-                                    lagging, self.cfg.ray.timeout_s)
+                                    lagging(), self.cfg.ray.timeout_s)
             self.pump(0.05)
 
     # --- the event loop ------------------------------------------------------------------------
