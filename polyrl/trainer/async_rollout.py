@@ -27,8 +27,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import ray
@@ -341,7 +342,7 @@ class RolloutStream:
         """Every drawn but untrained prompt: finished groups with their samples, the rest (in
         flight or queued) as prompts to generate again after a resume."""
         unstarted = [g for c in self.calls.values() for g in c.groups] + list(self.pending)
-        strip = lambda g: Group(g.gid, g.prompt, g.seed)  # noqa: E731
+        strip = lambda g: Group(g.gid, g.prompt, g.seed)
         return {"next_gid": self.next_gid, "consumed": self.consumed, "totals": dict(self.totals),
                 "ready": [Group(g.gid, g.prompt, g.seed, 0, g.samples, g.metrics) for g in self.ready.values()],
                 "pending": sorted((strip(g) for g in unstarted), key=lambda g: g.gid)}

@@ -15,7 +15,6 @@ import logging
 import os
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np

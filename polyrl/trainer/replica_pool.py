@@ -57,10 +57,7 @@ class ReplicaPool(WorkerGroup):
     def restart(self, index: int) -> Any:
         """Replace replica `index` with a new actor; returns the ref of its setup (which fetches
         the newest published weights)."""
-        try:
-            ray.kill(self.workers[index])
-        except Exception:  # already gone
-            pass
+        ray.kill(self.workers[index])  # a no-op for an actor that is already dead
         self.restarts += 1
         logger.warning("rollout replica %d died; starting a replacement (restart %d)", index, self.restarts)
         self.workers[index] = self._new(index)

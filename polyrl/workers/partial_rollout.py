@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import threading
 import zlib
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Iterator, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 from polyrl.rollout.base import SamplingParams, TokenOutput
 

@@ -137,7 +137,9 @@ def test_trainer_killed_and_resumed(ray_session, tiny_model, arith_files, tmp_pa
         assert time.time() < deadline
         time.sleep(0.2)
     # resume with a tighter bound: the saved groups from version < 2 are now too stale
-    from polyrl.cli.train import EMBEDDED_DEFAULT  # what `polyrl train` without -c starts from
+    from polyrl.cli.train import (
+        EMBEDDED_DEFAULT,  # what `polyrl train` without -c starts from
+    )
 
     cfg = load_config(JobConfig, files=[EMBEDDED_DEFAULT], overrides=overrides(
         tiny_model, arith_files, out, tmp_path, "trainer.total_steps=4", "trainer.save_every=2",

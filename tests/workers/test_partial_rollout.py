@@ -9,9 +9,12 @@ import time
 import pytest
 import torch
 
-from polyrl.rollout.base import SamplingParams
-from polyrl.rollout.base import ROLLOUT_ENGINES
-from polyrl.workers.partial_rollout import WeightGate, continuation_seed, generate_resumable
+from polyrl.rollout.base import ROLLOUT_ENGINES, SamplingParams
+from polyrl.workers.partial_rollout import (
+    WeightGate,
+    continuation_seed,
+    generate_resumable,
+)
 
 MAX_TOKENS = 48
 
