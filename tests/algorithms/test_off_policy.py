@@ -32,7 +32,7 @@ def correct(**kw):
 
 
 def test_token_truncated_is():
-    c = correct(is_level="token", is_cap=2.0)
+    c = correct(is_level="token", is_cap=2.0, mask_level="none")
     assert flat(c.weights) == pytest.approx([0.5, 1.0, 2.0, 2.0, 1.5, 0.0])
     assert c.metrics["off_policy/is_weight_mean"] == pytest.approx(7 / 5)
     assert c.metrics["off_policy/is_weight_max"] == pytest.approx(4.0)
@@ -43,7 +43,7 @@ def test_token_truncated_is():
 
 
 def test_sequence_truncated_is():
-    c = correct(is_level="sequence", is_cap=2.5)
+    c = correct(is_level="sequence", is_cap=2.5, mask_level="none")
     assert flat(c.weights) == pytest.approx([2.0, 2.0, 2.0, 2.5, 2.5, 0.0])
     assert c.metrics["off_policy/is_weight_max"] == pytest.approx(3.0)
     assert c.metrics["off_policy/is_clipped_frac"] == pytest.approx(2 / 5)  # row 1's tokens
@@ -90,7 +90,10 @@ def test_wired_into_actor_loss_single_step():
 
 def test_auto_resolves_by_mode_and_bad_thresholds_name_the_field():
     assert OffPolicyConfig().resolve("async").is_level == "token"
+    assert OffPolicyConfig().resolve("async").mask_level == "token"
     assert OffPolicyConfig().resolve("sync").is_level == "none"
+    assert OffPolicyConfig().resolve("sync").mask_level == "none"
+    assert OffPolicyConfig(mask_level="geometric").resolve("async").mask_level == "geometric"
     assert not OffPolicyConfig().resolve("sync").active
     assert OffPolicyConfig(is_level="sequence").resolve("sync").is_level == "sequence"
     with pytest.raises(ConfigError, match="mask_low"):
