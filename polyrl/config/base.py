@@ -111,13 +111,19 @@ def to_yaml(config: BaseModel) -> str:
 # --- error formatting --------------------------------------------------------------------------
 
 
+def config_keys(cls: type[BaseModel]) -> dict[str, Any]:
+    """The keys a user writes for `cls`'s fields: the alias where one is set (`async` for the
+    field `async_`, a Python keyword), else the field name."""
+    return {field.alias or name: field for name, field in cls.model_fields.items()}
+
+
 def _model_at(cls: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     """The config class that owns the key at `loc` (None if the path leaves the schema)."""
     current: Any = cls
     for part in loc:
         if not (isinstance(current, type) and issubclass(current, BaseModel)):
             return None
-        field = current.model_fields.get(str(part))
+        field = config_keys(current).get(str(part)) or current.model_fields.get(str(part))
         if field is None:
             return None
         current = _unwrap(field.annotation)
@@ -147,7 +153,7 @@ def format_error(cls: type[BaseModel], err: dict) -> str:
     value = err.get("input")
     if kind == "extra_forbidden":
         owner = _model_at(cls, loc[:-1])
-        valid = list(owner.model_fields) if owner else []
+        valid = list(config_keys(owner)) if owner else []
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
         hint = f"; did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?" if close else ""
         listing = f" (valid keys: {', '.join(valid)})" if valid and not close else ""
@@ -167,7 +173,7 @@ def format_error(cls: type[BaseModel], err: dict) -> str:
 def describe(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, str, Any, str]]:
     """(key, type, default, doc) for every leaf field, for `--help-config`."""
     rows = []
-    for name, field in cls.model_fields.items():
+    for name, field in config_keys(cls).items():
         key = f"{prefix}{name}"
         ann = _unwrap(field.annotation)
         if isinstance(ann, type) and issubclass(ann, BaseModel):

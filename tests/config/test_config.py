@@ -87,3 +87,12 @@ def test_configs_are_shipped():
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     load_config(JobConfig, files=[path])
+
+
+def test_aliased_section_is_written_and_suggested_by_its_key():
+    # the `async` section is the field `async_` (a Python keyword): users only ever see `async`
+    keys = [row[0] for row in describe(JobConfig)]
+    assert "async.max_staleness" in keys and not any(k.startswith("async_") for k in keys)
+    assert errors("async.max_stalenes=2") == [
+        "async.max_stalenes: unknown key; did you mean 'async.max_staleness'?"]
+    assert load_config(JobConfig, overrides=["async.max_staleness=3"]).async_.max_staleness == 3
