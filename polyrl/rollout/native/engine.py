@@ -123,7 +123,8 @@ class NativeEngine:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
         self.tokenizer = tokenizer
-        self._weights = ModelWeights.from_state_dict(self.spec, state, self.dtype, self.device)
+        self._weights = ModelWeights.from_state_dict(self.spec, state, self.dtype, self.device,
+                                                     batch_hint=max_num_seqs)
         model = DecoderModel(self.spec, self._weights, max_len=self.max_model_len, dtype=self.dtype, device=self.device)
         cache = KVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim,
                         max_slots=max_num_seqs, max_len=self.max_model_len, dtype=self.dtype, device=self.device)

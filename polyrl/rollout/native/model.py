@@ -2,8 +2,9 @@
 
 Numerics follow the Hugging Face reference (RMSNorm, RoPE tables in float32, softmax in float32)
 so the logprobs a trainer recomputes match what the engine sampled from. Speed comes from issuing
-few, large ops: fused qkv and gate/up matmuls, q and k normed and rotated together, one shared
-attention mask per step, and logits only for the positions that are sampled.
+few, large ops: fused qkv and gate/up matmuls (on a CPU against prepacked weights, see matmul.py),
+q and k normed and rotated together, one shared attention mask per step, and logits only for the
+positions that are sampled.
 
 Shapes: P prompts padded to T tokens in prefill; B live sequences in decode (slots 0..B-1);
 H hidden, nh / nkv query / key-value heads, hd head dim, L attended length.
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 
 from polyrl.rollout.native.kv_cache import KVCache
 from polyrl.rollout.native.loader import ModelSpec, rope_tables
-from polyrl.rollout.native.weights import LayerWeights, ModelWeights
+from polyrl.rollout.native.weights import ComputeWeights, LayerWeights, ModelWeights
 
 _ACTS = {
     "silu": F.silu,
@@ -44,7 +45,7 @@ class DecoderModel:
     def _qkv(self, h: torch.Tensor, lw: LayerWeights, cos: torch.Tensor, sin: torch.Tensor):
         """[..., H] -> q [..., nh, hd], k and v [..., nkv, hd] with qk-norm and RoPE applied."""
         s = self.spec
-        qkv = F.linear(h, lw.qkv, lw.qkv_bias)
+        qkv = self.w.matmul.linear(h, lw.qkv, lw.qkv_bias)
         qk = qkv[..., : s.q_size + s.kv_size].unflatten(-1, (s.num_heads + s.num_kv_heads, s.head_dim))
         v = qkv[..., s.q_size + s.kv_size :].unflatten(-1, (s.num_kv_heads, s.head_dim))
         if lw.qk_norm is not None:  # Qwen3: RMSNorm over each head's vector, before RoPE
@@ -53,19 +54,14 @@ class DecoderModel:
         qk = qk * cos + qk.roll(s.head_dim // 2, -1) * sin
         return qk[..., : s.num_heads, :], qk[..., s.num_heads :, :], v
 
-    def _mlp(self, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
-        gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(self.act(gate) * up, lw.down, lw.down_bias)
+    def _mlp_residual(self, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+        """x + MLP(post_norm(x))."""
+        mm = self.w.matmul
+        gate, up = mm.linear(self._norm(x, lw.post_norm), lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
+        return mm.residual_linear(x, self.act(gate) * up, lw.down, lw.down_bias)
 
-    @staticmethod
-    def _residual_linear(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
-        """x + a @ w^T in one BLAS call (beta=1 accumulates into a copy of x)."""
-        if b is not None:
-            return x + F.linear(a, w, b)
-        return torch.addmm(x, a, w.t())
-
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._norm(x, self.w.final_norm), self.w.lm_head).float()
+    def _logits(self, x: torch.Tensor, cw: ComputeWeights) -> torch.Tensor:
+        return self.w.matmul.linear(self._norm(x, self.w.final_norm), cw.lm_head, None).float()
 
     # -- prefill --------------------------------------------------------------------------------
 
@@ -78,8 +74,9 @@ class DecoderModel:
         s = self.spec
         P, T = tokens.shape
         cos, sin = self.cos[:T, None, :], self.sin[:T, None, :]
+        cw = self.w.compute  # read once: an update swaps in a whole new set
         x = F.embedding(tokens, self.w.embed)  # [P, T, H]
-        for i, lw in enumerate(self.w.layers):
+        for i, lw in enumerate(cw.layers):
             q, k, v = self._qkv(self._norm(x, lw.input_norm), lw, cos, sin)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [P, heads, T, hd]
             cache.k[i, slots, :, :, :T] = k.transpose(-1, -2)
@@ -87,10 +84,10 @@ class DecoderModel:
             attn = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.scale, enable_gqa=s.num_heads != s.num_kv_heads
             )
-            x = x + F.linear(attn.transpose(1, 2).flatten(2), lw.o, lw.o_bias)
-            x = x + self._mlp(self._norm(x, lw.post_norm), lw)
+            x = self.w.matmul.residual_linear(x, attn.transpose(1, 2).flatten(2), lw.o, lw.o_bias)
+            x = self._mlp_residual(x, lw)
         last = x[torch.arange(P, device=x.device), lengths - 1]
-        return self._logits(last)
+        return self._logits(last, cw)
 
     # -- decode ---------------------------------------------------------------------------------
 
@@ -110,8 +107,9 @@ class DecoderModel:
         hidden = torch.arange(L, device=tokens.device)[None, :] > positions[:, None]  # [B, L]
         bias = torch.zeros(B, L, dtype=self.cos.dtype, device=tokens.device).masked_fill_(hidden, float("-inf"))
         bias = bias[:, None, None, :].expand(B, nkv, g, L).reshape(B * nkv, g, L)
+        cw = self.w.compute
         x = F.embedding(tokens, self.w.embed)  # [B, H]
-        for i, lw in enumerate(self.w.layers):
+        for i, lw in enumerate(cw.layers):
             q, k, v = self._qkv(self._norm(x, lw.input_norm), lw, cos, sin)
             cache.k[i, rows, :, :, positions] = k
             cache.v[i, rows, :, positions] = v
@@ -121,8 +119,6 @@ class DecoderModel:
             values = cache.v[i, :B, :, :L].view(B * nkv, L, hd)
             scores = torch.baddbmm(bias, q.reshape(B * nkv, g, hd), keys_t, alpha=self.scale)
             attn = torch.bmm(torch.softmax(scores, dim=-1), values)  # [B * nkv, g, hd]
-            x = self._residual_linear(x, attn.view(B, s.q_size), lw.o, lw.o_bias)
-            h = self._norm(x, lw.post_norm)
-            gate, up = F.linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
-            x = self._residual_linear(x, self.act(gate) * up, lw.down, lw.down_bias)
-        return self._logits(x)
+            x = self.w.matmul.residual_linear(x, attn.view(B, s.q_size), lw.o, lw.o_bias)
+            x = self._mlp_residual(x, lw)
+        return self._logits(x, cw)

@@ -4,17 +4,22 @@ q/k/v and gate/up are fused into one matrix each, so a decode step issues 4 matm
 instead of 7: on a CPU the per-call overhead is a large share of a small model's step. Every HF
 name maps to a *view* of a fused tensor, so loading from disk and `update_weights` are the same
 copy, and an update never reallocates (views stay valid, nothing else needs to know).
+
+The forward reads the matrices through `compute`: on a CPU a prepacked copy of each (see
+`matmul.py`), rebuilt after every load or update and swapped in as one object, elsewhere the
+plain tensors themselves.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 import torch
 
 from polyrl.rollout.base import WeightUpdateError
 from polyrl.rollout.native.loader import ModelSpec
+from polyrl.rollout.native.matmul import PlainMatmul, matmul_for
 
 # Buffers some checkpoints carry that the engine recomputes itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -35,10 +40,19 @@ class LayerWeights:
     down_bias: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class ComputeWeights:
+    """What the forward multiplies by: layers whose qkv / o / gate_up / down (and the lm_head) are
+    in the matmul implementation's format; norms and biases are the plain tensors."""
+
+    layers: list[LayerWeights]
+    lm_head: torch.Tensor
+
+
 class ModelWeights:
     """Fused parameters plus `targets`: HF name -> (view to copy into, expected shape)."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, *, batch_hint: int = 64):
         self.spec = spec
         H, V, I = spec.hidden_size, spec.vocab_size, spec.intermediate_size
         q, kv, hd = spec.q_size, spec.kv_size, spec.head_dim
@@ -93,6 +107,15 @@ class ModelWeights:
                 self._add(mlp + "gate_proj.bias", lw.gate_up_bias[:I])
                 self._add(mlp + "up_proj.bias", lw.gate_up_bias[I:])
                 self._add(mlp + "down_proj.bias", lw.down_bias)
+        self.matmul = matmul_for(self.embed, batch_hint)
+        self.compute = self._compute_weights()
+
+    def _compute_weights(self) -> ComputeWeights:
+        """New packed copies of every matrix (the plain tensors when the matmul does not pack)."""
+        pack = self.matmul.pack
+        layers = [replace(lw, qkv=pack(lw.qkv), o=pack(lw.o), gate_up=pack(lw.gate_up), down=pack(lw.down))
+                  for lw in self.layers]
+        return ComputeWeights(layers, pack(self.lm_head))
 
     def _add(self, name: str, view: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
         self.targets[name] = (view, tuple(view.shape) if shape is None else shape)
@@ -130,12 +153,20 @@ class ModelWeights:
     def apply(self, plan: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for view, tensor in plan:
             view.copy_(tensor)
+        if self.matmul.packs:
+            try:
+                compute = self._compute_weights()
+            except RuntimeError:  # e.g. out of memory for the packed copy: stay correct, unpacked
+                self.matmul = PlainMatmul()
+                compute = self._compute_weights()
+            self.compute = compute  # one swap: a forward sees all old or all new matrices
 
     @classmethod
     def from_state_dict(
-        cls, spec: ModelSpec, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype, device
+        cls, spec: ModelSpec, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype, device,
+        *, batch_hint: int = 64,
     ) -> "ModelWeights":
-        weights = cls(spec, dtype, torch.device(device))
+        weights = cls(spec, dtype, torch.device(device), batch_hint=batch_hint)
         missing = sorted(weights.required_names() - set(state_dict))
         if missing:
             shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
