@@ -85,6 +85,17 @@ RULES: tuple[EnvRule, ...] = (
         min_capability=(10, 0),
         opt_in={"TLLM_DISABLE_NVLS_MNNVL": "1"},
     ),
+    EnvRule(
+        id="sglang-original-logprobs",
+        variables={"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"},
+        reason="SGLang reports the log-probs of the temperature-scaled distribution unless this "
+        "is set; polyrl's rollout log-probs (used as the trainer's old log-probs and for "
+        "off-policy correction) must be those of the unmodified policy",
+        link="https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/layers/sampler.py",
+        # hybrid placement runs the engine inside the trainer process
+        roles=frozenset({"trainer", "rollout"}),
+        backends=frozenset({"sglang"}),
+    ),
 )
 
 # Defaults polyrl itself needs everywhere, independent of hardware.

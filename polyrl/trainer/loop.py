@@ -30,6 +30,7 @@ from polyrl.distributed.waits import gather
 from polyrl.platform import get_platform
 from polyrl.rewards import RewardManager, RewardRequest
 from polyrl.rollout.factory import require_backend
+from polyrl.rollout.launch_args import resolve_load_format
 from polyrl.trainer.checkpoint import (
     CheckpointError,
     CheckpointWriter,
@@ -128,6 +129,8 @@ class Trainer:
                 "free; lower actor.num_cpus_per_worker or rollout.num_replicas, or add CPUs (ray.num_cpus)")
         self.policy, self.rollout = launch(cfg, self.platform, self.total_steps)
         self.engines = self.rollout or self.policy  # whoever hosts the rollout engines
+        if cfg.rollout.placement == "standalone" and resolve_load_format(cfg.rollout) == "dummy":
+            self.sync_weights(bump=False)  # FP8 replicas start on dummy weights (R4): fill them first
         if cfg.trainer.mode == "async":
             self.stream = RolloutStream(cfg, self.rollout, self.train_loader, self.score)
             # every wait on the policy (update, log-probs, checkpoint) keeps the replicas fed

@@ -115,7 +115,8 @@ class PolicyWorker:
         self.engine = None
         if not self.standalone:
             self.engine = build_colocated_engine(cfg.rollout, self.model, self.tokenizer, self.device,
-                                                 seed=cfg.trainer.seed + 1000 * rank)
+                                                 seed=cfg.trainer.seed + 1000 * rank,
+                                                 platform=self.platform)
             self.engine.sleep()
         return sum(p.numel() for p in self.model.parameters())
 

@@ -52,7 +52,8 @@ class RolloutWorker:
         groups = build_groups(layout, self.rank, backend=backend, timeout_s=cfg.ray.timeout_s)
         self.replica = groups.info.replica
         self.engine = build_standalone_engine(cfg.rollout, cfg.model.path, self.device,
-                                              seed=cfg.trainer.seed + 1000 * self.rank)
+                                              seed=cfg.trainer.seed + 1000 * self.rank,
+                                              platform=self.platform)
         self.tokenizer = self.engine.tokenizer
         self.transport = build_transport(cfg.resolved_weights, "standalone",
                                          **transport_context(cfg, groups.group("weight_sync"), mailbox))

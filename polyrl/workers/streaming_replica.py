@@ -36,7 +36,8 @@ class StreamingReplica:
         """Build the engine and catch up with the newest published policy version."""
         cfg = self.cfg
         self.engine = build_standalone_engine(cfg.rollout, cfg.model.path, self.device,
-                                              seed=cfg.trainer.seed + 1000 * self.index)
+                                              seed=cfg.trainer.seed + 1000 * self.index,
+                                              platform=self.platform)
         self.tokenizer = self.engine.tokenizer
         self.gate = WeightGate(self.engine, cfg.async_.partial_rollout)
         self.transport = build_transport(self.weights_cfg, "standalone", mailbox=self.mailbox)

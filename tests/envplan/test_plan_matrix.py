@@ -39,6 +39,10 @@ def expected(hw: str, role: str, backend: str, opt_in: bool) -> dict[str, tuple[
         out["NCCL_MNNVL_ENABLE"] = ("0", "rule:blackwell-nvls-mnnvl-off")
     if opt_in:
         out["TLLM_DISABLE_NVLS_MNNVL"] = ("1", "user-env")
+    if backend == "sglang" and role in ("trainer", "rollout"):
+        # SGLang must report the unmodified policy's log-probs (the hybrid engine lives in the
+        # trainer process)
+        out["SGLANG_RETURN_ORIGINAL_LOGPROB"] = ("1", "rule:sglang-original-logprobs")
     if role == "rollout":
         if p.name == "cuda":
             out["NCCL_CUMEM_ENABLE"] = ("0", "rule:nccl-cumem-off")

@@ -148,13 +148,14 @@ def test_mi300x_rocm_standalone_sglang(monkeypatch):
     zero = ("0", "platform-default")  # R3: job-level, ROCm only
     assert env_of(plan.job.env) == {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": zero,
                                     "TOKENIZERS_PARALLELISM": TOK, "SGLANG_USE_AITER": ("0", "user-env")}
-    assert env_of(plan.actors[0].env) == env_of(plan.job.env)
+    original = {"SGLANG_RETURN_ORIGINAL_LOGPROB": ("1", "rule:sglang-original-logprobs")}
+    assert env_of(plan.actors[0].env) == {**env_of(plan.job.env), **original}
     for a in plan.actors[1:]:
         assert a.resources == {"num_cpus": 1, "num_gpus": 1}
         assert env_of(a.env) == {
             "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": zero,
             **{f"{NOSET}{v}_VISIBLE_DEVICES": ("1", "platform-default") for v in ("CUDA", "HIP", "ROCR")},
-            "SGLANG_USE_AITER": ("0", "user-env"), "TOKENIZERS_PARALLELISM": TOK}
+            "SGLANG_USE_AITER": ("0", "user-env"), "TOKENIZERS_PARALLELISM": TOK, **original}
         assert a.ray_options()["runtime_env"]["env_vars"]["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] == "0"
     if "sglang" in launch_args.BUILDERS:
         assert plan.actors[1].engine.args["attention_backend"] == "aiter"
