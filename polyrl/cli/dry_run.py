@@ -78,7 +78,9 @@ def render(cfg: Any, plan: LaunchPlan, engine_version: str | None, console: Cons
         who = ", ".join(names) if len(names) < 3 else f"{names[0]} ... {names[-1]} ({len(names)} actors)"
         branch = tree.add(Text(f"{who}: {resources_text(actor.resources)}; "
                                f"torch threads {actor.num_threads}; env role "
-                               f"{actor.env.context.role}", style="bold"))
+                               f"{actor.env.context.role}"
+                               + (f"; max concurrency {actor.max_concurrency}"
+                                  if actor.max_concurrency else ""), style="bold"))
         extra = {k: v for k, v in actor.env.to_json().items() if job_vars.get(k) != v}
         if extra:
             branch.add(env_table(extra, f"env: the job env plus {len(extra)} variable(s)"))
@@ -104,7 +106,8 @@ def group_identical(actors: list[ActorPlan]) -> list[tuple[list[str], ActorPlan]
     groups: dict[str, list[ActorPlan]] = defaultdict(list)
     for a in actors:
         d = a.as_dict()
-        key = json.dumps({k: d[k] for k in ("role", "resources", "num_threads", "env", "engine")},
+        key = json.dumps({k: d[k] for k in ("role", "resources", "num_threads", "max_concurrency",
+                                            "env", "engine")},
                          sort_keys=True, default=str)
         groups[key].append(a)
     return [([a.name for a in group], group[0]) for group in groups.values()]

@@ -55,8 +55,9 @@ class ActorPlan:
     """As the run names it in errors and timeouts ("policy rank 0", "rollout replica 1 (rank 2)")."""
     role: str
     """policy (trains; in hybrid placement also hosts the rollout engine) or rollout."""
-    rank: int
-    """Global torch.distributed rank."""
+    rank: int | None
+    """Global torch.distributed rank (None: the actor does not join the run's process group, as
+    async replicas and the weight mailbox)."""
     replica: int | None
     """Rollout replica index (rollout actors only)."""
     resources: dict[str, Any]
@@ -66,15 +67,21 @@ class ActorPlan:
     env: EnvPlan
     engine: EngineLaunch | None = None
     """The rollout engine this actor starts, if any."""
+    max_concurrency: int | None = None
+    """Ray calls the actor serves at once (async replicas generate while a weight update runs)."""
 
     def ray_options(self) -> dict[str, Any]:
         """The `.options(...)` the actor is started with: resources plus its runtime env."""
-        return actor_options(self.env, self.resources)
+        options = actor_options(self.env, self.resources)
+        if self.max_concurrency is not None:
+            options["max_concurrency"] = self.max_concurrency
+        return options
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "role": self.role, "env_role": self.env.context.role,
                 "rank": self.rank, "replica": self.replica, "resources": self.resources,
-                "num_threads": self.num_threads, "env": self.env.to_json(),
+                "num_threads": self.num_threads, "max_concurrency": self.max_concurrency,
+                "env": self.env.to_json(),
                 "engine": self.engine.as_dict() if self.engine else None}
 
 
@@ -162,9 +169,19 @@ def engine_launch(cfg: Any, platform: Platform, engine_version: str | None = Non
     return EngineLaunch(backend, args=args)
 
 
+def replica_concurrency(cfg: Any) -> int:
+    """Concurrent calls an async replica serves: its generation requests (in-flight groups /
+    groups per request) + a weight receive + health / validation calls."""
+    a = cfg.async_
+    inflight = a.max_inflight_per_replica or cfg.data.train_batch_size
+    return math.ceil(inflight / a.groups_per_request) + 3
+
+
 def plan_actors(cfg: Any, platform: Platform, engine_version: str | None = None) -> list[ActorPlan]:
     """Every Ray actor `worker_group.launch` starts for `cfg`, in start order: the policy ranks,
-    then (standalone placement) one actor per rollout rank."""
+    then (standalone placement) one actor per rollout rank — in async mode one streaming actor per
+    replica, outside the process group — then the weight mailbox when weights travel through
+    Ray's object store."""
     per_actor, _ = cpus_needed(cfg)
     devices = 1 if platform.ray_resource else 0
     resources = platform.ray_actor_options(devices, num_cpus=per_actor)
@@ -175,15 +192,22 @@ def plan_actors(cfg: Any, platform: Platform, engine_version: str | None = None)
     actors = [ActorPlan(f"policy rank {r}", "policy", r, None, dict(resources), per_actor,
                         trainer_env, engine if hybrid else None)
               for r in range(cfg.actor.world_size)]
-    if not hybrid:
+    rollout_env = plan_for_role(platform, ENV_ROLE["rollout"], **env_kw)
+    if cfg.trainer.mode == "async":
+        actors += [ActorPlan(f"rollout replica {i}", "rollout", None, i, dict(resources), per_actor,
+                             rollout_env, engine, max_concurrency=replica_concurrency(cfg))
+                   for i in range(cfg.rollout.num_replicas)]
+    elif not hybrid:
         layout = RankLayout(num_replicas=cfg.rollout.num_replicas,
                             tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                             trainer_world_size=cfg.actor.world_size)
-        rollout_env = plan_for_role(platform, ENV_ROLE["rollout"], **env_kw)
         for r in layout.rollout_ranks():
             replica = layout.rank_info(r).replica
             actors.append(ActorPlan(f"rollout replica {replica} (rank {r})", "rollout", r, replica,
                                     dict(resources), per_actor, rollout_env, engine))
+    if cfg.weight_transport == "object_store":  # weights/object_store.py:create_mailbox
+        actors.append(ActorPlan("weight mailbox", "mailbox", None, None, {"num_cpus": 0}, 0,
+                                plan_for_role(platform, "job", **env_kw), max_concurrency=64))
     return actors
 
 

@@ -11,13 +11,12 @@ to, and a replacement replica fetches it at start-up. Nothing here blocks: the d
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import ray
 
-from polyrl.distributed.ray_launch import actor_options, plan_for_role
-from polyrl.trainer.worker_group import WorkerGroup, cpus_needed
+from polyrl.trainer.launch_plan import plan_actors
+from polyrl.trainer.worker_group import WorkerGroup
 from polyrl.workers.streaming_replica import StreamingReplica
 
 logger = logging.getLogger(__name__)
@@ -28,17 +27,10 @@ class ReplicaPool(WorkerGroup):
 
     def __init__(self, cfg: Any, platform: Any, mailbox: Any):
         self.cfg, self.mailbox = cfg, mailbox
-        per_actor, _ = cpus_needed(cfg)
-        devices = 1 if platform.ray_resource else 0
-        plan = plan_for_role(platform, "rollout", backend=cfg.rollout.backend,
-                             placement=cfg.rollout.placement, mode=cfg.trainer.mode, config_env=cfg.env)
-        a = cfg.async_
-        inflight = a.max_inflight_per_replica or cfg.data.train_batch_size
-        # generation calls + a weight receive + health / validation calls
-        self.concurrency = math.ceil(inflight / a.groups_per_request) + 3
-        self.options = {**actor_options(plan, platform.ray_actor_options(devices, num_cpus=per_actor)),
-                        "max_concurrency": self.concurrency}
-        self.threads = per_actor
+        # the launch plan is the single source of the actors' options (`polyrl train --dry-run`)
+        [spec, *_] = [a for a in plan_actors(cfg, platform) if a.role == "rollout"]
+        self.options, self.threads = spec.ray_options(), spec.num_threads
+        self.concurrency = spec.max_concurrency
         self.cls = ray.remote(StreamingReplica)
         n = cfg.rollout.num_replicas
         super().__init__([self._new(i) for i in range(n)], [f"rollout replica {i}" for i in range(n)],

@@ -255,3 +255,21 @@ def test_plan_equals_a_real_standalone_launch(ray_session, tiny_model, monkeypat
     finally:
         policy.shutdown()
         rollout.shutdown()
+
+
+def test_async_replicas_stream_outside_the_group_and_weights_go_through_a_mailbox():
+    cfg = job("trainer.mode=async", "rollout.placement=standalone", "rollout.num_replicas=2",
+              "data.train_batch_size=16", "async.groups_per_request=4")
+    actors = plan_actors(cfg, machine("h100"))
+    assert [(a.name, a.role, a.rank, a.replica) for a in actors] == [
+        ("policy rank 0", "policy", 0, None), ("rollout replica 0", "rollout", None, 0),
+        ("rollout replica 1", "rollout", None, 1), ("weight mailbox", "mailbox", None, None)]
+    replica = actors[1]
+    assert replica.ray_options()["max_concurrency"] == 16 // 4 + 3  # requests + receive + health
+    assert replica.resources == {"num_cpus": 1, "num_gpus": 1}
+    assert env_of(replica.env)["NCCL_CUMEM_ENABLE"] == ("0", "rule:nccl-cumem-off")
+    assert actors[3].resources == {"num_cpus": 0} and actors[3].max_concurrency == 64
+    # synchronous standalone over the default collective broadcast: no mailbox, no concurrency
+    sync = plan_actors(job("rollout.placement=standalone"), machine("h100"))
+    assert [a.role for a in sync] == ["policy", "rollout"]
+    assert "max_concurrency" not in sync[1].ray_options()
