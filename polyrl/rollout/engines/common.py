@@ -117,6 +117,16 @@ class AsyncEngineAdapter:
         self._inflight: set[str] = set()
         self._loop = EngineLoop(f"polyrl-{self.backend}-engine")
 
+    @classmethod
+    def from_model(cls, model: Any, *, launch_args: dict[str, Any], tokenizer: Any = True, **kwargs):
+        """Hybrid placement: start on dummy weights, then copy the trainer's weights in (v0)."""
+        import torch
+
+        engine = cls(launch_args, tokenizer=tokenizer, **kwargs)
+        with torch.no_grad():
+            engine.update_weights(model.named_parameters(), 0)
+        return engine
+
     # --- generation ------------------------------------------------------------------------------
     @property
     def weight_version(self) -> int:

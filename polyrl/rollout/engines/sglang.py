@@ -97,14 +97,6 @@ class SGLangEngine(AsyncEngineAdapter):
         self.engine = self._control(start(), "start")
         self._tm = self.engine.tokenizer_manager
 
-    @classmethod
-    def from_model(cls, model: torch.nn.Module, *, launch_args: dict[str, Any], tokenizer: Any = True,
-                   **kwargs) -> "SGLangEngine":
-        engine = cls(launch_args, tokenizer=tokenizer, **kwargs)
-        with torch.no_grad():
-            engine.update_weights(model.named_parameters(), 0)
-        return engine
-
     # --- generation ------------------------------------------------------------------------------
     async def _generate_one(self, prompt: list[int], sampling: SamplingParams,
                             request_id: str) -> list[TokenOutput]:

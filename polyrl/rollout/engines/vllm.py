@@ -89,15 +89,6 @@ class VLLMEngine(AsyncEngineAdapter):
 
         self.engine = self._control(start(), "start")
 
-    @classmethod
-    def from_model(cls, model: torch.nn.Module, *, launch_args: dict[str, Any], tokenizer: Any = True,
-                   **kwargs) -> "VLLMEngine":
-        """Hybrid placement: start on dummy weights, then copy the trainer's weights in (v0)."""
-        engine = cls(launch_args, tokenizer=tokenizer, **kwargs)
-        with torch.no_grad():
-            engine.update_weights(model.named_parameters(), 0)
-        return engine
-
     # --- generation ------------------------------------------------------------------------------
     async def _generate_one(self, prompt: list[int], sampling: SamplingParams,
                             request_id: str) -> list[TokenOutput]:
