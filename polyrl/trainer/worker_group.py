@@ -5,11 +5,11 @@ that does not answer."""
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import ray
 
-from polyrl.distributed.ray_launch import actor_options, plan_for_role
 from polyrl.distributed.waits import gather
 from polyrl.platform import Platform
 from polyrl.workers.batch import Sample, split_evenly
@@ -81,33 +81,28 @@ def launch(cfg: Any, platform: Platform, total_steps: int) -> tuple[PolicyGroup,
     """Start the policy ranks (and, for standalone placement, the rollout replicas) with their
     planned environments, rendezvous them in one torch.distributed world and set them up.
     Async training: the replicas are a `ReplicaPool` outside that world (object-store weights)."""
+    from polyrl.trainer.launch_plan import plan_actors
     from polyrl.weights.object_store import create_mailbox
-    from polyrl.workers.rollout_worker import RolloutWorker, rollout_layout
+    from polyrl.workers.rollout_worker import RolloutWorker
 
     timeout = cfg.ray.timeout_s
     mailbox = create_mailbox() if cfg.weight_transport == "object_store" else None
     world = cfg.actor.world_size
-    cpus, _ = cpus_needed(cfg)
-    devices = 1 if platform.ray_resource else 0
-    plan_kw = dict(backend=cfg.rollout.backend, placement=cfg.rollout.placement,
-                   mode=cfg.trainer.mode, config_env=cfg.env)
-    trainer_opts = actor_options(plan_for_role(platform, "trainer", **plan_kw),
-                                 platform.ray_actor_options(devices, num_cpus=cpus))
+    # every actor starts with the options `polyrl train --dry-run` shows (one source of truth)
+    actors = plan_actors(cfg, platform)
     policy_cls = ray.remote(PolicyWorker)
-    policy = PolicyGroup([policy_cls.options(**trainer_opts).remote(cfg, r, world, total_steps, cpus)
-                          for r in range(world)], [f"policy rank {r}" for r in range(world)], timeout)
+    planned = [a for a in actors if a.role == "policy"]
+    policy = PolicyGroup([policy_cls.options(**a.ray_options()).remote(cfg, a.rank, world, total_steps,
+                                                                      a.num_threads)
+                          for a in planned], [a.name for a in planned], timeout)
     if cfg.trainer.mode == "async":
         return _launch_async(cfg, platform, policy, mailbox)
     rollout = None
-    if cfg.rollout.placement == "standalone":
-        layout = rollout_layout(cfg)
-        rollout_opts = actor_options(plan_for_role(platform, "rollout", **plan_kw),
-                                     platform.ray_actor_options(devices, num_cpus=cpus))
+    planned = [a for a in actors if a.role == "rollout"]
+    if planned:
         rollout_cls = ray.remote(RolloutWorker)
-        ranks = [r for r in range(layout.world_size) if layout.rank_info(r).role != "trainer"]
-        rollout = WorkerGroup([rollout_cls.options(**rollout_opts).remote(cfg, r, cpus) for r in ranks],
-                              [f"rollout replica {layout.rank_info(r).replica} (rank {r})" for r in ranks],
-                              timeout)
+        rollout = WorkerGroup([rollout_cls.options(**a.ray_options()).remote(cfg, a.rank, a.num_threads)
+                               for a in planned], [a.name for a in planned], timeout)
         if mailbox is not None:
             rollout.helpers.append(mailbox)
     address = None
