@@ -4,7 +4,9 @@ Two random-init Qwen2-style models (~4M and ~30M parameters) are written to a te
 generates for the same workload (16 prompts x n=4 samples, 32-token prompts, a fixed number of new
 tokens, EOS ignored so every sample has the same length) in fp32 and bf16. Also reported: the
 engine's decode matmul FLOP/s as a fraction of what plain torch matmuls of the model's decode
-shapes reach on this machine right now (`roofline_fraction`).
+shapes reach on this machine right now (`roofline_fraction`), and the same over the engine's own
+matmul implementation for those shapes (`roofline_fraction_packed`: on a CPU, oneDNN-prepacked
+weights, which run faster than plain `F.linear`, so this is the stricter of the two).
 
     python benchmarks/rollout.py                # ~3 minutes on 2 cores
     python benchmarks/rollout.py --quick --json # < 1 minute; last stdout line is JSON
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from polyrl.rollout.base import SamplingParams  # noqa: E402
 from polyrl.rollout.native.engine import NativeEngine  # noqa: E402
+from polyrl.rollout.native.matmul import matmul_for  # noqa: E402
 
 # Shapes chosen so the parameter counts land near 4M and 30M (embeddings tied, as in small Qwen2).
 MODELS = {
@@ -94,7 +97,7 @@ class HFRunner:
 
 # torch.profiler op names -> the part of a decode step they belong to.
 _OP_GROUPS = {
-    "weight matmuls": ("aten::mm", "aten::addmm"),
+    "weight matmuls": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
     "attention (KV read + softmax)": ("aten::bmm", "aten::baddbmm", "aten::_softmax"),
     "KV cache writes": ("aten::_index_put_impl_",),
     "norms": ("aten::_fused_rms_norm", "aten::rms_norm", "aten::pow", "aten::mean", "aten::rsqrt"),
@@ -116,8 +119,9 @@ def profile_breakdown(runner: "PolyrlRunner") -> dict[str, float]:
     return shares
 
 
-def matmul_roofline(shape: dict, batch: int, dtype: torch.dtype, reps: int = 10) -> float:
-    """FLOP/s of plain F.linear calls with the model's (unfused) decode shapes at this batch."""
+def matmul_roofline(shape: dict, batch: int, dtype: torch.dtype, reps: int = 10, packed: bool = False) -> float:
+    """FLOP/s of plain F.linear calls with the model's (unfused) decode shapes at this batch;
+    `packed`: the engine's matmul implementation (prepacked weights on a CPU) instead."""
     H, I, V = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
     hd = H // shape["num_attention_heads"]
     kv = shape["num_key_value_heads"] * hd
@@ -126,12 +130,15 @@ def matmul_roofline(shape: dict, batch: int, dtype: torch.dtype, reps: int = 10)
     mats.append(torch.randn(V, H, dtype=dtype) * 0.02)  # lm_head
     xs = {i: torch.randn(batch, i, dtype=dtype) for i in (H, I)}
     flops = 2 * batch * sum(w.numel() for w in mats)
+    mm = matmul_for(mats[0], batch)
+    pairs = [(xs[w.shape[1]], mm.pack(w) if packed else w) for w in mats]
+    linear = mm.linear if packed else F.linear
     best = float("inf")
     with torch.inference_mode():
         for _ in range(reps):
             t0 = time.perf_counter()
-            for w in mats:
-                F.linear(xs[w.shape[1]], w)
+            for x, w in pairs:
+                linear(x, w, None)
             best = min(best, time.perf_counter() - t0)
     return flops / best
 
@@ -164,21 +171,24 @@ def main(argv: list[str] | None = None) -> int:
                 theirs = HFRunner(str(path), dtype, prompts, n, new_tokens)
                 # Interleaved repetitions, best of each: on a shared machine this measures the
                 # code, not whoever else was running at that moment.
-                polyrl_tok_s = hf_tok_s = engine_flops = peak = 0.0
+                polyrl_tok_s = hf_tok_s = engine_flops = peak = peak_packed = 0.0
                 for _ in range(reps):
                     tok_s, flops = ours.run()
                     polyrl_tok_s, engine_flops = max(polyrl_tok_s, tok_s), max(engine_flops, flops)
                     peak = max(peak, matmul_roofline(shape, num_prompts * n, dtype))
+                    peak_packed = max(peak_packed, matmul_roofline(shape, num_prompts * n, dtype, packed=True))
                     hf_tok_s = max(hf_tok_s, theirs.run())
                 del ours, theirs
                 row = dict(params=params, dtype=dtype_name, polyrl_tok_s=round(polyrl_tok_s, 1),
                            hf_tok_s=round(hf_tok_s, 1), speedup=round(polyrl_tok_s / hf_tok_s, 2),
-                           roofline_fraction=round(engine_flops / peak, 3))
+                           roofline_fraction=round(engine_flops / peak, 3),
+                           roofline_fraction_packed=round(engine_flops / peak_packed, 3))
                 results.append(row)
                 print(f"{name:>4} {params / 1e6:5.1f}M {dtype_name:>8}: polyrl {polyrl_tok_s:8.0f} tok/s | "
                       f"hf {hf_tok_s:7.0f} tok/s | speedup {row['speedup']:5.2f}x | "
                       f"decode matmul {engine_flops / 1e9:6.1f} of {peak / 1e9:6.1f} GFLOP/s "
-                      f"({row['roofline_fraction']:.2f})", flush=True)
+                      f"({row['roofline_fraction']:.2f}; of packed {peak_packed / 1e9:6.1f}: "
+                      f"{row['roofline_fraction_packed']:.2f})", flush=True)
     print(f"workload: {num_prompts} prompts x n={n}, prompt {prompt_len} tokens, {new_tokens} new tokens; "
           f"torch threads {torch.get_num_threads()}")
     if args.json:

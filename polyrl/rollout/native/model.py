@@ -2,7 +2,7 @@
 
 Numerics follow the Hugging Face reference (RMSNorm, RoPE tables in float32, softmax in float32)
 so the logprobs a trainer recomputes match what the engine sampled from. Speed comes from issuing
-few, large ops: fused qkv and gate/up matmuls (on a CPU against prepacked weights, see matmul.py),
+few, large ops: fused qkv and gate/up matmuls (fp32 on a CPU: against prepacked weights, see matmul.py),
 q and k normed and rotated together, one shared attention mask per step, and logits only for the
 positions that are sampled.
 

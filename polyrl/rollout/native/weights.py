@@ -5,7 +5,7 @@ instead of 7: on a CPU the per-call overhead is a large share of a small model's
 name maps to a *view* of a fused tensor, so loading from disk and `update_weights` are the same
 copy, and an update never reallocates (views stay valid, nothing else needs to know).
 
-The forward reads the matrices through `compute`: on a CPU a prepacked copy of each (see
+The forward reads the matrices through `compute`: for fp32 on a CPU a prepacked copy of each (see
 `matmul.py`), rebuilt after every load or update and swapped in as one object, elsewhere the
 plain tensors themselves.
 """

@@ -19,10 +19,10 @@ PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_r
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_packed_products_match_f_linear(dtype, tol, rows):
-    mm = matmul_for(torch.zeros(1, dtype=dtype), batch_hint=64)
-    if dtype == torch.bfloat16 and not isinstance(mm, OneDNNPackedMatmul):
+    # The class is exercised in both dtypes; matmul_for chooses it for float32 only.
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("no bf16 oneDNN on this CPU")
-    assert isinstance(mm, OneDNNPackedMatmul)
+    mm = OneDNNPackedMatmul(batch_hint=64)
     gen = torch.Generator().manual_seed(0)
     w, b = (torch.randn(96, 48, generator=gen) * 0.1).to(dtype), torch.randn(96, generator=gen).to(dtype)
     x, res = torch.randn(rows, 48, generator=gen).to(dtype), torch.randn(rows, 96, generator=gen).to(dtype)
@@ -37,11 +37,14 @@ def test_packed_products_match_f_linear(dtype, tol, rows):
                                atol=tol, rtol=tol)
 
 
-def test_float16_and_non_packing_fall_back_to_plain():
-    mm = matmul_for(torch.zeros(1, dtype=torch.float16), batch_hint=64)
-    assert isinstance(mm, PlainMatmul) and not mm.packs
-    w = torch.randn(8, 4)
-    assert mm.pack(w) is w
+@pytest.mark.skipif(not PACKING, reason="this torch build has no oneDNN weight packing")
+def test_float32_cpu_packs_other_dtypes_stay_plain():
+    assert isinstance(matmul_for(torch.zeros(1), batch_hint=64), OneDNNPackedMatmul)
+    for dtype in (torch.bfloat16, torch.float16):
+        mm = matmul_for(torch.zeros(1, dtype=dtype), batch_hint=64)
+        assert isinstance(mm, PlainMatmul) and not mm.packs
+        w = torch.randn(8, 4, dtype=dtype)
+        assert mm.pack(w) is w
 
 
 @pytest.mark.skipif(not PACKING, reason="this torch build has no oneDNN weight packing")
