@@ -42,10 +42,10 @@ class DecoderModel:
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.spec.rms_norm_eps)
 
-    def _qkv(self, h: torch.Tensor, lw: LayerWeights, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, h: torch.Tensor, lw: LayerWeights, cw: ComputeWeights, cos: torch.Tensor, sin: torch.Tensor):
         """[..., H] -> q [..., nh, hd], k and v [..., nkv, hd] with qk-norm and RoPE applied."""
         s = self.spec
-        qkv = self.w.matmul.linear(h, lw.qkv, lw.qkv_bias)
+        qkv = cw.matmul.linear(h, lw.qkv, lw.qkv_bias)
         qk = qkv[..., : s.q_size + s.kv_size].unflatten(-1, (s.num_heads + s.num_kv_heads, s.head_dim))
         v = qkv[..., s.q_size + s.kv_size :].unflatten(-1, (s.num_kv_heads, s.head_dim))
         if lw.qk_norm is not None:  # Qwen3: RMSNorm over each head's vector, before RoPE
@@ -54,14 +54,14 @@ class DecoderModel:
         qk = qk * cos + qk.roll(s.head_dim // 2, -1) * sin
         return qk[..., : s.num_heads, :], qk[..., s.num_heads :, :], v
 
-    def _mlp_residual(self, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+    def _mlp_residual(self, x: torch.Tensor, lw: LayerWeights, cw: ComputeWeights) -> torch.Tensor:
         """x + MLP(post_norm(x))."""
-        mm = self.w.matmul
+        mm = cw.matmul
         gate, up = mm.linear(self._norm(x, lw.post_norm), lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
         return mm.residual_linear(x, self.act(gate) * up, lw.down, lw.down_bias)
 
     def _logits(self, x: torch.Tensor, cw: ComputeWeights) -> torch.Tensor:
-        return self.w.matmul.linear(self._norm(x, self.w.final_norm), cw.lm_head, None).float()
+        return cw.matmul.linear(self._norm(x, self.w.final_norm), cw.lm_head, None).float()
 
     # -- prefill --------------------------------------------------------------------------------
 
@@ -74,18 +74,18 @@ class DecoderModel:
         s = self.spec
         P, T = tokens.shape
         cos, sin = self.cos[:T, None, :], self.sin[:T, None, :]
-        cw = self.w.compute  # read once: an update swaps in a whole new set
+        cw = self.w.compute  # read once: an update swaps in a whole new set (tensors + matmul)
         x = F.embedding(tokens, self.w.embed)  # [P, T, H]
         for i, lw in enumerate(cw.layers):
-            q, k, v = self._qkv(self._norm(x, lw.input_norm), lw, cos, sin)
+            q, k, v = self._qkv(self._norm(x, lw.input_norm), lw, cw, cos, sin)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [P, heads, T, hd]
             cache.k[i, slots, :, :, :T] = k.transpose(-1, -2)
             cache.v[i, slots, :, :T] = v
             attn = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.scale, enable_gqa=s.num_heads != s.num_kv_heads
             )
-            x = self.w.matmul.residual_linear(x, attn.transpose(1, 2).flatten(2), lw.o, lw.o_bias)
-            x = self._mlp_residual(x, lw)
+            x = cw.matmul.residual_linear(x, attn.transpose(1, 2).flatten(2), lw.o, lw.o_bias)
+            x = self._mlp_residual(x, lw, cw)
         last = x[torch.arange(P, device=x.device), lengths - 1]
         return self._logits(last, cw)
 
@@ -110,7 +110,7 @@ class DecoderModel:
         cw = self.w.compute
         x = F.embedding(tokens, self.w.embed)  # [B, H]
         for i, lw in enumerate(cw.layers):
-            q, k, v = self._qkv(self._norm(x, lw.input_norm), lw, cos, sin)
+            q, k, v = self._qkv(self._norm(x, lw.input_norm), lw, cw, cos, sin)
             cache.k[i, rows, :, :, positions] = k
             cache.v[i, rows, :, positions] = v
             # GQA without repeating K/V: the g query heads sharing a kv head form one small GEMM.
@@ -119,6 +119,6 @@ class DecoderModel:
             values = cache.v[i, :B, :, :L].view(B * nkv, L, hd)
             scores = torch.baddbmm(bias, q.reshape(B * nkv, g, hd), keys_t, alpha=self.scale)
             attn = torch.bmm(torch.softmax(scores, dim=-1), values)  # [B * nkv, g, hd]
-            x = self.w.matmul.residual_linear(x, attn.view(B, s.q_size), lw.o, lw.o_bias)
-            x = self._mlp_residual(x, lw)
+            x = cw.matmul.residual_linear(x, attn.view(B, s.q_size), lw.o, lw.o_bias)
+            x = self._mlp_residual(x, lw, cw)
         return self._logits(x, cw)

@@ -12,14 +12,14 @@ plain tensors themselves.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Mapping
 
 import torch
 
 from polyrl.rollout.base import WeightUpdateError
 from polyrl.rollout.native.loader import ModelSpec
-from polyrl.rollout.native.matmul import PlainMatmul, matmul_for
+from polyrl.rollout.native.matmul import OneDNNPackedMatmul, PlainMatmul, matmul_for
 
 # Buffers some checkpoints carry that the engine recomputes itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -47,6 +47,7 @@ class ComputeWeights:
 
     layers: list[LayerWeights]
     lm_head: torch.Tensor
+    matmul: PlainMatmul | OneDNNPackedMatmul  # the implementation that reads these tensors
 
 
 class ModelWeights:
@@ -115,7 +116,7 @@ class ModelWeights:
         pack = self.matmul.pack
         layers = [replace(lw, qkv=pack(lw.qkv), o=pack(lw.o), gate_up=pack(lw.gate_up), down=pack(lw.down))
                   for lw in self.layers]
-        return ComputeWeights(layers, pack(self.lm_head))
+        return ComputeWeights(layers, pack(self.lm_head), self.matmul)
 
     def _add(self, name: str, view: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
         self.targets[name] = (view, tuple(view.shape) if shape is None else shape)
@@ -165,7 +166,7 @@ class ModelWeights:
     def from_state_dict(
         cls, spec: ModelSpec, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype, device,
         *, batch_hint: int = 64,
-    ) -> "ModelWeights":
+    ) -> ModelWeights:
         weights = cls(spec, dtype, torch.device(device), batch_hint=batch_hint)
         missing = sorted(weights.required_names() - set(state_dict))
         if missing:
