@@ -16,13 +16,13 @@ from polyrl.workers.partial_rollout import (
     generate_resumable,
 )
 
-MAX_TOKENS = 48
+MAX_TOKENS = 120  # far more decode steps than the 5 before the update: the update lands mid-request
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
     torch.set_num_threads(1)
-    return ROLLOUT_ENGINES.get("native")(tiny_model, max_model_len=64)
+    return ROLLOUT_ENGINES.get("native")(tiny_model, max_model_len=128)
 
 
 @pytest.fixture(scope="module")
