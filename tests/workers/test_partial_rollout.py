@@ -22,7 +22,15 @@ MAX_TOKENS = 120  # far more decode steps than the 5 before the update: the upda
 @pytest.fixture(scope="module")
 def engine(tiny_model):
     torch.set_num_threads(1)
-    return ROLLOUT_ENGINES.get("native")(tiny_model, max_model_len=128)
+    engine = ROLLOUT_ENGINES.get("native")(tiny_model, max_model_len=128)
+    step = engine._step
+
+    def paced_step():  # >= 1 ms a decode step: the update lands mid-request however busy the
+        time.sleep(0.001)  # machine (a tiny-model step takes ~0.2 ms, 120 of them ~25 ms)
+        step()
+
+    engine._step = paced_step
+    return engine
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -134,6 +136,8 @@ class NativeEngine:
             eos_token_ids=eos_token_ids(model_dir, config, tokenizer), tokenizer=tokenizer, seed=seed,
         )
         self._lock = threading.Lock()  # one scheduler step / weight update / control op at a time
+        self._control_pending = 0  # control ops waiting for the lock; steps let them in first
+        self._pending_lock = threading.Lock()
         self._sleeping = False
         self._loop_task: asyncio.Task | None = None
 
@@ -207,7 +211,23 @@ class NativeEngine:
                 continue
             await asyncio.to_thread(self._step)
 
+    @contextmanager
+    def _control(self):
+        """The engine lock for a control op (abort, weight update, sleep, wake-up). A Lock is not
+        fair: a thread stepping in a loop re-takes it at once and would starve an abort or a
+        weight update until its generation ends, so scheduler steps wait while one is pending."""
+        with self._pending_lock:
+            self._control_pending += 1
+        try:
+            with self._lock:
+                yield
+        finally:
+            with self._pending_lock:
+                self._control_pending -= 1
+
     def _step(self) -> None:
+        while self._control_pending:
+            time.sleep(0.0002)
         with self._lock:
             finished = [] if self._sleeping else self._sched.step()
         for req in finished:
@@ -252,14 +272,14 @@ class NativeEngine:
         named = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         if not isinstance(version, int):
             raise WeightUpdateError(f"version must be an int, got {type(version).__name__}")
-        with self._lock, torch.inference_mode():
+        with self._control(), torch.inference_mode():
             plan = self._weights.validate(named)
             self._weights.apply(plan)
             self._sched.set_weight_version(version)
 
     def sleep(self) -> None:
         """Free the KV cache. Queued async requests wait for wake_up()."""
-        with self._lock:
+        with self._control():
             if self._sched.running:
                 raise RuntimeError(
                     f"cannot sleep with {len(self._sched.running)} running sequences; "
@@ -268,12 +288,12 @@ class NativeEngine:
             self._sleeping = True
 
     def wake_up(self) -> None:
-        with self._lock, torch.inference_mode():
+        with self._control(), torch.inference_mode():
             self._sched.cache.restore()
             self._sleeping = False
 
     def abort_all(self) -> int:
-        with self._lock, torch.inference_mode():
+        with self._control(), torch.inference_mode():
             reqs = self._sched.abort_all()
         for req in reqs:
             _notify(req)

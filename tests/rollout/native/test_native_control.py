@@ -90,6 +90,25 @@ def test_abort_all_returns_partial_outputs(engine):
     assert engine.generate_batch([PROMPT], GREEDY)[0][0].stop_reason == "length"
 
 
+def test_abort_from_another_thread_is_not_starved_by_a_stepping_thread(engine):
+    """A trainer-side thread loops generate_batch steps; an abort from another thread (an async
+    replica's weight update) must land mid-generation, not after it (a plain Lock is unfair)."""
+    import threading
+
+    out = {}
+    worker = threading.Thread(target=lambda: out.setdefault("r", engine.generate_batch(
+        [PROMPT], SamplingParams(max_tokens=120, n=2, ignore_eos=True))))
+    start = engine.stats["decode_steps"]
+    worker.start()
+    while engine.stats["decode_steps"] - start < 3 and worker.is_alive():
+        pass
+    aborted = engine.abort_all()
+    worker.join(timeout=60)
+    assert aborted == 1
+    for o in out["r"][0]:
+        assert o.stop_reason == "aborted" and 0 < len(o.token_ids) < 120
+
+
 def test_sleep_frees_the_cache_and_wake_up_restores_it(engine):
     ref = engine.generate_batch([PROMPT], GREEDY)[0][0].token_ids
     assert engine.health()["kv_cache_bytes"] > 0
