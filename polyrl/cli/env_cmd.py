@@ -32,19 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def installed_version(backend: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    dist = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"}.get(backend)
-    if dist is None:
-        return None
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return None
-
-
 def plan_for(args: argparse.Namespace):
+    from polyrl.rollout.factory import installed_version
+
     cfg = load_job_config(args)
     platform = choose_platform(args.platform or cfg.platform, args.capability)
     backend = args.backend or cfg.rollout.backend

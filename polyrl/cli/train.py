@@ -80,7 +80,7 @@ def plan_only(cfg, args: argparse.Namespace) -> int:
     """`--dry-run`: the launch plan for `cfg` on the chosen (possibly simulated) platform."""
     from polyrl.cli.common import choose_platform
     from polyrl.cli.dry_run import dry_run
-    from polyrl.cli.env_cmd import installed_version
+    from polyrl.rollout.factory import installed_version
 
     platform = choose_platform(args.platform or cfg.platform, args.capability, args.gpus_per_node)
     version = args.engine_version or installed_version(cfg.rollout.backend)

@@ -231,25 +231,24 @@ class RolloutStream:
             self.ready[g.gid] = g
 
     def _received(self, ref: Any) -> None:
-        i = self.receives.pop(ref)
-        try:
-            self.pool.versions[i] = ray.get(ref)
-        except RayActorError:
-            self._replica_died(i, [])
-            return
-        if self.pool.versions[i] < self.version:  # a newer version came out meanwhile
-            self.receives[self.pool.workers[i].receive_weights.remote()] = i
+        self._now_serving(self.receives.pop(ref), ref)
 
     def _started(self, ref: Any) -> None:
         i = self.starting.pop(ref)
+        if self._now_serving(i, ref):
+            self.idle_since[i] = time.perf_counter()
+
+    def _now_serving(self, i: int, ref: Any) -> bool:
+        """Replica `i` answered `ref` with the version it now serves; it fetches again if a newer
+        one came out meanwhile. False: it died (and is being replaced)."""
         try:
             self.pool.versions[i] = ray.get(ref)
         except RayActorError:
             self._replica_died(i, [])
-            return
-        self.idle_since[i] = time.perf_counter()
+            return False
         if self.pool.versions[i] < self.version:
             self.receives[self.pool.workers[i].receive_weights.remote()] = i
+        return True
 
     def _replica_died(self, i: int, groups: list[Group]) -> None:
         for g in groups:

@@ -135,23 +135,16 @@ class JobConfig(Config):
                     "trainer.mode=async needs rollout.placement=standalone (rollout replicas on "
                     "their own actors keep generating while the trainer trains); set "
                     "rollout.placement=standalone")
-            if self.weights.transport not in ("auto", "object_store"):
-                raise ValueError(
-                    f"weights.transport={self.weights.transport} cannot serve trainer.mode=async: "
-                    "a replacement for a dead replica must fetch the current weights, which a "
-                    "fixed collective group cannot give; use weights.transport=auto (object_store)")
         try:
-            self.weights.resolve(self.rollout.placement)
+            self.weights.resolve(self.rollout.placement, self.trainer.mode)
         except ValueError as exc:
             raise ValueError(str(exc)) from None
         return self
 
     @property
     def weight_transport(self) -> str:
-        """The transport this run uses: object_store for async, else the weights section's."""
-        if self.trainer.mode == "async":
-            return "object_store"
-        return self.weights.resolve(self.rollout.placement)
+        """The transport this run uses (`weights.transport` resolved for placement and mode)."""
+        return self.weights.resolve(self.rollout.placement, self.trainer.mode)
 
     @property
     def resolved_weights(self) -> WeightSyncConfig:

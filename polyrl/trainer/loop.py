@@ -31,6 +31,7 @@ from polyrl.platform import get_platform
 from polyrl.rewards import RewardManager, RewardRequest
 from polyrl.rollout.factory import require_backend
 from polyrl.rollout.launch_args import resolve_load_format
+from polyrl.trainer.async_rollout import RolloutStream
 from polyrl.trainer.checkpoint import (
     CheckpointError,
     CheckpointWriter,
@@ -42,9 +43,9 @@ from polyrl.trainer.checkpoint import (
     restore_rng,
     step_dir,
 )
-from polyrl.trainer.async_rollout import RolloutStream
 from polyrl.trainer.config import JobConfig
 from polyrl.trainer.interrupts import TrainingInterrupted, stop_on_signals
+from polyrl.trainer.launch_plan import plan_job
 from polyrl.trainer.metrics import MetricsWriter, PhaseTimer, response_metrics
 from polyrl.trainer.plots import plot_run, print_summary
 from polyrl.trainer.samples_log import SampleLog, rows_from_samples
@@ -108,16 +109,13 @@ class Trainer:
 
         self.started_ray = not ray.is_initialized()
         per_actor, needed = cpus_needed(cfg)
-        num_cpus = cfg.ray.num_cpus
-        if num_cpus is None and cfg.ray.address is None:
-            cores = os.cpu_count() or 1
-            num_cpus = max(cores, needed)
-            if needed > cores:
-                logger.warning("%d actors x %d CPU(s) on %d core(s): they share cores (slower, "
-                               "not wrong)", needed // per_actor, per_actor, cores)
-        init_ray(self.platform, address=cfg.ray.address, num_cpus=num_cpus,
-                 namespace=cfg.ray.namespace, config_env=cfg.env, backend=cfg.rollout.backend,
-                 placement=cfg.rollout.placement, mode=cfg.trainer.mode)
+        cores = os.cpu_count() or 1
+        if cfg.ray.num_cpus is None and cfg.ray.address is None and needed > cores:
+            logger.warning("%d actors x %d CPU(s) on %d core(s): they share cores (slower, "
+                           "not wrong)", needed // per_actor, per_actor, cores)
+        # the ray.init arguments `polyrl train --dry-run` shows
+        init_ray(self.platform, **plan_job(cfg, self.platform).ray_init, config_env=cfg.env,
+                 backend=cfg.rollout.backend, placement=cfg.rollout.placement, mode=cfg.trainer.mode)
         available = ray.available_resources().get("CPU", 0)
         deadline = time.perf_counter() + 10  # a previous run's killed actors free CPUs lazily
         while available < needed and time.perf_counter() < deadline:

@@ -12,7 +12,7 @@ class WeightSyncConfig(Config):
     """How weights reach the engines: in_place (hybrid placement: the engine lives in the trainer
     process), broadcast (standalone: bucketed collective over the platform's communication
     backend), object_store (standalone fallback through Ray's object store), or auto: in_place
-    for hybrid placement, broadcast for standalone."""
+    for hybrid placement, broadcast for standalone, object_store with trainer.mode=async."""
     bucket_mb: float = Field(64, gt=0)
     """Bucket size in MB: tensors are packed into flat buffers up to this size, one collective
     (or object) per bucket. The sender holds two buckets of scratch memory; bigger buckets mean
@@ -57,8 +57,17 @@ class WeightSyncConfig(Config):
     def shm_slot_bytes(self) -> int:
         return -(-max(int(self.shm_slot_mb * (1 << 20)), 1) // 64) * 64  # whole cache lines
 
-    def resolve(self, placement: str) -> str:
-        """The transport to use under rollout `placement` (hybrid / standalone)."""
+    def resolve(self, placement: str, mode: str = "sync") -> str:
+        """The transport to use under rollout `placement` (hybrid / standalone) and trainer
+        `mode` (sync / async: a replacement for a dead replica must fetch the current weights,
+        which only the object store can give; `auto` picks it)."""
+        if mode == "async":
+            if self.transport not in ("auto", "object_store"):
+                raise ValueError(
+                    f"weights.transport={self.transport} cannot serve trainer.mode=async: "
+                    "a replacement for a dead replica must fetch the current weights, which a "
+                    "fixed collective group cannot give; use weights.transport=auto (object_store)")
+            return "object_store"
         if self.transport == "auto":
             return "in_place" if placement == "hybrid" else "broadcast"
         if self.transport == "in_place" and placement != "hybrid":

@@ -1,6 +1,7 @@
 """Run a function on N real processes joined in a gloo world (FileStore rendezvous in a tmp dir).
 
     results = run_world(fn, 4, tmp_path, args=(...,))   # fn(rank, world_size, *args) -> picklable
+    values = run_world_ok(fn, 4, tmp_path)                # every rank must succeed
 
 Each rank gets a Watchdog on the shared FileStore (installed as the process default). A rank's
 result is ("ok", value) or ("error", exception type name, message); a rank that never reported
@@ -47,6 +48,14 @@ def run_world(fn: Callable, world_size: int, tmp_path: Path, *, args: tuple = ()
         path = tmp_path / f"result-{rank}.pkl"
         results[rank] = pickle.loads(path.read_bytes()) if path.exists() else ("missing",)
     return results
+
+
+def run_world_ok(fn: Callable, world_size: int, tmp_path: Path, **kwargs: Any) -> dict[int, Any]:
+    """`run_world`, asserting that every rank finished without error; rank -> its value."""
+    res = run_world(fn, world_size, tmp_path, **kwargs)
+    for rank, r in res.items():
+        assert r[0] == "ok", f"rank {rank}: {r}"
+    return {rank: r[1] for rank, r in res.items()}
 
 
 def _child(fn, rank, world_size, store_path, out_dir, backend_timeout_s, args):

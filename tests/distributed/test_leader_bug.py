@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gloo_world import run_world
+from gloo_world import run_world_ok
 from polyrl.distributed.collectives import negotiate_partial_loading
 from polyrl.distributed.layout import RankLayout, build_groups
 from polyrl.distributed.watchdog import CollectiveTimeout, default_watchdog
@@ -70,10 +70,7 @@ def world(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    res = run_world(world, LAYOUT.world_size, tmp_path_factory.mktemp("leader-bug"))
-    for rank, r in res.items():
-        assert r[0] == "ok", f"rank {rank}: {r}"
-    return {rank: r[1] for rank, r in res.items()}
+    return run_world_ok(world, LAYOUT.world_size, tmp_path_factory.mktemp("leader-bug"))
 
 
 def test_broadcast_from_the_group_leader_completes(results):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gloo_world import run_world
+from gloo_world import run_world_ok
 from polyrl.distributed.collectives import broadcast_from_leader, gather_to_leader
 from polyrl.distributed.waits import RemoteTimeout
 from polyrl.distributed.watchdog import (
@@ -47,10 +47,7 @@ def stall_world(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def stalled(tmp_path_factory):
-    res = run_world(stall_world, 3, tmp_path_factory.mktemp("stall"))
-    for rank, r in res.items():
-        assert r[0] == "ok", f"rank {rank}: {r}"
-    return {rank: r[1] for rank, r in res.items()}
+    return run_world_ok(stall_world, 3, tmp_path_factory.mktemp("stall"))
 
 
 def test_stalled_rank_is_named_with_its_step_and_phase(stalled):

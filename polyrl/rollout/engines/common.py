@@ -105,9 +105,13 @@ class AsyncEngineAdapter:
 
     backend = ""
 
-    def _init_adapter(self, model_path: str, tokenizer: Any, seed: int,
-                      control_timeout_s: float) -> None:
-        self.model_path = str(model_path)
+    def _init_adapter(self, launch_args: dict[str, Any], model_key: str, tokenizer: Any, seed: int,
+                      update_bucket_mb: int, control_timeout_s: float) -> None:
+        """State every adapter shares; `model_key` names the model directory in `launch_args`."""
+        self.launch_args = dict(launch_args)
+        self.model_path = str(self.launch_args[model_key])
+        self.bucket_bytes = update_bucket_mb << 20
+        self._asleep: set[str] = set()  # the engine's memory tags released by sleep()
         self.seed = seed
         self.control_timeout_s = control_timeout_s
         self.tokenizer = _load_tokenizer(self.model_path) if tokenizer is True else (tokenizer or None)

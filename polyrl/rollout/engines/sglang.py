@@ -84,12 +84,9 @@ class SGLangEngine(AsyncEngineAdapter):
                  control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S):
         import sglang
 
-        self.launch_args = dict(launch_args)
-        self._init_adapter(self.launch_args["model_path"], tokenizer, seed, control_timeout_s)
-        self.bucket_bytes = update_bucket_mb << 20
+        self._init_adapter(launch_args, "model_path", tokenizer, seed, update_bucket_mb, control_timeout_s)
         self.fp8 = self.launch_args.get("quantization") == "fp8"
         self.tp_size = int(self.launch_args.get("tp_size", 1))
-        self._asleep: set[str] = set()
 
         async def start():  # on the loop thread: the engine adopts this running loop
             return sglang.Engine(**self.launch_args)

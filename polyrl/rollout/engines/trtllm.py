@@ -104,12 +104,9 @@ class TRTLLMEngine(AsyncEngineAdapter):
         from tensorrt_llm import AsyncLLM
         from tensorrt_llm.llmapi import KvCacheConfig
 
-        self.launch_args = dict(launch_args)
-        self._init_adapter(self.launch_args["model"], tokenizer, seed, control_timeout_s)
-        self.bucket_bytes = update_bucket_mb << 20
+        self._init_adapter(launch_args, "model", tokenizer, seed, update_bucket_mb, control_timeout_s)
         self.fp8 = bool((self.launch_args.get("model_kwargs") or {}).get("quantization_config"))
         self.hf_config = read_hf_config(self.model_path)
-        self._asleep: set[str] = set()
         self._requests: dict[str, Any] = {}
         args = dict(self.launch_args)
         args["kv_cache_config"] = KvCacheConfig(**args.get("kv_cache_config", {}))

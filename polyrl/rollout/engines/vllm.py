@@ -78,11 +78,8 @@ class VLLMEngine(AsyncEngineAdapter):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.launch_args = dict(launch_args)
-        self._init_adapter(self.launch_args["model"], tokenizer, seed, control_timeout_s)
-        self.bucket_bytes = update_bucket_mb << 20
+        self._init_adapter(launch_args, "model", tokenizer, seed, update_bucket_mb, control_timeout_s)
         self.fp8 = self.launch_args.get("quantization") == "fp8"
-        self._asleep: set[str] = set()
 
         async def start():
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**self.launch_args))

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "distributed"))
 
-from gloo_world import run_world  # noqa: E402
+from gloo_world import run_world_ok  # noqa: E402
 from polyrl.distributed.layout import RankLayout, build_groups  # noqa: E402
 from polyrl.platform import get_platform  # noqa: E402
 from polyrl.rollout.base import WeightUpdateError  # noqa: E402
@@ -117,10 +117,7 @@ def world(rank: int, world_size: int, hf_config, engine_partial: bool) -> dict:
 
 
 def _run(tmp_path, hf_config, engine_partial):
-    res = run_world(world, LAYOUT.world_size, tmp_path, args=(hf_config, engine_partial))
-    for rank, r in res.items():
-        assert r[0] == "ok", f"rank {rank}: {r}"
-    return {rank: r[1] for rank, r in res.items()}
+    return run_world_ok(world, LAYOUT.world_size, tmp_path, args=(hf_config, engine_partial))
 
 
 def _received(out: dict) -> dict[str, float]:
