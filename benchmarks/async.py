@@ -8,12 +8,17 @@ instance started here. sync generates, then trains, each step; async (`trainer.m
 the next batches while the policy trains. The runs alternate (sync, async, sync, ... for
 `--repeats` pairs) so both see the same machine load.
 
+A third run per repeat, "sync, all cores", is sync with twice the threads per actor: the two
+actors of sync never compute at the same time, so each phase may use the cores of both. It is
+the strongest sync on the same machine, and `speedup_vs_sync_all_cores` compares async with it
+(`--no-all-cores` skips it).
+
 Reported per mode (median over repeats): samples/s = trained samples / the summed seconds of the
 training steps (validation is excluded, it is the same work in both modes); seconds of training
 steps until held-out accuracy first reaches `--target` (validation every 5 steps); the final and
 best held-out accuracy; async's mean staleness, trainer idle and partial-rollout count.
 
-    python benchmarks/async.py             # = polyrl bench async: ~2 min on an idle 2-core machine
+    python benchmarks/async.py             # = polyrl bench async: ~3 min on an idle 2-core machine
     python benchmarks/async.py --json      # last line is JSON
     python benchmarks/async.py --repeats 3 # steadier on a busy machine
 """
@@ -33,14 +38,19 @@ from statistics import median
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def config(out: Path, mode: str, args: argparse.Namespace):
+RUNS = {"sync": ("sync", 1), "async": ("async", 1), "sync_all_cores": ("sync", 2)}
+"""Run name -> (trainer.mode, threads per actor as a multiple of --threads)."""
+
+
+def config(out: Path, run: str, args: argparse.Namespace):
     from polyrl.cli.train import EMBEDDED_DEFAULT
     from polyrl.config import load_config
     from polyrl.trainer.config import JobConfig
 
+    mode, factor = RUNS[run]
     overrides = [
         "rollout.placement=standalone", "rollout.num_replicas=1", "actor.world_size=1",
-        f"actor.num_cpus_per_worker={args.threads}", f"trainer.mode={mode}",
+        f"actor.num_cpus_per_worker={args.threads * factor}", f"trainer.mode={mode}",
         f"trainer.total_steps={args.steps}", "trainer.progress_bar=false", "trainer.save_at_end=false",
         "logging.plot_at_end=false", f"trainer.output_dir={out}", f"trainer.seed={args.seed}",
     ]
@@ -49,11 +59,12 @@ def config(out: Path, mode: str, args: argparse.Namespace):
     return load_config(JobConfig, files=[EMBEDDED_DEFAULT], overrides=overrides)
 
 
-def run_once(mode: str, args: argparse.Namespace, root: Path, index: int) -> dict:
+def run_once(run: str, args: argparse.Namespace, root: Path, index: int) -> dict:
     from polyrl.trainer.loop import Trainer
 
-    out = root / f"{mode}-{index}"
-    cfg = config(out, mode, args)
+    out = root / f"{run}-{index}"
+    cfg = config(out, run, args)
+    mode = cfg.trainer.mode
     t0 = time.perf_counter()
     summary = Trainer(cfg).fit()
     wall = time.perf_counter() - t0
@@ -90,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--partial", choices=["abort", "wait"], default="abort", help="async.partial_rollout")
     p.add_argument("--target", type=float, default=0.9, help="held-out accuracy to time")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-all-cores", dest="all_cores", action="store_false",
+                   help="skip the 'sync, all cores' run (sync with twice the threads per actor)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
@@ -98,17 +111,18 @@ def main(argv: list[str] | None = None) -> int:
     from polyrl.distributed.ray_launch import init_ray
     from polyrl.platform import get_platform
 
-    # one Ray instance for every run: 2 actors x threads, whatever the core count
-    init_ray(get_platform("cpu"), num_cpus=max(os.cpu_count() or 1, 2 * args.threads),
+    runs = ["sync", "async"] + (["sync_all_cores"] if args.all_cores else [])
+    # one Ray instance for every run: 2 actors x their threads, whatever the core count
+    init_ray(get_platform("cpu"), num_cpus=max(os.cpu_count() or 1, 4 * args.threads),
              namespace="polyrl-bench-async")
-    results: dict[str, list[dict]] = {"sync": [], "async": []}
+    results: dict[str, list[dict]] = {run: [] for run in runs}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for i in range(args.repeats):
-                for mode in ("sync", "async"):
+                for mode in runs:
                     row = run_once(mode, args, Path(tmp), i)
                     results[mode].append(row)
-                    print(f"{mode:5s} run {i + 1}: {row['samples_per_s']:.0f} samples/s, "
+                    print(f"{mode:14s} run {i + 1}: {row['samples_per_s']:.0f} samples/s, "
                           f"{row['train_s']:.1f} s of steps, {row['to_target_s'] if row['to_target_s'] is None else round(row['to_target_s'], 1)} s "
                           f"to {args.target:.0%}, final acc {row['final_acc']:.3f}; per step: generate "
                           f"{row['generate_s']:.3f} s, update {row['update_s']:.3f} s, weight sync "
@@ -117,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
 
     def med(mode: str, key: str):
-        values = [r[key] for r in results[mode] if r.get(key) is not None]
+        values = [r[key] for r in results.get(mode, []) if r.get(key) is not None]
         return median(values) if values else None
 
     summary = {
@@ -139,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": os.getloadavg()[0],
     }
     summary["speedup"] = summary["async_samples_per_s"] / summary["sync_samples_per_s"]
+    if args.all_cores:
+        summary.update({f"sync_all_cores_{k}": med("sync_all_cores", key) for k, key in (
+            ("samples_per_s", "samples_per_s"), ("to_target_s", "to_target_s"),
+            ("final_accuracy", "final_acc"), ("generate_s", "generate_s"), ("update_s", "update_s"))})
+        summary["speedup_vs_sync_all_cores"] = (summary["async_samples_per_s"]
+                                                / summary["sync_all_cores_samples_per_s"])
     # Amdahl: hiding all of sync's generation behind its update is the most overlap can give
     rest = summary["sync_update_s"] + summary["sync_sync_weights_s"]
     summary["overlap_bound"] = (summary["sync_generate_s"] + rest) / max(summary["sync_generate_s"], rest)
@@ -147,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsamples/s: sync {summary['sync_samples_per_s']:.0f}, async {summary['async_samples_per_s']:.0f} "
           f"(speedup {summary['speedup']:.2f}x, overlap bound {summary['overlap_bound']:.2f}x); final accuracy: sync {summary['sync_final_accuracy']:.3f}, "
           f"async {summary['async_final_accuracy']:.3f}; load average {summary['load_average']:.1f}")
+    if args.all_cores:
+        print(f"sync, all cores: {summary['sync_all_cores_samples_per_s']:.0f} samples/s (async / it: "
+              f"{summary['speedup_vs_sync_all_cores']:.2f}x), final accuracy "
+              f"{summary['sync_all_cores_final_accuracy']:.3f}")
     if args.json:
         print(json.dumps(summary))
     return 0

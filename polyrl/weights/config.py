@@ -35,6 +35,11 @@ class WeightSyncConfig(Config):
     shm_slots: int = Field(3, ge=2)
     """Shared-memory path: ring slots (the sender may run this many chunks ahead of the
     slowest receiver)."""
+    background_publish: bool = True
+    """object_store only: send() snapshots the version into host buffers and returns; putting
+    them in the object store and publishing them to the mailbox run on a background thread,
+    overlapping the trainer's next step. Costs one host copy of the weights while a publication
+    is in flight. Off: send() returns once the version is published (one bucket of scratch)."""
     timeout_s: float = Field(300, gt=0)
     """Deadline for one transfer (every wait inside it); on expiry the error names the ranks or
     replicas that did not arrive and the receivers keep serving the previous weights."""

@@ -264,7 +264,11 @@ class PolicyWorker:
             if self.engine is not None:
                 self.engine.update_weights(named, self.version)
             elif self.transport is not None:
-                return self.transport.send(named, self.version).metrics()
+                metrics = self.transport.send(named, self.version).metrics()
+                publish_s = getattr(self.transport, "publish_s", None)  # object store: off the path
+                if publish_s is not None:
+                    metrics["weight_sync/publish_s"] = publish_s
+                return metrics
         return {}
 
     # --- checkpoints --------------------------------------------------------------------------
@@ -305,5 +309,8 @@ class PolicyWorker:
         return self.rank
 
     def shutdown(self) -> None:
+        close = getattr(self.transport, "close", None)
+        if close is not None:  # a publication still in flight finishes first
+            close()
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()

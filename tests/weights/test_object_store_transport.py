@@ -33,14 +33,16 @@ def sender_actor(ray, mailbox):
 
             import polyrl.weights.object_store as object_store
 
-            real = object_store.pack_bucket
+            def dying(real):
+                def pack(manifest, b, ordered, out=None):
+                    if b == at_bucket:
+                        os._exit(3)
+                    return real(manifest, b, ordered, out)
+                return pack
 
-            def pack(manifest, b, ordered, scratch=None):
-                if b == at_bucket:
-                    os._exit(3)
-                return real(manifest, b, ordered, scratch)
-
-            object_store.pack_bucket = pack
+            # background publish snapshots through pack_into, foreground packs with pack_bucket
+            object_store.pack_bucket = dying(object_store.pack_bucket)
+            object_store.pack_into = dying(object_store.pack_into)
             return self.transport.send(named_tensors, version)
 
     return Sender.remote(mailbox, CONFIG)
@@ -53,7 +55,7 @@ def mailbox(ray_session):
     ray_session.kill(box)
 
 
-# These tests share one mailbox, so versions keep increasing: 1, 2, then 3 (never published).
+# These tests share one mailbox, so versions keep increasing: 1, 2, 3, 4, then 5 (never published).
 
 
 def test_versions_arrive_and_report_stats(mailbox):
@@ -68,27 +70,66 @@ def test_versions_arrive_and_report_stats(mailbox):
     assert receiver.last_stats.version == 2
 
 
+def ray_session_latest(mailbox) -> int:
+    import ray
+
+    return ray.get(mailbox.latest_version.remote())
+
+
+def test_background_publish_snapshots_at_send_and_raises_at_the_next_send(mailbox):
+    """send() returns before the version is published; what it publishes is the weights as they
+    were at send(), even if the trainer changes them right after; a failed publication raises
+    at the next send() / flush(), and the mailbox keeps the last good version."""
+    sender = build_transport(CONFIG, "standalone", mailbox=mailbox)
+    assert sender.config.background_publish
+    weights = model_weights(seed=5)
+    expected = {k: v.clone() for k, v in weights.items()}
+    sender.send(weights, 3)
+    for tensor in weights.values():  # the trainer's next step, while the publication runs
+        tensor.add_(1)
+    receiver = build_transport(CONFIG, "standalone", mailbox=mailbox)
+    engine = DictEngine(model_weights(seed=2), version=2)
+    assert receiver.receive(engine) == 3 and same_weights(engine.weights, expected)
+    sender.flush()
+    assert sender.publish_s > 0
+    sender.send(model_weights(seed=6), 3)  # not newer than 3: the mailbox refuses it...
+    with pytest.raises(Exception, match="not newer than the published 3"):
+        sender.flush()  # ...and the refusal reaches the sender
+    sender.close()
+    assert ray_session_latest(mailbox) == 3  # the refused version never replaced the good one
+
+
+def test_foreground_publish_is_done_when_send_returns(ray_session, mailbox):
+    config = WeightSyncConfig(transport="object_store", bucket_mb=0.001, timeout_s=5, background_publish=False)
+    sender = build_transport(config, "standalone", mailbox=mailbox)
+    sender.send(model_weights(seed=7), 4)
+    assert ray_session_latest(mailbox) == 4
+    receiver = build_transport(config, "standalone", mailbox=mailbox)
+    engine = DictEngine(model_weights(seed=2), version=3)
+    assert receiver.receive(engine) == 4 and same_weights(engine.weights, model_weights(seed=7))
+
+
 def test_nothing_new_published_times_out_naming_the_sender(mailbox):
     config = WeightSyncConfig(transport="object_store", timeout_s=0.5)
     receiver = build_transport(config, "standalone", mailbox=mailbox)
-    engine = DictEngine(model_weights(seed=2), version=2)
+    engine = DictEngine(model_weights(seed=2), version=4)
     t0 = time.monotonic()
     with pytest.raises(RemoteTimeout, match="weight sender"):
         receiver.receive(engine)
-    assert time.monotonic() - t0 < 10 and engine.weight_version == 2
+    assert time.monotonic() - t0 < 10 and engine.weight_version == 4
 
 
 def test_sender_dying_midway_keeps_the_previous_version(ray_session, mailbox):
     ray = ray_session
     doomed = sender_actor(ray, mailbox)
-    with pytest.raises(ray.exceptions.RayActorError):  # dies after putting bucket 0 of v3
-        ray.get(doomed.send_and_die.remote(model_weights(seed=3), 3, 1), timeout=30)
+    with pytest.raises(ray.exceptions.RayActorError):  # dies while packing bucket 1 of v5
+        ray.get(doomed.send_and_die.remote(model_weights(seed=3), 5, 1), timeout=30)
     config = WeightSyncConfig(transport="object_store", timeout_s=1)
     receiver = build_transport(config, "standalone", mailbox=mailbox)
-    engine = DictEngine(model_weights(seed=2), version=2)
+    engine = DictEngine(model_weights(seed=2), version=4)
     with pytest.raises(RemoteTimeout, match="weight sender"):
         receiver.receive(engine)
-    assert engine.weight_version == 2 and same_weights(engine.weights, model_weights(seed=2))
+    assert engine.weight_version == 4 and same_weights(engine.weights, model_weights(seed=2))
 
 
 def test_lost_buckets_are_not_applied(monkeypatch):
