@@ -19,7 +19,8 @@ and its prompt regenerated, so every prompt drawn from the data is trained exact
 Faults. A replica that dies (any Ray actor error) has its groups put back at the front of the
 queue (each retried at most async.max_retries times) and is replaced by a new actor, which loads
 the newest published weights before it takes work. Results are keyed by group id, so a group is
-queued at most once.
+queued at most once. Validation (`generate_sharded`) survives a dying replica the same way: its
+shard is run again on a live replica.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from polyrl.distributed.waits import RemoteTimeout
-from polyrl.workers.batch import Sample
+from polyrl.workers.batch import Sample, split_evenly
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,8 @@ class RolloutStream:
         self.idle_since: list[float | None] = [time.perf_counter()] * n
         self.idle_s = [0.0] * n
         self.trainer_idle_s = 0.0
-
+        self.side_calls: dict[Any, tuple[int, int, Any]] = {}
+        """generate_sharded's calls in flight: ref -> (shard, replica, actor)."""
         self.closed = False
 
     def close(self) -> None:
@@ -119,6 +121,50 @@ class RolloutStream:
                 raise RemoteTimeout(f"{phase}: replicas reaching weight version {self.version}",
                                     lagging(), self.cfg.ray.timeout_s)
             self.pump(0.05)
+
+    # --- generation outside the stream (validation) ----------------------------------------------
+    def generate_sharded(self, prompts: list[list[int]], sampling: dict, seeds: list[int] | None,
+                         phase: str = "validation") -> list[Sample]:
+        """`WorkerGroup.generate` for the replicas, surviving a replica that dies: the prompts are
+        split over the replicas serving the trainer's version; a shard whose replica dies goes
+        back in the queue for a live one (at most async.max_retries times) and the replica is
+        replaced, as during training. Training generation is pumped meanwhile. Samples come
+        back in prompt order, `group` = the prompt's index."""
+        chunks = [c for c in split_evenly(list(range(len(prompts))), max(len(self.pool.workers), 1)) if c]
+        todo: deque[int] = deque(range(len(chunks)))
+        attempts = [0] * len(chunks)
+        results: dict[int, list[Sample]] = {}
+        self.side_calls: dict[Any, tuple[int, int, Any]] = {}  # ref -> (chunk, replica, actor)
+        deadline = time.perf_counter() + self.cfg.ray.timeout_s
+        while todo or self.side_calls:
+            busy = {i for _, i, _ in self.side_calls.values()} | set(self.starting.values())
+            for i, w in enumerate(self.pool.workers):
+                if todo and i not in busy and self.pool.versions[i] == self.version:
+                    c = todo.popleft()
+                    attempts[c] += 1
+                    ref = w.generate.remote([prompts[j] for j in chunks[c]], sampling,
+                                            [seeds[j] for j in chunks[c]] if seeds else None, chunks[c][0])
+                    self.side_calls[ref] = (c, i, w)
+            done, _ = ray.wait(list(self.side_calls), num_returns=len(self.side_calls), timeout=0)
+            if not done:
+                if time.perf_counter() > deadline:
+                    names = sorted({self.pool.names[i] for _, i, _ in self.side_calls.values()}) or ["every replica"]
+                    raise RemoteTimeout(phase, names, self.cfg.ray.timeout_s)
+                self.pump(0.05, extra=list(self.side_calls))
+                continue
+            for ref in done:
+                c, i, actor = self.side_calls.pop(ref)
+                try:
+                    results[c] = ray.get(ref)
+                except RayActorError:
+                    if attempts[c] > self.a.max_retries:
+                        raise GenerationFailed(f"{phase}: prompts {chunks[c][0]}-{chunks[c][-1]} failed "
+                                               f"{attempts[c]} times (their replicas died); raise "
+                                               "async.max_retries or check the replicas' logs") from None
+                    todo.append(c)
+                    if self.pool.workers[i] is actor:  # not yet replaced by a training call's failure
+                        self._replica_died(i, [])
+        return [s for c in range(len(chunks)) for s in results[c]]
 
     # --- the event loop ------------------------------------------------------------------------
     def gather(self, refs: Sequence[Any], names: Sequence[str], *, phase: str, timeout_s: float) -> list:

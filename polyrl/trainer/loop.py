@@ -334,8 +334,11 @@ class Trainer:
         )
         # one seed per (run, step, prompt): the same run draws the same samples, however batched
         seeds = [hash((self.cfg.trainer.seed, step, p.index, validation)) % (2**31) for p in batch]
-        samples = self.engines.generate([p.prompt_ids for p in batch], sampling, seeds,
-                                        phase="validation" if validation else "generate")
+        prompts, phase = [p.prompt_ids for p in batch], "validation" if validation else "generate"
+        if self.stream is not None:  # async (validation only): a replica that dies is replaced
+            samples = self.stream.generate_sharded(prompts, sampling, seeds, phase)
+        else:
+            samples = self.engines.generate(prompts, sampling, seeds, phase=phase)
         for s in samples:
             s.extra["prompt"] = batch[s.group]
         return samples

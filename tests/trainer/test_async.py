@@ -1,5 +1,6 @@
 """trainer.mode=async with real Ray actors: streaming replicas, the staleness bound, off-policy
-metrics, a replica killed mid-step, and a trainer SIGKILLed after a checkpoint and resumed."""
+metrics, a replica killed mid-step or before validation, and a trainer SIGKILLed after a checkpoint
+and resumed."""
 
 from __future__ import annotations
 
@@ -101,6 +102,27 @@ def test_replica_killed_mid_step(ray_session, tiny_model, arith_files, tmp_path)
         owed = list(t.stream.ready) + [g.gid for g in t.stream.pending] + \
             [g.gid for c in t.stream.calls.values() for g in c.groups]
         assert sorted(consumed + owed) == list(range(t.stream.next_gid))
+    finally:
+        t.shutdown()
+
+
+def test_replica_dead_during_validation(ray_session, tiny_model, arith_files, tmp_path):
+    """Validation in async mode survives a replica dying: its shard runs on the other replica,
+    the dead one is replaced, and the result is the validation a healthy pool gives."""
+    import ray
+
+    cfg = job(tiny_model, arith_files, tmp_path / "o", tmp_path, "rollout.num_replicas=2",
+              "trainer.val_before_train=false", "trainer.val_every=0")
+    t = Trainer(cfg)
+    try:
+        t.setup()
+        healthy = t.validate()  # greedy: the same weights give the same answers on any replica
+        dead = t.rollout.workers[0]
+        ray.kill(dead)  # the stream finds out only when a call to it fails
+        again = t.validate()
+        assert again == healthy
+        assert t.rollout.restarts == 1 and t.rollout.workers[0] is not dead
+        assert not t.stream.side_calls
     finally:
         t.shutdown()
 
