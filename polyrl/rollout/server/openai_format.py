@@ -30,6 +30,43 @@ def envelope(kind: str, request_id: str, model: str, choices: list[dict], **extr
             "choices": choices, **extra}
 
 
+class IncrementalDecoder:
+    """`tokenizer.decode(tokens, skip_special_tokens=True)` of a growing token list, decoding only
+    the newest tokens with one token of context at each step (O(1) per token, where decoding the
+    whole list every step is O(n) per token, O(n^2) per sample).
+
+    The new text is the decode of the window (context + new tokens) minus the decode of the
+    context alone, so tokenizers that drop a leading space at the start of a decode
+    (SentencePiece) give the same result as a full decode. The window only moves on when the
+    text ends on a complete character (an incomplete UTF-8 sequence decodes to U+FFFD); where the
+    window's text does not extend its context's (a decoder that rewrites earlier text), the whole
+    list is decoded once.
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self._text = ""  # decode(tokens[:_read])
+        self._context = self._read = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append `token_ids`; returns the decode of every token so far (it ends in U+FFFD while a
+        multi-byte character is incomplete)."""
+        self.tokens += token_ids
+        context = self._decode(self.tokens[self._context:self._read])
+        window = self._decode(self.tokens[self._context:])
+        if window.startswith(context):
+            text = self._text + window[len(context):]
+        else:
+            text = self._decode(self.tokens)
+        if not text.endswith("\ufffd"):
+            self._text, self._context, self._read = text, self._read, len(self.tokens)
+        return text
+
+
 class TokenText:
     """Token ids -> text pieces, with the tokenizer the engine uses (or none)."""
 
@@ -58,8 +95,9 @@ class TokenText:
         if self.tokenizer is None:
             return [""] * len(out.token_ids)
         pieces, emitted = [], 0
-        for i in range(1, len(out.token_ids) + 1):
-            prefix = self.tokenizer.decode(out.token_ids[:i], skip_special_tokens=True)
+        decoder = IncrementalDecoder(self.tokenizer)
+        for i, token in enumerate(out.token_ids, 1):
+            prefix = decoder.add([token])  # decode(token_ids[:i])
             end = len(final) if i == len(out.token_ids) else min(len(prefix), len(final))
             if prefix.endswith("\ufffd") and i < len(out.token_ids):
                 end = emitted  # an incomplete UTF-8 sequence: wait for its next byte

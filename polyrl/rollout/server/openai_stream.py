@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from polyrl.rollout.base import TokenOutput
 from polyrl.rollout.native.streaming import SampleDelta, StreamUpdate
-from polyrl.rollout.server.openai_format import TokenText, envelope, finish_reason, usage
+from polyrl.rollout.server.openai_format import IncrementalDecoder, TokenText, envelope, finish_reason, usage
 
 
 def sse(payload: dict | str) -> str:
@@ -42,21 +42,25 @@ class SampleText:
 
     def __init__(self, text: TokenText, stops: Sequence[str]):
         self._text, self._stops = text, list(stops)
-        self.tokens: list[int] = []
+        self._decoder = IncrementalDecoder(text.tokenizer)
         self.sent = ""
         self.finished = False
 
+    @property
+    def tokens(self) -> list[int]:
+        return self._decoder.tokens
+
     def add(self, token_ids: list[int]) -> str:
         """New tokens in, the text that became final out ("" if none yet)."""
-        self.tokens += token_ids
-        tokenizer = self._text.tokenizer
-        if tokenizer is None or not token_ids:
+        if self._text.tokenizer is None or not token_ids:
+            self._decoder.tokens += token_ids
             return ""
-        text = tokenizer.decode(self.tokens, skip_special_tokens=True)
+        text = self._decoder.add(token_ids)
         if not text.startswith(self.sent):  # the decoder revised earlier text: wait for the end
             return ""
         end = len(text.rstrip("\ufffd"))  # an incomplete multi-byte character
-        hits = [i for i in (text.find(stop) for stop in self._stops) if i >= 0]
+        # a stop string starting inside the sent text would have been held back: look after it
+        hits = [i for i in (text.find(stop, len(self.sent)) for stop in self._stops) if i >= 0]
         if hits:  # a completed stop string: the engine cuts the text there
             end = min(end, *hits)
         end -= held_back(text[:end], self._stops)
