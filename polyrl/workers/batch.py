@@ -67,10 +67,7 @@ class MicroBatch:
 def _pad(rows: list[list[float]] | None, width: int, dtype: torch.dtype) -> torch.Tensor | None:
     if rows is None or any(r is None for r in rows):
         return None
-    out = torch.zeros(len(rows), width, dtype=dtype)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=dtype)
-    return out
+    return torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], dtype=dtype).reshape(len(rows), width)
 
 
 def collate(samples: list[Sample], indices: list[int], device: torch.device) -> MicroBatch:
@@ -79,21 +76,14 @@ def collate(samples: list[Sample], indices: list[int], device: torch.device) -> 
     # the last token's hidden state predicts nothing that is scored: feed all but it
     L = max(s.length for s in chosen) - 1
     R = max(max(len(s.response_ids) for s in chosen), 1)
-    b = len(chosen)
-    input_ids = torch.zeros(b, L, dtype=torch.long)
-    attention = torch.zeros(b, L, dtype=torch.long)
-    gather = torch.zeros(b, R, dtype=torch.long)
-    targets = torch.zeros(b, R, dtype=torch.long)
-    mask = torch.zeros(b, R, dtype=torch.float32)
-    for i, s in enumerate(chosen):
-        seq = (s.prompt_ids + s.response_ids)[:-1]
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        input_ids[i, : len(seq)] = torch.tensor(seq)
-        attention[i, : len(seq)] = 1
-        # logits at position t predict token t+1: response token k sits at p+k, read from p+k-1
-        gather[i, :r] = torch.arange(p - 1, p + r - 1)
-        targets[i, :r] = torch.tensor(s.response_ids, dtype=torch.long)
-        mask[i, :r] = 1.0
+    # one tensor per field from padded Python lists: a per-row tensor copy costs more than the row
+    seqs = [(s.prompt_ids + s.response_ids)[:-1] for s in chosen]
+    input_ids = _pad(seqs, L, torch.long)
+    attention = _pad([[1] * len(q) for q in seqs], L, torch.long)
+    # logits at position t predict token t+1: response token k sits at p+k, read from p+k-1
+    gather = _pad([range(len(s.prompt_ids) - 1, s.length - 1) for s in chosen], R, torch.long)
+    targets = _pad([s.response_ids for s in chosen], R, torch.long)
+    mask = _pad([[1.0] * len(s.response_ids) for s in chosen], R, torch.float32)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     return MicroBatch(
         input_ids=input_ids.to(device),
