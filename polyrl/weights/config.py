@@ -36,10 +36,12 @@ class WeightSyncConfig(Config):
     """Shared-memory path: ring slots (the sender may run this many chunks ahead of the
     slowest receiver)."""
     background_publish: bool = True
-    """object_store only: send() snapshots the version into host buffers and returns; putting
-    them in the object store and publishing them to the mailbox run on a background thread,
-    overlapping the trainer's next step. Costs one host copy of the weights while a publication
-    is in flight. Off: send() returns once the version is published (one bucket of scratch)."""
+    """object_store with trainer.mode=async: send() snapshots the version into host buffers and
+    returns; putting them in the object store and publishing them to the mailbox run on a
+    background thread, overlapping the trainer's next step (an error surfaces at the next sync).
+    Costs one host copy of the weights, kept between versions. Off (and always in sync mode,
+    where the replicas wait for each version at once): send() returns once the version is
+    published, through one bucket of scratch."""
     timeout_s: float = Field(300, gt=0)
     """Deadline for one transfer (every wait inside it); on expiry the error names the ranks or
     replicas that did not arrive and the receivers keep serving the previous weights."""

@@ -7,11 +7,13 @@ actor. Receivers wait on the mailbox for a version newer than their engine's, fe
 with a deadline and apply all or nothing. The sender owns the objects: if it dies before a
 receiver has fetched them, the fetch fails and the receiver keeps its previous weights.
 
-With `weights.background_publish` (the default) `send()` only snapshots the version into host
-buffers of its own and returns; a background thread puts them in the store and publishes them,
-overlapping the trainer's next step (a 3 MB `ray.put` alone takes ~10 ms on a 2-core machine).
-One publication is in flight at a time: the next `send()` (or `flush()`) waits for it and
-raises its error, if any. Receivers are unaffected: they wait on the mailbox for the version.
+With `weights.background_publish` (the default; trainer.mode=async only: in sync mode the
+receivers wait for the version at once, so nothing would overlap) `send()` only snapshots the
+version into host buffers of its own and returns; a background thread puts them in the store and
+publishes them, overlapping the trainer's next step (a 3 MB `ray.put` alone takes 3-10 ms on a
+2-core machine). One publication is in flight at a time: the next `send()` (or `flush()`)
+waits for it and raises its error, if any. Receivers are unaffected: they wait on the mailbox
+for the version.
 """
 
 from __future__ import annotations
@@ -82,9 +84,10 @@ class ObjectStoreTransport:
         self._published: list = []  # keep our refs alive until the next version replaces them
         self._publisher: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
+        self._snapshot: list[torch.Tensor] = []
         self.publish_s = 0.0
-        """Seconds the last finished publication took (put + mailbox), off the trainer's path
-        when it ran in the background."""
+        """Seconds the last finished publication took (put + mailbox); with background_publish,
+        the previous version's, which ran beside the trainer's step."""
         self.last_stats: TransferStats | None = None
 
     def send(self, named_tensors: NamedTensors, version: int) -> TransferStats:
@@ -93,9 +96,12 @@ class ObjectStoreTransport:
         manifest, ordered = plan_buckets(items, version, self.config.bucket_bytes)
         t0 = time.perf_counter()
         if self.config.background_publish:
-            # a snapshot the trainer's next step cannot change: one host copy per bucket
-            snapshot = [pack_into(manifest, b, ordered, torch.empty(spec.nbytes, dtype=torch.uint8))
-                        for b, spec in enumerate(manifest.buckets)]
+            # a snapshot the trainer's next step cannot change: one host copy per bucket, in
+            # buffers reused from version to version (the previous publication has finished)
+            sizes = [spec.nbytes for spec in manifest.buckets]
+            if [b.numel() for b in self._snapshot] != sizes:
+                self._snapshot = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+            snapshot = [pack_into(manifest, b, ordered, self._snapshot[b]) for b in range(len(sizes))]
             if self._publisher is None:
                 self._publisher = ThreadPoolExecutor(1, thread_name_prefix="weight-publish")
             self._pending = self._publisher.submit(self._put_and_publish, version, manifest,

@@ -85,14 +85,17 @@ class PolicyWorker:
             groups = build_groups(layout, rank, backend=backend, timeout_s=cfg.ray.timeout_s)
             self.train_group = groups.group("trainer")
             if rank == groups.leader("weight_sync"):
-                self.transport = build_transport(cfg.resolved_weights, "standalone",
+                # sync: the replicas wait for each version at once, so an object-store publish
+                # runs in the foreground, where its errors reach the trainer directly
+                weights = cfg.resolved_weights.model_copy(update={"background_publish": False})
+                self.transport = build_transport(weights, "standalone",
                                                  **transport_context(cfg, groups.group("weight_sync"), mailbox))
         else:
             # hybrid, or async: replicas join no collective (weights go through the object store)
             if world_size > 1:
                 dist.init_process_group(backend, init_method=dist_init, rank=rank, world_size=world_size,
                                         timeout=timedelta(seconds=cfg.ray.timeout_s))
-            if self.standalone and rank == 0:
+            if self.standalone and rank == 0:  # async: publish beside the next update (object_store.py)
                 self.transport = build_transport(cfg.resolved_weights, "standalone", mailbox=mailbox)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
                                         cfg.model.trust_remote_code)
@@ -308,9 +311,17 @@ class PolicyWorker:
     def ping(self) -> int:
         return self.rank
 
-    def shutdown(self) -> None:
+    def close_transport(self) -> None:
+        """Finish a weight publication still in flight (object store) and stop its thread; the
+        trainer calls this while the mailbox is still up."""
         close = getattr(self.transport, "close", None)
-        if close is not None:  # a publication still in flight finishes first
+        if close is not None:
             close()
+
+    def shutdown(self) -> None:
+        try:
+            self.close_transport()
+        except Exception as exc:  # shutting down: say it, then free the rest
+            logger.warning("rank %d: the last weight publication failed: %s", self.rank, exc)
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()

@@ -131,12 +131,15 @@ def test_trainer_killed_and_resumed(ray_session, tiny_model, arith_files, tmp_pa
     import ray
 
     out = tmp_path / "o"
-    args = overrides(tiny_model, arith_files, out, tmp_path, "trainer.total_steps=8", "trainer.save_every=2",
+    args = overrides(tiny_model, arith_files, out, tmp_path, "trainer.total_steps=8", "trainer.save_every=1",
+                     "trainer.keep_last=8",  # step 1's checkpoint stays, however far the run got
                      "trainer.val_before_train=false", "trainer.val_every=0", "actor.ppo_epochs=2",
                      f"ray.address={ray_session.get_runtime_context().gcs_address}")
     proc = subprocess.Popen([sys.executable, "-m", "polyrl", "train", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    ckpt = step_dir(out, 2)
+    # step 1's checkpoint: batch 2 started (one replica, at most B groups in flight) as batch 1's
+    # groups finished, i.e. before version 1 existed, and finished during update 1
+    ckpt = step_dir(out, 1)
     try:
         deadline = time.time() + 120
         while not (ckpt / "driver.pt").is_file():
@@ -148,27 +151,27 @@ def test_trainer_killed_and_resumed(ray_session, tiny_model, arith_files, tmp_pa
         proc.wait()
     # the checkpoint owes exactly the drawn but untrained prompts (data position)
     state = torch.load(ckpt / "driver.pt", weights_only=False)["async"]
-    assert state["consumed"] == 2 * B
+    assert state["consumed"] == B
     owed = sorted([g.gid for g in state["ready"]] + [g.gid for g in state["pending"]])
-    assert owed == list(range(2 * B, state["next_gid"]))
-    stale = sum(1 for g in state["ready"] if min(s.min_version for s in g.samples) < 2)
-    assert stale >= 1, "the checkpoint should hold finished groups generated before version 2"
+    assert owed == list(range(B, state["next_gid"]))
+    stale = sum(1 for g in state["ready"] if min(s.min_version for s in g.samples) < 1)
+    assert stale >= 1, "the checkpoint should hold finished groups generated before version 1"
 
     deadline = time.time() + 60  # the killed driver's actors are reclaimed by Ray
     while ray.available_resources().get("CPU", 0) < 2:
         assert time.time() < deadline
         time.sleep(0.2)
-    # resume with a tighter bound: the saved groups from version < 2 are now too stale
+    # resume with a tighter bound: the saved groups from version 0 are now too stale
     from polyrl.cli.train import (
         EMBEDDED_DEFAULT,  # what `polyrl train` without -c starts from
     )
 
     cfg = load_config(JobConfig, files=[EMBEDDED_DEFAULT], overrides=overrides(
-        tiny_model, arith_files, out, tmp_path, "trainer.total_steps=4", "trainer.save_every=2",
+        tiny_model, arith_files, out, tmp_path, "trainer.total_steps=3", "trainer.save_every=2",
         "trainer.val_before_train=false", "trainer.val_every=0", "actor.ppo_epochs=2",
-        "async.max_staleness=0"))
+        "async.max_staleness=0", f"trainer.resume={ckpt}"))
     Trainer(cfg).fit()
     rows = [r for r in read(out) if "async/staleness_max" in r]
-    assert [r["step"] for r in rows if r["step"] > 2] == [3, 4]
+    assert [r["step"] for r in rows if r["step"] > 1] == [2, 3]
     assert rows[-1]["async/discarded_stale_total"] == stale
-    assert all(r["async/staleness_max"] == 0 for r in rows if r["step"] > 2)
+    assert all(r["async/staleness_max"] == 0 for r in rows if r["step"] > 1)

@@ -80,13 +80,25 @@ def test_background_publish_snapshots_at_send_and_raises_at_the_next_send(mailbo
     """send() returns before the version is published; what it publishes is the weights as they
     were at send(), even if the trainer changes them right after; a failed publication raises
     at the next send() / flush(), and the mailbox keeps the last good version."""
+    import threading
+
     sender = build_transport(CONFIG, "standalone", mailbox=mailbox)
     assert sender.config.background_publish
+    stepped = threading.Event()
+    publish = sender._put_and_publish
+
+    def after_the_step(*args):  # the put runs only once the trainer has changed its weights
+        assert stepped.wait(10)
+        publish(*args)
+
+    sender._put_and_publish = after_the_step
     weights = model_weights(seed=5)
     expected = {k: v.clone() for k, v in weights.items()}
     sender.send(weights, 3)
-    for tensor in weights.values():  # the trainer's next step, while the publication runs
+    assert ray_session_latest(mailbox) == 2  # not yet published
+    for tensor in weights.values():  # the trainer's next step, while the publication waits
         tensor.add_(1)
+    stepped.set()
     receiver = build_transport(CONFIG, "standalone", mailbox=mailbox)
     engine = DictEngine(model_weights(seed=2), version=2)
     assert receiver.receive(engine) == 3 and same_weights(engine.weights, expected)
@@ -97,6 +109,18 @@ def test_background_publish_snapshots_at_send_and_raises_at_the_next_send(mailbo
         sender.flush()  # ...and the refusal reaches the sender
     sender.close()
     assert ray_session_latest(mailbox) == 3  # the refused version never replaced the good one
+
+
+def test_a_publication_to_a_dead_mailbox_fails_at_flush(ray_session):
+    box = create_mailbox()
+    sender = build_transport(CONFIG, "standalone", mailbox=box)
+    sender.send(model_weights(seed=1), 1)
+    sender.flush()
+    ray_session.kill(box)
+    sender.send(model_weights(seed=2), 2)  # returns: the snapshot is taken
+    with pytest.raises(Exception, match="(?i)actor|died|mailbox"):
+        sender.close()  # the publication's error, and the thread is stopped anyway
+    assert sender._publisher is None
 
 
 def test_foreground_publish_is_done_when_send_returns(ray_session, mailbox):

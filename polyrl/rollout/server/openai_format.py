@@ -32,22 +32,28 @@ def envelope(kind: str, request_id: str, model: str, choices: list[dict], **extr
 
 class IncrementalDecoder:
     """`tokenizer.decode(tokens, skip_special_tokens=True)` of a growing token list, decoding only
-    the newest tokens with one token of context at each step (O(1) per token, where decoding the
-    whole list every step is O(n) per token, O(n^2) per sample).
+    the newest tokens plus a few tokens of context at each step: a bounded number of token ids
+    per step, where decoding the whole list every step costs O(n) per token (O(n^2) a sample).
 
     The new text is the decode of the window (context + new tokens) minus the decode of the
-    context alone, so tokenizers that drop a leading space at the start of a decode
-    (SentencePiece) give the same result as a full decode. The window only moves on when the
-    text ends on a complete character (an incomplete UTF-8 sequence decodes to U+FFFD); where the
-    window's text does not extend its context's (a decoder that rewrites earlier text), the whole
-    list is decoded once.
+    context alone, so a decoder that drops a leading space at the start of a decode
+    (SentencePiece) gives what a full decode gives. The context is `CONTEXT` tokens, reaching
+    further back while it decodes to nothing but whitespace (skipped special tokens, a lone
+    space piece). Where the window's text does not start with the context's — a decoder that
+    rewrote text across the boundary (`clean_up_tokenization_spaces`: " ." -> ".", " n't" ->
+    "n't"), or a multi-byte character completed by the new tokens — the whole list is decoded
+    once. The window moves on when its text ends on a complete character (an incomplete UTF-8
+    sequence decodes to U+FFFD), or after `MAX_PENDING` tokens that still do not.
     """
+
+    CONTEXT = 4
+    MAX_PENDING = 16
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.tokens: list[int] = []
         self._text = ""  # decode(tokens[:_read])
-        self._context = self._read = 0
+        self._read = 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -56,14 +62,18 @@ class IncrementalDecoder:
         """Append `token_ids`; returns the decode of every token so far (it ends in U+FFFD while a
         multi-byte character is incomplete)."""
         self.tokens += token_ids
-        context = self._decode(self.tokens[self._context:self._read])
-        window = self._decode(self.tokens[self._context:])
-        if window.startswith(context):
+        start = max(self._read - self.CONTEXT, 0)
+        context = self._decode(self.tokens[start:self._read])
+        while start > 0 and start > self._read - 4 * self.CONTEXT and (not context or context.isspace()):
+            start -= 1
+            context = self._decode(self.tokens[start:self._read])
+        window = self._decode(self.tokens[start:])
+        if window.startswith(context) and (context or start == 0):
             text = self._text + window[len(context):]
         else:
             text = self._decode(self.tokens)
-        if not text.endswith("\ufffd"):
-            self._text, self._context, self._read = text, self._read, len(self.tokens)
+        if not text.endswith("\ufffd") or len(self.tokens) - self._read > self.MAX_PENDING:
+            self._text, self._read = text, len(self.tokens)
         return text
 
 
