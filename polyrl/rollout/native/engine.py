@@ -57,7 +57,9 @@ class NativeEngine:
 
     Args:
         model_path: local HF directory (config.json, *.safetensors, tokenizer files).
-        dtype: "float32" | "bfloat16" | "float16" (or a torch.dtype) for weights and KV cache.
+        dtype: "float32" | "bfloat16" | "float16" (or a torch.dtype) for weights and KV cache
+            (bf16 / fp16 on a CPU without their matrix instructions: products, attention and KV
+            cache in fp32 over the same rounded values, see matmul.py).
         device: where weights, cache and compute live; the platform layer chooses it.
         max_model_len: prompt + generated tokens per sequence (default: the model's
             max_position_embeddings, capped at 4096). The KV cache grows lazily up to it.
@@ -128,8 +130,10 @@ class NativeEngine:
         self._weights = ModelWeights.from_state_dict(self.spec, state, self.dtype, self.device,
                                                      batch_hint=max_num_seqs)
         model = DecoderModel(self.spec, self._weights, max_len=self.max_model_len, dtype=self.dtype, device=self.device)
+        # bf16 / fp16 widened to fp32 on a CPU without their matrix instructions: attention too
+        cache_dtype = torch.float32 if self._weights.matmul.widens else self.dtype
         cache = KVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim,
-                        max_slots=max_num_seqs, max_len=self.max_model_len, dtype=self.dtype, device=self.device)
+                        max_slots=max_num_seqs, max_len=self.max_model_len, dtype=cache_dtype, device=self.device)
         self._sched = Scheduler(
             model, cache, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
             max_prefill_tokens=max(max_prefill_tokens, self.max_model_len),

@@ -11,9 +11,19 @@ than `F.linear` in fp32, and the whole engine 1.5-1.8x faster. In bf16 the matmu
 bf16 keeps `F.linear` (BLAS already uses the bf16 matrix instructions directly). The packed product
 sums in a different order from BLAS, so results differ in the last bits (~1e-6 relative), not more.
 
-Packing applies to float32 CPU tensors when this torch build has the ops and they give the plain
-product on a probe; everything else (CUDA, bf16 / fp16, builds without oneDNN) uses `F.linear` on
-the plain weights. The packed copy is extra memory (one more copy of the matrices).
+bf16 and fp16 on an x86 CPU *without* their matrix instructions (no avx512_bf16 / amx_bf16, resp.
+no avx512_fp16 / amx_fp16: AVX2-only machines, for one) are another matter: BLAS and oneDNN
+emulate those products by converting operands inside the kernel, 5-7x slower than fp32. There the
+weights are packed as fp32 and each product runs in fp32 on activations widened from bf16 / fp16,
+rounded back to the model's dtype (`WidenedMatmul`). That is the product the native instructions
+compute (bf16 x bf16 products are exact in fp32, sums accumulate in fp32, one rounding at the
+end); results differ from the emulated kernel only by the summation order, at most one unit in
+the last place of bf16 / fp16. The packed fp32 copy costs twice the matrices' bf16 size in memory.
+
+Packing applies to float32 CPU tensors (and widened bf16 / fp16, above) when this torch build has
+the ops and they give the plain product on a probe; everything else (CUDA, bf16 / fp16 with
+native instructions, builds without oneDNN) uses `F.linear` on the plain weights. The packed copy
+is extra memory (one more copy of the matrices).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ class PlainMatmul:
     """`F.linear` on the plain weights: the fallback everywhere packing does not apply."""
 
     packs = False
+    widens = False  # products in the weights' own dtype
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         return weight
@@ -48,6 +59,7 @@ class OneDNNPackedMatmul:
     """Weights reordered once into oneDNN's blocked layout; products through `_linear_pointwise`."""
 
     packs = True
+    widens = False
 
     def __init__(self, batch_hint: int):
         self.batch_hint = batch_hint  # the row count the layout is chosen for (decode batch)
@@ -63,6 +75,37 @@ class OneDNNPackedMatmul:
         if a.dim() != 2:
             return x + self.linear(a, w, b)
         return torch.ops.mkldnn._linear_pointwise(a, x.contiguous(), w, b, "add")
+
+
+class WidenedMatmul(OneDNNPackedMatmul):
+    """bf16 / fp16 weights packed as fp32; activations widened for each product, the result
+    rounded back to their dtype (for CPUs without bf16 / fp16 matrix instructions, see above)."""
+
+    widens = True  # the engine keeps its KV cache and attention in fp32 too (model.py)
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return super().pack(weight.float())
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return super().linear(x.float(), w, None if b is None else b.float()).to(x.dtype)
+
+    def residual_linear(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+        """x + (a @ w^T + b), the product rounded before the add as in the model's own dtype."""
+        return x + self.linear(a, w, b)
+
+
+# x86 CPU capabilities (torch.cpu.get_capabilities) that multiply each dtype natively
+_NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+
+
+def has_matrix_instructions(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies `dtype` natively. Only x86 is judged (from torch's CPU
+    capabilities); anywhere else, or with a torch that cannot tell, the answer is yes, so the
+    plain kernels stay in use."""
+    caps = getattr(torch.cpu, "get_capabilities", dict)()
+    if caps.get("architecture") != "x86_64" or dtype not in _NATIVE_FLAGS:
+        return True
+    return any(caps.get(flag, False) for flag in _NATIVE_FLAGS[dtype])
 
 
 @functools.cache
@@ -87,6 +130,10 @@ def _onednn_works(dtype: torch.dtype) -> bool:
 
 def matmul_for(like: torch.Tensor, batch_hint: int) -> PlainMatmul | OneDNNPackedMatmul:
     """The matmul implementation for weights like `like` (its device and dtype decide)."""
-    if like.is_cpu and _onednn_works(like.dtype):
+    if not like.is_cpu:
+        return PlainMatmul()
+    if _onednn_works(like.dtype):
         return OneDNNPackedMatmul(batch_hint)
+    if like.dtype in _NATIVE_FLAGS and not has_matrix_instructions(like.dtype) and _onednn_works(torch.float32):
+        return WidenedMatmul(batch_hint)
     return PlainMatmul()

@@ -6,6 +6,11 @@ few, large ops: fused qkv and gate/up matmuls (fp32 on a CPU: against prepacked 
 q and k normed and rotated together, one shared attention mask per step, and logits only for the
 positions that are sampled.
 
+Attention runs in the KV cache's dtype: the model's, except where the matmuls widen bf16 / fp16
+to fp32 on a CPU without their matrix instructions (matmul.py). There the cache holds the same
+bf16 / fp16-rounded keys and values in fp32, and the attention products run in fp32 (the CPU's
+bf16 batched GEMMs are emulated, 4-6x slower); its output is rounded back to the model's dtype.
+
 Shapes: P prompts padded to T tokens in prefill; B live sequences in decode (slots 0..B-1);
 H hidden, nh / nkv query / key-value heads, hd head dim, L attended length.
 """
@@ -78,12 +83,13 @@ class DecoderModel:
         x = F.embedding(tokens, self.w.embed)  # [P, T, H]
         for i, lw in enumerate(cw.layers):
             q, k, v = self._qkv(self._norm(x, lw.input_norm), lw, cw, cos, sin)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [P, heads, T, hd]
+            # [P, heads, T, hd], in the cache's dtype (fp32 where the matmuls widen bf16 / fp16)
+            q, k, v = (t.transpose(1, 2).to(cache.dtype) for t in (q, k, v))
             cache.k[i, slots, :, :, :T] = k.transpose(-1, -2)
             cache.v[i, slots, :, :T] = v
             attn = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.scale, enable_gqa=s.num_heads != s.num_kv_heads
-            )
+            ).to(x.dtype)
             x = cw.matmul.residual_linear(x, attn.transpose(1, 2).flatten(2), lw.o, lw.o_bias)
             x = self._mlp_residual(x, lw, cw)
         last = x[torch.arange(P, device=x.device), lengths - 1]
@@ -105,12 +111,13 @@ class DecoderModel:
         # One additive mask for all layers, already in baddbmm's [B * nkv, g, L] shape:
         # 0 where visible, -inf past each sequence's end.
         hidden = torch.arange(L, device=tokens.device)[None, :] > positions[:, None]  # [B, L]
-        bias = torch.zeros(B, L, dtype=self.cos.dtype, device=tokens.device).masked_fill_(hidden, float("-inf"))
+        bias = torch.zeros(B, L, dtype=cache.dtype, device=tokens.device).masked_fill_(hidden, float("-inf"))
         bias = bias[:, None, None, :].expand(B, nkv, g, L).reshape(B * nkv, g, L)
         cw = self.w.compute
         x = F.embedding(tokens, self.w.embed)  # [B, H]
         for i, lw in enumerate(cw.layers):
             q, k, v = self._qkv(self._norm(x, lw.input_norm), lw, cw, cos, sin)
+            q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)  # no-ops unless widened
             cache.k[i, rows, :, :, positions] = k
             cache.v[i, rows, :, positions] = v
             # GQA without repeating K/V: the g query heads sharing a kv head form one small GEMM.
@@ -118,7 +125,7 @@ class DecoderModel:
             keys_t = cache.k[i, :B, :, :, :L].view(B * nkv, hd, L)
             values = cache.v[i, :B, :, :L].view(B * nkv, L, hd)
             scores = torch.baddbmm(bias, q.reshape(B * nkv, g, hd), keys_t, alpha=self.scale)
-            attn = torch.bmm(torch.softmax(scores, dim=-1), values)  # [B * nkv, g, hd]
+            attn = torch.bmm(torch.softmax(scores, dim=-1), values).to(x.dtype)  # [B * nkv, g, hd]
             x = cw.matmul.residual_linear(x, attn.view(B, s.q_size), lw.o, lw.o_bias)
             x = self._mlp_residual(x, lw, cw)
         return self._logits(x, cw)

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from polyrl.rollout.base import SamplingParams, WeightUpdateError
-from polyrl.rollout.native.matmul import OneDNNPackedMatmul, PlainMatmul, matmul_for
+from polyrl.rollout.native.matmul import (OneDNNPackedMatmul, PlainMatmul, WidenedMatmul,
+                                          has_matrix_instructions, matmul_for)
 from polyrl.rollout.native.weights import ComputeWeights
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -19,7 +20,8 @@ PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_r
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_packed_products_match_f_linear(dtype, tol, rows):
-    # The class is exercised in both dtypes; matmul_for chooses it for float32 only.
+    # The class is exercised in both dtypes; matmul_for chooses it for float32 only (and packs
+    # bf16 / fp16 as float32 with WidenedMatmul on CPUs without their matrix instructions).
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("no bf16 oneDNN on this CPU")
     mm = OneDNNPackedMatmul(batch_hint=64)
@@ -38,13 +40,52 @@ def test_packed_products_match_f_linear(dtype, tol, rows):
 
 
 @pytest.mark.skipif(not PACKING, reason="this torch build has no oneDNN weight packing")
-def test_float32_cpu_packs_other_dtypes_stay_plain():
+def test_float32_cpu_packs_other_dtypes_widen_only_without_matrix_instructions():
     assert isinstance(matmul_for(torch.zeros(1), batch_hint=64), OneDNNPackedMatmul)
     for dtype in (torch.bfloat16, torch.float16):
         mm = matmul_for(torch.zeros(1, dtype=dtype), batch_hint=64)
-        assert isinstance(mm, PlainMatmul) and not mm.packs
         w = torch.randn(8, 4, dtype=dtype)
-        assert mm.pack(w) is w
+        if has_matrix_instructions(dtype):  # native bf16 / fp16 kernels: plain F.linear
+            assert isinstance(mm, PlainMatmul) and not mm.packs
+            assert mm.pack(w) is w
+        else:
+            assert isinstance(mm, WidenedMatmul) and mm.packs
+            assert mm.pack(w).is_mkldnn and mm.pack(w).dtype == torch.float32
+
+
+def test_matrix_instructions_are_judged_from_the_cpu_capabilities(monkeypatch):
+    caps = {"architecture": "x86_64", "avx2": True, "avx512_bf16": False, "amx_bf16": False,
+            "avx512_fp16": False, "amx_fp16": False}
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: dict(caps))
+    assert not has_matrix_instructions(torch.bfloat16) and not has_matrix_instructions(torch.float16)
+    assert has_matrix_instructions(torch.float32)
+    caps["avx512_bf16"] = True  # e.g. AMD Zen 4, Intel Cooper Lake
+    assert has_matrix_instructions(torch.bfloat16) and not has_matrix_instructions(torch.float16)
+    caps["architecture"] = "aarch64"  # not judged: the plain kernels stay
+    assert has_matrix_instructions(torch.float16)
+
+
+@pytest.mark.skipif(not PACKING, reason="this torch build has no oneDNN weight packing")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_widened_products_are_the_fp32_product_rounded_once(dtype, rows):
+    mm = WidenedMatmul(batch_hint=64)
+    gen = torch.Generator().manual_seed(0)
+    w, b = (torch.randn(96, 48, generator=gen) * 0.1).to(dtype), torch.randn(96, generator=gen).to(dtype)
+    x, res = torch.randn(rows, 48, generator=gen).to(dtype), torch.randn(rows, 96, generator=gen).to(dtype)
+    packed = mm.pack(w)
+    ulp = torch.finfo(dtype).eps  # relative: one unit in the last place
+    for bias in (None, b):
+        exact = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        out = mm.linear(x, packed, bias)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), exact.to(dtype).float(), atol=1e-6, rtol=ulp)
+        # the residual add is done in the model's dtype, after the product is rounded (as in HF)
+        got = mm.residual_linear(res, x, packed, bias)
+        torch.testing.assert_close(got.float(), (res + exact.to(dtype)).float(), atol=1e-6, rtol=ulp)
+    x3 = torch.randn(2, rows, 48, generator=gen).to(dtype)  # prefill's [P, T, H]
+    torch.testing.assert_close(mm.linear(x3, packed, None).float(), F.linear(x3.float(), w.float()).to(dtype).float(),
+                               atol=1e-6, rtol=ulp)
 
 
 @pytest.mark.skipif(not PACKING, reason="this torch build has no oneDNN weight packing")
@@ -68,24 +109,43 @@ def test_engine_packs_on_cpu_and_update_swaps_a_new_set(engine):
     assert engine.generate_batch([PROMPT], GREEDY)[0][0].token_ids != before
 
 
-@pytest.mark.skipif(not PACKING, reason="this torch build has no oneDNN weight packing")
-def test_packed_and_plain_forwards_give_the_same_logits(engine):
-    model, weights, cache = engine._sched.model, engine._weights, engine._sched.cache
+def _prefill_and_decode(engine):
+    """Logits of a prefill (3-d matmuls) then one decode step (2-d, fused residual add)."""
+    model, cache = engine._sched.model, engine._sched.cache
     tokens = torch.tensor([PROMPT, [7, 8, 9]])
     lengths, slots = torch.tensor([3, 3]), torch.tensor([0, 1])
+    cache.reserve(2, 4)
+    first = model.prefill(tokens, lengths, slots, cache)
+    return first, model.decode(torch.tensor([5, 6]), torch.tensor([3, 3]), cache, attend_len=4)
 
-    def forward():  # prefill (3-d matmuls) then one decode step (2-d, fused residual add)
-        cache.reserve(2, 4)
-        first = model.prefill(tokens, lengths, slots, cache)
-        return first, model.decode(torch.tensor([5, 6]), torch.tensor([3, 3]), cache, attend_len=4)
 
+def _packed_and_plain(engine):
+    weights = engine._weights
     with torch.inference_mode():
-        packed = forward()
+        packed = _prefill_and_decode(engine)
         saved = weights.compute
         try:
             weights.compute = ComputeWeights(weights.layers, weights.lm_head, PlainMatmul())
-            plain = forward()
+            plain = _prefill_and_decode(engine)
         finally:
             weights.compute = saved
-    for a, b in zip(packed, plain):
+    return packed, plain
+
+
+@pytest.mark.skipif(not PACKING, reason="this torch build has no oneDNN weight packing")
+def test_packed_and_plain_forwards_give_the_same_logits(engine):
+    for a, b in zip(*_packed_and_plain(engine)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not PACKING, reason="this torch build has no oneDNN weight packing")
+def test_widened_and_plain_bf16_forwards_agree(qwen3_dir):
+    from polyrl.rollout.native.engine import NativeEngine
+
+    engine = NativeEngine(qwen3_dir, dtype="bfloat16", max_model_len=64, max_num_seqs=4, tokenizer=False)
+    if not isinstance(engine._weights.matmul, WidenedMatmul):
+        engine._weights.matmul = WidenedMatmul(batch_hint=4)  # a CPU with bf16 instructions: force it
+        engine._weights.compute = engine._weights._compute_weights()
+    for a, b in zip(*_packed_and_plain(engine)):  # bf16 logits: the last bits differ, no more
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
+        assert (a.argmax(-1) == b.argmax(-1)).all()
