@@ -311,6 +311,7 @@ class NativeEngine:
             "waiting": len(self._sched.waiting),
             "sleeping": self._sleeping,
             "kv_cache_bytes": self._sched.cache.nbytes,
+            "matmul": type(self._weights.matmul).__name__,  # the CPU kernels in use (matmul.py)
         }
 
 

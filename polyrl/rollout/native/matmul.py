@@ -18,7 +18,8 @@ weights are packed as fp32 and each product runs in fp32 on activations widened 
 rounded back to the model's dtype (`WidenedMatmul`). That is the product the native instructions
 compute (bf16 x bf16 products are exact in fp32, sums accumulate in fp32, one rounding at the
 end); results differ from the emulated kernel only by the summation order, at most one unit in
-the last place of bf16 / fp16. The packed fp32 copy costs twice the matrices' bf16 size in memory.
+the last place of bf16 / fp16. The packed fp32 copy costs twice the matrices' bf16 size in memory
+(and a repack after an update briefly holds two of them).
 
 Packing applies to float32 CPU tensors (and widened bf16 / fp16, above) when this torch build has
 the ops and they give the plain product on a probe; everything else (CUDA, bf16 / fp16 with
@@ -29,6 +30,7 @@ is extra memory (one more copy of the matrices).
 from __future__ import annotations
 
 import functools
+import platform
 
 import torch
 import torch.nn.functional as F
@@ -99,11 +101,18 @@ _NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("a
 
 
 def has_matrix_instructions(dtype: torch.dtype) -> bool:
-    """Whether this CPU multiplies `dtype` natively. Only x86 is judged (from torch's CPU
-    capabilities); anywhere else, or with a torch that cannot tell, the answer is yes, so the
-    plain kernels stay in use."""
-    caps = getattr(torch.cpu, "get_capabilities", dict)()
-    if caps.get("architecture") != "x86_64" or dtype not in _NATIVE_FLAGS:
+    """Whether this CPU multiplies `dtype` natively. Only x86 is judged, from torch's CPU
+    capabilities; a torch without `torch.cpu.get_capabilities` tells only its vector level, and
+    below AVX-512 there are no bf16 / fp16 matrix instructions. Anywhere else, or where it cannot
+    tell, the answer is yes, so the plain kernels stay in use."""
+    if dtype not in _NATIVE_FLAGS:
+        return True
+    get_capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if get_capabilities is None:
+        return not (platform.machine().lower() in ("x86_64", "amd64")
+                    and torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "NO AVX", "AVX2"))
+    caps = get_capabilities()
+    if caps.get("architecture") != "x86_64":
         return True
     return any(caps.get(flag, False) for flag in _NATIVE_FLAGS[dtype])
 

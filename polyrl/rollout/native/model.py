@@ -8,8 +8,10 @@ positions that are sampled.
 
 Attention runs in the KV cache's dtype: the model's, except where the matmuls widen bf16 / fp16
 to fp32 on a CPU without their matrix instructions (matmul.py). There the cache holds the same
-bf16 / fp16-rounded keys and values in fp32, and the attention products run in fp32 (the CPU's
-bf16 batched GEMMs are emulated, 4-6x slower); its output is rounded back to the model's dtype.
+bf16 / fp16-rounded keys and values in fp32 and the attention runs in fp32 (the CPU's bf16
+batched GEMMs are emulated, 4-6x slower): scores and probabilities are not rounded to bf16 in
+between, as in a fused attention kernel, so the result is slightly more accurate than the plain
+bf16 path's; its output is rounded back to the model's dtype.
 
 Shapes: P prompts padded to T tokens in prefill; B live sequences in decode (slots 0..B-1);
 H hidden, nh / nkv query / key-value heads, hd head dim, L attended length.

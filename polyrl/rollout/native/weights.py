@@ -12,6 +12,7 @@ plain tensors themselves.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -20,6 +21,8 @@ import torch
 from polyrl.rollout.base import WeightUpdateError
 from polyrl.rollout.native.loader import ModelSpec
 from polyrl.rollout.native.matmul import OneDNNPackedMatmul, PlainMatmul, matmul_for
+
+logger = logging.getLogger(__name__)
 
 # Buffers some checkpoints carry that the engine recomputes itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -157,7 +160,9 @@ class ModelWeights:
         if self.matmul.packs:
             try:
                 compute = self._compute_weights()
-            except RuntimeError:  # e.g. out of memory for the packed copy: stay correct, unpacked
+            except RuntimeError as exc:  # e.g. out of memory for the packed copy: stay correct, unpacked
+                logger.warning("native engine: packing the weights failed (%s); continuing with plain "
+                               "F.linear, which is slower on this CPU (health() reports 'matmul')", exc)
                 self.matmul = PlainMatmul()
                 compute = self._compute_weights()
             self.compute = compute  # one swap: a forward sees all old or all new matrices

@@ -56,13 +56,28 @@ def test_float32_cpu_packs_other_dtypes_widen_only_without_matrix_instructions()
 def test_matrix_instructions_are_judged_from_the_cpu_capabilities(monkeypatch):
     caps = {"architecture": "x86_64", "avx2": True, "avx512_bf16": False, "amx_bf16": False,
             "avx512_fp16": False, "amx_fp16": False}
-    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: dict(caps))
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: dict(caps), raising=False)
     assert not has_matrix_instructions(torch.bfloat16) and not has_matrix_instructions(torch.float16)
     assert has_matrix_instructions(torch.float32)
     caps["avx512_bf16"] = True  # e.g. AMD Zen 4, Intel Cooper Lake
     assert has_matrix_instructions(torch.bfloat16) and not has_matrix_instructions(torch.float16)
     caps["architecture"] = "aarch64"  # not judged: the plain kernels stay
     assert has_matrix_instructions(torch.float16)
+
+
+def test_without_cpu_capabilities_the_vector_level_decides(monkeypatch):
+    import polyrl.rollout.native.matmul as matmul
+
+    monkeypatch.delattr(torch.cpu, "get_capabilities", raising=False)  # an older torch
+    monkeypatch.setattr(matmul.platform, "machine", lambda: "x86_64")
+    level = {"value": "AVX2"}
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: level["value"])
+    assert not has_matrix_instructions(torch.bfloat16) and not has_matrix_instructions(torch.float16)
+    level["value"] = "AVX512"  # may have them: cannot tell, keep the plain kernels
+    assert has_matrix_instructions(torch.bfloat16)
+    level["value"] = "AVX2"
+    monkeypatch.setattr(matmul.platform, "machine", lambda: "aarch64")
+    assert has_matrix_instructions(torch.bfloat16)
 
 
 @pytest.mark.skipif(not PACKING, reason="this torch build has no oneDNN weight packing")
@@ -138,14 +153,47 @@ def test_packed_and_plain_forwards_give_the_same_logits(engine):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not PACKING, reason="this torch build has no oneDNN weight packing")
-def test_widened_and_plain_bf16_forwards_agree(qwen3_dir):
+def _engine_with(matmul, model_dir, dtype, monkeypatch):
+    from polyrl.rollout.native import weights as weights_module
     from polyrl.rollout.native.engine import NativeEngine
 
-    engine = NativeEngine(qwen3_dir, dtype="bfloat16", max_model_len=64, max_num_seqs=4, tokenizer=False)
-    if not isinstance(engine._weights.matmul, WidenedMatmul):
-        engine._weights.matmul = WidenedMatmul(batch_hint=4)  # a CPU with bf16 instructions: force it
-        engine._weights.compute = engine._weights._compute_weights()
-    for a, b in zip(*_packed_and_plain(engine)):  # bf16 logits: the last bits differ, no more
-        torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
-        assert (a.argmax(-1) == b.argmax(-1)).all()
+    monkeypatch.setattr(weights_module, "matmul_for", lambda like, batch_hint: matmul)
+    return NativeEngine(model_dir, dtype=dtype, max_model_len=64, max_num_seqs=4, tokenizer=False)
+
+
+@pytest.mark.skipif(not PACKING, reason="this torch build has no oneDNN weight packing")
+@pytest.mark.parametrize("dtype,tol", [("bfloat16", 0.05), ("float16", 0.01)])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_widened_engine_agrees_with_a_plain_one(model_dirs, arch, dtype, tol, monkeypatch):
+    """Widened (fp32 products, fp32 cache and attention) against plain kernels in the model's
+    dtype, whatever this CPU has: same greedy tokens, log-probs and logits within the dtype's
+    rounding."""
+    widened = _engine_with(WidenedMatmul(batch_hint=4), model_dirs[arch], dtype, monkeypatch)
+    plain = _engine_with(PlainMatmul(), model_dirs[arch], dtype, monkeypatch)
+    assert widened.health()["matmul"] == "WidenedMatmul" and plain.health()["matmul"] == "PlainMatmul"
+    assert widened._sched.cache.dtype == torch.float32 and plain._sched.cache.dtype == widened.dtype
+    prompts = [PROMPT, [7, 8, 9, 10, 11]]
+    sampling = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for a, b in zip(widened.generate_batch(prompts, sampling), plain.generate_batch(prompts, sampling)):
+        assert a[0].token_ids == b[0].token_ids
+        assert max(abs(x - y) for x, y in zip(a[0].logprobs, b[0].logprobs)) < tol
+    with torch.inference_mode():
+        for x, y in zip(_prefill_and_decode(widened), _prefill_and_decode(plain)):
+            torch.testing.assert_close(x, y, atol=4 * tol, rtol=0)
+
+
+@pytest.mark.skipif(not PACKING, reason="this torch build has no oneDNN weight packing")
+def test_a_failed_repack_falls_back_to_plain_kernels_and_says_so(qwen3_dir, monkeypatch, caplog):
+    engine = _engine_with(WidenedMatmul(batch_hint=4), qwen3_dir, "bfloat16", monkeypatch)
+    before = engine.generate_batch([PROMPT], GREEDY)[0][0].token_ids
+
+    def out_of_memory(self, weight):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(WidenedMatmul, "pack", out_of_memory)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    with caplog.at_level("WARNING"):
+        engine.update_weights({q: engine._weights.targets[q][0].clone()}, version=1)  # same values
+    assert "packing the weights failed" in caplog.text
+    assert engine.health()["matmul"] == "PlainMatmul" and engine.weight_version == 1
+    assert engine.generate_batch([PROMPT], GREEDY)[0][0].token_ids == before  # fp32 cache, plain kernels
