@@ -312,6 +312,7 @@ class NativeEngine:
             "sleeping": self._sleeping,
             "kv_cache_bytes": self._sched.cache.nbytes,
             "matmul": type(self._weights.matmul).__name__,  # the CPU kernels in use (matmul.py)
+            "packed_matrices": self._weights.compute.num_packed,
         }
 
 

@@ -6,7 +6,11 @@ columns) that re-layout is most of the cost. oneDNN can do it once: `mkldnn._reo
 returns the weight in oneDNN's blocked layout (an opaque tensor) and `mkldnn._linear_pointwise`
 multiplies by it, the same pair inductor's CPU freezing pass uses. Measured on the bench machine
 (docs/benchmarks.md, Rollout engine): one decode step's projections at 64 rows run 2.4-2.6x faster
-than `F.linear` in fp32, and the whole engine 1.5-1.8x faster. In bf16 the matmuls gain only
+than `F.linear` in fp32, and the whole engine 1.5-1.8x faster. Not everywhere: on an AVX2-only
+CPU, BLAS's own kernels are good and oneDNN's larger per-call cost made small matrices (under ~1M
+elements) 5-50% *slower* packed, while large ones still gained 1.1-1.6x. So each weight shape is
+packed only where a timing at load (`packing_pays`, once per process and shape) shows the packed
+product faster; the rest stay plain. In bf16 the matmuls gain only
 1.2-1.4x, the fused residual add costs part of that back, and the engine measured 0.92-1.06x, so
 bf16 keeps `F.linear` (BLAS already uses the bf16 matrix instructions directly). The packed product
 sums in a different order from BLAS, so results differ in the last bits (~1e-6 relative), not more.
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import platform
+import time
 
 import torch
 import torch.nn.functional as F
@@ -58,25 +63,86 @@ class PlainMatmul:
 
 
 class OneDNNPackedMatmul:
-    """Weights reordered once into oneDNN's blocked layout; products through `_linear_pointwise`."""
+    """Weights reordered once into oneDNN's blocked layout where that pays for their shape (see
+    `packing_pays`), products through `_linear_pointwise`; the other matrices stay plain and go
+    through `F.linear`. `linear` tells them apart by the tensor (`is_mkldnn`)."""
 
-    packs = True
+    packs = True  # the forward reads copies: rebuilt after every weight update
     widens = False
 
-    def __init__(self, batch_hint: int):
+    def __init__(self, batch_hint: int, *, pack_all: bool = False):
         self.batch_hint = batch_hint  # the row count the layout is chosen for (decode batch)
+        self.pack_all = pack_all  # skip the timing: pack every matrix
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.batch_hint)
+        weight = weight.contiguous()
+        if self.pack_all or packing_pays(tuple(weight.shape), self.batch_hint, torch.get_num_threads()):
+            return torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
+        return weight
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        if w.is_mkldnn:
+            return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        return F.linear(x, w, b)
 
     def residual_linear(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
         """x + a @ w^T + b with the add fused into the product (x itself is not written)."""
-        if a.dim() != 2:
+        if a.dim() != 2 or (b is not None and not w.is_mkldnn):
             return x + self.linear(a, w, b)
-        return torch.ops.mkldnn._linear_pointwise(a, x.contiguous(), w, b, "add")
+        if w.is_mkldnn:
+            return torch.ops.mkldnn._linear_pointwise(a, x.contiguous(), w, b, "add")
+        return torch.addmm(x, a, w.t())
+
+
+ALWAYS_PACK_NUMEL = 1 << 21
+"""Matrices this large are packed without timing: packing won for every such shape measured
+(1.1-2.6x, docs/benchmarks.md), and timing them would cost a noticeable part of the load."""
+
+PACKING_MARGIN = 0.95
+"""The packed product must take at most this fraction of `F.linear`'s time: where the two are
+close, plain weights save the memory and the repack after each update."""
+
+
+@functools.cache
+def packing_pays(shape: tuple[int, int], rows: int, threads: int) -> bool:
+    """Whether the packed fp32 product of an `shape` weight beats `F.linear` at `rows` rows on
+    this CPU with `threads` threads: timed once per process (min of interleaved rounds of a
+    few calls each on random data; tens of milliseconds for a model's few shapes).
+
+    Measured: on one AVX-512 CPU packing was 2.3-2.8x faster at every decode shape; on an
+    AVX2-only one it was 0.5-0.95x for matrices under ~1M elements (oneDNN's per-call cost
+    exceeds BLAS's re-layout there) and 1.1-1.6x above (docs/benchmarks.md)."""
+    out_features, in_features = shape
+    if out_features * in_features >= ALWAYS_PACK_NUMEL:
+        return True
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(out_features, in_features, generator=gen) * 0.02
+    x = torch.randn(rows, in_features, generator=gen)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+    plain_call = lambda: F.linear(x, w)  # noqa: E731
+    packed_call = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
+    with torch.no_grad():
+        packed_call()  # oneDNN builds its primitive on the first call
+        calls = _calls_per_round(plain_call)
+        best_plain = best_packed = float("inf")
+        for _ in range(5):
+            best_plain = min(best_plain, _round(plain_call, calls))
+            best_packed = min(best_packed, _round(packed_call, calls))
+    return best_packed < PACKING_MARGIN * best_plain
+
+
+def _round(call, calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return time.perf_counter() - t0
+
+
+def _calls_per_round(call, target_s: float = 0.001) -> int:
+    """Calls that take about `target_s` (after two warm-up calls)."""
+    call()
+    one = _round(call, 1)
+    return max(1, min(64, int(target_s / max(one, 1e-7))))
 
 
 class WidenedMatmul(OneDNNPackedMatmul):
@@ -125,7 +191,7 @@ def _onednn_works(dtype: torch.dtype) -> bool:
     try:
         gen = torch.Generator().manual_seed(0)
         w, x, r = (torch.randn(*s, generator=gen).to(dtype) for s in ((24, 16), (5, 16), (5, 24)))
-        mm = OneDNNPackedMatmul(batch_hint=5)
+        mm = OneDNNPackedMatmul(batch_hint=5, pack_all=True)
         packed = mm.pack(w)
         tol = 1e-4
         return bool(

@@ -52,6 +52,12 @@ class ComputeWeights:
     lm_head: torch.Tensor
     matmul: PlainMatmul | OneDNNPackedMatmul  # the implementation that reads these tensors
 
+    @property
+    def num_packed(self) -> int:
+        """Matrices held in oneDNN's blocked layout (the others are plain tensors)."""
+        mats = [m for lw in self.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)] + [self.lm_head]
+        return sum(m.is_mkldnn for m in mats)
+
 
 class ModelWeights:
     """Fused parameters plus `targets`: HF name -> (view to copy into, expected shape)."""

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from polyrl.rollout.base import SamplingParams, WeightUpdateError
+import polyrl.rollout.native.matmul as matmul_module
 from polyrl.rollout.native.matmul import (OneDNNPackedMatmul, PlainMatmul, WidenedMatmul,
                                           has_matrix_instructions, matmul_for)
 from polyrl.rollout.native.weights import ComputeWeights
@@ -24,7 +25,7 @@ def test_packed_products_match_f_linear(dtype, tol, rows):
     # bf16 / fp16 as float32 with WidenedMatmul on CPUs without their matrix instructions).
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("no bf16 oneDNN on this CPU")
-    mm = OneDNNPackedMatmul(batch_hint=64)
+    mm = OneDNNPackedMatmul(batch_hint=64, pack_all=True)
     gen = torch.Generator().manual_seed(0)
     w, b = (torch.randn(96, 48, generator=gen) * 0.1).to(dtype), torch.randn(96, generator=gen).to(dtype)
     x, res = torch.randn(rows, 48, generator=gen).to(dtype), torch.randn(rows, 96, generator=gen).to(dtype)
@@ -49,8 +50,8 @@ def test_float32_cpu_packs_other_dtypes_widen_only_without_matrix_instructions()
             assert isinstance(mm, PlainMatmul) and not mm.packs
             assert mm.pack(w) is w
         else:
-            assert isinstance(mm, WidenedMatmul) and mm.packs
-            assert mm.pack(w).is_mkldnn and mm.pack(w).dtype == torch.float32
+            assert isinstance(mm, WidenedMatmul) and mm.packs and mm.pack(w).dtype == torch.float32
+            assert WidenedMatmul(batch_hint=64, pack_all=True).pack(w).is_mkldnn
 
 
 def test_matrix_instructions_are_judged_from_the_cpu_capabilities(monkeypatch):
@@ -81,10 +82,12 @@ def test_without_cpu_capabilities_the_vector_level_decides(monkeypatch):
 
 
 @pytest.mark.skipif(not PACKING, reason="this torch build has no oneDNN weight packing")
+@pytest.mark.parametrize("pack_all", [True, False])  # packed, or plain fp32 where packing does not pay
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 7, 64])
-def test_widened_products_are_the_fp32_product_rounded_once(dtype, rows):
-    mm = WidenedMatmul(batch_hint=64)
+def test_widened_products_are_the_fp32_product_rounded_once(dtype, rows, pack_all, monkeypatch):
+    monkeypatch.setattr(matmul_module, "packing_pays", lambda shape, rows, threads: False)
+    mm = WidenedMatmul(batch_hint=64, pack_all=pack_all)
     gen = torch.Generator().manual_seed(0)
     w, b = (torch.randn(96, 48, generator=gen) * 0.1).to(dtype), torch.randn(96, generator=gen).to(dtype)
     x, res = torch.randn(rows, 48, generator=gen).to(dtype), torch.randn(rows, 96, generator=gen).to(dtype)
@@ -104,7 +107,8 @@ def test_widened_products_are_the_fp32_product_rounded_once(dtype, rows):
 
 
 @pytest.mark.skipif(not PACKING, reason="this torch build has no oneDNN weight packing")
-def test_engine_packs_on_cpu_and_update_swaps_a_new_set(engine):
+def test_engine_packs_on_cpu_and_update_swaps_a_new_set(qwen3_dir, monkeypatch):
+    engine = _engine_with(OneDNNPackedMatmul(batch_hint=4, pack_all=True), qwen3_dir, "float32", monkeypatch)
     weights = engine._weights
     assert weights.matmul.packs
     old = weights.compute
@@ -148,7 +152,19 @@ def _packed_and_plain(engine):
 
 
 @pytest.mark.skipif(not PACKING, reason="this torch build has no oneDNN weight packing")
-def test_packed_and_plain_forwards_give_the_same_logits(engine):
+@pytest.mark.parametrize("packed_shapes", ["all", "qkv and lm_head"])  # every matrix, or a mix
+def test_packed_and_plain_forwards_give_the_same_logits(qwen3_dir, packed_shapes, monkeypatch):
+    mm = OneDNNPackedMatmul(batch_hint=4, pack_all=packed_shapes == "all")
+    engine = _engine_with(mm, qwen3_dir, "float32", monkeypatch)
+    if packed_shapes != "all":  # pack the shapes of qkv and lm_head only, then rebuild
+        chosen = {tuple(engine._weights.layers[0].qkv.shape), tuple(engine._weights.lm_head.shape)}
+        monkeypatch.setattr(matmul_module, "packing_pays", lambda shape, rows, threads: shape in chosen)
+        engine._weights.compute = engine._weights._compute_weights()
+    cw = engine._weights.compute
+    assert cw.layers[0].qkv.is_mkldnn and cw.lm_head.is_mkldnn
+    mats = [m for lw in engine._weights.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)] + [engine._weights.lm_head]
+    expected = len(mats) if packed_shapes == "all" else sum(tuple(m.shape) in chosen for m in mats)
+    assert cw.num_packed == expected < len(mats) + (packed_shapes == "all")
     for a, b in zip(*_packed_and_plain(engine)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
@@ -197,3 +213,15 @@ def test_a_failed_repack_falls_back_to_plain_kernels_and_says_so(qwen3_dir, monk
     assert "packing the weights failed" in caplog.text
     assert engine.health()["matmul"] == "PlainMatmul" and engine.weight_version == 1
     assert engine.generate_batch([PROMPT], GREEDY)[0][0].token_ids == before  # fp32 cache, plain kernels
+
+
+@pytest.mark.skipif(not PACKING, reason="this torch build has no oneDNN weight packing")
+def test_packing_is_timed_once_per_shape_and_large_matrices_always_pack():
+    from polyrl.rollout.native.matmul import ALWAYS_PACK_NUMEL, packing_pays
+
+    assert packing_pays((ALWAYS_PACK_NUMEL // 512, 512), 64, 1) is True  # no timing at this size
+    before = packing_pays.cache_info()
+    first = packing_pays((96, 48), 8, 1)
+    assert isinstance(first, bool) and packing_pays.cache_info().misses == before.misses + 1
+    assert packing_pays((96, 48), 8, 1) is first  # decided once: a process never mixes kernels
+    assert packing_pays.cache_info().misses == before.misses + 1
