@@ -148,8 +148,13 @@ class JobConfig(Config):
 
     @property
     def resolved_weights(self) -> WeightSyncConfig:
-        """The weights section with `auto` replaced by `weight_transport`."""
-        return self.weights.model_copy(update={"transport": self.weight_transport})
+        """The weights section with `auto` replaced by `weight_transport`; a background publish
+        only in async mode (in sync mode the replicas wait for each version at once, so nothing
+        would overlap, and a foreground publish reports its errors to the trainer directly)."""
+        return self.weights.model_copy(update={
+            "transport": self.weight_transport,
+            "background_publish": self.weights.background_publish and self.trainer.mode == "async",
+        })
 
     @property
     def num_mini_batches(self) -> int:

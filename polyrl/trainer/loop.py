@@ -169,17 +169,17 @@ class Trainer:
         """Stop generating and shut the run's actors down (Ray itself stays up)."""
         if self.stream is not None:
             self.stream.close()
-        policy = getattr(self, "policy", None)
+        policy = getattr(self, "policy", None)  # None before setup() and after a shutdown
+        groups = [g for g in (getattr(self, "rollout", None), policy) if g is not None]
+        for group in groups:
+            group.waiter = gather
         if policy is not None and self.cfg.weight_transport == "object_store":
-            policy.waiter = gather
             try:  # a publication still in flight lands while the mailbox is up
                 policy.call("close_transport", phase="shutdown")
             except Exception as exc:
                 logger.warning("the last weight publication failed: %s", exc)
-        for group in (getattr(self, "rollout", None), getattr(self, "policy", None)):
-            if group is not None:
-                group.waiter = gather
-                group.shutdown()
+        for group in groups:
+            group.shutdown()
         self.rollout = self.policy = None
 
     def _run(self, start: float, stop) -> dict[str, Any]:

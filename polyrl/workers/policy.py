@@ -85,10 +85,7 @@ class PolicyWorker:
             groups = build_groups(layout, rank, backend=backend, timeout_s=cfg.ray.timeout_s)
             self.train_group = groups.group("trainer")
             if rank == groups.leader("weight_sync"):
-                # sync: the replicas wait for each version at once, so an object-store publish
-                # runs in the foreground, where its errors reach the trainer directly
-                weights = cfg.resolved_weights.model_copy(update={"background_publish": False})
-                self.transport = build_transport(weights, "standalone",
+                self.transport = build_transport(cfg.resolved_weights, "standalone",
                                                  **transport_context(cfg, groups.group("weight_sync"), mailbox))
         else:
             # hybrid, or async: replicas join no collective (weights go through the object store)

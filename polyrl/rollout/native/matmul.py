@@ -62,13 +62,12 @@ class PlainMatmul:
         return torch.addmm(x, a, w.t())
 
 
-class OneDNNPackedMatmul:
+class OneDNNPackedMatmul(PlainMatmul):
     """Weights reordered once into oneDNN's blocked layout where that pays for their shape (see
-    `packing_pays`), products through `_linear_pointwise`; the other matrices stay plain and go
-    through `F.linear`. `linear` tells them apart by the tensor (`is_mkldnn`)."""
+    `packing_pays`), products through `_linear_pointwise`; the other matrices stay plain and take
+    `PlainMatmul`'s path. The tensor tells them apart (`is_mkldnn`)."""
 
     packs = True  # the forward reads copies: rebuilt after every weight update
-    widens = False
 
     def __init__(self, batch_hint: int, *, pack_all: bool = False):
         self.batch_hint = batch_hint  # the row count the layout is chosen for (decode batch)
@@ -81,17 +80,17 @@ class OneDNNPackedMatmul:
         return weight
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        if w.is_mkldnn:
-            return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-        return F.linear(x, w, b)
+        if not w.is_mkldnn:
+            return super().linear(x, w, b)
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
     def residual_linear(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
         """x + a @ w^T + b with the add fused into the product (x itself is not written)."""
-        if a.dim() != 2 or (b is not None and not w.is_mkldnn):
+        if not w.is_mkldnn:
+            return super().residual_linear(x, a, w, b)
+        if a.dim() != 2:
             return x + self.linear(a, w, b)
-        if w.is_mkldnn:
-            return torch.ops.mkldnn._linear_pointwise(a, x.contiguous(), w, b, "add")
-        return torch.addmm(x, a, w.t())
+        return torch.ops.mkldnn._linear_pointwise(a, x.contiguous(), w, b, "add")
 
 
 ALWAYS_PACK_NUMEL = 1 << 21
@@ -139,7 +138,7 @@ def _round(call, calls: int) -> float:
 
 
 def _calls_per_round(call, target_s: float = 0.001) -> int:
-    """Calls that take about `target_s` (after two warm-up calls)."""
+    """Calls that take about `target_s` (timed after one warm-up call)."""
     call()
     one = _round(call, 1)
     return max(1, min(64, int(target_s / max(one, 1e-7))))
@@ -203,7 +202,7 @@ def _onednn_works(dtype: torch.dtype) -> bool:
         return False
 
 
-def matmul_for(like: torch.Tensor, batch_hint: int) -> PlainMatmul | OneDNNPackedMatmul:
+def matmul_for(like: torch.Tensor, batch_hint: int) -> PlainMatmul:
     """The matmul implementation for weights like `like` (its device and dtype decide)."""
     if not like.is_cpu:
         return PlainMatmul()

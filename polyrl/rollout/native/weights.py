@@ -20,7 +20,7 @@ import torch
 
 from polyrl.rollout.base import WeightUpdateError
 from polyrl.rollout.native.loader import ModelSpec
-from polyrl.rollout.native.matmul import OneDNNPackedMatmul, PlainMatmul, matmul_for
+from polyrl.rollout.native.matmul import PlainMatmul, matmul_for
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class ComputeWeights:
 
     layers: list[LayerWeights]
     lm_head: torch.Tensor
-    matmul: PlainMatmul | OneDNNPackedMatmul  # the implementation that reads these tensors
+    matmul: PlainMatmul  # the implementation that reads these tensors (or a subclass)
 
     @property
     def num_packed(self) -> int:

@@ -47,6 +47,7 @@ class IncrementalDecoder:
     """
 
     CONTEXT = 4
+    MAX_CONTEXT = 16  # how far back the context may reach over whitespace-only decodes
     MAX_PENDING = 16
 
     def __init__(self, tokenizer: Any):
@@ -64,7 +65,7 @@ class IncrementalDecoder:
         self.tokens += token_ids
         start = max(self._read - self.CONTEXT, 0)
         context = self._decode(self.tokens[start:self._read])
-        while start > 0 and start > self._read - 4 * self.CONTEXT and (not context or context.isspace()):
+        while start > max(self._read - self.MAX_CONTEXT, 0) and (not context or context.isspace()):
             start -= 1
             context = self._decode(self.tokens[start:self._read])
         window = self._decode(self.tokens[start:])
