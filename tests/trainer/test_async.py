@@ -152,8 +152,10 @@ def test_trainer_killed_and_resumed(ray_session, tiny_model, arith_files, tmp_pa
     # the checkpoint owes exactly the drawn but untrained prompts (data position)
     state = torch.load(ckpt / "driver.pt", weights_only=False)["async"]
     assert state["consumed"] == B
-    owed = sorted([g.gid for g in state["ready"]] + [g.gid for g in state["pending"]])
-    assert owed == list(range(B, state["next_gid"]))
+    # (groups finish out of order: batch 1 is the first B to finish, not necessarily gids 0..B-1)
+    owed = [g.gid for g in state["ready"]] + [g.gid for g in state["pending"]]
+    assert len(set(owed)) == len(owed) == state["next_gid"] - B
+    assert set(owed) <= set(range(state["next_gid"]))
     stale = sum(1 for g in state["ready"] if min(s.min_version for s in g.samples) < 1)
     assert stale >= 1, "the checkpoint should hold finished groups generated before version 1"
 
