@@ -1,4 +1,4 @@
-"""Conventions a reviewer would otherwise have to police by hand (DESIGN.md, Conventions).
+"""Conventions a reviewer would otherwise have to police by hand (docs/architecture.md, Conventions).
 
 - Only `polyrl/envplan` computes environment for other processes; nothing writes os.environ.
 - Only `polyrl/platform` touches torch.cuda, device-type strings and communication backends.

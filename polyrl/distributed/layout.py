@@ -6,7 +6,7 @@ lists of each of its groups and each group's leader.
 
 The leader of a group is the group's local rank 0 mapped to a global rank. Never "rank 0": with
 several replicas, global rank 0 leads only the first one, and a broadcast from it hangs every
-other replica (R5 in DESIGN.md, verl PR 5701). `torch.distributed.new_group` sorts its members,
+other replica (R5 in docs/architecture.md, verl PR 5701). `torch.distributed.new_group` sorts its members,
 so local rank 0 is the smallest member; `build_groups` checks that against
 `dist.get_global_rank(group, 0)` on the real groups.
 

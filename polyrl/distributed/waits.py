@@ -1,6 +1,6 @@
 """Every remote wait has a timeout; on expiry the error names who did not answer and where.
 
-A hang with no message is the field's most expensive failure (R5 in DESIGN.md): a user waits
+A hang with no message is the field's most expensive failure (R5 in docs/architecture.md): a user waits
 hours, then has to guess which rank stalled. Here a wait that expires raises at once with the
 names of the missing workers and the phase they were in.
 """

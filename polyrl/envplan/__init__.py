@@ -1,6 +1,6 @@
 """The environment plan: every environment variable polyrl gives any process, with provenance.
 
-The only module that computes or writes environment for other processes (R1, R2, R3 in DESIGN.md).
+The only module that computes or writes environment for other processes (R1, R2, R3 in docs/architecture.md).
 """
 
 from polyrl.envplan.plan import (

@@ -1,4 +1,4 @@
-"""Block-wise FP8 weight quantization for FP8 rollout (R4 in DESIGN.md), in plain torch.
+"""Block-wise FP8 weight quantization for FP8 rollout (R4 in docs/architecture.md), in plain torch.
 
 The format is the one DeepSeek-V3 checkpoints and HF's "fine-grained FP8" use, which vLLM, SGLang
 and TensorRT-LLM load natively:

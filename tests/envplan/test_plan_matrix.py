@@ -1,6 +1,6 @@
 """The environment plan over simulated platforms x roles x backends x placements x modes.
 
-`expected()` restates the requirements (R1-R3 of DESIGN.md, issue 2) independently of the rule
+`expected()` restates the requirements (R1-R3 of docs/architecture.md, issue 2) independently of the rule
 tables, so a rule that drifts from the spec fails here.
 """
 
