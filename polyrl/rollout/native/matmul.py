@@ -8,9 +8,12 @@ multiplies by it, the same pair inductor's CPU freezing pass uses. Measured on t
 (docs/benchmarks.md, Rollout engine): one decode step's projections at 64 rows run 2.4-2.6x faster
 than `F.linear` in fp32, and the whole engine 1.5-1.8x faster. Not everywhere: on an AVX2-only
 CPU, BLAS's own kernels are good and oneDNN's larger per-call cost made small matrices (under ~1M
-elements) 5-50% *slower* packed, while large ones still gained 1.1-1.6x. So each weight shape is
-packed only where a timing at load (`packing_pays`, once per process and shape) shows the packed
-product faster; the rest stay plain. In bf16 the matmuls gain only
+elements) 5-50% *slower* packed, while large ones still gained 1.1-1.6x. So whether a weight is
+packed is decided by a rule over its shape and the CPU's features (`packing_pays`): every fp32
+matrix on an AVX-512 CPU, matrices of 1M+ elements elsewhere; the rest stay plain. The rule is
+deliberately not a timing: the packed and plain products differ in the last bits, and a choice
+that followed timing noise made two runs with the same seed diverge (the engine's log-probs feed
+the PPO ratio). In bf16 the matmuls gain only
 1.2-1.4x, the fused residual add costs part of that back, and the engine measured 0.92-1.06x, so
 bf16 keeps `F.linear` (BLAS already uses the bf16 matrix instructions directly). The packed product
 sums in a different order from BLAS, so results differ in the last bits (~1e-6 relative), not more.
@@ -35,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import platform
-import time
 
 import torch
 import torch.nn.functional as F
@@ -71,11 +73,11 @@ class OneDNNPackedMatmul(PlainMatmul):
 
     def __init__(self, batch_hint: int, *, pack_all: bool = False):
         self.batch_hint = batch_hint  # the row count the layout is chosen for (decode batch)
-        self.pack_all = pack_all  # skip the timing: pack every matrix
+        self.pack_all = pack_all  # pack every matrix, whatever `packing_pays` says
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         weight = weight.contiguous()
-        if self.pack_all or packing_pays(tuple(weight.shape), self.batch_hint, torch.get_num_threads()):
+        if self.pack_all or packing_pays(tuple(weight.shape), weight.dtype, cpu_features()):
             return torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
         return weight
 
@@ -93,55 +95,43 @@ class OneDNNPackedMatmul(PlainMatmul):
         return torch.ops.mkldnn._linear_pointwise(a, x.contiguous(), w, b, "add")
 
 
-ALWAYS_PACK_NUMEL = 1 << 21
-"""Matrices this large are packed without timing: packing won for every such shape measured
-(1.1-2.6x, docs/benchmarks.md), and timing them would cost a noticeable part of the load."""
+PACK_NUMEL_WITHOUT_AVX512 = 1 << 20
+"""Without AVX-512, matrices of this many elements or more are packed: below ~1M elements the
+packed product measured 5-50% slower on an AVX2-only CPU (oneDNN's per-call cost exceeds BLAS's
+re-layout), around 1M it was 1.0-1.16x faster, above 1.1-1.6x (docs/benchmarks.md, "Packing
+timed per shape")."""
 
-PACKING_MARGIN = 0.95
-"""The packed product must take at most this fraction of `F.linear`'s time: where the two are
-close, plain weights save the memory and the repack after each update."""
+AVX512_FLAGS = ("avx512_f", "amx_tile")
+"""CPU features under which packing won at every decode shape (2.3-2.8x, docs/benchmarks.md)."""
 
 
 @functools.cache
-def packing_pays(shape: tuple[int, int], rows: int, threads: int) -> bool:
-    """Whether the packed fp32 product of an `shape` weight beats `F.linear` at `rows` rows on
-    this CPU with `threads` threads: timed once per process (min of interleaved rounds of a
-    few calls each on random data; tens of milliseconds for a model's few shapes).
+def cpu_features() -> frozenset[str]:
+    """The x86 features of this CPU that `packing_pays` reads (empty elsewhere). Fixed for the
+    process, so every engine in it makes the same choice for the same shape."""
+    get_capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if get_capabilities is not None:
+        caps = get_capabilities()
+        if caps.get("architecture") != "x86_64":
+            return frozenset()
+        return frozenset(flag for flag in AVX512_FLAGS if caps.get(flag))
+    # an older torch tells only its vector level
+    level = torch.backends.cpu.get_cpu_capability()
+    return frozenset({"avx512_f"}) if level.startswith("AVX512") else frozenset()
 
-    Measured: on one AVX-512 CPU packing was 2.3-2.8x faster at every decode shape; on an
-    AVX2-only one it was 0.5-0.95x for matrices under ~1M elements (oneDNN's per-call cost
-    exceeds BLAS's re-layout there) and 1.1-1.6x above (docs/benchmarks.md)."""
-    out_features, in_features = shape
-    if out_features * in_features >= ALWAYS_PACK_NUMEL:
+
+def packing_pays(shape: tuple[int, int], dtype: torch.dtype, features: frozenset[str]) -> bool:
+    """Whether a `shape` weight of `dtype` is packed on a CPU with `features` (`cpu_features()`).
+
+    A pure function of its arguments, never a timing: two processes, two runs or a resume on the
+    same machine pack the same matrices and so compute the same log-probs to the last bit. Only
+    float32 is packed (bf16 / fp16 are widened to float32 first, `WidenedMatmul`)."""
+    if dtype != torch.float32:
+        return False
+    if any(flag in features for flag in AVX512_FLAGS):
         return True
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(out_features, in_features, generator=gen) * 0.02
-    x = torch.randn(rows, in_features, generator=gen)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
-    plain_call = lambda: F.linear(x, w)  # noqa: E731
-    packed_call = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
-    with torch.no_grad():
-        packed_call()  # oneDNN builds its primitive on the first call
-        calls = _calls_per_round(plain_call)
-        best_plain = best_packed = float("inf")
-        for _ in range(5):
-            best_plain = min(best_plain, _round(plain_call, calls))
-            best_packed = min(best_packed, _round(packed_call, calls))
-    return best_packed < PACKING_MARGIN * best_plain
-
-
-def _round(call, calls: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        call()
-    return time.perf_counter() - t0
-
-
-def _calls_per_round(call, target_s: float = 0.001) -> int:
-    """Calls that take about `target_s` (timed after one warm-up call)."""
-    call()
-    one = _round(call, 1)
-    return max(1, min(64, int(target_s / max(one, 1e-7))))
+    out_features, in_features = shape
+    return out_features * in_features >= PACK_NUMEL_WITHOUT_AVX512
 
 
 class WidenedMatmul(OneDNNPackedMatmul):

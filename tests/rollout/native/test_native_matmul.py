@@ -86,7 +86,7 @@ def test_without_cpu_capabilities_the_vector_level_decides(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_widened_products_are_the_fp32_product_rounded_once(dtype, rows, pack_all, monkeypatch):
-    monkeypatch.setattr(matmul_module, "packing_pays", lambda shape, rows, threads: False)
+    monkeypatch.setattr(matmul_module, "packing_pays", lambda shape, dtype, features: False)
     mm = WidenedMatmul(batch_hint=64, pack_all=pack_all)
     gen = torch.Generator().manual_seed(0)
     w, b = (torch.randn(96, 48, generator=gen) * 0.1).to(dtype), torch.randn(96, generator=gen).to(dtype)
@@ -158,7 +158,7 @@ def test_packed_and_plain_forwards_give_the_same_logits(qwen3_dir, packed_shapes
     engine = _engine_with(mm, qwen3_dir, "float32", monkeypatch)
     if packed_shapes != "all":  # pack the shapes of qkv and lm_head only, then rebuild
         chosen = {tuple(engine._weights.layers[0].qkv.shape), tuple(engine._weights.lm_head.shape)}
-        monkeypatch.setattr(matmul_module, "packing_pays", lambda shape, rows, threads: shape in chosen)
+        monkeypatch.setattr(matmul_module, "packing_pays", lambda shape, dtype, features: shape in chosen)
         engine._weights.compute = engine._weights._compute_weights()
     cw = engine._weights.compute
     assert cw.layers[0].qkv.is_mkldnn and cw.lm_head.is_mkldnn
@@ -215,13 +215,40 @@ def test_a_failed_repack_falls_back_to_plain_kernels_and_says_so(qwen3_dir, monk
     assert engine.generate_batch([PROMPT], GREEDY)[0][0].token_ids == before  # fp32 cache, plain kernels
 
 
-@pytest.mark.skipif(not PACKING, reason="this torch build has no oneDNN weight packing")
-def test_packing_is_timed_once_per_shape_and_large_matrices_always_pack():
-    from polyrl.rollout.native.matmul import ALWAYS_PACK_NUMEL, packing_pays
+def test_packing_choice_is_a_pure_function_of_shape_dtype_and_cpu_features(monkeypatch):
+    """Same-seed runs must compute the same log-probs: the choice never reads a clock."""
+    from polyrl.rollout.native.matmul import PACK_NUMEL_WITHOUT_AVX512, packing_pays
 
-    assert packing_pays((ALWAYS_PACK_NUMEL // 512, 512), 64, 1) is True  # no timing at this size
-    before = packing_pays.cache_info()
-    first = packing_pays((96, 48), 8, 1)
-    assert isinstance(first, bool) and packing_pays.cache_info().misses == before.misses + 1
-    assert packing_pays((96, 48), 8, 1) is first  # decided once: a process never mixes kernels
-    assert packing_pays.cache_info().misses == before.misses + 1
+    def no_clock():
+        raise AssertionError("packing_pays must not time anything")
+
+    import time
+
+    monkeypatch.setattr(time, "perf_counter", no_clock)
+    avx512, avx2 = frozenset({"avx512_f"}), frozenset()
+    small, large = (128, 128), (PACK_NUMEL_WITHOUT_AVX512 // 512, 512)
+    assert packing_pays(small, torch.float32, avx512) and packing_pays(large, torch.float32, avx512)
+    assert not packing_pays(small, torch.float32, avx2) and packing_pays(large, torch.float32, avx2)
+    assert not packing_pays(large, torch.bfloat16, avx512)  # bf16 / fp16 are widened to fp32 first
+    # asked again, in any order, the answer is the same (nothing measured, nothing cached)
+    for _ in range(3):
+        assert [packing_pays(s, torch.float32, f) for s in (large, small) for f in (avx2, avx512)] == \
+            [True, True, False, True]
+
+
+def test_cpu_features_come_from_the_capabilities(monkeypatch):
+    from polyrl.rollout.native.matmul import cpu_features
+
+    caps = {"architecture": "x86_64", "avx2": True, "avx512_f": False, "amx_tile": False}
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: dict(caps), raising=False)
+    cpu_features.cache_clear()
+    try:
+        assert cpu_features() == frozenset()
+        caps["avx512_f"] = True
+        cpu_features.cache_clear()
+        assert cpu_features() == frozenset({"avx512_f"})
+        caps["architecture"] = "aarch64"
+        cpu_features.cache_clear()
+        assert cpu_features() == frozenset()
+    finally:
+        cpu_features.cache_clear()
