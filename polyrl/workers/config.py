@@ -33,7 +33,8 @@ class ActorConfig(Config):
     warmup_steps: int = Field(0, ge=0)
     """Linear learning-rate warm-up, in optimizer steps."""
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    """Schedule after warm-up (cosine / linear decay to min_lr_ratio at the last step)."""
+    """Schedule after warm-up: cosine / linear decay reach min_lr_ratio once the run's last
+    optimizer step is taken (the horizon is trainer steps x ppo_epochs x mini-batches)."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     """Final learning rate as a fraction of `lr` for decaying schedules."""
     grad_clip: float | None = Field(1.0, gt=0)
