@@ -28,8 +28,12 @@ def plan_for_role(
     mode: str = "sync",
     config_env: Mapping[str, str] | None = None,
     backend_version: str | None = None,
+    hands_devices: bool = False,
 ) -> EnvPlan:
-    ctx = PlanContext(platform, role, backend, placement, mode, backend_version)  # type: ignore[arg-type]
+    """The environment of an actor of `role`; `hands_devices`: it reserves no devices through
+    Ray and gives its engine processes the devices of its placement itself (`PlanContext`)."""
+    ctx = PlanContext(platform, role, backend, placement, mode, backend_version,  # type: ignore[arg-type]
+                      hands_devices)
     return build_plan(ctx, user_env=os.environ, config_env=config_env or {})
 
 

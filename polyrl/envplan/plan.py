@@ -6,6 +6,7 @@ rules and platform defaults. A default is never written over a value the user se
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -56,6 +57,10 @@ class PlanContext:
     placement: str = "hybrid"
     mode: str = "sync"
     backend_version: str | None = None
+    hands_devices: bool = False
+    """The actor reserves no devices through Ray and hands its engine processes the devices of
+    its placement itself; only such an actor gets RAY_EXPERIMENTAL_NOSET_* (an actor reserving
+    num_gpus must keep the visibility Ray gives it, or it sees every device of its node)."""
 
     def __post_init__(self):
         for name, value, valid in (("role", self.role, ROLES), ("backend", self.backend, BACKENDS),
@@ -94,15 +99,25 @@ class EnvPlan:
         return json.dumps(self.to_json(), indent=2, sort_keys=True)
 
 
+def hosts_engine(ctx: PlanContext) -> bool:
+    """Whether processes of this role run the rollout engine: rollout actors, and in hybrid
+    placement the trainer ranks (the engine is colocated in the policy process). The engine's
+    environment follows the engine into whichever process hosts it (verl PR 6664 set
+    SGLANG_USE_AITER for server actors only, so a colocated engine on ROCm missed it)."""
+    return ctx.role == "rollout" or (ctx.role == "trainer" and ctx.placement == "hybrid")
+
+
 def _platform_defaults(ctx: PlanContext) -> list[tuple[str, str, str, str]]:
     p = ctx.platform
     out = [(d.name, d.value, d.reason, d.link) for d in p.job_env_defaults()]
-    if ctx.role == "rollout":
-        if ctx.backend in ENGINE_BACKENDS and p.name in GPU_PLATFORMS:
-            reason = (f"the {ctx.backend} server actor manages its own devices (num_gpus=0); "
-                      "Ray must not rewrite its visible-devices variable")
-            out += [(k, v, reason, "https://github.com/verl-project/verl/pull/6664")
-                    for k, v in p.ray_noset_envvars().items()]
+    if ctx.role == "rollout" and ctx.hands_devices and ctx.backend in ENGINE_BACKENDS \
+            and p.name in GPU_PLATFORMS:
+        reason = (f"the {ctx.backend} engine host reserves no devices through Ray (num_gpus=0) "
+                  "and gives its engine processes exactly the devices of its placement; Ray must "
+                  "not rewrite its visible-devices variable")
+        out += [(k, v, reason, "https://github.com/verl-project/verl/pull/6664")
+                for k, v in p.ray_noset_envvars().items()]
+    if hosts_engine(ctx):
         out += [(d.name, d.value, d.reason, d.link) for d in p.rollout_env_defaults(ctx.backend)]
     return out
 
@@ -136,8 +151,7 @@ def build_plan(
         propose(name, value, "config", "set in the config's env: section")
     roles = ("job",) if context.role == "job" else ("job", context.role)
     for role in roles:
-        ctx = PlanContext(context.platform, role, context.backend, context.placement,  # type: ignore[arg-type]
-                          context.mode, context.backend_version)
+        ctx = dataclasses.replace(context, role=role)
         for rule in rules:
             if rule.applies(ctx, explicit):
                 for name, value in rule.variables.items():

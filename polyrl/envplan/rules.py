@@ -67,11 +67,12 @@ RULES: tuple[EnvRule, ...] = (
     EnvRule(
         id="nccl-cumem-off",
         variables={"NCCL_CUMEM_ENABLE": "0"},
-        reason="vLLM weight sync over NCCL can hang or crash with cuMem-based NCCL buffers; "
-        "set NCCL_CUMEM_ENABLE=1 yourself on systems that need it (GB300) and it is kept",
+        reason="vLLM weight sync over NCCL can hang or crash with cuMem-based NCCL buffers (RCCL "
+        "on ROCm reads the same variable: verl's ROCm platform inherits the setting); set "
+        "NCCL_CUMEM_ENABLE=1 yourself on systems that need it (GB300) and it is kept",
         link="https://github.com/verl-project/verl/pull/7564",
         roles=frozenset({"rollout"}),
-        platforms=frozenset({"cuda"}),
+        platforms=frozenset({"cuda", "rocm"}),
     ),
     EnvRule(
         id="blackwell-nvls-mnnvl-off",

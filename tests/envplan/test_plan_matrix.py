@@ -29,7 +29,8 @@ def platform_of(hw: str):
                                                    "mi300x": "rocm", "ascend910": "npu"}[hw], probe)
 
 
-def expected(hw: str, role: str, backend: str, opt_in: bool) -> dict[str, tuple[str, str]]:
+def expected(hw: str, role: str, backend: str, opt_in: bool, placement: str = "hybrid",
+             hands_devices: bool = False) -> dict[str, tuple[str, str]]:
     p = platform_of(hw)
     out = {"TOKENIZERS_PARALLELISM": ("false", "polyrl-default")}
     if p.name == "rocm":
@@ -44,13 +45,17 @@ def expected(hw: str, role: str, backend: str, opt_in: bool) -> dict[str, tuple[
         # trainer process)
         out["SGLANG_RETURN_ORIGINAL_LOGPROB"] = ("1", "rule:sglang-original-logprobs")
     if role == "rollout":
-        if p.name == "cuda":
+        # RCCL reads NCCL_CUMEM_ENABLE too (issue 15)
+        if p.name in ("cuda", "rocm"):
             out["NCCL_CUMEM_ENABLE"] = ("0", "rule:nccl-cumem-off")
-        if backend in ENGINES:
+        # only an engine host that reserves no Ray devices keeps the node's visibility (issue 15)
+        if backend in ENGINES and hands_devices:
             for var in NOSET[p.name]:
                 out[f"RAY_EXPERIMENTAL_NOSET_{var}"] = ("1", "platform-default")
-        if p.name == "rocm" and backend == "sglang":
-            out["SGLANG_USE_AITER"] = ("1", "platform-default")
+    # the engine's environment follows the engine: a hybrid engine lives in the trainer (issue 15)
+    engine_here = role == "rollout" or (role == "trainer" and placement == "hybrid")
+    if engine_here and p.name == "rocm" and backend == "sglang":
+        out["SGLANG_USE_AITER"] = ("1", "platform-default")
     return out
 
 
@@ -62,7 +67,7 @@ def test_exact_plan(hw, role, backend, placement, mode, opt_in):
     user_env = {"TLLM_DISABLE_NVLS_MNNVL": "1"} if opt_in else {}
     plan = build_plan(PlanContext(platform_of(hw), role, backend, placement, mode), user_env, {})
     got = {name: (e.value, e.source) for name, e in plan.entries.items()}
-    assert got == expected(hw, role, backend, opt_in)
+    assert got == expected(hw, role, backend, opt_in, placement)
     for entry in plan.entries.values():
         assert entry.reason, "every variable carries a reason"
 
@@ -138,8 +143,40 @@ def test_context_rejects_unknown_values():
         PlanContext(platform_of("cpu"), "rollout", "vlm")
 
 
+@pytest.mark.parametrize("hw", HARDWARE)
+@pytest.mark.parametrize("backend", sorted(ENGINES))
+def test_exact_plan_of_an_engine_host_that_hands_devices(hw, backend):
+    ctx = PlanContext(platform_of(hw), "rollout", backend, "standalone", hands_devices=True)
+    got = {name: (e.value, e.source) for name, e in build_plan(ctx, {}, {}).entries.items()}
+    assert got == expected(hw, "rollout", backend, False, "standalone", hands_devices=True)
+    if NOSET[platform_of(hw).name]:
+        reason = build_plan(ctx, {}, {})[f"RAY_EXPERIMENTAL_NOSET_{NOSET[platform_of(hw).name][0]}"].reason
+        assert "num_gpus=0" in reason and "exactly the devices" in reason
+
+
+@pytest.mark.parametrize("placement,aiter", [("hybrid", True), ("standalone", False)])
+def test_hybrid_sglang_on_rocm_trainer_gets_aiter_and_user_value_wins(placement, aiter):
+    # seed 6664: the colocated engine got attention_backend=aiter but not SGLANG_USE_AITER=1
+    ctx = PlanContext(platform_of("mi300x"), "trainer", "sglang", placement)
+    plan = build_plan(ctx, {}, {})
+    assert ("SGLANG_USE_AITER" in plan) is aiter
+    if aiter:
+        assert plan["SGLANG_USE_AITER"].value == "1"
+        kept = build_plan(ctx, {"SGLANG_USE_AITER": "0"}, {})["SGLANG_USE_AITER"]
+        assert (kept.value, kept.source) == ("0", "user-env")
+
+
+def test_rocm_rollout_gets_cumem_off_and_user_value_wins():
+    ctx = PlanContext(platform_of("mi300x"), "rollout", "vllm", "standalone")
+    entry = build_plan(ctx, {}, {})["NCCL_CUMEM_ENABLE"]
+    assert (entry.value, entry.source) == ("0", "rule:nccl-cumem-off")
+    kept = build_plan(ctx, {"NCCL_CUMEM_ENABLE": "1"}, {})["NCCL_CUMEM_ENABLE"]
+    assert (kept.value, kept.source) == ("1", "user-env")
+
+
 def test_runtime_env_renders_values():
-    plan = build_plan(PlanContext(platform_of("mi300x"), "rollout", "sglang"), {}, {})
+    plan = build_plan(PlanContext(platform_of("mi300x"), "rollout", "sglang", hands_devices=True),
+                      {}, {})
     env = plan.runtime_env({"env_vars": {"KEEP": "1"}, "pip": []})
     assert env["pip"] == []
     assert env["env_vars"]["KEEP"] == "1"
