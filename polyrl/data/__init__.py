@@ -13,7 +13,9 @@ from typing import Any
 
 from polyrl.data.config import DataConfig
 from polyrl.data.dataset import PromptDataset, PromptSample, load_dataset, render_prompt
-from polyrl.data.files import DataFileError, read_rows
+from polyrl.data.errors import DataFileError
+from polyrl.data.files import read_rows
+from polyrl.data.rows import BadRows
 from polyrl.data.loader import PromptLoader
 
 
@@ -33,6 +35,7 @@ def build_loaders(cfg: DataConfig, tokenizer: Any) -> tuple[PromptLoader, Prompt
 
 
 __all__ = [
+    "BadRows",
     "DataConfig",
     "DataFileError",
     "PromptDataset",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from polyrl.config import Config
@@ -24,6 +26,12 @@ class DataConfig(Config):
 
     drop_overlong_prompts: bool = True
     """Drop prompts over max_prompt_length; false makes one an error naming the file and row."""
+
+    on_bad_row: Literal["skip", "error"] = "skip"
+    """A row that cannot be trained on (a prompt that is empty, renders to no tokens or is not a
+    string / message list; a message without content; a line that is not JSON or not UTF-8; a
+    missing data_source or reward_model.ground_truth): skip skips it, counts it and logs the file
+    and row of the first few; error stops at start naming the file and row. Checked at load."""
 
     max_samples: int | None = Field(None, ge=1)
     """Use only the first N rows of each split (quick experiments); null uses all."""

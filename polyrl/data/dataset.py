@@ -3,6 +3,10 @@
 Message-list prompts go through `tokenizer.apply_chat_template(..., add_generation_prompt=True)`
 and are tokenised without adding special tokens (the template already has them); plain-string
 prompts are used as-is and tokenised like `tokenizer(text)` (so a base model still gets its BOS).
+
+Every row is rendered and tokenised here, at load: a row whose template fails or that renders to
+zero tokens is a bad row (`data.on_bad_row`, polyrl/data/rows.py) found before training starts,
+not when its batch comes up hours later.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from polyrl.data.config import DataConfig
-from polyrl.data.files import DataFileError, read_rows
+from polyrl.data.errors import DataFileError
+from polyrl.data.files import read_source_rows
+from polyrl.data.rows import EXAMPLES_LOGGED, BadRows, row_problem
 
 logger = logging.getLogger(__name__)
 
@@ -20,8 +26,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class PromptSample:
     index: int
-    """Row number in the split's files (concatenated, before filtering): a stable prompt id,
-    usable as the GRPO group id."""
+    """Row number among the split's readable rows (files concatenated, before the prompt checks
+    and the length filter): a stable prompt id, usable as the GRPO group id."""
     data_source: str
     prompt_ids: list[int]
     prompt_text: str
@@ -47,7 +53,8 @@ def render_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> str:
 
 
 class PromptDataset(Sequence[PromptSample]):
-    """An in-memory list of tokenised prompts; `num_dropped_overlong` feeds the metrics."""
+    """An in-memory list of tokenised prompts; `num_dropped_overlong`, `num_bad_rows` and
+    `num_null_ground_truth` feed the metrics and the start-up log."""
 
     def __init__(
         self,
@@ -58,23 +65,30 @@ class PromptDataset(Sequence[PromptSample]):
         max_prompt_length: int = 1024,
         drop_overlong_prompts: bool = True,
         name: str = "<rows>",
+        where: Sequence[str] | None = None,
+        bad_rows: BadRows | None = None,
     ):
         self.name = name
-        texts = [render_prompt(tokenizer, row[prompt_key]) for row in rows]
-        is_chat = [not isinstance(row[prompt_key], str) for row in rows]
-        ids = _tokenize(tokenizer, texts, is_chat)
+        self.prompt_key = prompt_key
+        self.bad_rows = bad_rows if bad_rows is not None else BadRows("error")
+        where = list(where) if where is not None else [f"{name} row {i}" for i in range(len(rows))]
+        bad_in_files = self.bad_rows.count  # rows the file readers already skipped
+        usable = self._usable(rows, where, tokenizer)
         self.samples: list[PromptSample] = []
         self.num_dropped_overlong = 0
-        for i, (row, text, prompt_ids) in enumerate(zip(rows, texts, ids)):
+        null_truth: list[str] = []
+        for i, row, text, prompt_ids in usable:
             if len(prompt_ids) > max_prompt_length:
                 if not drop_overlong_prompts:
                     raise DataFileError(
-                        f"{name} row {i}: prompt has {len(prompt_ids)} tokens > "
+                        f"{where[i]}: prompt has {len(prompt_ids)} tokens > "
                         f"data.max_prompt_length={max_prompt_length}; raise the limit or set "
                         "data.drop_overlong_prompts=true"
                     )
                 self.num_dropped_overlong += 1
                 continue
+            if row["reward_model"]["ground_truth"] is None:
+                null_truth.append(where[i])
             self.samples.append(PromptSample(
                 index=i,
                 data_source=row["data_source"],
@@ -84,17 +98,63 @@ class PromptDataset(Sequence[PromptSample]):
                 ground_truth=row["reward_model"]["ground_truth"],
                 extra_info=row.get("extra_info"),
             ))
+        self.num_bad_rows = self.bad_rows.count
+        self.num_null_ground_truth = len(null_truth)
+        self._report(len(rows) + bad_in_files, max_prompt_length, null_truth)
+
+    def _usable(self, rows, where, tokenizer) -> list[tuple[int, dict, str, list[int]]]:
+        """(index, row, rendered text, token ids) of every row that renders to >= 1 token."""
+        rendered: list[tuple[int, dict, str]] = []
+        for i, row in enumerate(rows):
+            problem = row_problem(row, self.prompt_key)
+            text = None
+            if problem is None:
+                try:
+                    text = render_prompt(tokenizer, row[self.prompt_key])
+                except Exception as exc:  # a template error is the row's problem, not the run's
+                    if getattr(tokenizer, "chat_template", None) is None:
+                        raise
+                    problem = f"the chat template fails on this prompt: {type(exc).__name__}: {exc}"
+            if problem:
+                self.bad_rows.add(where[i], problem)
+            else:
+                rendered.append((i, row, text))
+        is_chat = [not isinstance(row[self.prompt_key], str) for _, row, _ in rendered]
+        ids = _tokenize(tokenizer, [text for _, _, text in rendered], is_chat)
+        usable = []
+        for (i, row, text), prompt_ids in zip(rendered, ids):
+            if prompt_ids:
+                usable.append((i, row, text, prompt_ids))
+            else:
+                self.bad_rows.add(where[i], f"the prompt renders to 0 tokens ({text!r})")
+        return usable
+
+    def _report(self, total: int, max_prompt_length: int, null_truth: list[str]) -> None:
+        self.bad_rows.log(self.name, total)
         if self.num_dropped_overlong:
             logger.warning(
                 "%s: dropped %d of %d prompts longer than data.max_prompt_length=%d tokens",
-                name, self.num_dropped_overlong, len(rows), max_prompt_length,
+                self.name, self.num_dropped_overlong, total, max_prompt_length,
+            )
+        if null_truth:
+            logger.warning(
+                "%s: %d of %d rows have reward_model.ground_truth null (%s%s): the built-in "
+                "verifiers score them 0 and count them in reward/null_ground_truth; fill in the "
+                "answers, or score these rows with reward.custom_function",
+                self.name, len(null_truth), total, ", ".join(null_truth[:EXAMPLES_LOGGED]),
+                ", ..." if len(null_truth) > EXAMPLES_LOGGED else "",
             )
         if not self.samples:
-            raise DataFileError(
-                f"{name}: no prompts left: all {len(rows)} were dropped by "
-                f"data.max_prompt_length={max_prompt_length} (tokens); raise it"
-                if rows else f"{name}: no rows"
-            )
+            raise DataFileError(self._nothing_left(total, max_prompt_length))
+
+    def _nothing_left(self, total: int, max_prompt_length: int) -> str:
+        if not total:
+            return f"{self.name}: no rows"
+        if self.num_bad_rows == total:
+            return (f"{self.name}: no prompts left: all {total} rows are bad (data.on_bad_row=skip), "
+                    f"e.g. {self.bad_rows.examples[0] if self.bad_rows.examples else '?'}")
+        return (f"{self.name}: no prompts left: all {total} were dropped by data.max_prompt_length="
+                f"{max_prompt_length} (tokens) or as bad rows; raise the limit")
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -120,20 +180,23 @@ def _tokenize(tokenizer: Any, texts: list[str], is_chat: list[bool]) -> list[lis
 
 
 def load_dataset(files: Sequence[str], tokenizer: Any, cfg: DataConfig, split: str = "train") -> PromptDataset:
-    """Read, concatenate, render and filter the files of one split."""
+    """Read, concatenate, check, render and filter the files of one split."""
     key = f"data.{split}_files"
     if not files:
         raise DataFileError(f"{key} is empty; set {key}=[path/to/{split}.parquet]")
-    rows: list[dict[str, Any]] = []
+    bad_rows = BadRows(cfg.on_bad_row)
+    rows = []
     for f in files:
-        rows.extend(read_rows(f, cfg.prompt_key))
+        rows.extend(read_source_rows(f, cfg.prompt_key, bad_rows))
     if cfg.max_samples is not None:
         rows = rows[: cfg.max_samples]
     return PromptDataset(
-        rows,
+        [r.data for r in rows],
         tokenizer,
         prompt_key=cfg.prompt_key,
         max_prompt_length=cfg.max_prompt_length,
         drop_overlong_prompts=cfg.drop_overlong_prompts,
         name=", ".join(str(f) for f in files),
+        where=[r.where for r in rows],
+        bad_rows=bad_rows,
     )

@@ -3,41 +3,74 @@
 verl-prepared parquet files store `prompt` as a list of structs and `reward_model` /
 `extra_info` as structs; `Table.to_pylist()` turns those into lists of dicts and dicts, the
 same shape a JSONL file gives, so both formats load unchanged.
+
+A file that cannot be read at all (missing, a directory, not parquet, no required column) is an
+error; a row that cannot be used (bad JSON line, bytes that are not UTF-8, a bad prompt) is a bad
+row, handled by `data.on_bad_row` (polyrl/data/rows.py).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from polyrl.data.errors import DataFileError
+from polyrl.data.rows import BadRows, row_problem
 
 REQUIRED = ("data_source", "reward_model")
 SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
-class DataFileError(ValueError):
-    """A data file that cannot be used; the message names the file and what is wrong."""
+@dataclass
+class SourceRow:
+    where: str
+    """"data file F row N" (parquet, JSON array: 0-based) or "data file F line N" (JSONL: 1-based,
+    as editors count), for messages about this row."""
+    data: dict[str, Any]
 
 
-def read_rows(path: str | Path, prompt_key: str = "prompt") -> list[dict[str, Any]]:
-    """All rows of one file, checked for the columns polyrl needs."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise DataFileError(f"data file {path} does not exist")
+def read_rows(path: str | Path, prompt_key: str = "prompt", bad_rows: BadRows | None = None) -> list[dict[str, Any]]:
+    """The usable rows of one file; bad rows raise, or are skipped and counted in `bad_rows`."""
+    return [row.data for row in read_source_rows(path, prompt_key, bad_rows)]
+
+
+def read_source_rows(path: str | Path, prompt_key: str = "prompt",
+                     bad_rows: BadRows | None = None) -> list[SourceRow]:
+    """The usable rows of one file, each with where it came from."""
+    bad_rows = bad_rows if bad_rows is not None else BadRows("error")
+    path = _existing_file(Path(path).expanduser())
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         rows = _read_parquet(path, prompt_key)
     elif suffix in (".jsonl", ".json"):
-        rows = _read_json(path)
-        columns = set().union(*(r.keys() for r in rows)) if rows else set()
+        rows = _read_json(path, bad_rows)
+        columns = set().union(*(r.data.keys() for r in rows)) if rows else set()
         _check_columns(path, columns, prompt_key)
     else:
         raise DataFileError(f"data file {path}: unsupported format '{suffix}'; use one of {', '.join(SUFFIXES)}")
-    if not rows:
+    if not rows and not bad_rows.count:
         raise DataFileError(f"data file {path} has no rows")
-    for i, row in enumerate(rows):
-        _check_row(path, i, row, prompt_key)
-    return rows
+    good = []
+    for row in rows:
+        problem = row_problem(row.data, prompt_key)
+        if problem:
+            bad_rows.add(row.where, problem)
+        else:
+            good.append(row)
+    return good
+
+
+def _existing_file(path: Path) -> Path:
+    if path.is_dir():
+        inside = sorted(p.name for p in path.iterdir() if p.suffix.lower() in SUFFIXES)[:5]
+        example = f" (it holds {', '.join(inside)})" if inside else ""
+        raise DataFileError(f"data file {path} is a directory, not a file: list the .parquet / "
+                            f".jsonl files inside it instead{example}")
+    if not path.is_file():
+        raise DataFileError(f"data file {path} does not exist")
+    return path
 
 
 def _check_columns(path: Path, columns: set[str], prompt_key: str) -> None:
@@ -59,43 +92,48 @@ def _read_parquet(path: Path, prompt_key: str) -> list[dict[str, Any]]:
     except (pa.ArrowException, OSError) as exc:
         raise DataFileError(f"data file {path} is not a readable parquet file: {exc}") from None
     _check_columns(path, set(table.column_names), prompt_key)
-    return table.to_pylist()
+    return [SourceRow(f"data file {path} row {i}", row) for i, row in enumerate(table.to_pylist())]
 
 
-def _read_json(path: Path) -> list[dict[str, Any]]:
-    text = path.read_text(encoding="utf-8")
-    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+def _read_json(path: Path, bad_rows: BadRows) -> list[SourceRow]:
+    raw = path.read_bytes()
+    if path.suffix.lower() == ".json" and raw.lstrip().startswith(b"["):
+        return _read_json_array(path, raw, bad_rows)
+    rows = []
+    for no, line in enumerate(raw.splitlines(), 1):
+        where = f"data file {path} line {no}"
+        if not line.strip():
+            continue
         try:
-            rows = json.loads(text)
+            value = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            bad_rows.add(where, f"not valid UTF-8 (byte 0x{line[exc.start]:02x} at column "
+                                f"{exc.start + 1}); re-encode the file as UTF-8")
+            continue
         except json.JSONDecodeError as exc:
-            raise DataFileError(f"data file {path} is not valid JSON: {exc}") from None
-    else:
-        rows = []
-        for no, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise DataFileError(f"data file {path} line {no} is not valid JSON: {exc}") from None
-    for i, row in enumerate(rows):
-        if not isinstance(row, dict):
-            raise DataFileError(f"data file {path} row {i}: expected an object, got {type(row).__name__}")
+            bad_rows.add(where, f"not valid JSON: {exc}")
+            continue
+        _add_object(rows, where, value, bad_rows)
     return rows
 
 
-def _check_row(path: Path, i: int, row: dict[str, Any], prompt_key: str) -> None:
-    if not isinstance(row.get("data_source"), str):
-        raise DataFileError(f"data file {path} row {i}: data_source must be a string, got {row.get('data_source')!r}")
-    reward_model = row.get("reward_model")
-    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
-        raise DataFileError(
-            f"data file {path} row {i}: reward_model must be a mapping with 'ground_truth', "
-            f"got {reward_model!r}"
-        )
-    prompt = row.get(prompt_key)
-    if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
-        raise DataFileError(
-            f"data file {path} row {i}: '{prompt_key}' must be a string or a non-empty list of "
-            f"{{'role', 'content'}} messages, got {type(prompt).__name__}"
-        )
+def _read_json_array(path: Path, raw: bytes, bad_rows: BadRows) -> list[SourceRow]:
+    """A .json file holding one array: a file-level document, so a syntax error is fatal."""
+    try:
+        values = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise DataFileError(f"data file {path} is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at "
+                            f"offset {exc.start}); re-encode it as UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise DataFileError(f"data file {path} is not valid JSON: {exc}") from None
+    rows: list[SourceRow] = []
+    for i, value in enumerate(values):
+        _add_object(rows, f"data file {path} row {i}", value, bad_rows)
+    return rows
+
+
+def _add_object(rows: list[SourceRow], where: str, value: Any, bad_rows: BadRows) -> None:
+    if isinstance(value, dict):
+        rows.append(SourceRow(where, value))
+    else:
+        bad_rows.add(where, f"expected a JSON object, got {type(value).__name__}")

@@ -75,7 +75,7 @@ def test_corrupt_parquet_named(tmp_path):
 def test_corrupt_jsonl_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(verl_rows(1)[0]) + "\n{not json\n")
-    with pytest.raises(DataFileError, match=f"{path} line 2 is not valid JSON"):
+    with pytest.raises(DataFileError, match=f"{path} line 2: not valid JSON"):
         read_rows(path)
 
 
@@ -101,7 +101,7 @@ def test_custom_prompt_key(tmp_path, tiny_tokenizer):
 def test_reward_model_without_ground_truth(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps({"data_source": "x", "prompt": "p", "reward_model": {"style": "rule"}}))
-    with pytest.raises(DataFileError, match="row 0: reward_model must be a mapping with 'ground_truth'"):
+    with pytest.raises(DataFileError, match="line 1: reward_model must be a mapping with 'ground_truth'"):
         read_rows(path)
 
 

@@ -1,0 +1,94 @@
+"""What makes a prompt row unusable, and the one policy applied to every such row.
+
+A bad row found hours into a run crashes it far from its cause, so every row is checked at load:
+its columns and prompt shape here (`row_problem`), its rendering and tokenisation in
+`polyrl/data/dataset.py`. `data.on_bad_row` decides for all of them at once: `skip` (default)
+drops the row, counts it and logs where the first few are; `error` stops at start naming the
+file and row.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from polyrl.data.errors import DataFileError
+
+logger = logging.getLogger(__name__)
+
+EXAMPLES_LOGGED = 5
+"""Bad rows whose file, row and reason are logged (the rest are only counted)."""
+
+MESSAGE_SHAPE = "a string or a non-empty list of {'role': ..., 'content': ...} messages"
+
+
+@dataclass
+class BadRows:
+    """Collects the bad rows of one split under `policy` (`data.on_bad_row`)."""
+
+    policy: str = "error"
+    count: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    def add(self, where: str, reason: str) -> None:
+        """Record a bad row at `where` ("data file F row N"); raises under policy=error."""
+        if self.policy == "error":
+            raise DataFileError(f"{where}: {reason}; fix the row, or set data.on_bad_row=skip "
+                                "to skip (and count) bad rows")
+        self.count += 1
+        if len(self.examples) < EXAMPLES_LOGGED:
+            self.examples.append(f"{where}: {reason}")
+
+    def log(self, name: str, total: int) -> None:
+        if not self.count:
+            return
+        more = f" (and {self.count - len(self.examples)} more)" if self.count > len(self.examples) else ""
+        logger.warning("%s: skipped %d of %d rows that cannot be trained on (data.on_bad_row=skip; "
+                       "set data.on_bad_row=error to stop instead):\n  %s%s",
+                       name, self.count, total, "\n  ".join(self.examples), more)
+
+
+def row_problem(row: dict[str, Any], prompt_key: str) -> str | None:
+    """Why `row` cannot be used (one phrase), or None if its columns are usable."""
+    if not isinstance(row.get("data_source"), str):
+        return f"data_source must be a string, got {row.get('data_source')!r}"
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+        return f"reward_model must be a mapping with 'ground_truth', got {reward_model!r}"
+    return prompt_problem(row.get(prompt_key), prompt_key)
+
+
+def prompt_problem(prompt: Any, prompt_key: str = "prompt") -> str | None:
+    """Why `prompt` cannot be rendered into a non-empty prompt, or None."""
+    if isinstance(prompt, str):
+        return f"'{prompt_key}' is an empty string" if not prompt.strip() else None
+    if not isinstance(prompt, list) or not prompt:
+        return f"'{prompt_key}' must be {MESSAGE_SHAPE}, got {_describe(prompt)}"
+    for i, message in enumerate(prompt):
+        problem = _message_problem(message)
+        if problem:
+            return f"'{prompt_key}' message {i} {problem}"
+    return None
+
+
+def _message_problem(message: Any) -> str | None:
+    if not isinstance(message, dict):
+        hint = " (a plain prompt is one string, not a list of strings)" if isinstance(message, str) else ""
+        return f"is a {type(message).__name__}, not a {{'role', 'content'}} mapping{hint}"
+    if not isinstance(message.get("role"), str) or not message["role"]:
+        return f"has no 'role' (got {message.get('role')!r})"
+    content = message.get("content")
+    if content is None:
+        return "has no 'content'"
+    if not isinstance(content, str):
+        return f"has content of type {type(content).__name__}; expected a string"
+    if not content.strip():
+        return "has empty content"
+    return None
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, list):
+        return "an empty list"
+    return "nothing (missing or null)" if value is None else type(value).__name__
