@@ -1,8 +1,10 @@
-"""`AlgorithmConfig`: which advantage estimator, policy-loss clipping, KL and entropy terms.
+"""`AlgorithmConfig`: which advantage estimator, policy loss, KL and entropy terms, and the DAPO
+batch shaping (dynamic sampling, overlong treatment).
 
-One schema for the GRPO family: GRPO, Dr. GRPO (`norm_adv_by_std=False`), DAPO (clip-higher via
-`clip_ratio_high`, dynamic sampling via `filter_tied_groups`, `loss_agg_mode="token-mean"`), RLOO
-and REINFORCE++ with a group baseline. Combinations that cannot run are rejected at start.
+GRPO, Dr. GRPO (`norm_adv_by_std=False`), RLOO, REINFORCE++ with a group baseline, PPO with a
+critic (`adv_estimator=gae`), GSPO (`policy_loss=gspo|gspo_token`) and DAPO (clip-higher via
+`clip_ratio_high`, `dynamic_sampling`, `overlong`, `loss_agg_mode="token-mean"`).
+Combinations that cannot run are rejected at start; docs/algorithms.md lists every choice.
 """
 
 from __future__ import annotations
@@ -12,16 +14,42 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from polyrl.algorithms.off_policy import OffPolicyConfig
+from polyrl.algorithms.overlong import OverlongConfig
 from polyrl.config import Config
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
 """Estimators whose baseline is computed from the other samples of the same prompt."""
 
+VALUE_ESTIMATORS = ("gae",)
+"""Estimators whose baseline is a learned critic's values (they need a critic)."""
+
+GSPO_LOSSES = ("gspo", "gspo_token")
+"""Policy losses on GSPO's sequence-level ratio (their clip range is gspo_clip_ratio_*)."""
+
+GSPO_MAX_CLIP = 0.05
+"""A GSPO clip range at or above this is on the token-level scale (PPO's 0.2): GSPO's ratio is a
+geometric mean over the response, which moves ~1/|y| as much, so such a range never binds."""
+
 
 class AlgorithmConfig(Config):
-    adv_estimator: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
+    adv_estimator: Literal["grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
     """Advantage estimator: grpo (group mean/std), rloo (leave-one-out mean), reinforce_pp
-    (REINFORCE++ with group-mean baseline, then whitened over the whole batch)."""
+    (REINFORCE++ with group-mean baseline, then whitened over the whole batch), gae (PPO with a
+    critic: generalized advantage estimation from the critic's values; needs a critic)."""
+
+    gamma: float = Field(1.0, ge=0, le=1)
+    """gae only: discount per policy token (tool output inside a response is not a step)."""
+
+    lam: float = Field(1.0, ge=0, le=1)
+    """gae only: GAE's lambda; 1 gives Monte-Carlo returns minus the value baseline, 0 one-step
+    TD errors (lower variance, more critic bias)."""
+
+    whiten_advantages: bool = True
+    """gae only: standardise the advantages over the batch's valid tokens (mean 0, std 1)."""
+
+    value_clip_range: float | None = Field(0.5, gt=0)
+    """gae only: the critic's loss clips its new values to within this of the values the
+    advantages were computed with (PPO's value clipping); null for the plain squared error."""
 
     norm_adv_by_std: bool = True
     """GRPO only: divide by the group's reward std. False gives Dr. GRPO (arXiv:2503.20783),
@@ -62,11 +90,31 @@ class AlgorithmConfig(Config):
     entropy is still reported as a metric."""
 
     filter_tied_groups: bool = False
-    """DAPO dynamic sampling (arXiv:2503.14476): drop groups whose samples all got the same
-    reward, since their advantages are zero and they only dilute the batch."""
+    """Drop groups whose samples all got the same reward (their group-baseline advantages are
+    zero, they only dilute the batch) without generating replacements; dynamic_sampling refills."""
+
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling (arXiv:2503.14476 sec. 3.2): drop tied groups and generate further
+    rounds of prompts until the step has data.train_batch_size groups whose rewards differ."""
+
+    max_sampling_rounds: int = Field(3, ge=1)
+    """dynamic_sampling only: at most this many generation rounds per step; a step that is still
+    short trains on the informative groups it has and counts the shortfall."""
+
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig)
+    """DAPO's overlong reward shaping and filtering (polyrl/algorithms/overlong.py)."""
 
     policy_loss: str = "ppo_clip"
-    """Policy loss from the POLICY_LOSSES registry."""
+    """Policy loss from the POLICY_LOSSES registry: ppo_clip, gspo (sequence-level ratio) or
+    gspo_token (GSPO-token: sequence ratio value, per-token gradient and advantages)."""
+
+    gspo_clip_ratio_low: float = Field(3e-4, ge=0, lt=1)
+    """gspo / gspo_token: the sequence ratio is clipped below at 1 - gspo_clip_ratio_low (GSPO
+    paper sec. 5.1: 3e-4). Must be below 0.05 (token-level ranges never bind)."""
+
+    gspo_clip_ratio_high: float = Field(4e-4, ge=0)
+    """gspo / gspo_token: the sequence ratio is clipped above at 1 + gspo_clip_ratio_high (GSPO
+    paper sec. 5.1: 4e-4). Must be below 0.05."""
 
     off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
     """Correction for the gap between the rollout engine's policy (its log-probs travel with each
@@ -93,19 +141,99 @@ class AlgorithmConfig(Config):
                 f"policy_loss '{self.policy_loss}' is not registered; valid choices: "
                 f"{', '.join(POLICY_LOSSES.names())}"
             )
+        self._check_gspo()
+        self._check_value_estimator()
         return self
+
+    def _check_gspo(self) -> None:
+        for key in ("gspo_clip_ratio_low", "gspo_clip_ratio_high"):
+            value = getattr(self, key)
+            if value >= GSPO_MAX_CLIP:
+                raise ValueError(
+                    f"{key}={value} is a token-level clip range; GSPO clips a length-normalised "
+                    f"sequence ratio that moves ~1/|y| as much, so it must be below "
+                    f"{GSPO_MAX_CLIP}: set algorithm.{key}="
+                    f"{'3e-4' if key.endswith('low') else '4e-4'} (GSPO paper sec. 5.1)")
+        if self.policy_loss not in GSPO_LOSSES:
+            return
+        if self.loss_agg_mode != "seq-mean-token-mean":
+            raise ValueError(
+                f"policy_loss={self.policy_loss} averages per response (GSPO eq. 5: 1/G sum_i); "
+                f"loss_agg_mode={self.loss_agg_mode} would weigh responses by length: set "
+                "algorithm.loss_agg_mode=seq-mean-token-mean")
+        if self.dual_clip_c is not None:
+            raise ValueError(
+                f"dual_clip_c applies to policy_loss=ppo_clip only, not {self.policy_loss}; set "
+                "algorithm.dual_clip_c=null")
+        if self.policy_loss == "gspo" and self.adv_estimator in VALUE_ESTIMATORS:
+            raise ValueError(
+                "policy_loss=gspo needs one advantage per response, but adv_estimator=gae gives "
+                "one per token; set algorithm.policy_loss=gspo_token (GSPO-token, sec. 4.3)")
+
+    def _check_value_estimator(self) -> None:
+        if self.adv_estimator not in VALUE_ESTIMATORS:
+            return
+        for key in ("dynamic_sampling", "filter_tied_groups"):
+            if getattr(self, key):
+                raise ValueError(
+                    f"{key}=true drops groups with tied rewards because a group baseline gives "
+                    f"them zero advantage; with adv_estimator={self.adv_estimator} the critic's "
+                    f"baseline still gives them signal: set algorithm.{key}=false")
 
     @property
     def uses_reference(self) -> bool:
         """Whether a reference policy's log-probs are needed at all."""
         return (self.use_kl_in_reward or self.use_kl_loss) and self.kl_coef > 0
 
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the advantages need a critic's values (adv_estimator=gae)."""
+        return self.adv_estimator in VALUE_ESTIMATORS
+
+    @property
+    def drops_tied_groups(self) -> bool:
+        """Whether groups with all-equal rewards leave the batch (filtered or dynamic sampling)."""
+        return self.filter_tied_groups or self.dynamic_sampling
+
 
 def check_samples_per_prompt(cfg: AlgorithmConfig, n: int) -> None:
-    """Raise if `n` samples per prompt cannot form the estimator's group baseline."""
+    """Raise if `n` samples per prompt cannot form the estimator's group baseline, or cannot
+    ever differ within a group (which dropping tied groups needs)."""
+    if cfg.drops_tied_groups and n < 2:
+        key = "dynamic_sampling" if cfg.dynamic_sampling else "filter_tied_groups"
+        raise ValueError(
+            f"algorithm.{key}=true keeps only groups whose rewards differ, and a group of "
+            f"rollout.n={n} sample never differs; set rollout.n=8 (or any value >= 2)")
     if cfg.adv_estimator in GROUP_ESTIMATORS and n < 2:
         name = {"grpo": "GRPO", "rloo": "RLOO", "reinforce_pp": "REINFORCE++ (group baseline)"}
         raise ValueError(
             f"{name[cfg.adv_estimator]} needs rollout.n >= 2 samples per prompt to form a group "
             f"baseline, got rollout.n={n}; set rollout.n=8 (or any value >= 2)"
         )
+
+
+def check_rollout(cfg: AlgorithmConfig, *, n: int, response_length: int) -> None:
+    """Every check of the algorithm against the rollout section (rollout.n, response_length)."""
+    check_samples_per_prompt(cfg, n)
+    buffer = cfg.overlong.buffer_length
+    if cfg.overlong.shaping and buffer is not None and buffer >= response_length:
+        raise ValueError(
+            f"algorithm.overlong.buffer_length={buffer} must be below rollout.response_length="
+            f"{response_length} (the ramp ends at the limit); set algorithm.overlong."
+            f"buffer_length={max(1, response_length // 5)} (a fifth, as in DAPO)")
+
+
+def check_critic(cfg: AlgorithmConfig, has_critic: bool) -> None:
+    """Raise if a critic is configured without an estimator that uses it, or the other way round.
+
+    `has_critic`: whether the job configures a critic (the critic section is the trainer's).
+    """
+    if has_critic and not cfg.uses_critic:
+        raise ValueError(
+            f"a critic section is configured but algorithm.adv_estimator={cfg.adv_estimator} "
+            "never reads its values (only gae does); set algorithm.adv_estimator=gae or remove "
+            "the critic section")
+    if cfg.uses_critic and not has_critic:
+        raise ValueError(
+            f"algorithm.adv_estimator={cfg.adv_estimator} needs a critic's values; add a critic "
+            "section, or pick an estimator with a group baseline (algorithm.adv_estimator=grpo)")

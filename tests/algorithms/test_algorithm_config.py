@@ -23,12 +23,12 @@ def test_dual_clip_must_exceed_one(c):
 
 
 def test_unknown_estimator_lists_choices():
-    with pytest.raises(ConfigError, match="adv_estimator: 'gae' is not one of grpo, rloo, reinforce_pp"):
-        load_config(AlgorithmConfig, overrides=["adv_estimator=gae"])
+    with pytest.raises(ConfigError, match="adv_estimator: 'ppo' is not one of grpo, rloo, reinforce_pp, gae"):
+        load_config(AlgorithmConfig, overrides=["adv_estimator=ppo"])
 
 
 def test_unknown_policy_loss_lists_choices():
-    with pytest.raises(ValueError, match="valid choices: ppo_clip"):
+    with pytest.raises(ValueError, match="valid choices: ppo_clip, gspo, gspo_token"):
         AlgorithmConfig(policy_loss="nope")
 
 

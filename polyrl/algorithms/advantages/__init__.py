@@ -1,9 +1,11 @@
 """Advantage estimators: per-sequence scalar rewards -> per-token advantages.
 
-Every estimator has the signature
+Every group-baseline (outcome) estimator has the signature
     fn(rewards [B], group_ids [B], response_mask [B, T], *, norm_adv_by_std, eps) -> [B, T]
-and is registered in `ADV_ESTIMATORS` (entries load lazily). The trainer calls
-`compute_advantages(cfg, ...)`, which also finds tied groups for DAPO dynamic sampling.
+and is registered in `ADV_ESTIMATORS` (entries load lazily). GAE (`adv_estimator=gae`,
+polyrl/algorithms/advantages/gae.py) also needs the critic's values and returns the critic's
+targets, so it is not in that registry. The trainer calls `compute_advantages(cfg, ...)`, which
+dispatches to either, and also finds tied groups for DAPO dynamic sampling.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from polyrl.algorithms.advantages.gae import gae_advantages, outcome_token_rewards
 from polyrl.algorithms.advantages.groups import group_stats, tied_group_mask
+from polyrl.algorithms.losses.aggregation import masked_mean
 from polyrl.registry import Registry
 
 if TYPE_CHECKING:
@@ -36,19 +40,43 @@ class AdvantageOutput:
     tied_mask: torch.Tensor
     """[B] bool: the sample's group has all-equal rewards (drop it when filtering tied groups)."""
     metrics: dict[str, float] = field(default_factory=dict)
+    returns: torch.Tensor | None = None
+    """[B, T] float32, gae only: the critic's regression targets (raw advantages + values)."""
 
 
 def compute_advantages(
     cfg: "AlgorithmConfig",
     rewards: torch.Tensor,  # [B]
     group_ids: torch.Tensor,  # [B]
-    response_mask: torch.Tensor,  # [B, T]
+    response_mask: torch.Tensor,  # [B, T] loss mask (holes for multi-turn tool output allowed)
+    *,
+    values: torch.Tensor | None = None,  # [B, T] critic's values at rollout time; gae only
 ) -> AdvantageOutput:
-    """Advantages with `cfg.adv_estimator`, plus the tied-group mask and metrics."""
-    fn = ADV_ESTIMATORS.get(cfg.adv_estimator)
-    adv = fn(
-        rewards, group_ids, response_mask, norm_adv_by_std=cfg.norm_adv_by_std, eps=cfg.adv_eps
-    )
+    """Advantages with `cfg.adv_estimator`, plus the tied-group mask and metrics.
+
+    gae: each reward is placed on its response's last loss token, and the output carries the
+    critic's `returns` and the metric critic/explained_variance (of the values passed in).
+    """
+    returns, extra = None, {}
+    if cfg.uses_critic:
+        if values is None:
+            raise ValueError(f"adv_estimator={cfg.adv_estimator} needs the critic's values "
+                             "(compute_advantages(..., values=[B, T]))")
+        from polyrl.algorithms.critic import explained_variance
+
+        token_rewards = outcome_token_rewards(rewards, response_mask)
+        adv, returns = gae_advantages(token_rewards, values, response_mask, cfg.gamma, cfg.lam,
+                                      whiten=cfg.whiten_advantages, eps=cfg.adv_eps)
+        extra = {
+            "critic/explained_variance": explained_variance(values, returns, response_mask),
+            "critic/returns_mean": masked_mean(returns, response_mask).item(),
+            "critic/values_mean": masked_mean(values.to(returns.dtype), response_mask).item(),
+        }
+    else:
+        fn = ADV_ESTIMATORS.get(cfg.adv_estimator)
+        adv = fn(
+            rewards, group_ids, response_mask, norm_adv_by_std=cfg.norm_adv_by_std, eps=cfg.adv_eps
+        )
     tied, num_tied = tied_group_mask(rewards, group_ids)
     num_groups = group_stats(rewards, group_ids).num_groups
     mask = response_mask.bool()
@@ -60,8 +88,16 @@ def compute_advantages(
         "adv/num_groups": float(num_groups),
         "adv/tied_groups": float(num_tied),
         "adv/tied_group_frac": num_tied / max(num_groups, 1),
+        **extra,
     }
-    return AdvantageOutput(adv, tied, metrics)
+    return AdvantageOutput(adv, tied, metrics, returns)
 
 
-__all__ = ["ADV_ESTIMATORS", "AdvantageOutput", "compute_advantages", "tied_group_mask"]
+__all__ = [
+    "ADV_ESTIMATORS",
+    "AdvantageOutput",
+    "compute_advantages",
+    "gae_advantages",
+    "outcome_token_rewards",
+    "tied_group_mask",
+]

@@ -17,5 +17,7 @@ PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 POLICY_LOSSES.register("ppo_clip", "polyrl.algorithms.losses.ppo:ppo_clip_policy_loss")
+POLICY_LOSSES.register("gspo", "polyrl.algorithms.losses.gspo:gspo_policy_loss")
+POLICY_LOSSES.register("gspo_token", "polyrl.algorithms.losses.gspo:gspo_token_policy_loss")
 
 __all__ = ["AGG_MODES", "POLICY_LOSSES", "aggregate", "masked_mean"]
