@@ -12,6 +12,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from polyrl.config import ConfigError
 from polyrl.data.dataset import PromptSample
 
 
@@ -36,11 +37,12 @@ class PromptLoader:
         n = len(dataset)
         self.batches_per_epoch = n // batch_size if drop_last else -(-n // batch_size)
         if self.batches_per_epoch == 0:
-            raise ValueError(
+            # a ConfigError: the CLI prints it as one line (exit 2), not a traceback
+            raise ConfigError([
                 f"data.{name}_batch_size={batch_size} is larger than the {name} set ({n} prompts "
                 f"after filtering), so drop_last leaves no batch; lower data.{name}_batch_size "
                 "or set data.drop_last=false"
-            )
+            ])
         self.epoch = 0
         """Epoch the next batch comes from."""
         self.position = 0

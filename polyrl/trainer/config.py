@@ -141,6 +141,18 @@ class JobConfig(Config):
             raise ValueError(str(exc)) from None
         return self
 
+    @model_validator(mode="after")
+    def _hybrid_syncs_in_place(self) -> "JobConfig":
+        # a hybrid engine lives in each trainer process and reads the trainer's weights in place;
+        # a collective or object-store transport would be accepted and never used
+        transport = self.weights.transport
+        if self.rollout.placement == "hybrid" and transport in ("broadcast", "object_store"):
+            raise ValueError(
+                f"weights.transport={transport} has no receiver under rollout.placement=hybrid "
+                "(the engine shares the trainer's process and weights); set weights.transport=auto "
+                "(in_place), or rollout.placement=standalone to send weights to replicas")
+        return self
+
     @property
     def weight_transport(self) -> str:
         """The transport this run uses (`weights.transport` resolved for placement and mode)."""

@@ -73,3 +73,117 @@ def test_print_config_and_help_config():
     out = subprocess.run([sys.executable, "-m", "polyrl", "train", "--help-config"],
                          capture_output=True, text=True, timeout=60)
     assert "rollout.backend" in out.stdout and "Samples per prompt" in out.stdout
+
+
+# --- pre-flight checks (polyrl/trainer/preflight.py), called directly ------------------------
+
+def job_config(*overrides):
+    from polyrl.config import load_config
+    from polyrl.trainer.config import JobConfig
+
+    return load_config(JobConfig, overrides=list(overrides))
+
+
+def prompts(*lengths):
+    from polyrl.data import PromptSample
+
+    return [PromptSample(index=i, data_source="arithmetic", prompt_ids=[5] * n, prompt_text="x" * n,
+                         raw_prompt="x" * n, ground_truth="1") for i, n in enumerate(lengths)]
+
+
+def one_line_config_error(call, *needles):
+    from polyrl.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        call()
+    (problem,) = err.value.problems
+    assert "\n" not in problem
+    for needle in needles:
+        assert needle in problem, problem
+    return problem
+
+
+def test_preflight_batch_larger_than_the_dataset():
+    from polyrl.trainer.preflight import check_batch_sizes
+
+    cfg = job_config("data.train_batch_size=8")
+    one_line_config_error(lambda: check_batch_sizes(cfg, prompts(3, 3, 3), None),
+                          "data.train_batch_size=8 is larger than the training set (3 prompts",
+                          "at most 3")
+    check_batch_sizes(job_config("data.train_batch_size=8", "data.drop_last=false"), prompts(3), None)
+    one_line_config_error(lambda: check_batch_sizes(job_config("data.val_batch_size=4"), prompts(*[3] * 8),
+                                                    prompts(3)), "data.val_batch_size=4")
+
+
+def test_preflight_reward_function_that_cannot_be_imported(tmp_path):
+    from polyrl.trainer.preflight import check_reward_function
+
+    one_line_config_error(lambda: check_reward_function(job_config("reward.custom_function=no_such_mod:fn")),
+                          "cannot import module 'no_such_mod'")
+    broken = tmp_path / "broken.py"
+    broken.write_text("import os\nraise RuntimeError('needs an API key')\n")
+    one_line_config_error(lambda: check_reward_function(job_config(f"reward.custom_function={broken}:fn")),
+                          "importing it raised RuntimeError: needs an API key", "broken.py, line 2")
+    syntax = tmp_path / "syntax.py"
+    syntax.write_text("def fn(:\n")
+    one_line_config_error(lambda: check_reward_function(job_config(f"reward.custom_function={syntax}:fn")),
+                          "SyntaxError", "line 1")
+    ok = tmp_path / "ok.py"
+    ok.write_text("def fn(s, gt, extra=None):\n    return 0.0\n")
+    check_reward_function(job_config(f"reward.custom_function={ok}:fn"))
+
+
+def test_preflight_prompt_plus_response_longer_than_the_model_context():
+    from types import SimpleNamespace
+
+    from polyrl.trainer.preflight import check_model_context, longest_prompt
+
+    cfg = job_config("rollout.response_length=100")
+    longest = longest_prompt(prompts(10, 40), prompts(50))
+    assert longest == 50
+    one_line_config_error(lambda: check_model_context(cfg, longest, SimpleNamespace(max_position_embeddings=128)),
+                          "50 tokens) + rollout.response_length=100 = 150 tokens exceeds the model's "
+                          "context of 128", "at most 78")
+    check_model_context(cfg, longest, SimpleNamespace(max_position_embeddings=150))
+    check_model_context(cfg, longest, SimpleNamespace())  # the config does not say: nothing to check
+
+
+def test_preflight_max_model_len_below_prompt_plus_response():
+    from polyrl.trainer.preflight import check_max_model_len
+
+    one_line_config_error(lambda: check_max_model_len(job_config("rollout.max_model_len=64",
+                                                                 "rollout.response_length=60"), 10),
+                          "rollout.max_model_len=64 is shorter than", "= 70", "rollout.max_model_len=70")
+    check_max_model_len(job_config("rollout.response_length=60"), 10)  # unset: computed from the data
+
+
+def test_preflight_platform_not_available_here():
+    from polyrl.platform import get_platform
+    from polyrl.trainer.preflight import check_platform
+
+    if get_platform(None).name != "cpu":
+        pytest.skip("this machine has an accelerator")
+    one_line_config_error(lambda: check_platform(job_config("platform=cuda")),
+                          "platform=cuda", "not available here")
+    check_platform(job_config("platform=cpu"))
+
+
+def test_check_job_runs_every_check_in_order(tmp_path):
+    from types import SimpleNamespace
+
+    from polyrl.trainer.preflight import check_job
+
+    cfg = job_config("data.train_batch_size=2", "rollout.response_length=8", "rollout.n=2")
+    check_job(cfg, prompts(4, 4), None, SimpleNamespace(max_position_embeddings=12))
+    one_line_config_error(lambda: check_job(cfg, prompts(4, 5), None, SimpleNamespace(max_position_embeddings=12)),
+                          "exceeds the model's context of 12")
+
+
+def test_hybrid_placement_with_a_collective_transport_is_refused():
+    from polyrl.config import ConfigError
+
+    for transport in ("broadcast", "object_store"):
+        with pytest.raises(ConfigError, match=f"weights.transport={transport} has no receiver under "
+                                              "rollout.placement=hybrid"):
+            job_config(f"weights.transport={transport}")
+        job_config(f"weights.transport={transport}", "rollout.placement=standalone")

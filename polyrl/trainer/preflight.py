@@ -1,0 +1,122 @@
+"""Pre-flight checks: set-up mistakes found before Ray and the model start, each as one line.
+
+Each check is a pure function of the resolved config, the loaded datasets and the model's config
+(transformers `PretrainedConfig`, or anything with the same attributes), and raises `ConfigError`
+with one problem naming the config key and the fix. `check_job` runs them all; the trainer calls
+it after loading the tokenizer and the datasets, before the platform and Ray start, so a run
+that cannot work fails in seconds instead of after minutes of start-up (or hours into training).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from polyrl.config import ConfigError
+
+CONTEXT_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+"""Where Hugging Face model configs keep the longest sequence the model was built for."""
+
+
+def check_job(cfg: Any, train_set: Sequence[Any], val_set: Sequence[Any] | None,
+              model_config: Any | None) -> None:
+    """Every pre-flight check; raises `ConfigError` (one problem) at the first failure.
+
+    `cfg`: the JobConfig; `train_set` / `val_set`: the loaded datasets (items have `prompt_ids`);
+    `model_config`: the policy's transformers config, or None where it is not at hand (skips the
+    context-length check)."""
+    check_platform(cfg)
+    check_reward_function(cfg)
+    check_batch_sizes(cfg, train_set, val_set)
+    longest = longest_prompt(train_set, val_set)
+    check_model_context(cfg, longest, model_config)
+    check_max_model_len(cfg, longest)
+
+
+def check_platform(cfg: Any) -> None:
+    """`platform=cuda` on a machine without CUDA (and the like) fails here, not inside Ray."""
+    from polyrl.platform import PlatformError, get_platform
+
+    try:
+        get_platform(cfg.platform)
+    except PlatformError as exc:
+        raise ConfigError([f"platform={cfg.platform}: {exc}"]) from None
+
+
+def check_reward_function(cfg: Any) -> None:
+    """reward.custom_function imports and names a function (its module's own errors included)."""
+    spec = cfg.reward.custom_function
+    if spec is None:
+        return
+    from polyrl.rewards.registry import load_function
+
+    try:
+        load_function(spec)
+    except ValueError as exc:  # load_function's own messages already name the key
+        raise ConfigError([str(exc).splitlines()[0]]) from None
+    except Exception as exc:  # the user's module raised while it was imported
+        where = _traceback_line(exc)
+        raise ConfigError([f"reward.custom_function={spec}: importing it raised "
+                           f"{type(exc).__name__}: {exc}{where}; fix the module"]) from None
+
+
+def check_batch_sizes(cfg: Any, train_set: Sequence[Any], val_set: Sequence[Any] | None) -> None:
+    """A training batch must fit in the training set (after bad and over-long rows are dropped)."""
+    size, n = cfg.data.train_batch_size, len(train_set)
+    if size > n and cfg.data.drop_last:
+        raise ConfigError([
+            f"data.train_batch_size={size} is larger than the training set ({n} prompts after "
+            f"filtering): not one full batch; lower data.train_batch_size to at most {n}, add "
+            "data, or set data.drop_last=false"])
+    val_size = cfg.data.val_batch_size
+    if val_set is not None and val_size is not None and val_size > len(val_set):
+        raise ConfigError([
+            f"data.val_batch_size={val_size} is larger than the validation set ({len(val_set)} "
+            "prompts); lower it or leave it unset (one batch of the whole set)"])
+
+
+def longest_prompt(train_set: Sequence[Any], val_set: Sequence[Any] | None) -> int:
+    """Tokens of the longest prompt either split holds."""
+    sets = [s for s in (train_set, val_set) if s]
+    return max((len(p.prompt_ids) for s in sets for p in s), default=0)
+
+
+def model_context_length(model_config: Any) -> int | None:
+    """The longest sequence the model takes, from its config; None if the config does not say."""
+    for name in CONTEXT_ATTRIBUTES:
+        value = getattr(model_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_model_context(cfg: Any, longest: int, model_config: Any | None) -> None:
+    """Longest prompt + rollout.response_length must fit the model's context window."""
+    context = model_context_length(model_config) if model_config is not None else None
+    need = longest + cfg.rollout.response_length
+    if context is not None and need > context:
+        raise ConfigError([
+            f"the longest prompt ({longest} tokens) + rollout.response_length="
+            f"{cfg.rollout.response_length} = {need} tokens exceeds the model's context of "
+            f"{context} tokens ({cfg.model.path}); lower rollout.response_length to at most "
+            f"{max(context - longest, 0)}, or data.max_prompt_length to drop long prompts"])
+
+
+def check_max_model_len(cfg: Any, longest: int) -> None:
+    """An explicit rollout.max_model_len below prompt + response would clip responses silently."""
+    limit = cfg.rollout.max_model_len
+    need = longest + cfg.rollout.response_length
+    if limit is not None and limit < need:
+        raise ConfigError([
+            f"rollout.max_model_len={limit} is shorter than the longest prompt ({longest} tokens) "
+            f"+ rollout.response_length={cfg.rollout.response_length} = {need}: responses would be "
+            f"cut short; set rollout.max_model_len={need} or leave it unset (computed from the data)"])
+
+
+def _traceback_line(exc: BaseException) -> str:
+    """" (file F, line N)" of the innermost frame, or of a SyntaxError's position."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return ""  # its message already holds "(file, line N)"
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f" (at {tb.tb_frame.f_code.co_filename}, line {tb.tb_lineno})" if tb is not None else ""
