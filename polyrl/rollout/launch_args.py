@@ -3,7 +3,9 @@
 `engine_launch_args` is what both the rollout actors and `polyrl train --dry-run` call, so the
 plan a user inspects is the plan that runs. Builders take the config and the (possibly
 simulated) platform and never import the engine: they run on a laptop without a GPU.
-Defaults come first, the user's `rollout.engine_kwargs.<engine>` last, `None` values dropped.
+Defaults come first, the user's `rollout.engine_kwargs.<engine>` last; a default of `None` means
+"not set", a null in the user's kwargs is an error naming the key, and FP8's quantization settings
+are merged into the user's dicts key by key (`polyrl/rollout/engines/launch_merge.py`).
 
 What each builder returns is what the adapter passes on unchanged, with one exception: TRT-LLM's
 `kv_cache_config` is a plain dict here (so it can be printed and compared) and becomes
@@ -18,6 +20,7 @@ from packaging.version import InvalidVersion, Version
 
 from polyrl.platform import Platform
 from polyrl.rollout.config import RolloutConfig
+from polyrl.rollout.engines.launch_merge import check_no_nulls, json_object, merge_fp8, model_uses_mla
 
 Builder = Callable[[RolloutConfig, str, Platform, "str | None"], dict[str, Any]]
 
@@ -30,24 +33,42 @@ SGLANG_FLASHINFER_SINCE = Version("0.5.12")
 
 
 def merge_args(defaults: dict[str, Any], user: dict[str, Any] | None) -> dict[str, Any]:
-    """Defaults, then the user's values key by key; `None` values are dropped."""
+    """Defaults (a `None` default is "not set" and dropped), then the user's values key by key
+    (already checked for nulls by `user_kwargs`)."""
     merged = {**defaults, **(user or {})}
     return {k: v for k, v in merged.items() if v is not None}
 
 
 def resolve_load_format(rollout: RolloutConfig) -> str:
-    """"auto" (read the checkpoint) or "dummy" (random weights, overwritten by the first sync).
+    """The load format the engine really starts with: "auto" (read the checkpoint), "dummy"
+    (random weights, overwritten by the first sync) or another format the user named.
 
-    Unset means "dummy" in hybrid placement (the trainer's weights are copied in right after
-    start) and with FP8 (no FP8 checkpoint exists), else "auto". Outside hybrid placement an
-    explicit "dummy" becomes "auto" unless quantization=fp8: nothing would fill the weights
-    before the first rollout (R4, verl PR 6344)."""
+    The user's value is `rollout.engine_kwargs.<backend>.load_format` if given (it reaches the
+    engine), else `rollout.load_format`. Unset means "dummy" in hybrid placement (the trainer's
+    weights are copied in right after start) and with FP8 (no FP8 checkpoint exists), else
+    "auto". Outside hybrid placement "dummy" becomes "auto" unless quantization=fp8: nothing
+    would fill the weights before the first rollout (R4, verl PR 6344). The trainer sends the
+    weights before the first rollout exactly when this returns "dummy" outside hybrid placement
+    (`needs_first_sync`)."""
     fp8 = rollout.quantization == "fp8"
     hybrid = rollout.placement == "hybrid"
-    fmt = rollout.load_format or ("dummy" if hybrid or fp8 else "auto")
+    key = f"rollout.engine_kwargs.{rollout.backend}.load_format"
+    given = (rollout.engine_kwargs.get(rollout.backend) or {}).get("load_format")
+    if given is not None and fp8 and given != "dummy":
+        raise ValueError(f"{key}={given}: rollout.quantization=fp8 has no FP8 checkpoint to read, "
+                         "its weights arrive with the first weight sync; remove the key or set "
+                         "it to dummy")
+    fmt = given or rollout.load_format or ("dummy" if hybrid or fp8 else "auto")
     if fmt == "dummy" and not hybrid and not fp8:
         return "auto"
     return fmt
+
+
+def needs_first_sync(rollout: RolloutConfig) -> bool:
+    """Whether rollout engines outside the trainer start on dummy weights, so the trainer must
+    send the weights once before the first rollout (hybrid engines are filled at start by
+    `from_model`)."""
+    return rollout.placement != "hybrid" and resolve_load_format(rollout) == "dummy"
 
 
 def parse_engine_version(engine_version: str | None) -> Version | None:
@@ -61,7 +82,12 @@ def parse_engine_version(engine_version: str | None) -> Version | None:
 
 
 def user_kwargs(rollout: RolloutConfig, engine: str) -> dict[str, Any]:
-    return dict(rollout.engine_kwargs.get(engine) or {})
+    """The user's kwargs for `engine`, checked for nulls; `load_format` is left out because
+    `resolve_load_format` already decided it from the same value."""
+    user = dict(rollout.engine_kwargs.get(engine) or {})
+    check_no_nulls(user, f"rollout.engine_kwargs.{engine}")
+    user.pop("load_format", None)
+    return user
 
 
 def fp8_hf_overrides(rollout: RolloutConfig) -> dict[str, Any] | None:
@@ -75,13 +101,26 @@ def fp8_hf_overrides(rollout: RolloutConfig) -> dict[str, Any] | None:
     return {"quantization_config": copy.deepcopy(FP8_QUANT_CONFIG)}  # nested list: never share it
 
 
+def with_fp8(rollout: RolloutConfig, user: dict[str, Any], engine: str,
+             overrides_key: str) -> dict[str, Any]:
+    """`user` with FP8's `quantization` and its HF-config overrides (under `overrides_key`)
+    merged in key by key; unchanged without FP8."""
+    overrides = fp8_hf_overrides(rollout)
+    if overrides is None:
+        return user
+    fp8: dict[str, Any] = {overrides_key: overrides}
+    if engine != "trtllm":  # TRT-LLM reads the quantization from model_kwargs only
+        fp8["quantization"] = "fp8"
+    return merge_fp8(user, fp8, f"rollout.engine_kwargs.{engine}")
+
+
 # --- native ---------------------------------------------------------------------------------------
 
 def native_args(rollout: RolloutConfig, model_path: str, platform: Platform,
                 engine_version: str | None = None) -> dict[str, Any]:
     defaults = {"model_path": model_path, "dtype": rollout.dtype,
                 "max_model_len": rollout.max_model_len, "max_num_seqs": rollout.max_num_seqs}
-    return merge_args(defaults, rollout.engine_kwargs.get("native"))
+    return merge_args(defaults, user_kwargs(rollout, "native"))
 
 
 # --- vLLM (AsyncEngineArgs keyword arguments) -----------------------------------------------------
@@ -101,25 +140,25 @@ def vllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
         "enable_prefix_caching": rollout.enable_prefix_caching,
         "enforce_eager": rollout.enforce_eager,
         "load_format": resolve_load_format(rollout),
-        "quantization": rollout.quantization,
-        "hf_overrides": fp8_hf_overrides(rollout),
         # hybrid: the trainer needs the memory back between rollouts (sleep level 1 keeps weights
         # in host memory, level 2 drops them; see the adapter)
         "enable_sleep_mode": rollout.placement == "hybrid" or None,
         "worker_extension_cls": VLLM_WORKER_EXTENSION,
     }
-    return merge_args(defaults, user_kwargs(rollout, "vllm"))
+    user = with_fp8(rollout, user_kwargs(rollout, "vllm"), "vllm", "hf_overrides")
+    return merge_args(defaults, user)
 
 
 # --- SGLang (sgl.Engine / ServerArgs keyword arguments) -------------------------------------------
 
-def sglang_attention_backend(platform: Platform, engine_version: str | None) -> str | None:
+def sglang_attention_backend(platform: Platform, engine_version: str | None,
+                             mla: bool = False) -> str | None:
     """aiter on ROCm; on NVIDIA GPUs flashinfer for sglang >= 0.5.12 (FA3 CUDA-graph capture is
-    broken there) and fa3 below it on Hopper (FA3 kernels are sm90-only; other GPUs get
-    flashinfer). An unknown version (no sglang installed, no version declared for a dry run) is
-    treated as the newest release, i.e. flashinfer: it works on every version and GPU, while fa3
-    would break the newest ones. Platforms without a compute capability (Ascend NPUs) get None:
-    SGLang picks its own backend there (`ascend`)."""
+    broken there), below it fa3 wherever SGLang's fa3 backend runs and flashinfer elsewhere.
+    An unknown version (no sglang installed, no version declared for a dry run) is treated as
+    the newest release, i.e. flashinfer: it works on every version and GPU, while fa3 would break
+    the newest ones. Platforms without a compute capability (Ascend NPUs) get None: SGLang picks
+    its own backend there (`ascend`)."""
     if platform.name == "rocm":
         return "aiter"
     capability = platform.capability
@@ -128,7 +167,12 @@ def sglang_attention_backend(platform: Platform, engine_version: str | None) -> 
     version = parse_engine_version(engine_version)
     if version is None or version >= SGLANG_FLASHINFER_SINCE:
         return "flashinfer"
-    return "fa3" if capability[0] == 9 else "flashinfer"
+    # Where fa3 runs: SGLang asserts `(major == 8 and not use_mla_backend) or major == 9` when it
+    # creates the fa3 backend ("FlashAttention v3 Backend requires SM>=80 and SM<=90"), in
+    # sgl-project/sglang python/sglang/srt/layers/attention/attention_registry.py,
+    # create_flashattention_v3_backend (model_runner.py in older releases).
+    major = capability[0]
+    return "fa3" if major == 9 or (major == 8 and not mla) else "flashinfer"
 
 
 def sglang_args(rollout: RolloutConfig, model_path: str, platform: Platform,
@@ -137,7 +181,12 @@ def sglang_args(rollout: RolloutConfig, model_path: str, platform: Platform,
     only needs the block-FP8 layout (`json_model_override_args`)."""
     import json
 
-    overrides = fp8_hf_overrides(rollout)
+    user = user_kwargs(rollout, "sglang")
+    if rollout.quantization == "fp8":
+        key = "json_model_override_args"
+        user[key] = json_object(user.get(key), f"rollout.engine_kwargs.sglang.{key}")
+        user = with_fp8(rollout, user, "sglang", key)
+        user[key] = json.dumps(user[key], sort_keys=True)
     defaults = {
         "model_path": model_path,
         "dtype": rollout.dtype,
@@ -147,15 +196,14 @@ def sglang_args(rollout: RolloutConfig, model_path: str, platform: Platform,
         "max_running_requests": rollout.max_num_seqs,
         "disable_radix_cache": not rollout.enable_prefix_caching,
         "disable_cuda_graph": rollout.enforce_eager,
-        "attention_backend": sglang_attention_backend(platform, engine_version),
+        "attention_backend": sglang_attention_backend(platform, engine_version,
+                                                      model_uses_mla(model_path)),
         "load_format": resolve_load_format(rollout),
-        "quantization": rollout.quantization,
-        "json_model_override_args": json.dumps(overrides, sort_keys=True) if overrides else None,
         # release/resume_memory_occupation need the memory saver (hybrid: sleep between rollouts)
         "enable_memory_saver": rollout.placement == "hybrid" or None,
         "log_level": "error",
     }
-    return merge_args(defaults, user_kwargs(rollout, "sglang"))
+    return merge_args(defaults, user)
 
 
 # --- TensorRT-LLM (tensorrt_llm LLM / AsyncLLM keyword arguments) ---------------------------------
@@ -167,7 +215,7 @@ def trtllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
     gpu_memory_utilization, then the user's `kv_cache_config` key by key, so user kwargs never
     replace the whole object (R4). The adapter builds `KvCacheConfig(**args["kv_cache_config"])`
     (and `SleepConfig(**args["sleep_config"])`)."""
-    user = user_kwargs(rollout, "trtllm")
+    user = with_fp8(rollout, user_kwargs(rollout, "trtllm"), "trtllm", "model_kwargs")
     user_kv = user.pop("kv_cache_config", None) or {}
     if not isinstance(user_kv, dict):
         raise ValueError("rollout.engine_kwargs.trtllm.kv_cache_config must be a mapping of "
@@ -185,7 +233,6 @@ def trtllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
         "max_batch_size": rollout.max_num_seqs,
         "kv_cache_config": kv_cache_config,
         "load_format": resolve_load_format(rollout),
-        "model_kwargs": fp8_hf_overrides(rollout),
         # hybrid: release()/resume() of weights and KV cache between rollouts need a SleepConfig
         # (a dict here, `SleepConfig(**d)` in the adapter)
         "sleep_config": {} if rollout.placement == "hybrid" else None,

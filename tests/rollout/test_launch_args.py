@@ -7,16 +7,19 @@ without this file changing is a behaviour change a reviewer should see.
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
-from polyrl.platform import SIMULATED_PROBES, get_platform
+from polyrl.platform import SIMULATED_PROBES, get_platform, simulated_probe
+from polyrl.rollout.engines import launch_merge
 from polyrl.rollout.config import RolloutConfig
 from polyrl.rollout.launch_args import (
     BUILDERS,
     TRTLLM_WORKER_EXTENSION,
     VLLM_WORKER_EXTENSION,
     engine_launch_args,
+    needs_first_sync,
     resolve_load_format,
     sglang_attention_backend,
 )
@@ -27,6 +30,8 @@ FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
 
 
 def platform(hw: str):
+    if hw == "a100":  # no simulated A100 machine: CUDA at capability 8.0
+        return get_platform("cuda", simulated_probe("cuda", (8, 0)))
     return get_platform(None, SIMULATED_PROBES[hw])
 
 
@@ -54,6 +59,32 @@ def test_load_format(placement, quant, given, expected):
     assert resolve_load_format(cfg) == expected
 
 
+@pytest.mark.parametrize("backend", ["vllm", "sglang", "trtllm"])
+@pytest.mark.parametrize("placement,quant,given,expected,first_sync", [
+    ("standalone", None, "dummy", "auto", False),   # was: dummy reached the engine, no sync
+    ("standalone", "fp8", "dummy", "dummy", True),
+    ("hybrid", None, "dummy", "dummy", False),       # from_model fills a hybrid engine at start
+    ("standalone", None, "safetensors", "safetensors", False),
+])
+def test_load_format_in_engine_kwargs_follows_the_same_rule(backend, placement, quant, given,
+                                                             expected, first_sync):
+    # issue 15: engine_kwargs.<backend>.load_format=dummy bypassed the rule, so the first
+    # standalone rollout sampled from random weights
+    cfg = rollout(backend=backend, placement=placement, quantization=quant,
+                  engine_kwargs={backend: {"load_format": given}})
+    assert resolve_load_format(cfg) == expected
+    assert engine_launch_args(cfg, MODEL, platform("h100"), "0.5.11")["load_format"] == expected
+    assert needs_first_sync(cfg) is first_sync
+
+
+def test_fp8_with_a_disk_load_format_in_engine_kwargs_names_the_key():
+    cfg = rollout(backend="vllm", placement="standalone", quantization="fp8",
+                  engine_kwargs={"vllm": {"load_format": "auto"}})
+    with pytest.raises(ValueError, match=r"rollout.engine_kwargs.vllm.load_format=auto: "
+                                         r"rollout.quantization=fp8 has no FP8 checkpoint"):
+        engine_launch_args(cfg, MODEL, platform("h100"))
+
+
 def test_fp8_config_errors_name_the_field():
     with pytest.raises(ValueError, match="rollout.load_format=dummy"):
         rollout(backend="sglang", quantization="fp8", load_format="auto")
@@ -79,11 +110,11 @@ def test_vllm_hybrid_same_on_every_gpu(hw):
 def test_vllm_standalone_fp8_and_user_overrides():
     cfg = rollout(backend="vllm", placement="standalone", num_replicas=2, tensor_parallel_size=2,
                   quantization="fp8", enable_prefix_caching=False,
-                  engine_kwargs={"vllm": {"enforce_eager": True, "max_model_len": None,
-                                          "swap_space": 8}})
+                  engine_kwargs={"vllm": {"enforce_eager": True, "swap_space": 8}})
     assert engine_launch_args(cfg, MODEL, platform("h100"), "0.11.0") == {
         "model": MODEL, "dtype": "bfloat16", "tensor_parallel_size": 2,
-        "gpu_memory_utilization": 0.6, "max_num_seqs": 128, "enable_prefix_caching": False,
+        "gpu_memory_utilization": 0.6, "max_model_len": 4096, "max_num_seqs": 128,
+        "enable_prefix_caching": False,
         "enforce_eager": True, "load_format": "dummy", "quantization": "fp8",
         "hf_overrides": {"quantization_config": FP8},
         "worker_extension_cls": VLLM_WORKER_EXTENSION, "swap_space": 8,
@@ -107,7 +138,9 @@ def test_vllm_standalone_plain_loads_from_disk():
     ("h100", "0.5.11", "fa3"),
     ("h100", "0.5.3rc2", "fa3"),
     ("h100", None, "flashinfer"),      # unknown version: treated as the newest release
-    ("gb200", "0.5.11", "flashinfer"),  # FA3 kernels are Hopper-only
+    ("gb200", "0.5.11", "flashinfer"),  # SGLang's fa3 backend asserts SM 8.x / 9.x
+    ("a100", "0.5.11", "fa3"),          # issue 15: the seed's fa3, and fa3 runs on SM 8.x
+    ("a100", "0.5.12", "flashinfer"),
     ("gb200", "0.5.12", "flashinfer"),
     ("ascend910", "0.5.12", None),     # SGLang's own choice on Ascend
 ])
@@ -115,6 +148,18 @@ def test_sglang_attention_backend(hw, version, expected):
     assert sglang_attention_backend(platform(hw), version) == expected
     args = engine_launch_args(rollout(backend="sglang"), MODEL, platform(hw), version)
     assert args.get("attention_backend") == expected
+
+
+@pytest.mark.parametrize("hw,expected", [("a100", "flashinfer"), ("h100", "fa3")])
+def test_sglang_mla_model_gets_fa3_only_on_sm90(tmp_path, hw, expected):
+    # SGLang's fa3 backend takes MLA models on SM 9.x only
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3",
+                                                      "kv_lora_rank": 512}))
+    args = engine_launch_args(rollout(backend="sglang"), str(tmp_path), platform(hw), "0.5.11")
+    assert args["attention_backend"] == expected
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    args = engine_launch_args(rollout(backend="sglang"), str(tmp_path), platform(hw), "0.5.11")
+    assert args["attention_backend"] == "fa3"
 
 
 @pytest.mark.parametrize("hw", ["mi300x", "h100"])
@@ -182,11 +227,13 @@ def test_trtllm_hybrid_fp8_defaults():
     }
 
 
-def test_trtllm_user_none_drops_a_kv_default_and_bad_type_is_named():
+def test_trtllm_null_in_kv_cache_config_and_bad_type_are_named():
+    # `kv_cache_config: {max_tokens:65536}` in YAML: one key "max_tokens:65536" with no value
     cfg = rollout(backend="trtllm",
-                  engine_kwargs={"trtllm": {"kv_cache_config": {"enable_block_reuse": None}}})
-    args = engine_launch_args(cfg, MODEL, platform("h100"))
-    assert args["kv_cache_config"] == {"free_gpu_memory_fraction": 0.6}
+                  engine_kwargs={"trtllm": {"kv_cache_config": {"max_tokens:65536": None}}})
+    with pytest.raises(ValueError, match=r"rollout.engine_kwargs.trtllm.kv_cache_config."
+                                         r"max_tokens:65536 is null \(YAML reads"):
+        engine_launch_args(cfg, MODEL, platform("h100"))
     bad = rollout(backend="trtllm", engine_kwargs={"trtllm": {"kv_cache_config": 0.9}})
     with pytest.raises(ValueError, match="engine_kwargs.trtllm.kv_cache_config must be a mapping"):
         engine_launch_args(bad, MODEL, platform("h100"))
@@ -196,15 +243,70 @@ def test_trtllm_user_none_drops_a_kv_default_and_bad_type_is_named():
 
 @pytest.mark.parametrize("backend", sorted(BUILDERS))
 @pytest.mark.parametrize("hw", ["h100", "gb200", "mi300x", "ascend910", "cpu"])
-def test_user_kwargs_win_and_none_is_dropped(backend, hw):
-    probe = {"native": {}, "vllm": {}, "sglang": {}, "trtllm": {}}
+def test_user_kwargs_win_and_a_null_is_an_error_naming_the_key(backend, hw):
     plain = engine_launch_args(rollout(backend=backend), MODEL, platform(hw), "0.5.12")
     key = next(k for k, v in plain.items() if k not in ("model", "model_path") and v is not None)
-    probe[backend] = {key: None, "extra_flag": 7}
+    probe = {backend: {key: "user-value", "extra_flag": 7}}
     args = engine_launch_args(rollout(backend=backend, engine_kwargs=probe), MODEL, platform(hw),
                               "0.5.12")
-    assert key not in args and args["extra_flag"] == 7
-    assert all(v is not None for v in args.values())
+    assert args[key] == "user-value" and args["extra_flag"] == 7
+    # issue 15: a null was dropped silently (`{max_tokens:1024}` in YAML is such a null)
+    nulled = {backend: {key: None}}
+    with pytest.raises(ValueError, match=rf"rollout.engine_kwargs.{backend}.{key} is null; give it"):
+        engine_launch_args(rollout(backend=backend, engine_kwargs=nulled), MODEL, platform(hw), "0.5.12")
+
+
+# --- FP8 merged into the user's dicts key by key (issue 15) ---------------------------------------
+
+@pytest.fixture
+def fresh_warnings(caplog):
+    launch_merge._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="polyrl.rollout.engines.launch_merge"):
+        yield caplog
+    launch_merge._warned.clear()
+
+
+def test_vllm_user_hf_overrides_keep_fp8(fresh_warnings):
+    user = {"hf_overrides": {"rope_scaling": {"type": "yarn"}, "quantization_config": {
+        "activation_scheme": "static", "modules_to_not_convert": ["lm_head"]}}}
+    cfg = rollout(backend="vllm", placement="standalone", quantization="fp8",
+                  engine_kwargs={"vllm": user})
+    args = engine_launch_args(cfg, MODEL, platform("h100"))
+    assert args["quantization"] == "fp8"
+    assert args["hf_overrides"] == {"rope_scaling": {"type": "yarn"}, "quantization_config": {
+        **FP8, "modules_to_not_convert": ["lm_head"]}}
+    [warning] = [r.getMessage() for r in fresh_warnings.records]
+    assert "rollout.engine_kwargs.vllm.hf_overrides.quantization_config.activation_scheme" in warning
+    assert user["hf_overrides"]["quantization_config"]["activation_scheme"] == "static"  # not mutated
+
+
+def test_trtllm_user_model_kwargs_keep_fp8(fresh_warnings):
+    cfg = rollout(backend="trtllm", quantization="fp8",
+                  engine_kwargs={"trtllm": {"model_kwargs": {"num_hidden_layers": 2}}})
+    args = engine_launch_args(cfg, MODEL, platform("h100"))
+    assert args["model_kwargs"] == {"num_hidden_layers": 2, "quantization_config": FP8}
+    assert fresh_warnings.records == []  # nothing conflicted
+
+
+def test_sglang_user_overrides_and_quantization_conflict(fresh_warnings):
+    cfg = rollout(backend="sglang", placement="standalone", quantization="fp8",
+                  engine_kwargs={"sglang": {"quantization": "awq",
+                                            "json_model_override_args": '{"max_position_embeddings": 8192}'}})
+    args = engine_launch_args(cfg, MODEL, platform("h100"), "0.5.11")
+    assert args["quantization"] == "fp8"
+    assert json.loads(args["json_model_override_args"]) == {"max_position_embeddings": 8192,
+                                                            "quantization_config": FP8}
+    [warning] = [r.getMessage() for r in fresh_warnings.records]
+    assert "rollout.engine_kwargs.sglang.quantization='awq'" in warning
+    bad = rollout(backend="sglang", quantization="fp8",
+                  engine_kwargs={"sglang": {"json_model_override_args": "[1]"}})
+    with pytest.raises(ValueError, match="json_model_override_args must be a JSON object"):
+        engine_launch_args(bad, MODEL, platform("h100"))
+
+
+def test_without_fp8_user_dicts_pass_unchanged():
+    cfg = rollout(backend="sglang", engine_kwargs={"sglang": {"json_model_override_args": '{"a": 1}'}})
+    assert engine_launch_args(cfg, MODEL, platform("h100"))["json_model_override_args"] == '{"a": 1}'
 
 
 def test_native_unchanged():

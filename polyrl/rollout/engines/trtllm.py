@@ -89,6 +89,17 @@ def read_hf_config(model_path: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+
+def quantizes_fp8(launch_args: Mapping[str, Any]) -> bool:
+    """Whether the engine was built for polyrl's block-FP8 weights (`rollout.quantization=fp8`):
+    its `model_kwargs.quantization_config` carries every FP8_QUANT_CONFIG entry. Any other
+    quantization config a user gives (a pre-quantized checkpoint) must not make the adapter
+    quantize the weights it sends."""
+    from polyrl.weights.fp8 import FP8_QUANT_CONFIG
+
+    config = (launch_args.get("model_kwargs") or {}).get("quantization_config") or {}
+    return all(config.get(k) == v for k, v in FP8_QUANT_CONFIG.items())
+
 class TRTLLMEngine(AsyncEngineAdapter):
     """Implements `polyrl.rollout.base.RolloutEngine` on TensorRT-LLM's `AsyncLLM`.
 
@@ -105,7 +116,7 @@ class TRTLLMEngine(AsyncEngineAdapter):
         from tensorrt_llm.llmapi import KvCacheConfig
 
         self._init_adapter(launch_args, "model", tokenizer, seed, update_bucket_mb, control_timeout_s)
-        self.fp8 = bool((self.launch_args.get("model_kwargs") or {}).get("quantization_config"))
+        self.fp8 = quantizes_fp8(self.launch_args)
         self.hf_config = read_hf_config(self.model_path)
         self._requests: dict[str, Any] = {}
         args = dict(self.launch_args)

@@ -132,3 +132,20 @@ def test_trtllm_ipc_handles_refuse_host_tensors(tmp_path):
     assert read_hf_config(str(tmp_path)) is None
     (tmp_path / "config.json").write_text('{"vision_config": {"depth": 2}}')
     assert read_hf_config(str(tmp_path)) == {"vision_config": {"depth": 2}}
+
+
+def test_trtllm_quantizes_only_for_polyrl_fp8():
+    # a user's own quantization_config (pre-quantized checkpoint) must not make the adapter
+    # quantize what it sends; polyrl's FP8 merged with user keys still counts (issue 15)
+    from polyrl.platform import SIMULATED_PROBES, get_platform
+    from polyrl.rollout.config import RolloutConfig
+    from polyrl.rollout.engines.trtllm import quantizes_fp8
+    from polyrl.rollout.launch_args import engine_launch_args
+
+    h100 = get_platform(None, SIMULATED_PROBES["h100"])
+    user = {"model_kwargs": {"quantization_config": {"quant_method": "awq", "bits": 4}}}
+    plain = RolloutConfig(backend="trtllm", engine_kwargs={"trtllm": user})
+    assert not quantizes_fp8(engine_launch_args(plain, "/m", h100))
+    merged = RolloutConfig(backend="trtllm", quantization="fp8", engine_kwargs={"trtllm": {
+        "model_kwargs": {"quantization_config": {"modules_to_not_convert": ["lm_head"]}}}})
+    assert quantizes_fp8(engine_launch_args(merged, "/m", h100))
