@@ -1,7 +1,7 @@
 """The critic's pure pieces: clipped value loss and explained variance.
 
-Value loss as in PPO implementations (OpenAI baselines ppo2; verl's compute_value_loss), per
-token, in the response-aligned layout of polyrl/algorithms/advantages/gae.py:
+Value loss as PPO implementations (OpenAI baselines, verl) compute it, per token, in the
+response-aligned layout of polyrl/algorithms/advantages/gae.py:
     V_clip = V_old + clip(V - V_old, -c, c)
     L_t    = 0.5 * max((V - R)^2, (V_clip - R)^2)
 c (algorithm.value_clip_range) keeps the critic within c of the values the advantages were

@@ -42,7 +42,7 @@ class OverlongConfig(Config):
     def _check(self) -> "OverlongConfig":
         if self.shaping and self.buffer_length is None:
             raise ValueError(
-                "overlong.shaping=true needs the punishment ramp's length; set "
+                "shaping=true needs the punishment ramp's length; set "
                 "algorithm.overlong.buffer_length (e.g. a fifth of rollout.response_length)")
         return self
 

@@ -12,10 +12,9 @@ Multi-turn convention: the recursion runs over the loss-mask tokens only. A mask
 middle of a response (tool or user output spliced into the turn) is not an action of the policy,
 so it is not a time step: the "next" state of the last action before a hole is the first action
 after it, with a single factor of gamma, and the values and rewards sitting on masked positions
-are never read. This is what verl's compute_gae_advantage_return does for multi-turn ("skip
-values and TD-error on observation tokens"); counting the hole's tokens as steps would instead
-discount an action's credit by the length of a tool's output, which says nothing about the
-policy. Put any reward on a loss token (`outcome_token_rewards` puts a sequence's reward on its
+are never read. verl's GAE treats multi-turn observation tokens the same way, so numbers match
+runs made there; counting the hole's tokens as steps would instead discount an action's credit
+by the length of a tool's output, which says nothing about the policy. Put any reward on a loss token (`outcome_token_rewards` puts a sequence's reward on its
 last loss token). Advantages and returns are 0 on masked positions.
 """
 
