@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 from pathlib import Path
 
 from polyrl.cli.common import CLIError, add_config_args, load_job_config
@@ -72,7 +73,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.dry_run:
         return plan_only(cfg, args)
-    logger.info("resolved config:\n%s", to_yaml(cfg))
     return train(cfg)
 
 
@@ -88,24 +88,43 @@ def plan_only(cfg, args: argparse.Namespace) -> int:
 
 
 def train(cfg) -> int:
-    from polyrl.data import DataFileError
-    from polyrl.rewards import UnknownDataSourceError
-    from polyrl.rollout.factory import EngineUnavailable
-    from polyrl.trainer.checkpoint import CheckpointError
-    from polyrl.trainer.interrupts import TrainingInterrupted
-    from polyrl.trainer.loop import Trainer, TrainingError
-    from polyrl.trainer.sinks import SinkUnavailable
-    from polyrl.workers.model_loading import ModelLoadError
-    from polyrl.workers.policy import NonFiniteUpdate
+    """Run training; every failure a user can cause becomes one line and an exit code
+    (polyrl/trainer/interrupts.py `EXIT_CODES`)."""
+    from polyrl.config import to_yaml
+    from polyrl.trainer.interrupts import TrainingInterrupted, abort_on_signals
 
     try:
-        summary = Trainer(cfg).fit()
+        with abort_on_signals():  # installed before the first log line: tests wait for that line
+            logger.info("resolved config:\n%s", to_yaml(cfg))
+            return _fit(cfg)
     except TrainingInterrupted as exc:
         logger.error("%s", exc)
         return exc.exit_code
+    except KeyboardInterrupt:  # the second Ctrl-C (interrupts.py stop_on_signals)
+        logger.error("second Ctrl-C: abandoned the current step without a checkpoint; rerun the "
+                     "same command (trainer.resume=auto) to continue from the last checkpoint")
+        return 128 + signal.SIGINT
+
+
+def _fit(cfg) -> int:
+    from polyrl.config import ConfigError
+    from polyrl.data import DataFileError
+    from polyrl.platform import PlatformError
+    from polyrl.rewards import UnknownDataSourceError
+    from polyrl.rollout.factory import EngineUnavailable
+    from polyrl.trainer.checkpoint import CheckpointError
+    from polyrl.trainer.loop import Trainer, TrainingError
+    from polyrl.trainer.sinks import SinkUnavailable
+    from polyrl.workers.model_loading import ModelLoadError
+    from polyrl.training.base import NonFiniteUpdate
+
+    try:
+        summary = Trainer(cfg).fit()
+    except ConfigError as exc:  # pre-flight checks (trainer/preflight.py): one problem each
+        raise CLIError("; ".join(exc.problems)) from None
     except (DataFileError, UnknownDataSourceError, EngineUnavailable, TrainingError,
             ModelLoadError, NonFiniteUpdate, FileNotFoundError, CheckpointError,
-            SinkUnavailable) as exc:
+            SinkUnavailable, PlatformError) as exc:
         raise CLIError(str(exc)) from None
     except Exception as exc:  # errors raised inside Ray actors arrive wrapped
         cause = getattr(exc, "cause", None)

@@ -15,8 +15,7 @@ from typing import Any
 
 import ray
 
-from polyrl.trainer.launch_plan import plan_actors
-from polyrl.trainer.worker_group import WorkerGroup
+from polyrl.topology.worker_group import WorkerGroup
 from polyrl.workers.streaming_replica import StreamingReplica
 
 logger = logging.getLogger(__name__)
@@ -25,19 +24,19 @@ logger = logging.getLogger(__name__)
 class ReplicaPool(WorkerGroup):
     """`workers[i]` is replica i's current actor (replaced in place on restart)."""
 
-    def __init__(self, cfg: Any, platform: Any, mailbox: Any):
+    def __init__(self, cfg: Any, spec: Any, mailbox: Any):
+        """`spec`: replica 0's `ActorPlan` (every replica starts with its options: the launch
+        plan is the single source of the actors' options, `polyrl train --dry-run`)."""
         self.cfg, self.mailbox = cfg, mailbox
-        # the launch plan is the single source of the actors' options (`polyrl train --dry-run`)
-        [spec, *_] = [a for a in plan_actors(cfg, platform) if a.role == "rollout"]
         self.options, self.threads = spec.ray_options(), spec.num_threads
         self.concurrency = spec.max_concurrency
         self.cls = ray.remote(StreamingReplica)
         n = cfg.rollout.num_replicas
         super().__init__([self._new(i) for i in range(n)], [f"rollout replica {i}" for i in range(n)],
-                         cfg.ray.timeout_s)
+                         cfg.ray.timeout_s, helpers=[mailbox])
         self.versions = [0] * n
+        """The weight version each replica serves (-1: dead or starting)."""
         self.restarts = 0
-        self.helpers.append(mailbox)
 
     def _new(self, index: int) -> Any:
         return self.cls.options(**self.options).remote(self.cfg, index, self.threads, self.mailbox,

@@ -36,8 +36,9 @@ import numpy as np
 import ray
 from ray.exceptions import RayActorError
 
-from polyrl.distributed.waits import RemoteTimeout
-from polyrl.workers.batch import Sample, split_evenly
+from polyrl.distributed.waits import RemoteTimeout, gather
+from polyrl.batch import RolloutBatch, split_evenly
+from polyrl.rollout.base import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +53,12 @@ class Group:
     prompt: Any  # PromptSample
     seed: int
     attempts: int = 0
-    samples: list[Sample] | None = None
+    samples: RolloutBatch | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def min_version(self) -> int:
-        return min(s.min_version for s in self.samples)
+        return int(self.samples.min_version.min())
 
 
 @dataclass
@@ -68,13 +69,12 @@ class Call:
 
 
 class RolloutStream:
-    def __init__(self, cfg: Any, pool: Any, loader: Any, score: Callable[[list[Sample], list], dict]):
+    def __init__(self, cfg: Any, pool: Any, loader: Any, score: Callable[[RolloutBatch], dict],
+                 sampling: SamplingParams):
         self.cfg, self.pool, self.loader, self.score = cfg, pool, loader, score
         self.a = cfg.async_
         self.B = cfg.data.train_batch_size
-        r = cfg.rollout
-        self.sampling = dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=r.n,
-                             max_tokens=r.response_length)
+        self.sampling = sampling
         self.inflight_cap = self.a.max_inflight_per_replica or self.B
         self.pending: deque[Group] = deque()
         self.ready: dict[int, Group] = {}
@@ -123,8 +123,8 @@ class RolloutStream:
             self.pump(0.05)
 
     # --- generation outside the stream (validation) ----------------------------------------------
-    def generate_sharded(self, prompts: list[list[int]], sampling: dict, seeds: list[int] | None,
-                         phase: str = "validation") -> list[Sample]:
+    def generate_sharded(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None,
+                         phase: str = "validation") -> RolloutBatch:
         """`WorkerGroup.generate` for the replicas, surviving a replica that dies: the prompts are
         split over the replicas serving the trainer's version; a shard whose replica dies goes
         back in the queue for a live one (at most async.max_retries times) and the replica is
@@ -133,7 +133,7 @@ class RolloutStream:
         chunks = [c for c in split_evenly(list(range(len(prompts))), max(len(self.pool.workers), 1)) if c]
         todo: deque[int] = deque(range(len(chunks)))
         attempts = [0] * len(chunks)
-        results: dict[int, list[Sample]] = {}
+        results: dict[int, RolloutBatch] = {}
         self.side_calls: dict[Any, tuple[int, int, Any]] = {}  # ref -> (chunk, replica, actor)
         deadline = time.perf_counter() + self.cfg.ray.timeout_s
         while todo or self.side_calls:
@@ -164,11 +164,13 @@ class RolloutStream:
                     todo.append(c)
                     if self.pool.workers[i] is actor:  # not yet replaced by a training call's failure
                         self._replica_died(i, [])
-        return [s for c in range(len(chunks)) for s in results[c]]
+        return RolloutBatch.cat([results[c] for c in range(len(chunks))])
 
     # --- the event loop ------------------------------------------------------------------------
     def gather(self, refs: Sequence[Any], names: Sequence[str], *, phase: str, timeout_s: float) -> list:
         """`ray.get(refs)` with a deadline, generating meanwhile (WorkerGroup's waiter)."""
+        if self.closed:  # the run is ending: nothing to pump, plain waits
+            return gather(refs, names, phase=phase, timeout_s=timeout_s)
         refs = list(refs)
         deadline = time.perf_counter() + timeout_s
         while True:
@@ -260,7 +262,7 @@ class RolloutStream:
         call = self.calls.pop(ref)
         self._set_load(call.replica, self.load[call.replica] - len(call.groups))
         try:
-            results: dict[int, list[Sample]] = ray.get(ref)
+            results: dict[int, RolloutBatch] = ray.get(ref)
         except RayActorError:
             self._replica_died(call.replica, call.groups)
             return
@@ -271,9 +273,8 @@ class RolloutStream:
             if g.gid in self.ready:  # cannot happen: each dispatch of a gid returns at most once
                 raise GenerationFailed(f"group {g.gid} arrived twice")
             g.samples = results[g.gid]
-            for s in g.samples:
-                s.extra["prompt"] = g.prompt
-            g.metrics = self.score(g.samples, [g.prompt])
+            g.samples.prompts = [g.prompt] * len(g.samples)
+            g.metrics = self.score(g.samples)
             self.ready[g.gid] = g
 
     def _received(self, ref: Any) -> None:
@@ -356,9 +357,9 @@ class RolloutStream:
         return chosen, self._metrics(chosen, waited, depth, discarded)
 
     def _metrics(self, groups: list[Group], waited: float, depth: int, discarded: int) -> dict[str, float]:
-        samples = [s for g in groups for s in g.samples]
-        stale = np.array([self.version - s.min_version for s in samples])
-        partial = sum(1 for s in samples if s.extra.get("continuations"))
+        batch = RolloutBatch.cat([g.samples for g in groups])
+        stale = (self.version - batch.min_version).numpy()
+        partial = int((batch.continuations > 0).sum())
         self.totals["partial_rollouts"] += partial
         now = time.perf_counter()
         idle = [t + (now - s if s is not None else 0.0) for t, s in zip(self.idle_s, self.idle_since)]
@@ -368,7 +369,7 @@ class RolloutStream:
             "async/staleness_mean": float(stale.mean()),
             "async/staleness_max": float(stale.max()),
             **{f"async/staleness_{k}": float((stale == k).mean()) for k in range(self.a.max_staleness + 1)},
-            "async/version_spread_mean": float(np.mean([s.max_version - s.min_version for s in samples])),
+            "async/version_spread_mean": float((batch.max_version - batch.min_version).float().mean()),
             "async/queue_depth": float(depth),
             "async/inflight_groups": float(sum(self.load)),
             "async/trainer_idle_s": waited,

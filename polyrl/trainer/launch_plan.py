@@ -27,7 +27,7 @@ from polyrl.envplan import EnvPlan
 from polyrl.platform import Platform
 from polyrl.rollout.factory import EXTRAS
 from polyrl.rollout.launch_args import engine_launch_args
-from polyrl.trainer.worker_group import cpus_needed
+from polyrl.topology.resources import cpus_needed
 
 ENV_ROLE = {"policy": "trainer", "rollout": "rollout"}
 """Environment-plan role of each actor role."""

@@ -1,11 +1,11 @@
 """The RL loop, readable top to bottom as named steps:
 
-    generate -> reward -> reference log-probs -> advantages -> update -> sync weights -> log
+    next batch (generate + reward) -> reference log-probs -> advantages -> update -> publish -> log
 
 The driver process owns data, rewards and advantages; the policy ranks (Ray actors) own the
-model, the optimizer and the colocated rollout engine. In trainer.mode=async the first two steps
-become "take a finished batch" from a `RolloutStream` that keeps standalone replicas generating
-while the policy trains (async_rollout.py, docs/async.md).
+model and the optimizer. Where rollout runs and when (colocated, disaggregated, streaming) is a
+`Topology` (polyrl/topology/): the loop asks it for the next scored batch and to publish each new
+policy version, and never asks which one it is.
 """
 
 from __future__ import annotations
@@ -22,16 +22,18 @@ import torch
 import yaml
 
 from polyrl.algorithms import compute_advantages, kl_penalized_rewards
+from polyrl.batch import Ragged, RolloutBatch
 from polyrl.builtin import resolve
 from polyrl.config import to_yaml
-from polyrl.data import PromptSample, build_loaders
+from polyrl.data import build_loaders
 from polyrl.distributed.ray_launch import init_ray
-from polyrl.distributed.waits import gather
 from polyrl.platform import get_platform
 from polyrl.rewards import RewardManager, RewardRequest
+from polyrl.rollout.base import SamplingParams
 from polyrl.rollout.factory import require_backend
-from polyrl.rollout.launch_args import resolve_load_format
-from polyrl.trainer.async_rollout import RolloutStream
+from polyrl.topology import Topology, TopologyContext, TrainingError, build_topology
+from polyrl.topology.base import prompt_seeds
+from polyrl.topology.resources import cpus_needed
 from polyrl.trainer.checkpoint import (
     CheckpointError,
     CheckpointWriter,
@@ -48,18 +50,14 @@ from polyrl.trainer.interrupts import TrainingInterrupted, stop_on_signals
 from polyrl.trainer.launch_plan import plan_job
 from polyrl.trainer.metrics import MetricsWriter, PhaseTimer, response_metrics
 from polyrl.trainer.plots import plot_run, print_summary
-from polyrl.trainer.samples_log import SampleLog, rows_from_samples
+from polyrl.trainer.samples_log import SampleLog, rows_from_batch
 from polyrl.trainer.sinks import build_sinks, check_available
-from polyrl.trainer.worker_group import cpus_needed, launch
-from polyrl.workers.batch import Sample
+from polyrl.training.base import NonFiniteUpdate
 from polyrl.workers.model_loading import load_tokenizer
-from polyrl.workers.policy import NonFiniteUpdate
 
 logger = logging.getLogger(__name__)
 
-
-class TrainingError(RuntimeError):
-    """A run that cannot go on; the message says why and what to change."""
+__all__ = ["Trainer", "TrainingError"]
 
 
 class Trainer:
@@ -70,7 +68,7 @@ class Trainer:
         self.started_ray = False
         self.start_time = time.perf_counter()
         self.sample_log: SampleLog | None = None
-        self.stream: RolloutStream | None = None
+        self.topology: Topology | None = None
 
     # --- set-up -------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -125,14 +123,10 @@ class Trainer:
             raise TrainingError(
                 f"the run's actors reserve {needed} CPUs ({per_actor} per rank) but Ray has {available:g} "
                 "free; lower actor.num_cpus_per_worker or rollout.num_replicas, or add CPUs (ray.num_cpus)")
-        self.policy, self.rollout = launch(cfg, self.platform, self.total_steps)
-        self.engines = self.rollout or self.policy  # whoever hosts the rollout engines
-        if cfg.rollout.placement == "standalone" and resolve_load_format(cfg.rollout) == "dummy":
-            self.sync_weights(bump=False)  # FP8 replicas start on dummy weights (R4): fill them first
-        if cfg.trainer.mode == "async":
-            self.stream = RolloutStream(cfg, self.rollout, self.train_loader, self.score)
-            # every wait on the policy (update, log-probs, checkpoint) keeps the replicas fed
-            self.policy.waiter = self.rollout.waiter = self.stream.gather
+        self.topology = build_topology(TopologyContext(cfg, self.platform, self.total_steps,
+                                                       self.train_loader, self.score, self.timer))
+        self.topology.start()
+        self.policy = self.topology.policy
         self.use_rollout_logprobs = self._use_rollout_logprobs()
         self.checkpoints = CheckpointWriter(self.out, cfg.trainer.keep_last)
         # model + tokenizer + two Adam moments, fp32, for each kept checkpoint plus the one in flight
@@ -167,20 +161,9 @@ class Trainer:
 
     def shutdown(self) -> None:
         """Stop generating and shut the run's actors down (Ray itself stays up)."""
-        if self.stream is not None:
-            self.stream.close()
-        policy = getattr(self, "policy", None)  # None before setup() and after a shutdown
-        groups = [g for g in (getattr(self, "rollout", None), policy) if g is not None]
-        for group in groups:
-            group.waiter = gather
-        if policy is not None and self.cfg.weight_transport == "object_store":
-            try:  # a publication still in flight lands while the mailbox is up
-                policy.call("close_transport", phase="shutdown")
-            except Exception as exc:
-                logger.warning("the last weight publication failed: %s", exc)
-        for group in groups:
-            group.shutdown()
-        self.rollout = self.policy = None
+        topology, self.topology, self.policy = self.topology, None, None
+        if topology is not None:
+            topology.shutdown()
 
     def _run(self, start: float, stop) -> dict[str, Any]:
         cfg = self.cfg
@@ -252,17 +235,9 @@ class Trainer:
         state = torch.load(resume_dir / "driver.pt", weights_only=False)
         self.train_loader.load_state_dict(state["data"])
         restore_rng(state["rng"])
-        if self.stream is not None:  # before any wait below pumps generation
-            if "async" not in state:
-                raise TrainingError(f"{resume_dir} was written by a trainer.mode=sync run; resume it "
-                                    "with trainer.mode=sync or start fresh (trainer.resume=off)")
-            self.stream.load_state_dict(state["async"])
-        elif "async" in state:
-            logger.warning("resuming an async checkpoint synchronously: %d drawn but untrained "
-                           "prompts are skipped", len(state["async"]["pending"]) + len(state["async"]["ready"]))
+        self.topology.load_state_dict(state, str(resume_dir))  # before any wait pumps generation
         self.policy.call("load_checkpoint", str(resume_dir), phase="resume")
-        if self.rollout is not None:  # replicas start from the model on disk: send the checkpoint's
-            self.sync_weights(bump=False)
+        self.topology.after_checkpoint_load()
         logger.info("resumed from %s (step %d)", resume_dir, state["step"])
         return state
 
@@ -273,8 +248,7 @@ class Trainer:
             driver = {"step": step, "data": self.train_loader.state_dict(), "rng": capture_rng(),
                       "initial_val": initial_val,
                       "wall_seconds": time.perf_counter() - self.start_time}
-            if self.stream is not None:  # drawn but untrained prompts, finished groups included
-                driver["async"] = self.stream.state_dict()
+            driver.update(self.topology.state_dict())  # streaming: drawn but untrained prompts
             path = self.checkpoints.commit(tmp, step, driver, self.cfg.model_dump(mode="json"))
         except OSError as exc:
             self.checkpoints.abort(tmp)
@@ -288,134 +262,89 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, Any]:
         cfg, timer = self.cfg, self.timer
         t0 = time.perf_counter()
-        if self.stream is not None:
-            with timer("generate"):  # async: waiting for finished groups (the trainer's idle time)
-                groups, metrics = self.stream.take_batch()
-            samples = [s for g in groups for s in g.samples]
-            metrics.update(response_metrics(samples))
-        else:
-            batch = self.train_loader.next_batch()
-            with timer("generate"):
-                samples = self.generate(batch, step)
-            with timer("reward"):
-                metrics = self.score(samples, batch)
+        batch, metrics = self.topology.next_batch(step)
+        metrics.update(response_metrics(batch))
         if self.sample_log is not None and step % cfg.logging.samples_every == 0:
-            # before advantages(), which drops each sample's prompt
-            self.sample_log.write(step, rows_from_samples(samples, cfg.logging.num_samples))
+            self.sample_log.write(step, rows_from_batch(batch, cfg.logging.num_samples))
         if cfg.algorithm.uses_reference:
             with timer("reference"):
-                for s, lp in zip(samples, self.policy.logprobs(samples, "reference")):
-                    s.ref_logprobs = lp
-        metrics.update(self.advantages(samples))
-        if cfg.algorithm.filter_tied_groups:
-            samples = [s for s in samples if not s.extra.get("tied")]
+                batch.ref_logprobs = self.policy.logprobs(batch, "reference")
+        adv_metrics, tied = self.advantages(batch)
+        metrics.update(adv_metrics)
+        if cfg.algorithm.filter_tied_groups:  # groups with all-equal rewards teach nothing
+            batch = batch.select((~tied).nonzero().flatten())
         with timer("update"):
-            try:
-                metrics.update(self.policy.update(samples, cfg.num_mini_batches, self.use_rollout_logprobs))
-            except Exception as exc:
-                if isinstance(getattr(exc, "cause", exc), NonFiniteUpdate):
-                    kept = complete_checkpoints(self.out)
-                    last = f"the last good checkpoint is {kept[-1]}" if kept else "no checkpoint was written yet"
-                    raise TrainingError(f"step {step}: {getattr(exc, 'cause', exc)}; {last}") from None
-                raise
+            metrics.update(self.update(batch, step))
         with timer("sync_weights"):
-            metrics.update(self.sync_weights())
+            metrics.update(self.topology.publish())
         metrics.update(timer.pop())
         metrics["timing/step"] = time.perf_counter() - t0
-        metrics["perf/samples_per_s"] = len(samples) / metrics["timing/step"]
-        # async: generation overlaps the step, so its rate is tokens per step-second
-        gen_s = metrics["timing/step"] if self.stream is not None else metrics["timing/generate"]
-        metrics["perf/generate_tokens_per_s"] = metrics["perf/generated_tokens"] / max(gen_s, 1e-9)
+        metrics["perf/samples_per_s"] = len(batch) / metrics["timing/step"]
         metrics["train/epoch"] = self.train_loader.epoch
         return metrics
 
     # --- the named steps ----------------------------------------------------------------------
-    def generate(self, batch: list[PromptSample], step: int, validation: bool = False) -> list[Sample]:
-        r = self.cfg.rollout
-        sampling = dict(
-            temperature=r.val_temperature if validation else r.temperature,
-            top_p=1.0 if validation else r.top_p,
-            top_k=-1 if validation else r.top_k,
-            n=r.val_n if validation else r.n,
-            max_tokens=r.response_length,
-        )
-        # one seed per (run, step, prompt): the same run draws the same samples, however batched
-        seeds = [hash((self.cfg.trainer.seed, step, p.index, validation)) % (2**31) for p in batch]
-        prompts, phase = [p.prompt_ids for p in batch], "validation" if validation else "generate"
-        if self.stream is not None:  # async (validation only): a replica that dies is replaced
-            samples = self.stream.generate_sharded(prompts, sampling, seeds, phase)
-        else:
-            samples = self.engines.generate(prompts, sampling, seeds, phase=phase)
-        for s in samples:
-            s.extra["prompt"] = batch[s.group]
-        return samples
-
-    def sync_weights(self, bump: bool = True) -> dict[str, float]:
-        """Hybrid: each rank copies its weights into its engine. Standalone: the weight-sync
-        leader sends, every replica receives, all under one deadline that names the missing."""
-        if self.stream is not None:  # publish to the mailbox; replicas fetch it while generating
-            results = self.policy.call("sync_weights", bump, phase="weight sync")
-            self.stream.published(results[0]["weight_sync/version"] if results[0] else self.stream.version)
-            return results[0]
-        policy_refs = [w.sync_weights.remote(bump) for w in self.policy.workers]
-        refs, names = list(policy_refs), list(self.policy.names)
-        if self.rollout is not None:
-            refs += [w.receive_weights.remote() for w in self.rollout.workers]
-            names += self.rollout.names
-        results = gather(refs, names, phase="weight sync", timeout_s=self.cfg.ray.timeout_s)
-        return results[0]
-
-    def score(self, samples: list[Sample], batch: list[PromptSample]) -> dict[str, float]:
-        requests = [RewardRequest(p.data_source, s.text, p.ground_truth, s.finished_with_eos, p.extra_info)
-                    for s in samples for p in [s.extra["prompt"]]]
+    def score(self, batch: RolloutBatch) -> dict[str, float]:
+        """Rewards and accuracy of every sample, from its text and its data row (in place)."""
+        requests = [RewardRequest(p.data_source, text, p.ground_truth, bool(eos), p.extra_info)
+                    for p, text, eos in zip(batch.prompts, batch.texts, batch.finished_with_eos.tolist())]
         result = self.rewards.score(requests)
-        for s, score, acc in zip(samples, result.scores, result.accs):
-            s.reward, s.acc = score, acc
-        return {**result.metrics, **response_metrics(samples)}
+        batch.rewards = torch.tensor(result.scores, dtype=torch.float32)
+        batch.acc = torch.tensor(result.accs, dtype=torch.float32)
+        return dict(result.metrics)
 
-    def advantages(self, samples: list[Sample]) -> dict[str, float]:
+    def advantages(self, batch: RolloutBatch) -> tuple[dict[str, float], torch.Tensor]:
+        """Advantages per sequence (outcome estimators: stored once) or per token (token-level
+        rewards such as KL in the reward), in place; returns metrics and the [N] mask of samples
+        whose group had all-equal rewards."""
         algo = self.cfg.algorithm
-        R = max(max(len(s.response_ids) for s in samples), 1)
-        mask = torch.zeros(len(samples), R)
-        for i, s in enumerate(samples):
-            mask[i, : len(s.response_ids)] = 1
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        groups = torch.tensor([s.group for s in samples])
+        lengths = batch.response_lengths
+        mask = batch.loss_mask.padded(max(int(lengths.max()), 1))
+        rewards = batch.rewards
         metrics: dict[str, float] = {}
         if algo.use_kl_in_reward and algo.kl_coef > 0:
-            logp, ref = (torch.zeros(len(samples), R) for _ in range(2))
-            for i, s in enumerate(samples):
-                logp[i, : len(s.response_ids)] = torch.tensor(s.rollout_logprobs)
-                ref[i, : len(s.response_ids)] = torch.tensor(s.ref_logprobs)
-            rewards, kl_metrics = kl_penalized_rewards(rewards, logp, ref, mask, kl_coef=algo.kl_coef,
-                                                       estimator=algo.kl_estimator)
+            width = mask.shape[1]
+            rewards, kl_metrics = kl_penalized_rewards(
+                rewards, batch.rollout_logprobs.padded(width), batch.ref_logprobs.padded(width), mask,
+                kl_coef=algo.kl_coef, estimator=algo.kl_estimator)
             metrics.update(kl_metrics)
-        out = compute_advantages(algo, rewards, groups, mask)
-        for i, s in enumerate(samples):
-            s.advantages = out.advantages[i, : len(s.response_ids)].tolist()
-            s.extra["tied"] = bool(out.tied_mask[i])
-            s.extra.pop("prompt", None)  # workers do not need it
+        out = compute_advantages(algo, rewards, batch.group, mask)
         metrics.update(out.metrics)
-        return metrics
+        adv = out.advantages
+        first = adv.gather(1, mask.argmax(1, keepdim=True)).squeeze(1)  # at each row's first trained token
+        if bool((((adv - first.unsqueeze(1)) * mask).abs() == 0).all()):
+            batch.advantages = first
+        else:
+            batch.token_advantages = Ragged.from_padded(adv, lengths)
+        return metrics, out.tied_mask
+
+    def update(self, batch: RolloutBatch, step: int) -> dict[str, float]:
+        try:
+            return self.policy.update(batch, self.cfg.num_mini_batches, self.use_rollout_logprobs)
+        except Exception as exc:
+            if isinstance(getattr(exc, "cause", exc), NonFiniteUpdate):
+                kept = complete_checkpoints(self.out)
+                last = f"the last good checkpoint is {kept[-1]}" if kept else "no checkpoint was written yet"
+                raise TrainingError(f"step {step}: {getattr(exc, 'cause', exc)}; {last}") from None
+            raise
 
     def validate(self) -> dict[str, float]:
         """Held-out accuracy (mean over val_n samples per prompt; pass@k when val_n > 1)."""
-        if self.stream is not None:  # measure the current policy, not a replica still behind it
-            self.stream.wait_replicas_current()
+        r = self.cfg.rollout
+        sampling = SamplingParams(temperature=r.val_temperature, top_p=1.0, top_k=-1, n=r.val_n,
+                                  max_tokens=r.response_length)
         accs, scores, lengths, passes = [], [], [], []
-        for batch in self.val_loader.epoch_batches():
-            samples = self.generate(batch, step=0, validation=True)
-            self.score(samples, batch)
-            accs += [s.acc for s in samples]
-            scores += [s.reward for s in samples]
-            lengths += [len(s.response_ids) for s in samples]
-            by_group: dict[int, list[float]] = {}
-            for s in samples:
-                by_group.setdefault(s.group, []).append(s.acc)
-            passes += [float(max(v) > 0) for v in by_group.values()]
+        for prompts in self.val_loader.epoch_batches():
+            seeds = prompt_seeds(self.cfg.trainer.seed, 0, prompts, validation=True)
+            batch = self.topology.generate(prompts, sampling, seeds, "validation")
+            self.score(batch)
+            accs += batch.acc.tolist()
+            scores += batch.rewards.tolist()
+            lengths += batch.response_lengths.tolist()
+            best = torch.zeros(len(prompts)).scatter_reduce(0, batch.group, batch.acc, "amax")
+            passes += (best > 0).float().tolist()
         out = {"val/acc": float(np.mean(accs)), "val/reward": float(np.mean(scores)),
                "val/response_length": float(np.mean(lengths))}
-        if self.cfg.rollout.val_n > 1:
-            out[f"val/pass@{self.cfg.rollout.val_n}"] = float(np.mean(passes))
+        if r.val_n > 1:
+            out[f"val/pass@{r.val_n}"] = float(np.mean(passes))
         return out
-

@@ -66,14 +66,15 @@ class MetricsWriter:
         close_all(self.sinks)
 
 
-def response_metrics(samples: list) -> dict[str, float]:
-    """Reward and response-length statistics of scored samples (`workers.batch.Sample`)."""
-    lengths = [len(s.response_ids) for s in samples]
+def response_metrics(batch: Any) -> dict[str, float]:
+    """Reward and response-length statistics of a scored `RolloutBatch`."""
+    lengths = batch.response_lengths.float()
     return {
-        "reward/score_mean": float(np.mean([s.reward for s in samples])),
-        "reward/acc_mean": float(np.mean([s.acc for s in samples])),
-        "response/length_mean": float(np.mean(lengths)),
-        "response/length_max": float(np.max(lengths)),
-        "response/clip_frac": float(np.mean([s.stop_reason == "length" for s in samples])),
-        "perf/generated_tokens": float(sum(lengths)),
+        "reward/score_mean": float(batch.rewards.mean()),
+        "reward/acc_mean": float(batch.acc.mean()),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/clip_frac": float(batch.truncated.float().mean()),
+        "response/masked_token_frac": 1.0 - float(batch.loss_mask.values.sum()) / max(float(lengths.sum()), 1.0),
+        "perf/generated_tokens": float(lengths.sum()),
     }

@@ -95,27 +95,26 @@ def truncate(text: str, max_chars: int) -> str:
     return f"{text[:head]}\n[... {len(text) - head - tail} characters cut ...]\n{text[-tail:]}"
 
 
-def rows_from_samples(samples: Iterable[Any], num: int) -> list[dict[str, Any]]:
-    """Up to `num` example rows from the trainer's scored samples, one per prompt first.
-
-    Call after scoring and before advantages (which drops `sample.extra["prompt"]`).
-    """
-    firsts, rest, groups = [], [], set()
-    for s in samples:
-        (rest if s.group in groups else firsts).append(s)
-        groups.add(s.group)
+def rows_from_batch(batch: Any, num: int) -> list[dict[str, Any]]:
+    """Up to `num` example rows of a scored `RolloutBatch` (with `texts` and `prompts`), one per
+    prompt first."""
+    firsts, rest, seen = [], [], set()
+    for i, g in enumerate(batch.group.tolist()):
+        (rest if g in seen else firsts).append(i)
+        seen.add(g)
+    lengths, reasons = batch.response_lengths.tolist(), batch.stop_reasons()
     rows = []
-    for s in (firsts + rest)[:num]:
-        prompt = s.extra.get("prompt")
+    for i in (firsts + rest)[:num]:
+        prompt = batch.prompts[i]
         rows.append({
             "prompt": getattr(prompt, "prompt_text", ""),
-            "response": s.text,
-            "reward": s.reward,
-            "acc": s.acc,
+            "response": batch.texts[i],
+            "reward": float(batch.rewards[i]),
+            "acc": float(batch.acc[i]),
             "ground_truth": getattr(prompt, "ground_truth", None),
             "data_source": getattr(prompt, "data_source", None),
-            "response_tokens": len(s.response_ids),
-            "stop_reason": s.stop_reason,
+            "response_tokens": lengths[i],
+            "stop_reason": reasons[i],
         })
     return rows
 

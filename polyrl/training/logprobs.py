@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from polyrl.algorithms import entropy_from_logits
-from polyrl.workers.batch import MicroBatch
+from polyrl.batch import MicroBatch
 
 
 def response_logprobs(

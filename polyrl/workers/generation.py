@@ -1,42 +1,50 @@
-"""Turn engine outputs into training samples; shared by colocated and standalone rollout."""
+"""Turn engine outputs into a `RolloutBatch`; shared by colocated and standalone rollout."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
+import torch
+
+from polyrl.batch import STOP_REASONS, Ragged, RolloutBatch
 from polyrl.rollout.base import SamplingParams, TokenOutput
-from polyrl.workers.batch import Sample
 
 
-def sampling_params(sampling: dict, seeds: Sequence[int | None] | None, count: int) -> list[SamplingParams]:
-    """One validated SamplingParams per prompt; a seed per prompt makes rollouts reproducible
-    whatever else shares the batch."""
-    return [SamplingParams(**sampling, seed=seed).validate() for seed in (seeds or [None] * count)]
+def sampling_params(sampling: SamplingParams, seeds: Sequence[int | None] | None, count: int) -> list[SamplingParams]:
+    """One validated SamplingParams per prompt (the template's fields, each prompt's seed): a
+    seed per prompt makes rollouts reproducible whatever else shares the batch."""
+    return [dataclasses.replace(sampling, seed=seed).validate() for seed in (seeds or [None] * count)]
 
 
-def generate_samples(engine: Any, tokenizer: Any, prompts: list[list[int]], sampling: dict,
-                     seeds: list[int] | None, group_offset: int) -> list[Sample]:
+def generate_batch(engine: Any, tokenizer: Any, prompts: list[list[int]], sampling: SamplingParams,
+                   seeds: list[int] | None, group_offset: int) -> RolloutBatch:
     """n samples for each prompt; samples of prompt i get group `group_offset + i`."""
     outputs = engine.generate_batch(prompts, sampling_params(sampling, seeds, len(prompts)))
     groups = [group_offset + i for i in range(len(prompts))]
-    return to_samples(tokenizer, engine.eos_token_ids, prompts, outputs, groups)
+    return to_batch(tokenizer, engine.eos_token_ids, prompts, outputs, groups)
 
 
-def to_samples(tokenizer: Any, eos_token_ids: Sequence[int], prompts: Sequence[Sequence[int]],
-               outputs: Sequence[Sequence[TokenOutput]], groups: Sequence[int]) -> list[Sample]:
+def to_batch(tokenizer: Any, eos_token_ids: Sequence[int], prompts: Sequence[Sequence[int]],
+             outputs: Sequence[Sequence[TokenOutput]], groups: Sequence[int]) -> RolloutBatch:
     eos = set(eos_token_ids)
-    samples = []
-    for prompt, outs, group in zip(prompts, outputs, groups):
-        for out in outs:
-            samples.append(Sample(
-                prompt_ids=list(prompt), response_ids=list(out.token_ids),
-                rollout_logprobs=list(out.logprobs), weight_version=out.weight_version,
-                min_version=out.extra.get("min_weight_version", out.weight_version),
-                max_version=out.extra.get("max_weight_version", out.weight_version),
-                group=group, stop_reason=out.stop_reason,
-                finished_with_eos=out.stop_reason == "stop" and bool(out.token_ids)
-                and out.token_ids[-1] in eos,
-                text=tokenizer.decode(out.token_ids, skip_special_tokens=True),
-                extra={"continuations": out.extra["continuations"]} if "continuations" in out.extra else {},
-            ))
-    return samples
+    flat = [(prompt, out, group) for prompt, outs, group in zip(prompts, outputs, groups) for out in outs]
+    responses = [list(out.token_ids) for _, out, _ in flat]
+    long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    response_ids = Ragged.from_rows(responses, torch.long)
+    return RolloutBatch(
+        prompt_ids=Ragged.from_rows([list(p) for p, _, _ in flat], torch.long),
+        response_ids=response_ids,
+        # single-turn: every response token was sampled by the policy and is trained on
+        loss_mask=Ragged.full_like(response_ids, 1.0, torch.float32),
+        group=long([g for _, _, g in flat]),
+        stop_reason=long([STOP_REASONS.index(out.stop_reason) for _, out, _ in flat]),
+        finished_with_eos=torch.tensor([out.stop_reason == "stop" and bool(r) and r[-1] in eos
+                                        for (_, out, _), r in zip(flat, responses)], dtype=torch.bool),
+        weight_version=long([out.weight_version for _, out, _ in flat]),
+        min_version=long([out.extra.get("min_weight_version", out.weight_version) for _, out, _ in flat]),
+        max_version=long([out.extra.get("max_weight_version", out.weight_version) for _, out, _ in flat]),
+        continuations=long([int(out.extra.get("continuations", 0)) for _, out, _ in flat]),
+        rollout_logprobs=Ragged.from_rows([list(out.logprobs) for _, out, _ in flat], torch.float32),
+        texts=[tokenizer.decode(r, skip_special_tokens=True) for r in responses],
+    )

@@ -18,8 +18,9 @@ from polyrl.distributed.layout import RankLayout, build_groups
 from polyrl.platform import get_platform
 from polyrl.rollout.factory import build_standalone_engine
 from polyrl.weights import build_transport
-from polyrl.workers.batch import Sample
-from polyrl.workers.generation import generate_samples
+from polyrl.batch import RolloutBatch
+from polyrl.rollout.base import SamplingParams
+from polyrl.workers.generation import generate_batch
 
 
 def rollout_layout(cfg: Any) -> RankLayout:
@@ -59,9 +60,9 @@ class RolloutWorker:
                                          **transport_context(cfg, groups.group("weight_sync"), mailbox))
         return self.engine.weight_version
 
-    def generate(self, prompts: list[list[int]], sampling: dict, seeds: list[int] | None = None,
-                 group_offset: int = 0) -> list[Sample]:
-        return generate_samples(self.engine, self.tokenizer, prompts, sampling, seeds, group_offset)
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None,
+                 group_offset: int = 0) -> RolloutBatch:
+        return generate_batch(self.engine, self.tokenizer, prompts, sampling, seeds, group_offset)
 
     def receive_weights(self) -> int:
         """Apply the next version the trainer sends (all or nothing); returns the version."""

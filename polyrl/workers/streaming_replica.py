@@ -19,8 +19,9 @@ from polyrl.distributed.waits import gather
 from polyrl.platform import get_platform
 from polyrl.rollout.factory import build_standalone_engine
 from polyrl.weights import build_transport
-from polyrl.workers.batch import Sample
-from polyrl.workers.generation import sampling_params, to_samples
+from polyrl.batch import RolloutBatch
+from polyrl.rollout.base import SamplingParams
+from polyrl.workers.generation import sampling_params, to_batch
 from polyrl.workers.partial_rollout import WeightGate, generate_resumable
 
 
@@ -47,26 +48,23 @@ class StreamingReplica:
             self.receive_weights()
         return self.engine.weight_version
 
-    def generate_groups(self, group_ids: list[int], prompts: list[list[int]], sampling: dict,
-                        seeds: list[int]) -> dict[int, list[Sample]]:
+    def generate_groups(self, group_ids: list[int], prompts: list[list[int]], sampling: SamplingParams,
+                        seeds: list[int]) -> dict[int, RolloutBatch]:
         """n samples per prompt; a group's samples come back together, keyed by group id."""
         t0 = time.perf_counter()
         params = sampling_params(sampling, seeds, len(prompts))
         outputs = generate_resumable(self.engine, self.gate, prompts, params)
-        samples = to_samples(self.tokenizer, self.engine.eos_token_ids, prompts, outputs, group_ids)
+        batch = to_batch(self.tokenizer, self.engine.eos_token_ids, prompts, outputs, group_ids)
         self.busy_s += time.perf_counter() - t0
-        out: dict[int, list[Sample]] = {g: [] for g in group_ids}
-        for s in samples:
-            out[s.group].append(s)
-        return out
+        return {g: batch.select((batch.group == g).nonzero().flatten()) for g in group_ids}
 
-    def generate(self, prompts: list[list[int]], sampling: dict, seeds: list[int] | None = None,
-                 group_offset: int = 0) -> list[Sample]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None,
+                 group_offset: int = 0) -> RolloutBatch:
         """The WorkerGroup generate API (validation), through the same gate."""
         params = sampling_params(sampling, seeds, len(prompts))
         outputs = generate_resumable(self.engine, self.gate, prompts, params)
         groups = [group_offset + i for i in range(len(prompts))]
-        return to_samples(self.tokenizer, self.engine.eos_token_ids, prompts, outputs, groups)
+        return to_batch(self.tokenizer, self.engine.eos_token_ids, prompts, outputs, groups)
 
     def receive_weights(self) -> int:
         """Fetch the newest published version and apply it (all or nothing); returns it."""

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from polyrl.workers.batch import split_evenly
+from polyrl.batch import split_evenly
 from polyrl.workers.config import ActorConfig
 from polyrl.workers.optim import build_optimizer, optimizer_steps_per_train_step, total_optimizer_steps
 

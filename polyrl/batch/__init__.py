@@ -1,0 +1,9 @@
+"""The step's data as typed tensors: `RolloutBatch` (columnar, ragged per-token fields) and the
+padded `MicroBatch` a forward pass reads."""
+
+from polyrl.batch.micro import MicroBatch, collate, plan_micro_batches, scatter_rows
+from polyrl.batch.ragged import Ragged
+from polyrl.batch.rollout_batch import STOP_REASONS, RolloutBatch, shard, split_evenly
+
+__all__ = ["MicroBatch", "Ragged", "RolloutBatch", "STOP_REASONS", "collate", "plan_micro_batches",
+           "scatter_rows", "shard", "split_evenly"]

@@ -1,0 +1,179 @@
+"""What every rollout topology offers the trainer, and the launch steps they share.
+
+A topology is one way of placing and timing rollout relative to training:
+
+    colocated      (rollout.placement=hybrid)                    colocated.py
+    disaggregated  (rollout.placement=standalone, trainer.mode=sync)  disaggregated.py
+    streaming      (rollout.placement=standalone, trainer.mode=async) streaming.py
+
+It owns the actors' launch, producing the next batch of scored samples, publishing a new weight
+version to its engines, generating for validation, its share of the checkpoint, and shutdown.
+`Trainer.train_step` talks to this interface only (docs/architecture.md, "Topologies").
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from polyrl.batch import RolloutBatch
+from polyrl.distributed.waits import gather
+from polyrl.platform import Platform
+from polyrl.rollout.base import SamplingParams
+from polyrl.topology.worker_group import PolicyGroup, Waiter
+from polyrl.workers.policy import PolicyWorker
+
+if TYPE_CHECKING:
+    from polyrl.data import PromptSample
+    from polyrl.trainer.config import JobConfig
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on; the message says why and what to change."""
+
+
+Scorer = Callable[[RolloutBatch], dict]
+"""Scores a batch in place (sets `rewards`, `acc` from `texts` and `prompts`); returns metrics."""
+
+
+@dataclass
+class TopologyContext:
+    """What a topology is built from (explicit: nothing is patched in later)."""
+
+    cfg: JobConfig
+    platform: Platform
+    total_steps: int
+    loader: Any
+    """The training data (`ResumableLoader`): draws the prompts of each step."""
+    score: Scorer
+    timer: Any
+    """`PhaseTimer`: `with timer("generate")` records timing/generate."""
+
+
+class Topology(abc.ABC):
+    name: str
+
+    def __init__(self, ctx: TopologyContext):
+        self.ctx, self.cfg = ctx, ctx.cfg
+        self.policy: PolicyGroup | None = None
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Start and set up every actor (the policy ranks and whatever generates)."""
+
+    @abc.abstractmethod
+    def next_batch(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """The next step's scored samples (with `prompts` attached) and their metrics."""
+
+    @abc.abstractmethod
+    def publish(self, bump: bool = True) -> dict[str, float]:
+        """The policy's current weights (a new version if `bump`) reach the rollout engines."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[PromptSample], sampling: SamplingParams,
+                 seeds: list[int], phase: str) -> RolloutBatch:
+        """Samples of the current policy outside the training stream (validation)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """This topology's entries of the driver checkpoint."""
+        return {}
+
+    def load_state_dict(self, driver_state: dict[str, Any], source: str) -> None:
+        """Restore from a driver checkpoint (`source` names it in messages)."""
+
+    def after_checkpoint_load(self) -> None:
+        """The policy ranks loaded a checkpoint: engines that do not share their process get it."""
+        self.publish(bump=False)
+
+    def shutdown(self) -> None:
+        if self.policy is not None:
+            self.policy.shutdown()
+            self.policy = None
+
+
+# --- launch steps shared by the topologies -------------------------------------------------------
+def plan(ctx: TopologyContext) -> list[Any]:
+    """Every actor's `ActorPlan`, computed once per launch (what `polyrl train --dry-run` shows)."""
+    from polyrl.trainer.launch_plan import plan_actors
+
+    return plan_actors(ctx.cfg, ctx.platform)
+
+
+def start_policy(ctx: TopologyContext, actors: list[Any], waiter: Waiter = gather) -> PolicyGroup:
+    """Start the policy ranks with their planned options (not set up yet)."""
+    cfg = ctx.cfg
+    planned = [a for a in actors if a.role == "policy"]
+    cls = ray.remote(PolicyWorker)
+    workers = [cls.options(**a.ray_options()).remote(cfg, a.rank, cfg.actor.world_size, ctx.total_steps,
+                                                     a.num_threads) for a in planned]
+    return PolicyGroup(workers, [a.name for a in planned], cfg.ray.timeout_s, waiter)
+
+
+def rendezvous(policy: PolicyGroup, needed: bool) -> str | None:
+    """The torch.distributed init address (on policy rank 0's node) when a process group forms."""
+    if not needed:
+        return None
+    return gather([policy.workers[0].address.remote()], policy.names[:1], phase="rendezvous",
+                  timeout_s=policy.timeout_s)[0]
+
+
+def setup_all(policy: PolicyGroup, refs: list, names: list[str]) -> list:
+    """Wait for the policy ranks' and the other actors' set-up (`refs` after the policy's)."""
+    results = gather(refs, list(policy.names) + names, phase="start-up", timeout_s=policy.timeout_s)
+    policy.num_params = results[0]
+    return results[policy.world_size:]
+
+
+def prompt_seeds(seed: int, step: int, prompts: Sequence[PromptSample], validation: bool) -> list[int]:
+    """One seed per (run, step, prompt): the same run draws the same samples, however batched."""
+    return [hash((seed, step, p.index, validation)) % (2**31) for p in prompts]
+
+
+def train_sampling(cfg: JobConfig) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=r.n,
+                          max_tokens=r.response_length)
+
+
+def attach_prompts(batch: RolloutBatch, prompts: Sequence[PromptSample]) -> RolloutBatch:
+    """Each sample's data row, by its group index into `prompts`."""
+    batch.prompts = [prompts[g] for g in batch.group.tolist()]
+    return batch
+
+
+class SyncTopology(Topology):
+    """Generate, then train: the batch of step t comes from the weights of step t - 1."""
+
+    @property
+    @abc.abstractmethod
+    def engines(self) -> Any:
+        """The group whose actors host the rollout engines (`WorkerGroup.generate`)."""
+
+    def next_batch(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        prompts = self.ctx.loader.next_batch()
+        timer = self.ctx.timer
+        with timer("generate"):
+            batch = self.generate(prompts, train_sampling(self.cfg),
+                                  prompt_seeds(self.cfg.trainer.seed, step, prompts, False), "generate")
+        with timer("reward"):
+            metrics = self.ctx.score(batch)
+        metrics["perf/generate_tokens_per_s"] = (float(batch.response_lengths.sum())
+                                                 / max(timer.times["timing/generate"], 1e-9))
+        return batch, metrics
+
+    def generate(self, prompts: Sequence[PromptSample], sampling: SamplingParams,
+                 seeds: list[int], phase: str) -> RolloutBatch:
+        batch = self.engines.generate([p.prompt_ids for p in prompts], sampling, seeds, phase=phase)
+        return attach_prompts(batch, prompts)
+
+    def load_state_dict(self, driver_state: dict[str, Any], source: str) -> None:
+        if "async" in driver_state:
+            owed = driver_state["async"]
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "resuming an async checkpoint synchronously: %d drawn but untrained prompts are "
+                "skipped", len(owed["pending"]) + len(owed["ready"]))

@@ -1,0 +1,27 @@
+"""Colocated rollout (rollout.placement=hybrid): every policy rank hosts a rollout engine on its
+own device. Generation is split evenly over the ranks' engines; after each update a rank copies
+its weights into its engine in place (weights/in_place.py), so nothing crosses a process."""
+
+from __future__ import annotations
+
+from polyrl.topology.base import SyncTopology, plan, rendezvous, setup_all, start_policy
+from polyrl.topology.worker_group import PolicyGroup
+
+
+class ColocatedTopology(SyncTopology):
+    name = "colocated"
+
+    def start(self) -> None:
+        self.policy = start_policy(self.ctx, plan(self.ctx))
+        address = rendezvous(self.policy, self.cfg.actor.world_size > 1)
+        setup_all(self.policy, self.policy.refs("setup", address, None), [])
+
+    @property
+    def engines(self) -> PolicyGroup:
+        return self.policy
+
+    def publish(self, bump: bool = True) -> dict[str, float]:
+        return self.policy.call("sync_weights", bump, phase="weight sync")[0]
+
+    def after_checkpoint_load(self) -> None:
+        """Each rank's `load_checkpoint` already refreshed its own engine."""

@@ -1,0 +1,54 @@
+"""Disaggregated synchronous rollout (rollout.placement=standalone, trainer.mode=sync): rollout
+replicas on their own actors and devices. Trainer ranks and every replica rank share one
+torch.distributed world (`RankLayout`); each new version travels from the weight-sync leader over
+the run's transport (weights/broadcast.py; same host: shared memory) while every replica
+receives, all under one deadline that names the missing."""
+
+from __future__ import annotations
+
+import ray
+
+from polyrl.distributed.waits import gather
+from polyrl.rollout.launch_args import resolve_load_format
+from polyrl.topology.base import SyncTopology, plan, rendezvous, setup_all, start_policy
+from polyrl.topology.worker_group import WorkerGroup
+from polyrl.weights.object_store import create_mailbox
+from polyrl.workers.rollout_worker import RolloutWorker
+
+
+class DisaggregatedTopology(SyncTopology):
+    name = "disaggregated"
+
+    def start(self) -> None:
+        cfg = self.cfg
+        actors = plan(self.ctx)
+        mailbox = create_mailbox() if cfg.weight_transport == "object_store" else None
+        self.policy = start_policy(self.ctx, actors)
+        planned = [a for a in actors if a.role == "rollout"]
+        cls = ray.remote(RolloutWorker)
+        self.rollout = WorkerGroup([cls.options(**a.ray_options()).remote(cfg, a.rank, a.num_threads)
+                                    for a in planned], [a.name for a in planned], cfg.ray.timeout_s,
+                                   helpers=[mailbox] if mailbox is not None else [])
+        address = rendezvous(self.policy, True)
+        setup_all(self.policy, self.policy.refs("setup", address, mailbox)
+                  + self.rollout.refs("setup", address, mailbox), self.rollout.names)
+        if resolve_load_format(cfg.rollout) == "dummy":
+            self.publish(bump=False)  # FP8 replicas start on dummy weights (R4): fill them first
+
+    @property
+    def engines(self) -> WorkerGroup:
+        return self.rollout
+
+    def publish(self, bump: bool = True) -> dict[str, float]:
+        refs = self.policy.refs("sync_weights", bump) + self.rollout.refs("receive_weights")
+        results = gather(refs, self.policy.names + self.rollout.names, phase="weight sync",
+                         timeout_s=self.cfg.ray.timeout_s)
+        return results[0]
+
+    def shutdown(self) -> None:
+        rollout, self.rollout = getattr(self, "rollout", None), None
+        try:
+            super().shutdown()
+        finally:
+            if rollout is not None:
+                rollout.shutdown()

@@ -1,0 +1,30 @@
+"""CPU reservations of a run's actors (pure: read by the launch plan and the trainer)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from polyrl.trainer.config import JobConfig
+
+
+def cpus_needed(cfg: JobConfig) -> tuple[int, int]:
+    """(CPUs each actor reserves, CPUs all actors reserve together)."""
+    ranks = cfg.actor.world_size + num_rollout_ranks(cfg)
+    per = cfg.actor.num_cpus_per_worker or default_threads(ranks)
+    return per, per * ranks
+
+
+def num_rollout_ranks(cfg: JobConfig) -> int:
+    if cfg.rollout.placement != "standalone":
+        return 0
+    return cfg.rollout.num_replicas * cfg.rollout.tensor_parallel_size
+
+
+def default_threads(num_ranks: int) -> int:
+    """One core stays with the driver, Ray and the reward threads; the rest are shared by the
+    ranks (policy ranks plus standalone rollout ranks). Oversubscribed OpenMP threads spin-wait:
+    on a 2-core machine a 2-thread worker next to a busy driver ran a step 15x slower than a
+    1-thread worker (docs/benchmarks.md)."""
+    return max(1, ((os.cpu_count() or 1) - 1) // num_ranks)

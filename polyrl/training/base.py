@@ -1,0 +1,62 @@
+"""The training-engine seam: how a model is trained across ranks, hidden from what is trained.
+
+An engine owns one model on one rank of a data-parallel group (its parameters, gradients,
+optimizer and schedule, however they are sharded) and offers what an algorithm needs:
+
+    forward(mb)                 log-probs (+ entropy) of a micro-batch's response tokens
+    backward(loss)              accumulate gradients of one micro-batch's share of the loss
+    optimizer_step(loss_value)  reduce gradients over the ranks, clip, step (or skip a NaN step)
+    logprobs(batch)             no-grad log-probs of a whole batch, in the batch's layout
+    named_weights()             full tensors, one at a time, for weight sync and export
+    save(dir) / load(dir)       checkpoint state of this rank
+    all_reduce(tensor, op)      a collective over the engine's data-parallel group
+
+`DDPEngine` (ddp.py) replicates the model and all-reduces gradients. The PPO actor (workers/actor.py)
+and, later, a critic are written against this interface only, so a sharded engine plugs in
+without touching them or the loop (docs/architecture.md, "Training engines").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from polyrl.batch import MicroBatch, Ragged, RolloutBatch
+
+
+@dataclass
+class StepResult:
+    grad_norm: float
+    skipped: bool
+    """True when the loss or gradient was NaN/inf and the update was dropped."""
+    lr: float
+
+
+class NonFiniteUpdate(RuntimeError):
+    """Too many updates in a row had a NaN/inf loss or gradient."""
+
+
+class TrainingEngine(Protocol):
+    world_size: int
+    num_params: int
+
+    def forward(self, mb: MicroBatch, with_entropy: bool = False,
+                entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def optimizer_step(self, loss_value: float) -> StepResult: ...
+
+    def logprobs(self, batch: RolloutBatch) -> Ragged: ...
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def save(self, directory: Path) -> None: ...
+
+    def load(self, directory: Path) -> None: ...
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor: ...

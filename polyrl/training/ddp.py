@@ -1,0 +1,149 @@
+"""Data-parallel training with a full model replica per rank (actor.strategy=ddp).
+
+Gradients are summed with one flat all-reduce per optimizer step rather than torch's
+DistributedDataParallel hooks: the loss of each micro-batch is already its share of the global
+mean (aggregation over the global token / sequence count), so a plain sum of gradients is the
+global gradient, and ranks with no samples in a step still join the collective with zeros.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from polyrl.batch import Ragged, RolloutBatch, collate, plan_micro_batches, scatter_rows
+from polyrl.platform import Platform
+from polyrl.training.base import MicroBatch, NonFiniteUpdate, StepResult
+from polyrl.training.logprobs import response_logprobs
+from polyrl.workers.config import ActorConfig
+from polyrl.workers.optim import build_optimizer
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+class DDPEngine:
+    def __init__(self, model: torch.nn.Module, cfg: ActorConfig, platform: Platform,
+                 device: torch.device, *, rank: int = 0, world_size: int = 1, group=None,
+                 horizon: int | None = None):
+        """`horizon`: the run's length in optimizer steps; None builds a frozen engine (a
+        reference policy: no gradients, no optimizer state)."""
+        self.model, self.cfg, self.platform, self.device = model, cfg, platform, device
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.nonfinite_in_a_row = 0
+        self.optimizer = self.scheduler = None
+        if horizon is None:
+            model.eval().requires_grad_(False)
+        else:
+            model.train()
+            self.optimizer, self.scheduler = build_optimizer(model.parameters(), cfg, horizon)
+        self.compute_dtype = torch.bfloat16 if cfg.compute_dtype == "bfloat16" else torch.float32
+
+    # --- forward / backward -----------------------------------------------------------------------
+    def forward(self, mb: MicroBatch, with_entropy: bool = False,
+                entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                  enabled=self.compute_dtype == torch.bfloat16)
+        with autocast, self.platform.training_attention(self.compute_dtype):
+            return response_logprobs(self.model, mb, with_entropy=with_entropy, entropy_grad=entropy_grad)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    @torch.no_grad()
+    def logprobs(self, batch: RolloutBatch) -> Ragged:
+        """Log-probs of every response token of `batch` under this engine's model."""
+        was_training = self.model.training
+        self.model.eval()
+        out = Ragged.full_like(batch.response_ids, 0.0, torch.float32)
+        for idx in plan_micro_batches(batch.lengths, self.cfg.micro_batch_tokens):
+            mb = collate(batch, idx, self.device)
+            lp, _ = self.forward(mb)
+            scatter_rows(out, mb, lp.float().cpu())
+        self.model.train(was_training)
+        return out
+
+    # --- optimizer ---------------------------------------------------------------------------------
+    def optimizer_step(self, loss_value: float) -> StepResult:
+        """Sum gradients over the ranks, clip, and step; a NaN/inf loss or gradient drops the
+        update (counted; `actor.max_nonfinite_steps` in a row stop the run)."""
+        grad_norm = self._reduce_and_clip()
+        lr = self.scheduler.get_last_lr()[0]
+        if not math.isfinite(grad_norm) or not math.isfinite(loss_value):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nonfinite_in_a_row += 1
+            if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
+                raise NonFiniteUpdate(
+                    f"{self.nonfinite_in_a_row} updates in a row had a NaN/inf loss or gradient "
+                    f"(each was skipped); stopping. Lower actor.lr, enable actor.grad_clip, or "
+                    f"check the rewards. Last loss={loss_value}, grad_norm={grad_norm}")
+            return StepResult(grad_norm, True, lr)
+        self.nonfinite_in_a_row = 0
+        self.optimizer.step()
+        self.scheduler.step()  # a skipped update is not a step of the schedule
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(grad_norm, False, lr)
+
+    def _reduce_and_clip(self) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:  # a rank with no samples this step still joins the all-reduce
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.world_size > 1:  # sum of shares = the global loss's gradient
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat, group=self.group)
+            offset = 0
+            for p in params:
+                n = p.grad.numel()
+                p.grad.copy_(flat[offset: offset + n].view_as(p.grad))
+                offset += n
+        max_norm = self.cfg.grad_clip or float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=_OPS[op], group=self.group)
+        return tensor
+
+    # --- weights and checkpoints --------------------------------------------------------------------
+    @torch.no_grad()
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.model.named_parameters()
+
+    def save(self, directory: Path) -> None:
+        """Rank 0: the model in Hugging Face format (`policy/`); every rank: its optimizer state."""
+        if self.rank == 0:
+            self.model.save_pretrained(str(directory / "policy"), safe_serialization=True)
+        if self.optimizer is not None:
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                        "nonfinite_in_a_row": self.nonfinite_in_a_row}, directory / f"engine_rank{self.rank}.pt")
+
+    def load(self, directory: Path) -> None:
+        from safetensors.torch import load_file
+
+        state = {}
+        for f in sorted((directory / "policy").glob("*.safetensors")):
+            state.update(load_file(str(f)))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        # tied embeddings are saved once; anything else missing means another model
+        missing = [m for m in missing if not _tied(self.model, m)]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {directory} holds another model: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]} (resume with the model it was written for)")
+        if self.optimizer is not None:
+            saved = torch.load(directory / f"engine_rank{self.rank}.pt", weights_only=False)
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.scheduler.load_state_dict(saved["scheduler"])
+            self.nonfinite_in_a_row = saved["nonfinite_in_a_row"]
+
+
+def _tied(model: torch.nn.Module, name: str) -> bool:
+    """`name` is a parameter tied to another one (saved under the other's name)."""
+    tied = getattr(model, "_tied_weights_keys", None) or []
+    if isinstance(tied, dict):
+        tied = list(tied)
+    return name in tied and bool(getattr(model.config, "tie_word_embeddings", False))

@@ -1,0 +1,100 @@
+"""The PPO-family policy update, written against the training-engine seam (training/base.py).
+
+One trainer step = `actor.ppo_epochs` passes over the batch, each split into `num_mini_batches`
+optimizer steps, each accumulated over token-budgeted micro-batches. Losses are aggregated over
+the *global* token / sequence counts of the mini-batch (all ranks), so each micro-batch's loss is
+its share of the global mean and the engine's gradient reduction is a plain sum.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from polyrl.algorithms import AlgorithmConfig, actor_loss
+from polyrl.algorithms.off_policy import OffPolicyConfig
+from polyrl.batch import RolloutBatch, collate, plan_micro_batches, split_evenly
+from polyrl.training.base import TrainingEngine
+from polyrl.workers.config import ActorConfig
+
+SHARE_METRICS = frozenset({"actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy"})
+"""Metrics that are a micro-batch's share of a global mean: summed over micro-batches and ranks."""
+LOCAL_METRICS = frozenset({"actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl",
+                           "actor/ratio_mean"})
+"""Per-token means of one micro-batch: weighted by tokens, averaged over ranks."""
+OFF_POLICY_METRICS = frozenset({"off_policy/is_weight_mean", "off_policy/is_clipped_frac",
+                                "off_policy/masked_frac", "off_policy/kl_rollout_proximal"})
+"""Per-token means like LOCAL_METRICS, present when the off-policy correction is on."""
+MAX_METRICS = frozenset({"off_policy/is_weight_max"})
+"""Maxima: the largest over micro-batches and ranks."""
+
+
+class PPOActor:
+    def __init__(self, engine: TrainingEngine, actor: ActorConfig, algo: AlgorithmConfig,
+                 off_policy: OffPolicyConfig, device: torch.device):
+        self.engine, self.actor, self.algo, self.off_policy = engine, actor, algo, off_policy
+        self.device = device
+
+    def update(self, batch: RolloutBatch, num_mini_batches: int, use_rollout_logprobs: bool) -> dict:
+        """PPO epochs over `batch` (this rank's shard) split into `num_mini_batches` steps."""
+        single_step = num_mini_batches == 1 and self.actor.ppo_epochs == 1
+        if not single_step and not use_rollout_logprobs:
+            # proximal; the rollout's stay for the off-policy correction
+            batch = batch.replace(old_logprobs=self.engine.logprobs(batch))
+        metrics: dict[str, list[float]] = {}
+        start, tokens = time.perf_counter(), 0
+        for _ in range(self.actor.ppo_epochs):
+            for chunk in split_evenly(list(range(len(batch))), num_mini_batches):
+                mini = batch.select(chunk)
+                tokens += int(mini.lengths.sum())
+                for k, v in self._optimizer_step(mini, single_step and not use_rollout_logprobs).items():
+                    metrics.setdefault(k, []).append(v)
+        out = {k: sum(v) / len(v) for k, v in metrics.items()}
+        out["perf/update_tokens_per_s"] = tokens / max(time.perf_counter() - start, 1e-9)
+        return out
+
+    def _optimizer_step(self, mini: RolloutBatch, detach_as_old: bool) -> dict[str, float]:
+        engine, algo = self.engine, self.algo
+        counts = engine.all_reduce(torch.tensor([float(mini.loss_mask.values.sum()), float(len(mini))],
+                                                dtype=torch.float64))
+        agg = {"num_tokens": max(float(counts[0]), 1.0), "num_seqs": max(float(counts[1]), 1.0)}
+        # the same keys on every rank, even one without samples, so the all-reduce lines up
+        local = LOCAL_METRICS | (OFF_POLICY_METRICS if self.off_policy.active else frozenset())
+        sums: dict[str, float] = dict.fromkeys(SHARE_METRICS | local, 0.0)
+        maxima: dict[str, float] = dict.fromkeys(MAX_METRICS, 0.0) if self.off_policy.active else {}
+        for idx in plan_micro_batches(mini.lengths, self.actor.micro_batch_tokens):
+            mb = collate(mini, idx, self.device)
+            logprob, entropy = engine.forward(mb, with_entropy=True, entropy_grad=algo.entropy_coeff > 0)
+            old = logprob.detach() if detach_as_old else mb.old_logprobs
+            loss, m = actor_loss(algo, logprob, old, mb.advantages, mb.response_mask,
+                                 ref_logprob=mb.ref_logprobs, entropy=entropy,
+                                 rollout_logprob=mb.rollout_logprobs, off_policy=self.off_policy, **agg)
+            engine.backward(loss)
+            weight = mb.num_tokens / agg["num_tokens"]
+            for k in MAX_METRICS & m.keys():
+                maxima[k] = max(maxima.get(k, 0.0), m.pop(k))
+            for k, v in m.items():
+                if k not in sums and engine.world_size > 1:
+                    continue  # a key only some ranks may have cannot be all-reduced
+                # losses are already this micro-batch's share of the global mean; per-token
+                # statistics (clip fraction, ratio) are local means: weight them by tokens
+                sums[k] = sums.get(k, 0.0) + (v if k in SHARE_METRICS else v * weight)
+        sums = self._reduce(sums, maxima)
+        step = engine.optimizer_step(sums["actor/loss"])
+        sums.update({"actor/grad_norm": step.grad_norm, "actor/lr": step.lr,
+                     "actor/nonfinite_skipped": float(step.skipped)})
+        return sums
+
+    def _reduce(self, sums: dict[str, float], maxima: dict[str, float]) -> dict[str, float]:
+        """Shares add up across ranks; local means are averaged; maxima take the max."""
+        world = self.engine.world_size
+        if world > 1:
+            keys = sorted(sums)
+            totals = self.engine.all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
+            sums = {k: float(t) if k in SHARE_METRICS else float(t) / world for k, t in zip(keys, totals)}
+            if maxima:
+                names = sorted(maxima)
+                peaks = self.engine.all_reduce(torch.tensor([maxima[k] for k in names], dtype=torch.float64), "max")
+                maxima = dict(zip(names, peaks.tolist()))
+        return {**sums, **maxima}
