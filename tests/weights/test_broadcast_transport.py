@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import time
 from pathlib import Path
 
 import pytest
@@ -70,7 +69,7 @@ def world(rank: int, world_size: int, out_dir: str, mode: str) -> dict:
             stats.append(str(exc))
         bucketing.pack_bucket, bucketing.pack_range = REAL.pack_bucket, REAL.pack_range
         stats.append(transport.send(model_weights(seed=3), version=3))
-        stats.append(transport._ring is not None)
+        stats.append(transport.uses_shared_memory)
         Path(out_dir, "sender-stats.pkl").write_bytes(pickle.dumps(stats))
         fail_at_pack(0 if mode == "direct" else 2, die=True)
         transport.send(model_weights(seed=4), version=4)
@@ -78,11 +77,10 @@ def world(rank: int, world_size: int, out_dir: str, mode: str) -> dict:
     engine = DictEngine(model_weights(seed=0))
     out: dict = {"applied": []}
     for _ in range(4):
-        t0 = time.monotonic()
         try:
             out["applied"].append(transport.receive(engine))
         except Exception as exc:
-            out["applied"].append((type(exc).__name__, str(exc), time.monotonic() - t0))
+            out["applied"].append((type(exc).__name__, str(exc)))
         out[f"after{len(out['applied'])}"] = (engine.weight_version,
                                                 {k: v.clone() for k, v in engine.weights.items()})
     out["stats"] = transport.last_stats
@@ -126,7 +124,7 @@ def test_sender_reports_bytes_seconds_and_rate(results):
 def test_a_sender_failing_midway_leaves_the_previous_version_serving(results):
     for rank in (1, 2):
         out = results[rank][1]
-        kind, message, _ = out["applied"][1]
+        kind, message = out["applied"][1]
         assert kind == "WeightSyncError" and "aborted version 2" in message
         version, weights = out["after2"]
         assert version == 1 and same_weights(weights, model_weights(seed=1))
@@ -135,9 +133,9 @@ def test_a_sender_failing_midway_leaves_the_previous_version_serving(results):
 def test_a_sender_dying_midway_leaves_the_previous_version_serving(results):
     for rank in (1, 2):
         out = results[rank][1]
-        kind, message, seconds = out["applied"][3]
+        kind, message = out["applied"][3]
         assert kind in ("CollectiveError", "CollectiveTimeout"), message
-        assert "weight sync v4" in message and "rank 0: step 0 'weight sync v4" in message
-        assert seconds < 3 + 2
+        # the step is the version in flight on both sides, not the watchdog's initial 0
+        assert "at step 4 'weight sync v4" in message and "rank 0: step 4 'weight sync v4" in message
         version, weights = out["after4"]
         assert version == 3 and same_weights(weights, model_weights(seed=3))

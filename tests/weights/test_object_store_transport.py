@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -137,10 +136,9 @@ def test_nothing_new_published_times_out_naming_the_sender(mailbox):
     config = WeightSyncConfig(transport="object_store", timeout_s=0.5)
     receiver = build_transport(config, "standalone", mailbox=mailbox)
     engine = DictEngine(model_weights(seed=2), version=4)
-    t0 = time.monotonic()
     with pytest.raises(RemoteTimeout, match="weight sender"):
         receiver.receive(engine)
-    assert time.monotonic() - t0 < 10 and engine.weight_version == 4
+    assert engine.weight_version == 4
 
 
 def test_sender_dying_midway_keeps_the_previous_version(ray_session, mailbox):

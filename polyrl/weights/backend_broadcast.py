@@ -1,0 +1,116 @@
+"""The broadcast transport's backend path: every byte through the group's communication backend
+(other hosts, device tensors, or `weights.shared_memory: false`).
+
+    manifest   pickled broadcast from the leader
+    buckets    one broadcast per bucket, raw bytes; the sender packs bucket i+1 while bucket i
+               is on the wire and holds at most two scratch buckets
+    commit     [version, buckets, ok]: ok=0 when the sender failed midway, and receivers
+               discard what they staged
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from polyrl.distributed.collectives import broadcast_from_leader
+from polyrl.distributed.watchdog import Watch
+from polyrl.weights import bucketing
+from polyrl.weights.base import WeightSyncError
+from polyrl.weights.bucketing import StagedWeights, WeightManifest, as_bytes, flat_staging, staging_views
+from polyrl.weights.sync_group import SyncGroup
+
+IN_FLIGHT = 2
+
+
+class BackendBroadcast:
+    def __init__(self, config: Any, sync: SyncGroup):
+        self.config, self.sync = config, sync
+        self._scratch: list[torch.Tensor] = []
+        self._staging: torch.Tensor | None = None
+
+    # --- sender ------------------------------------------------------------------------------
+    def send(self, manifest: WeightManifest, ordered: list[torch.Tensor], deadline: float):
+        """Deliver one version; returns (where, exception) if packing failed midway (the
+        receivers were told to discard it), else None."""
+        sync, phase = self.sync, f"weight sync v{manifest.version}"
+        broadcast_from_leader({"manifest": manifest}, sync.group, timeout_s=self.config.timeout_s,
+                              phase=f"{phase}: manifest", watchdog=sync.watchdog)
+        watch = sync.watchdog.watch(sync.group, phase=f"{phase}: buckets", what="weight broadcast",
+                                    timeout_s=max(deadline - time.monotonic(), 0.001))
+        failure = self._send_buckets(manifest, ordered, watch)
+        commit = torch.tensor([manifest.version, len(manifest.buckets), 0 if failure else 1], dtype=torch.int64)
+        watch.wait(dist.broadcast(sync.control(commit), src=sync.src, group=sync.group, async_op=True))
+        return failure
+
+    def _send_buckets(self, manifest: WeightManifest, ordered: list[torch.Tensor], watch: Watch):
+        need = max((s.nbytes for s in manifest.buckets if s.num_slots > 1), default=0)
+        if not self._scratch or self._scratch[0].numel() < need:  # reused: no page faults
+            device = ordered[0].device if ordered else None
+            self._scratch = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(IN_FLIGHT)]
+        inflight: deque = deque()
+        failure: tuple[str, BaseException] | None = None
+        for b, spec in enumerate(manifest.buckets):
+            if len(inflight) >= IN_FLIGHT:  # scratch[b % 2] is free once bucket b-2 is sent
+                watch.wait(inflight.popleft())
+            flat = None
+            if failure is None:
+                try:
+                    flat = as_bytes(bucketing.pack_bucket(manifest, b, ordered, self._scratch[b % IN_FLIGHT]))
+                except Exception as exc:  # keep the collective sequence aligned, then abort
+                    failure = (f"bucket {b}", exc)
+            if flat is None:
+                flat = torch.empty(spec.nbytes, dtype=torch.uint8, device=self._scratch[0].device)
+            inflight.append(dist.broadcast(flat, src=self.sync.src, group=self.sync.group, async_op=True))
+        while inflight:
+            watch.wait(inflight.popleft())
+        return failure
+
+    # --- receivers ---------------------------------------------------------------------------
+    def receive(self, engine: Any, deadline: float) -> WeightManifest:
+        """Stage the next version, then apply it in one `engine.update_weights` call."""
+        sync = self.sync
+        msg = broadcast_from_leader(None, sync.group, timeout_s=self.config.timeout_s,
+                                    phase="weight sync: manifest", watchdog=sync.watchdog)
+        manifest = msg.get("manifest") if isinstance(msg, dict) else None
+        if not isinstance(manifest, WeightManifest):
+            raise WeightSyncError(f"weight sync: the leader sent a {type(msg).__name__}, not a "
+                                  "manifest (are both sides on the same polyrl version?)")
+        sync.at_version(manifest.version)
+        staged = StagedWeights(manifest, staging_views(manifest, self._staging_for(manifest)))
+        self._receive_buckets(manifest, staged, deadline)
+        staged.apply(engine)
+        return manifest
+
+    def _receive_buckets(self, manifest: WeightManifest, staged: StagedWeights, deadline: float) -> None:
+        sync = self.sync
+        watch = sync.watchdog.watch(sync.group, phase=f"weight sync v{manifest.version}: buckets",
+                                    what="weight broadcast",
+                                    timeout_s=max(deadline - time.monotonic(), 0.001))
+        works = [dist.broadcast(staged.buffer(b), src=sync.src, group=sync.group, async_op=True)
+                 for b in range(len(manifest.buckets))]
+        for b, work in enumerate(works):
+            watch.wait(work)
+            staged.mark(b)
+        commit = sync.control(torch.zeros(3, dtype=torch.int64))
+        watch.wait(dist.broadcast(commit, src=sync.src, group=sync.group, async_op=True))
+        got = [int(x) for x in commit.cpu()]
+        if got[2] != 1:
+            raise WeightSyncError(f"the sender aborted version {manifest.version} midway; "
+                                  "discarded, the previous weights stay in service")
+        if got[:2] != [manifest.version, len(manifest.buckets)]:
+            raise WeightSyncError(f"commit {got[:2]} does not match manifest (version "
+                                  f"{manifest.version}, {len(manifest.buckets)} buckets); discarded")
+
+    def _staging_for(self, manifest: WeightManifest) -> torch.Tensor:
+        total = manifest.stream_layout()[1]
+        if self._staging is None or self._staging.numel() != total:  # reused: no page faults
+            self._staging = flat_staging(manifest, self.sync.device)
+        return self._staging
+
+    def close(self) -> None:
+        self._scratch, self._staging = [], None
