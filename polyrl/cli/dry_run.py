@@ -2,7 +2,7 @@
 
 Resolved config, platform, placement, and for the Ray job and every Ray actor its resources,
 environment (value, source, reason) and the engine's launch arguments. `--platform`,
-`--capability` and `--gpus-per-node` plan for hardware this machine does not have:
+`--capability`, `--gpus-per-node` and `--nodes` plan for hardware this machine does not have:
 
     polyrl train --dry-run --platform gb200 -c configs/gsm8k_qwen_gpu.yaml rollout.backend=vllm
     polyrl train --dry-run --json --platform mi300x rollout.placement=standalone rollout.num_replicas=2
@@ -25,8 +25,10 @@ from rich.tree import Tree
 from polyrl.trainer.launch_plan import ActorPlan, LaunchPlan, plan_launch
 
 
-def dry_run(cfg: Any, platform: Any, engine_version: str | None, as_json: bool) -> int:
-    plan = plan_launch(cfg, platform, engine_version)
+def dry_run(cfg: Any, platform: Any, engine_version: str | None, as_json: bool,
+            nodes: int | None = None) -> int:
+    """Print the plan; `nodes`: simulate a cluster of that many nodes (None: as many as needed)."""
+    plan = plan_launch(cfg, platform, engine_version, nodes)
     if as_json:
         print(json.dumps(plan_json(cfg, plan, engine_version), indent=2, default=str))
     else:
@@ -68,19 +70,24 @@ def render(cfg: Any, plan: LaunchPlan, engine_version: str | None, console: Cons
     tree.add(Text(f"placement: {s['placement']}, mode {s['mode']}; {s['policy_ranks']} policy "
                   f"rank(s), {rollout}; backend {s['backend']}{version}"))
     if p.ray_resource:
+        have = (f" of {plan.placement.nodes_available} available"
+                if plan.placement and plan.placement.nodes_available else "")
         tree.add(Text(f"devices: {plan.devices_needed:g} {p.ray_resource} needed, "
-                      f"{p.device_count} per node -> {plan.nodes_needed} node(s)"))
+                      f"{p.device_count} per node -> {plan.nodes_needed} node(s){have}"))
     init = ", ".join(f"{k}={v!r}" for k, v in plan.job.ray_init.items())
     job = tree.add(Text(f"Ray job: ray.init({init}, runtime_env=<job env>)"))
     job.add(env_table(plan.job.env.to_json(), "job env"))
     job_vars = plan.job.env.to_json()
-    for names, actor in group_identical(plan.actors):
+    for members, actor in group_identical(plan.actors):
+        names = [n for n, _ in members]
         who = ", ".join(names) if len(names) < 3 else f"{names[0]} ... {names[-1]} ({len(names)} actors)"
         branch = tree.add(Text(f"{who}: {resources_text(actor.resources)}; "
                                f"torch threads {actor.num_threads}; env role "
                                f"{actor.env.context.role}"
                                + (f"; max concurrency {actor.max_concurrency}"
                                   if actor.max_concurrency else ""), style="bold"))
+        if actor.devices is not None:
+            branch.add(Text("devices: " + "; ".join(_devices_text(n, a) for n, a in members)))
         extra = {k: v for k, v in actor.env.to_json().items() if job_vars.get(k) != v}
         if extra:
             branch.add(env_table(extra, f"env: the job env plus {len(extra)} variable(s)"))
@@ -101,8 +108,8 @@ def render(cfg: Any, plan: LaunchPlan, engine_version: str | None, console: Cons
     console.print(tree)
 
 
-def group_identical(actors: list[ActorPlan]) -> list[tuple[list[str], ActorPlan]]:
-    """Actors that differ only in name and rank are shown once."""
+def group_identical(actors: list[ActorPlan]) -> list[tuple[list[tuple[str, ActorPlan]], ActorPlan]]:
+    """Actors that differ only in name, rank and devices are shown once (devices listed)."""
     groups: dict[str, list[ActorPlan]] = defaultdict(list)
     for a in actors:
         d = a.as_dict()
@@ -110,7 +117,12 @@ def group_identical(actors: list[ActorPlan]) -> list[tuple[list[str], ActorPlan]
                                             "env", "engine")},
                          sort_keys=True, default=str)
         groups[key].append(a)
-    return [([a.name for a in group], group[0]) for group in groups.values()]
+    return [([(a.name, a) for a in group], group[0]) for group in groups.values()]
+
+
+def _devices_text(name: str, actor: ActorPlan) -> str:
+    d = actor.devices
+    return f"{name} -> node {d.node} [{', '.join(map(str, d.ids))}]" if d else f"{name} -> none"
 
 
 def resources_text(resources: dict[str, Any]) -> str:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
@@ -86,6 +87,41 @@ class Platform:
     def training_attention(self, dtype: torch.dtype) -> Any:
         """Context manager choosing SDPA kernels for a training forward/backward."""
         return contextlib.nullcontext()
+
+    # --- this actor's devices ----------------------------------------------------------------
+    def local_device_indices(self, assigned: Sequence[str], environ: Mapping[str, str]) -> list[int]:
+        """In-process indices of the devices Ray assigned (`assigned`: Ray's ids, physical on
+        the node). An actor reserving devices sees only them (Ray narrowed its visible-devices
+        variable: indices 0..n-1); an engine host kept whole-node visibility (RAY_EXPERIMENTAL_
+        NOSET_*), where an id's index is its position in the visible list, or the id itself when
+        no visibility variable is set."""
+        visible = next((environ[v] for v in self.visible_devices_vars if environ.get(v)), None)
+        if visible is None:
+            return [int(i) for i in assigned]
+        order = [x.strip() for x in visible.split(",")]
+        lost = [i for i in assigned if i not in order]
+        if lost:
+            raise PlatformError(f"Ray assigned device(s) {', '.join(lost)} but this process sees "
+                                f"only {visible!r}; a visible-devices variable was overridden")
+        return [order.index(i) for i in assigned]
+
+    def reserved_devices(self) -> list[int]:
+        """In-process indices of this Ray actor's reserved devices, in Ray's order; [] outside a
+        Ray actor or on a platform without devices."""
+        if not self.ray_resource:
+            return []
+        import ray
+
+        if not ray.is_initialized():
+            return []
+        assigned = ray.get_runtime_context().get_accelerator_ids().get(self.ray_resource) or []
+        return self.local_device_indices([str(i) for i in assigned], os.environ)
+
+    def reserved_device(self) -> torch.device:
+        """The device this actor computes on: its reservation's first device, never a
+        hard-coded 0 (index 0 only for a process that reserved none, e.g. outside Ray)."""
+        indices = self.reserved_devices()
+        return self.torch_device(indices[0] if indices else 0)
 
     # --- distributed -----------------------------------------------------------------------
     def dist_backend(self) -> str:

@@ -1,9 +1,9 @@
 """The launch plan of a training run, computed without starting anything.
 
 For the Ray job and for every Ray actor a run starts (each policy rank; each standalone rollout
-rank), the plan holds what the launch uses: the actor's name, its Ray resources, its environment
-with provenance (`polyrl.envplan`) and the exact engine launch arguments
-(`polyrl.rollout.launch_args`). `polyrl train --dry-run` prints it; `ActorPlan.ray_options()` is
+rank), the plan holds what the launch uses: the actor's name, its Ray resources, its node and
+device ids (`polyrl.placement`), its environment with provenance (`polyrl.envplan`) and the exact
+engine launch arguments (`polyrl.rollout.launch_args`). `polyrl train --dry-run` prints it; `ActorPlan.ray_options()` is
 the `.options(...)` dict an actor is started with, so the plan a user inspects is the plan that
 runs. Pure: no Ray start, no model load, no engine import — the platform may be simulated.
 
@@ -14,6 +14,7 @@ runs. Pure: no Ray start, no model load, no engine import — the platform may b
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -24,6 +25,7 @@ from polyrl.builtin import resolve
 from polyrl.distributed.layout import RankLayout
 from polyrl.distributed.ray_launch import actor_options, plan_for_role
 from polyrl.envplan import EnvPlan
+from polyrl.placement import Devices, Gang, Member, PlacementError, PlacementPlan, plan_placement
 from polyrl.platform import Platform
 from polyrl.rollout.factory import EXTRAS
 from polyrl.rollout.launch_args import engine_launch_args
@@ -69,6 +71,8 @@ class ActorPlan:
     """The rollout engine this actor starts, if any."""
     max_concurrency: int | None = None
     """Ray calls the actor serves at once (async replicas generate while a weight update runs)."""
+    devices: Devices | None = None
+    """Planned node and device ids (`plan_launch`; None: no devices, or not planned yet)."""
 
     def ray_options(self) -> dict[str, Any]:
         """The `.options(...)` the actor is started with: resources plus its runtime env."""
@@ -81,6 +85,7 @@ class ActorPlan:
         return {"name": self.name, "role": self.role, "env_role": self.env.context.role,
                 "rank": self.rank, "replica": self.replica, "resources": self.resources,
                 "num_threads": self.num_threads, "max_concurrency": self.max_concurrency,
+                "devices": self.devices.as_dict() if self.devices else None,
                 "env": self.env.to_json(),
                 "engine": self.engine.as_dict() if self.engine else None}
 
@@ -105,19 +110,30 @@ class LaunchPlan:
     actors: list[ActorPlan]
     notes: list[str] = field(default_factory=list)
     """Facts worth knowing that do not stop the run (engine not installed here, ...)."""
+    placement: PlacementPlan | None = None
+    """Nodes and device ids of the actors (None on a platform without devices, or when the
+    layout cannot exist: then `placement_error` says why and what fits)."""
+    placement_error: str | None = None
 
     @property
     def errors(self) -> list[str]:
         """Parts of the plan that cannot be built; a run with this config would fail."""
-        return [f"{a.name}: {a.engine.error}" for a in self.actors if a.engine and a.engine.error]
+        errors = [f"{a.name}: {a.engine.error}" for a in self.actors if a.engine and a.engine.error]
+        return errors + ([f"placement: {self.placement_error}"] if self.placement_error else [])
 
     @property
     def devices_needed(self) -> int:
         return sum(devices_reserved(a.resources) for a in self.actors)
 
     @property
+    def devices_per_node(self) -> int:
+        return self.platform.device_count if self.platform.ray_resource else 0
+
+    @property
     def nodes_needed(self) -> int:
-        per_node = self.platform.device_count if self.platform.ray_resource else 0
+        if self.placement is not None:
+            return self.placement.nodes_used
+        per_node = self.devices_per_node
         return math.ceil(self.devices_needed / per_node) if per_node else 1
 
     def as_dict(self) -> dict[str, Any]:
@@ -127,9 +143,10 @@ class LaunchPlan:
                          "capability": list(p.capability) if p.capability else None,
                          "device_name": p.device_name, "simulated": p.probe.simulated,
                          "ray_resource": p.ray_resource},
-            "devices": {"needed": self.devices_needed,
-                        "per_node": p.device_count if p.ray_resource else 0,
-                        "nodes": self.nodes_needed},
+            "devices": {"needed": self.devices_needed, "per_node": self.devices_per_node,
+                        "nodes": self.nodes_needed,
+                        "nodes_available": self.placement.nodes_available if self.placement else None,
+                        "gangs": self.placement.as_dict()["gangs"] if self.placement else []},
             "job": self.job.as_dict(),
             "actors": [a.as_dict() for a in self.actors],
             "errors": self.errors,
@@ -185,6 +202,9 @@ def plan_actors(cfg: Any, platform: Platform, engine_version: str | None = None)
     per_actor, _ = cpus_needed(cfg)
     devices = 1 if platform.ray_resource else 0
     resources = platform.ray_actor_options(devices, num_cpus=per_actor)
+    # an async replica is one actor whose engine spawns its TP workers on the actor's devices
+    replica_resources = platform.ray_actor_options(devices * cfg.rollout.tensor_parallel_size,
+                                                   num_cpus=per_actor)
     env_kw = _env_kwargs(cfg, engine_version)
     engine = engine_launch(cfg, platform, engine_version)
     hybrid = cfg.rollout.placement == "hybrid"
@@ -194,7 +214,7 @@ def plan_actors(cfg: Any, platform: Platform, engine_version: str | None = None)
               for r in range(cfg.actor.world_size)]
     rollout_env = plan_for_role(platform, ENV_ROLE["rollout"], **env_kw)
     if cfg.trainer.mode == "async":
-        actors += [ActorPlan(f"rollout replica {i}", "rollout", None, i, dict(resources), per_actor,
+        actors += [ActorPlan(f"rollout replica {i}", "rollout", None, i, dict(replica_resources), per_actor,
                              rollout_env, engine, max_concurrency=replica_concurrency(cfg))
                    for i in range(cfg.rollout.num_replicas)]
     elif not hybrid:
@@ -211,10 +231,46 @@ def plan_actors(cfg: Any, platform: Platform, engine_version: str | None = None)
     return actors
 
 
-def plan_launch(cfg: Any, platform: Platform, engine_version: str | None = None) -> LaunchPlan:
-    """The whole plan: Ray job, actors, and notes on what the plan could not settle here."""
+def job_gangs(cfg: Any, actors: list[ActorPlan]) -> list[Gang]:
+    """The actors that must share a node: a rollout replica's ranks (standalone) and, in hybrid
+    placement, each group of tensor_parallel_size policy ranks whose colocated engines form one
+    TP engine. Everyone else is a gang of one."""
+    tp = cfg.rollout.tensor_parallel_size
+    member = {a.name: Member(a.name, int(devices_reserved(a.resources))) for a in actors}
+    policy = [a.name for a in actors if a.role == "policy"]
+    gangs: list[Gang] = []
+    if cfg.rollout.placement == "hybrid" and tp > 1:
+        if len(policy) % tp:
+            raise PlacementError(f"actor.world_size={len(policy)} is not a multiple of "
+                                 f"rollout.tensor_parallel_size={tp}: in hybrid placement each "
+                                 f"engine spans {tp} policy ranks on one node")
+        gangs += [Gang(f"policy ranks {i}-{i + tp - 1} (one TP-{tp} engine)",
+                       tuple(member[n] for n in policy[i:i + tp]), "rollout.tensor_parallel_size")
+                  for i in range(0, len(policy), tp)]
+    else:
+        gangs += [Gang(n, (member[n],)) for n in policy]
+    rollout = [a for a in actors if a.role == "rollout"]
+    for replica in sorted({a.replica for a in rollout}):
+        names = [a.name for a in rollout if a.replica == replica]
+        gangs.append(Gang(f"rollout replica {replica}", tuple(member[n] for n in names),
+                          "rollout.tensor_parallel_size"))
+    return gangs
+
+
+def plan_launch(cfg: Any, platform: Platform, engine_version: str | None = None,
+                nodes: int | None = None) -> LaunchPlan:
+    """The whole plan: Ray job, actors with their devices, and notes on what the plan could not
+    settle here. `nodes`: the cluster's node count (None: as many as the job needs)."""
     plan = LaunchPlan(platform, plan_job(cfg, platform, engine_version),
                       plan_actors(cfg, platform, engine_version))
+    if platform.ray_resource:
+        try:
+            plan.placement = plan_placement(job_gangs(cfg, plan.actors), plan.devices_per_node, nodes)
+        except PlacementError as exc:
+            plan.placement_error = str(exc)
+        else:
+            where = plan.placement.assignments
+            plan.actors = [dataclasses.replace(a, devices=where.get(a.name)) for a in plan.actors]
     plan.notes.extend(_notes(cfg, platform, plan))
     return plan
 
@@ -240,7 +296,7 @@ def _notes(cfg: Any, platform: Platform, plan: LaunchPlan) -> list[str]:
                      "RAY_EXPERIMENTAL_NOSET_* (meant for server actors with no Ray devices): Ray "
                      "leaves their visible-devices variable alone, so each sees every device of "
                      "its node")
-    if platform.ray_resource and plan.devices_needed > platform.device_count:
-        notes.append(f"{plan.devices_needed:g} devices needed, {platform.device_count} per node: the "
+    if plan.placement and plan.placement.nodes_used > 1 and plan.placement.nodes_available is None:
+        notes.append(f"{plan.devices_needed:g} devices needed, {plan.devices_per_node} per node: the "
                      f"Ray cluster needs {plan.nodes_needed} nodes (ray.address=auto)")
     return notes

@@ -46,7 +46,10 @@ def test_json_plan_for_gb200_cluster_from_this_machine(tmp_path):
     assert plan["dry_run"] is True
     assert plan["platform"]["name"] == "cuda" and plan["platform"]["capability"] == [10, 0]
     assert plan["platform"]["simulated"] is True and plan["platform"]["device_count"] == 2
-    assert plan["devices"] == {"needed": 3, "per_node": 2, "nodes": 2}
+    assert plan["devices"] == {"needed": 3, "per_node": 2, "nodes": 2, "nodes_available": None,
+                               "gangs": [{"name": "policy rank 0", "node": 0, "ids": [0]},
+                                         {"name": "rollout replica 0", "node": 0, "ids": [1]},
+                                         {"name": "rollout replica 1", "node": 1, "ids": [0]}]}
     assert plan["placement"]["rollout_replicas"] == 2 and plan["placement"]["policy_ranks"] == 1
     assert plan["config"]["rollout"]["backend"] == "vllm"
     assert plan["job"]["ray_init"] == {"num_cpus": max(os.cpu_count() or 1, 6), "namespace": "polyrl",
@@ -55,6 +58,8 @@ def test_json_plan_for_gb200_cluster_from_this_machine(tmp_path):
     actors = plan["actors"]
     assert [a["name"] for a in actors] == ["policy rank 0", "rollout replica 0 (rank 1)",
                                            "rollout replica 1 (rank 2)"]
+    assert [a["devices"] for a in actors] == [{"node": 0, "ids": [0]}, {"node": 0, "ids": [1]},
+                                              {"node": 1, "ids": [0]}]
     for a in actors:
         assert a["resources"] == {"num_cpus": 2, "num_gpus": 1} and a["num_threads"] == 2
         env = a["env"]
@@ -67,7 +72,8 @@ def test_json_plan_for_gb200_cluster_from_this_machine(tmp_path):
         for entry in env.values():
             assert set(entry) >= {"value", "source", "reason"}
     rollout = actors[1]
-    assert rollout["env"]["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"]["value"] == "1"
+    # issue 15: a replica reserving a GPU keeps the visibility Ray gives it
+    assert not any(k.startswith("RAY_EXPERIMENTAL_NOSET_") for k in rollout["env"])
     if "vllm" in launch_args.BUILDERS:
         assert rollout["engine"]["args"]["max_model_len"] == 128
         assert rollout["engine"]["args"]["tensor_parallel_size"] == 1
@@ -83,9 +89,11 @@ def test_human_plan_for_rocm_keeps_bracketed_text(tmp_path):
     text = out.stdout
     assert "platform: rocm: 8 device(s) (AMD Instinct MI300X), capability 9.4 [simulated]" in text
     assert "rollout replica 0 (rank 1), rollout replica 1 (rank 2): num_cpus=1, num_gpus=1" in text
-    for name in ("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES",
-                 "RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES", "SGLANG_USE_AITER"):
+    for name in ("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "NCCL_CUMEM_ENABLE", "SGLANG_USE_AITER"):
         assert name in text
+    assert "RAY_EXPERIMENTAL_NOSET_" not in text
+    assert ("devices: rollout replica 0 (rank 1) -> node 0 [1]; rollout replica 1 (rank 2) -> "
+            "node 0 [2]") in text
     if "sglang" in launch_args.BUILDERS:
         assert '"[x]"' in text  # rich markup would have eaten [x]
     try:
@@ -115,6 +123,34 @@ def test_plan_error_and_flag_errors(capsys, monkeypatch):
         assert message in err and "Traceback" not in err, (argv, err)
         if "rollout.bakend=vllm" not in argv:  # config errors list every bad key, one per line
             assert len(err.strip().splitlines()) == 1, err
+
+
+def test_nodes_limit_the_cluster_and_impossible_layouts_say_what_fits(capsys):
+    from polyrl.cli.dry_run import dry_run
+    from polyrl.config import load_config
+    from polyrl.platform import SIMULATED_PROBES, get_platform
+    from polyrl.trainer.config import JobConfig
+
+    h100 = get_platform("cuda", SIMULATED_PROBES["h100"])
+    cfg = load_config(JobConfig, overrides=[
+        "rollout.placement=standalone", "rollout.num_replicas=4", "rollout.tensor_parallel_size=4",
+        "trainer.mode=async", "actor.num_cpus_per_worker=1", "rollout.max_model_len=64"])
+    assert dry_run(cfg, h100, None, as_json=True, nodes=3) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert {a["name"]: a["devices"] for a in plan["actors"]} == {
+        "policy rank 0": {"node": 0, "ids": [0]},
+        "rollout replica 0": {"node": 0, "ids": [1, 2, 3, 4]},
+        "rollout replica 1": {"node": 1, "ids": [0, 1, 2, 3]},
+        "rollout replica 2": {"node": 1, "ids": [4, 5, 6, 7]},
+        "rollout replica 3": {"node": 2, "ids": [0, 1, 2, 3]},
+        "weight mailbox": None}
+    assert plan["devices"]["nodes"] == 3 and plan["devices"]["nodes_available"] == 3
+    assert dry_run(cfg, h100, None, as_json=True, nodes=2) == 1
+    errors = json.loads(capsys.readouterr().out)["errors"]
+    assert errors == ["placement: the job needs 17 devices on 3 node(s) of 8 (1 policy rank x 1, 4 "
+                      "rollout replica x 4), but the cluster has 2 node(s), 16 devices: use 3 nodes "
+                      "(--nodes 3, or a Ray cluster that large) or shrink the job by 1 device(s) at "
+                      "least (actor.world_size, rollout.num_replicas, rollout.tensor_parallel_size)"]
 
 
 def test_engine_version_reaches_the_builder(capsys):

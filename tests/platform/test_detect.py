@@ -87,3 +87,25 @@ def test_third_party_platform_registers():
 
     PLATFORMS.register("fancy-test", Fancy)
     assert get_platform("fancy-test", SIMULATED_PROBES["cpu"]).name == "fancy"
+
+
+@pytest.mark.parametrize("hw,environ,assigned,expected", [
+    ("h100", {"CUDA_VISIBLE_DEVICES": "5"}, ["5"], [0]),             # Ray narrowed visibility
+    ("h100", {"CUDA_VISIBLE_DEVICES": "4,5,6"}, ["6", "4"], [2, 0]),
+    ("h100", {}, ["3"], [3]),                                          # whole node visible
+    ("mi300x", {"HIP_VISIBLE_DEVICES": "2,3"}, ["3"], [1]),
+    ("ascend910", {"ASCEND_RT_VISIBLE_DEVICES": "7"}, ["7"], [0]),
+])
+def test_device_index_comes_from_the_reservation(hw, environ, assigned, expected):
+    # issue 15: an actor's device is the one Ray reserved for it, never a hard-coded 0
+    platform = get_platform(None, SIMULATED_PROBES[hw])
+    assert platform.local_device_indices(assigned, environ) == expected
+
+
+def test_reserved_device_not_visible_is_an_error():
+    from polyrl.platform import PlatformError
+
+    platform = get_platform(None, SIMULATED_PROBES["h100"])
+    with pytest.raises(PlatformError, match="Ray assigned device.s. 2 but this process sees only '0,1'"):
+        platform.local_device_indices(["2"], {"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert get_platform(None, SIMULATED_PROBES["cpu"]).reserved_devices() == []

@@ -86,25 +86,24 @@ def test_standalone_h100_vllm_two_replicas_user_cumem_survives(monkeypatch):
     assert env_of(policy.env) == env_of(plan.job.env) and policy.engine is None
     for a in rollout:
         assert a.resources == {"num_cpus": 1, "num_gpus": 1}
+        # issue 15: an actor reserving a GPU keeps Ray's visibility (no RAY_EXPERIMENTAL_NOSET_*)
         assert env_of(a.env) == {"POLYRL_RUN": ("a", "config"), "NCCL_CUMEM_ENABLE": user_cumem,
-                                 f"{NOSET}CUDA_VISIBLE_DEVICES": ("1", "platform-default"),
                                  "TOKENIZERS_PARALLELISM": TOK}
         assert a.engine.args == launch_args.engine_launch_args(
             cfg.rollout, launch_args_model(), plan.platform, "0.11.0")
         assert a.engine.args["load_format"] == "auto"  # R4: standalone reads the checkpoint
         assert a.engine.args["tensor_parallel_size"] == 1
     assert plan.devices_needed == 3 and plan.nodes_needed == 1 and plan.errors == []
+    # every replica on its own GPU (issue 15: all of them used to run on GPU 0)
+    assert [a.devices.as_dict() for a in plan.actors] == [
+        {"node": 0, "ids": [0]}, {"node": 0, "ids": [1]}, {"node": 0, "ids": [2]}]
 
 
 def test_standalone_h100_cumem_default_without_user_value():
     cfg = job("rollout.placement=standalone", "rollout.num_replicas=2", "rollout.backend=vllm")
     plan = plan_launch(cfg, machine("h100"))
     assert env_of(plan.actors[1].env)["NCCL_CUMEM_ENABLE"] == ("0", "rule:nccl-cumem-off")
-    # launch reserves a GPU per rollout actor AND plans RAY_EXPERIMENTAL_NOSET_*: the plan says so
-    noset = [n for n in plan.notes if "RAY_EXPERIMENTAL_NOSET_" in n]
-    assert len(noset) == 1 and noset[0].startswith("rollout replica 0 (rank 1), rollout replica 1")
-    assert not any("NOSET" in n for n in plan_launch(job("rollout.placement=standalone"),
-                                                     machine("h100")).notes)  # native: no NOSET
+    assert not any("NOSET" in n for n in plan.notes)
 
 
 @pytest.mark.parametrize("opt_in", [False, True])
@@ -124,12 +123,14 @@ def test_gb200_nvls_mnnvl_only_with_opt_in(monkeypatch, opt_in):
     for a in plan.actors[1:]:
         assert env_of(a.env) == {**{k: v for k, v in rule.items() if k != "TLLM_DISABLE_NVLS_MNNVL"},
                                  "NCCL_CUMEM_ENABLE": ("0", "rule:nccl-cumem-off"),
-                                 f"{NOSET}CUDA_VISIBLE_DEVICES": ("1", "platform-default"),
                                  "TOKENIZERS_PARALLELISM": TOK,
                                  **({"TLLM_DISABLE_NVLS_MNNVL": ("1", "user-env")} if opt_in else {})}
-    # 5 devices on 4-GPU GB200 nodes: two nodes, and the plan says so
+    # 5 devices on 4-GPU GB200 nodes: two nodes, and the plan says so; each TP-2 replica on one
+    # node (replica 1 does not fit beside policy + replica 0, so it opens node 1)
     assert plan.devices_needed == 5 and plan.nodes_needed == 2
     assert any("needs 2 nodes" in n for n in plan.notes)
+    assert [(a.devices.node, a.devices.ids) for a in plan.actors] == [
+        (0, (0,)), (0, (1,)), (0, (2,)), (1, (0,)), (1, (1,))]
 
 
 @needs_builder("trtllm")
@@ -154,7 +155,7 @@ def test_mi300x_rocm_standalone_sglang(monkeypatch):
         assert a.resources == {"num_cpus": 1, "num_gpus": 1}
         assert env_of(a.env) == {
             "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": zero,
-            **{f"{NOSET}{v}_VISIBLE_DEVICES": ("1", "platform-default") for v in ("CUDA", "HIP", "ROCR")},
+            "NCCL_CUMEM_ENABLE": ("0", "rule:nccl-cumem-off"),  # RCCL too (issue 15)
             "SGLANG_USE_AITER": ("0", "user-env"), "TOKENIZERS_PARALLELISM": TOK, **original}
         assert a.ray_options()["runtime_env"]["env_vars"]["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] == "0"
     if "sglang" in launch_args.BUILDERS:
@@ -181,9 +182,9 @@ def test_ascend_npu_resource_and_visibility():
     plan = plan_launch(cfg, machine("ascend910"))
     for a in plan.actors[1:]:
         assert a.resources == {"num_cpus": 1, "resources": {"NPU": 1}}
-        assert env_of(a.env) == {f"{NOSET}ASCEND_RT_VISIBLE_DEVICES": ("1", "platform-default"),
-                                 "TOKENIZERS_PARALLELISM": TOK}
+        assert env_of(a.env) == {"TOKENIZERS_PARALLELISM": TOK}
     assert plan.devices_needed == 3
+    assert [a.devices.ids for a in plan.actors] == [(0,), (1,), (2,)]
 
 
 def test_cpu_native_standalone_and_ray_init():
@@ -195,6 +196,7 @@ def test_cpu_native_standalone_and_ray_init():
     assert plan.actors[1].engine.args["max_model_len"] == 64
     assert plan.job.ray_init == {"num_cpus": max(os.cpu_count() or 1, 3), "namespace": "polyrl"}
     assert plan.devices_needed == 0 and plan.errors == []
+    assert plan.placement is None and all(a.devices is None for a in plan.actors)
     remote = plan_launch(job("ray.address=auto", "ray.namespace=exp"), machine("cpu"))
     assert remote.job.ray_init == {"address": "auto", "namespace": "exp"}
 
@@ -216,7 +218,7 @@ def test_missing_builder_is_an_error_in_the_plan_not_a_crash(monkeypatch):
 
 
 def test_plan_equals_a_real_standalone_launch(ray_session, tiny_model, monkeypatch, tmp_path):
-    from polyrl.trainer.worker_group import launch
+    from polyrl.topology import TopologyContext, build_topology
 
     ray = ray_session
 
@@ -226,6 +228,7 @@ def test_plan_equals_a_real_standalone_launch(ray_session, tiny_model, monkeypat
 
         ctx = ray.get_runtime_context()
         engine = getattr(worker, "engine", None)
+        engine = getattr(engine, "max_model_len", None) and engine
         return {"env": {n: os.environ.get(n) for n in names},
                 "runtime_env_vars": dict((ctx.runtime_env or {}).get("env_vars") or {}),
                 "resources": ctx.get_assigned_resources(), "threads": torch.get_num_threads(),
@@ -237,7 +240,9 @@ def test_plan_equals_a_real_standalone_launch(ray_session, tiny_model, monkeypat
               "env={POLYRL_PLAN_CHECK: checked}", f"trainer.output_dir={tmp_path}", "ray.timeout_s=120")
     platform = get_platform("cpu")
     plan = plan_actors(cfg, platform)
-    policy, rollout = launch(cfg, platform, total_steps=1)
+    topology = build_topology(TopologyContext(cfg, platform, 1, loader=None, score=None, timer=None))
+    topology.start()
+    policy, rollout = topology.policy, topology.rollout
     try:
         workers = policy.workers + rollout.workers
         assert policy.names + rollout.names == [a.name for a in plan]
@@ -253,8 +258,7 @@ def test_plan_equals_a_real_standalone_launch(ray_session, tiny_model, monkeypat
             if actor.role == "rollout":
                 assert seen["max_model_len"] == actor.engine.args["max_model_len"] == 64
     finally:
-        policy.shutdown()
-        rollout.shutdown()
+        topology.shutdown()
 
 
 def test_async_replicas_stream_outside_the_group_and_weights_go_through_a_mailbox():
@@ -273,3 +277,51 @@ def test_async_replicas_stream_outside_the_group_and_weights_go_through_a_mailbo
     sync = plan_actors(job("rollout.placement=standalone"), machine("h100"))
     assert [a.role for a in sync] == ["policy", "rollout"]
     assert "max_concurrency" not in sync[1].ray_options()
+
+
+# --- devices: node and ids of every actor (issue 15) ------------------------------------------
+
+
+def devices_of(plan) -> dict[str, tuple[int, tuple[int, ...]]]:
+    return {a.name: (a.devices.node, a.devices.ids) for a in plan.actors if a.devices}
+
+
+def test_async_tp_replica_is_one_actor_holding_its_tp_devices_on_one_node():
+    cfg = job("trainer.mode=async", "rollout.placement=standalone", "rollout.num_replicas=3",
+              "rollout.tensor_parallel_size=4", "actor.world_size=2")
+    plan = plan_launch(cfg, machine("h100"), nodes=2)
+    assert plan.actors[2].resources == {"num_cpus": 1, "num_gpus": 4}
+    assert devices_of(plan) == {"policy rank 0": (0, (0,)), "policy rank 1": (0, (1,)),
+                                "rollout replica 0": (0, (2, 3, 4, 5)),
+                                "rollout replica 1": (1, (0, 1, 2, 3)),
+                                "rollout replica 2": (1, (4, 5, 6, 7))}
+    assert plan.errors == [] and plan.nodes_needed == 2
+    assert plan.as_dict()["actors"][2]["devices"] == {"node": 0, "ids": [2, 3, 4, 5]}
+
+
+def test_hybrid_tp_engines_keep_their_policy_ranks_on_one_node():
+    cfg = job("actor.world_size=8", "rollout.tensor_parallel_size=4")
+    plan = plan_launch(cfg, machine("gb200"))  # 4 GPUs per node
+    assert devices_of(plan) == {f"policy rank {r}": (r // 4, (r % 4,)) for r in range(8)}
+    bad = plan_launch(job("actor.world_size=6", "rollout.tensor_parallel_size=4", "data.train_batch_size=12"),
+                      machine("gb200"))
+    assert bad.errors == ["placement: actor.world_size=6 is not a multiple of "
+                          "rollout.tensor_parallel_size=4: in hybrid placement each engine spans "
+                          "4 policy ranks on one node"]
+
+
+def test_impossible_layouts_say_what_fits():
+    tp8 = job("rollout.placement=standalone", "rollout.backend=vllm", "rollout.tensor_parallel_size=8")
+    plan = plan_launch(tp8, machine("gb200"))
+    assert plan.errors == ["placement: rollout replica 0 needs 8 devices on one node "
+                           "(rollout.tensor_parallel_size=8), but a node has 4: set "
+                           "rollout.tensor_parallel_size to at most 4 (a divisor of 4 packs nodes "
+                           "fully)"]
+    assert all(a.devices is None for a in plan.actors)
+    big = job("rollout.placement=standalone", "rollout.num_replicas=4", "rollout.tensor_parallel_size=4",
+              "actor.world_size=8")
+    error = plan_launch(big, machine("h100"), nodes=2).errors[0]
+    assert error.startswith("placement: the job needs 24 devices on 3 node(s) of 8 (8 policy rank x 1, "
+                            "4 rollout replica x 4), but the cluster has 2 node(s), 16 devices: "
+                            "use 3 nodes (--nodes 3")
+    assert plan_launch(big, machine("h100"), nodes=3).errors == []

@@ -1,0 +1,39 @@
+"""Placement: which node and devices each actor of a job gets, planned purely and enforced by Ray.
+
+    plan = plan_placement(gangs, devices_per_node=8, nodes=2)     # pure: dry run, tests
+    live = create_placement(plan, launch_plan.actors)             # Ray placement groups
+    options = options_for(live, launch_plan.actors)               # actor name -> .options(...)
+
+`polyrl/trainer/launch_plan.py` builds the gangs of a run (`job_gangs`); `polyrl train --dry-run`
+prints each actor's `devices`. Ray-dependent code lives in `ray_groups` and is imported lazily, so
+planning never needs Ray.
+"""
+
+from polyrl.placement.planner import (
+    Devices,
+    Gang,
+    Member,
+    PlacementError,
+    PlacementPlan,
+    plan_placement,
+)
+
+__all__ = [
+    "Devices",
+    "Gang",
+    "LivePlacement",
+    "Member",
+    "PlacementError",
+    "PlacementPlan",
+    "create_placement",
+    "options_for",
+    "plan_placement",
+]
+
+
+def __getattr__(name: str):
+    if name in ("LivePlacement", "create_placement", "options_for"):
+        from polyrl.placement import ray_groups
+
+        return getattr(ray_groups, name)
+    raise AttributeError(name)
