@@ -21,7 +21,7 @@ from polyrl.batch import Ragged, RolloutBatch
 from polyrl.distributed.layout import build_groups, group_leader
 from polyrl.platform import get_platform
 from polyrl.rollout.factory import build_colocated_engine
-from polyrl.training.ddp import DDPEngine
+from polyrl.training import build_engine
 from polyrl.weights import build_transport
 from polyrl.workers.actor import PPOActor
 from polyrl.workers.generation import generate_batch
@@ -69,12 +69,12 @@ class PolicyWorker:
             for p in model.parameters():
                 dist.broadcast(p.data, src=src, group=train_group)
         horizon = total_optimizer_steps(cfg.actor, self.total_steps, cfg.num_mini_batches)
-        self.engine = DDPEngine(model, cfg.actor, self.platform, self.device, rank=rank,
-                                world_size=self.world_size, group=train_group, horizon=horizon)
+        engine_args = dict(rank=rank, world_size=self.world_size, group=train_group)
+        self.engine = build_engine(model, cfg.actor, self.platform, self.device, horizon=horizon, **engine_args)
         self.reference = None
-        if cfg.algorithm.uses_reference:
-            self.reference = DDPEngine(self._load_model(), cfg.actor, self.platform, self.device,
-                                       rank=rank, world_size=self.world_size, group=train_group)
+        if cfg.algorithm.uses_reference:  # frozen: no gradients, no optimizer state
+            self.reference = build_engine(self._load_model(), cfg.actor, self.platform, self.device,
+                                          **engine_args)
         self.actor = PPOActor(self.engine, cfg.actor, cfg.algorithm,
                               cfg.algorithm.off_policy.resolve(cfg.trainer.mode), self.device)
         self.rollout_engine = None

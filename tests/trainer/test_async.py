@@ -72,36 +72,36 @@ def test_replica_killed_mid_step(ray_session, tiny_model, arith_files, tmp_path)
     killed = []
     try:
         t.setup()
-        take = t.stream.take_batch
+        take = t.topology.stream.take_batch
 
         def take_and_record():
             if len(consumed) == B and not killed:  # step 2: kill replica 0 while it generates
                 deadline = time.time() + 60
-                while not any(c.replica == 0 for c in t.stream.calls.values()):
+                while not any(c.replica == 0 for c in t.topology.stream.calls.values()):
                     assert time.time() < deadline, "replica 0 never got work"
-                    t.stream.pump(0.01)
-                killed.append(t.rollout.workers[0])
-                ray.kill(t.rollout.workers[0])
+                    t.topology.stream.pump(0.01)
+                killed.append(t.topology.pool.workers[0])
+                ray.kill(t.topology.pool.workers[0])
             groups, metrics = take()
             for g in groups:
-                assert len(g.samples) == N and {s.group for s in g.samples} == {g.gid}
+                assert len(g.samples) == N and set(g.samples.group.tolist()) == {g.gid}
             consumed.extend(g.gid for g in groups)
             return groups, metrics
 
-        t.stream.take_batch = take_and_record
+        t.topology.stream.take_batch = take_and_record
         for step in (1, 2, 3):
             metrics = t.train_step(step)
-        assert killed and t.rollout.workers[0] is not killed[0]
+        assert killed and t.topology.pool.workers[0] is not killed[0]
         assert metrics["async/replica_restarts_total"] == 1
         assert metrics["async/retried_groups_total"] >= 1
         # the replacement serves the trainer's current weights
-        t.stream.wait_replicas_current()
-        assert ray.get(t.rollout.workers[0].weight_version.remote()) == t.stream.version == 3
+        t.topology.stream.wait_replicas_current()
+        assert ray.get(t.topology.pool.workers[0].weight_version.remote()) == t.topology.stream.version == 3
         # no group lost or counted twice: every drawn group is consumed once or still owed
         assert len(consumed) == len(set(consumed)) == 3 * B
-        owed = list(t.stream.ready) + [g.gid for g in t.stream.pending] + \
-            [g.gid for c in t.stream.calls.values() for g in c.groups]
-        assert sorted(consumed + owed) == list(range(t.stream.next_gid))
+        owed = list(t.topology.stream.ready) + [g.gid for g in t.topology.stream.pending] + \
+            [g.gid for c in t.topology.stream.calls.values() for g in c.groups]
+        assert sorted(consumed + owed) == list(range(t.topology.stream.next_gid))
     finally:
         t.shutdown()
 
@@ -117,12 +117,12 @@ def test_replica_dead_during_validation(ray_session, tiny_model, arith_files, tm
     try:
         t.setup()
         healthy = t.validate()  # greedy: the same weights give the same answers on any replica
-        dead = t.rollout.workers[0]
+        dead = t.topology.pool.workers[0]
         ray.kill(dead)  # the stream finds out only when a call to it fails
         again = t.validate()
         assert again == healthy
-        assert t.rollout.restarts == 1 and t.rollout.workers[0] is not dead
-        assert not t.stream.side_calls
+        assert t.topology.pool.restarts == 1 and t.topology.pool.workers[0] is not dead
+        assert not t.topology.stream.side_calls
     finally:
         t.shutdown()
 
@@ -156,7 +156,7 @@ def test_trainer_killed_and_resumed(ray_session, tiny_model, arith_files, tmp_pa
     owed = [g.gid for g in state["ready"]] + [g.gid for g in state["pending"]]
     assert len(set(owed)) == len(owed) == state["next_gid"] - B
     assert set(owed) <= set(range(state["next_gid"]))
-    stale = sum(1 for g in state["ready"] if min(s.min_version for s in g.samples) < 1)
+    stale = sum(1 for g in state["ready"] if int(g.samples.min_version.min()) < 1)
     assert stale >= 1, "the checkpoint should hold finished groups generated before version 1"
 
     deadline = time.time() + 60  # the killed driver's actors are reclaimed by Ray

@@ -6,8 +6,9 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from polyrl.trainer.samples_log import SampleLog, rows_from_samples, truncate
+from polyrl.trainer.samples_log import SampleLog, rows_from_batch, truncate
 
 
 def row(i, **extra):
@@ -59,14 +60,14 @@ def test_resume_keeps_earlier_steps_in_both_files(tmp_path):
     assert (tmp_path / "samples.jsonl").read_text() == "" and (tmp_path / "samples.txt").read_text() == ""
 
 
-def test_rows_from_samples_one_per_prompt_first():
-    def sample(group, reward):
-        prompt = SimpleNamespace(prompt_text=f"q{group}", ground_truth=group, data_source="arith")
-        return SimpleNamespace(group=group, text=f"a{group}", reward=reward, acc=reward, response_ids=[1, 2],
-                               stop_reason="stop", extra={"prompt": prompt})
-
-    samples = [sample(0, 1.0), sample(0, 0.0), sample(1, 0.0), sample(1, 1.0), sample(2, 1.0)]
-    rows = rows_from_samples(samples, 4)
+def test_rows_from_batch_one_per_prompt_first():
+    groups, rewards = [0, 0, 1, 1, 2], [1.0, 0.0, 0.0, 1.0, 1.0]
+    prompts = [SimpleNamespace(prompt_text=f"q{g}", ground_truth=g, data_source="arith") for g in range(3)]
+    batch = SimpleNamespace(
+        group=torch.tensor(groups), texts=[f"a{g}" for g in groups], rewards=torch.tensor(rewards),
+        acc=torch.tensor(rewards), response_lengths=torch.tensor([2] * 5),
+        stop_reasons=lambda: ["stop"] * 5, prompts=[prompts[g] for g in groups])
+    rows = rows_from_batch(batch, 4)
     assert [r["prompt"] for r in rows] == ["q0", "q1", "q2", "q0"]
     assert rows[0] | {} == {"prompt": "q0", "response": "a0", "reward": 1.0, "acc": 1.0, "ground_truth": 0,
                             "data_source": "arith", "response_tokens": 2, "stop_reason": "stop"}

@@ -1,4 +1,5 @@
-"""The policy worker in-process (no Ray): non-finite updates are skipped, counted, then stop."""
+"""The policy worker in-process (no Ray): generation into a RolloutBatch, the update through the
+training engine, and non-finite updates skipped, counted, then stopping the run."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import math
 import pytest
 import torch
 
+from polyrl.batch import RolloutBatch
 from polyrl.config import load_config
+from polyrl.rollout.base import SamplingParams
 from polyrl.trainer.config import JobConfig
-from polyrl.workers.batch import Sample, collate, plan_micro_batches, split_evenly
-from polyrl.workers.policy import NonFiniteUpdate, PolicyWorker
+from polyrl.training.base import NonFiniteUpdate
+from polyrl.workers.policy import PolicyWorker
 
 
 @pytest.fixture
@@ -22,53 +25,61 @@ def worker(tiny_model, arith_files):
     return w
 
 
-def samples(w, advantage: float, n: int = 4) -> list[Sample]:
-    out = w.generate([[5, 6, 7], [8, 9]], {"n": n // 2, "max_tokens": 4, "temperature": 1.0}, seeds=[1, 2])
-    for s in out:
-        s.advantages = [advantage] * len(s.response_ids)
-    return out
+def samples(w, advantage: float, n: int = 4) -> RolloutBatch:
+    out = w.generate([[5, 6, 7], [8, 9]], SamplingParams(n=n // 2, max_tokens=4, temperature=1.0), seeds=[1, 2])
+    out.advantages = torch.full((len(out),), advantage)
+    return out.for_training()
+
+
+def params(w) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in w.engine.model.parameters()]
 
 
 def test_generate_returns_version_and_logprobs(worker):
     out = samples(worker, 1.0)
-    assert len(out) == 4 and {s.group for s in out} == {0, 1}
-    assert all(len(s.rollout_logprobs) == len(s.response_ids) for s in out)
+    assert len(out) == 4 and out.group.tolist() == [0, 0, 1, 1]
+    assert torch.equal(out.rollout_logprobs.lengths, out.response_ids.lengths)
+    assert torch.equal(out.loss_mask.values, torch.ones_like(out.loss_mask.values))
     current = worker.logprobs(out, which="current")
-    for s, lp in zip(out, current):  # engine log-probs == trainer forward (fp32)
-        assert lp == pytest.approx(s.rollout_logprobs, abs=1e-4)
+    # engine log-probs == trainer forward (fp32), token by token
+    assert torch.allclose(current.values, out.rollout_logprobs.values, atol=1e-4)
+    assert torch.equal(current.offsets, out.response_ids.offsets)
 
 
 def test_update_changes_weights_and_sync_bumps_version(worker):
-    before = [p.detach().clone() for p in worker.model.parameters()]
+    before = params(worker)
     metrics = worker.update(samples(worker, 1.0), num_mini_batches=1, use_rollout_logprobs=False)
     assert metrics["actor/nonfinite_skipped"] == 0.0 and metrics["actor/grad_norm"] > 0
-    assert any(not torch.equal(a, b) for a, b in zip(before, worker.model.parameters()))
-    assert worker.sync_weights() == {}  # hybrid: in place, no transfer stats
-    assert worker.version == 1
+    assert any(not torch.equal(a, b) for a, b in zip(before, worker.engine.model.parameters()))
+    synced = worker.sync_weights()  # hybrid: in place into the colocated engine
+    assert synced["weight_sync/version"] == 1 and worker.version == 1
     out = samples(worker, 1.0)
-    assert {s.weight_version for s in out} == {1}
+    assert out.weight_version.tolist() == [1] * len(out)
+
+
+def test_update_with_per_token_advantages_equals_broadcast(worker):
+    """A per-sequence advantage and the same value written per token give the same update."""
+    batch = samples(worker, 0.5)
+    per_token = batch.replace(advantages=None, token_advantages=batch.token_advantage_rows())
+    start = params(worker)
+    a = worker.update(batch, 1, False)
+    after_a = params(worker)
+    with torch.no_grad():
+        for p, s in zip(worker.engine.model.parameters(), start):
+            p.copy_(s)
+    worker.engine.optimizer.state.clear()  # the same fresh optimizer state for the second run
+    b = worker.update(per_token, 1, False)
+    assert a["actor/loss"] == b["actor/loss"]
+    assert all(torch.equal(x, y) for x, y in zip(after_a, worker.engine.model.parameters()))
 
 
 def test_nonfinite_updates_are_skipped_then_stop(worker):
-    before = [p.detach().clone() for p in worker.model.parameters()]
+    before = params(worker)
     m = worker.update(samples(worker, math.nan), 1, False)
     assert m["actor/nonfinite_skipped"] == 1.0
-    assert all(torch.equal(a, b) for a, b in zip(before, worker.model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, worker.engine.model.parameters()))
     worker.update(samples(worker, 1.0), 1, False)  # a good step resets the count
-    assert worker.nonfinite_in_a_row == 0
+    assert worker.engine.nonfinite_in_a_row == 0
     worker.update(samples(worker, math.inf), 1, False)
     with pytest.raises(NonFiniteUpdate, match="2 updates in a row had a NaN/inf"):
         worker.update(samples(worker, math.nan), 1, False)
-
-
-def test_micro_batches_respect_budget_and_alignment():
-    ss = [Sample(prompt_ids=[1] * p, response_ids=[2] * r) for p, r in [(3, 2), (5, 4), (2, 1), (4, 4)]]
-    plan = plan_micro_batches(ss, token_budget=16)
-    assert sorted(i for mb in plan for i in mb) == [0, 1, 2, 3]
-    for mb in plan:
-        assert max(ss[i].length for i in mb) * len(mb) <= 16 or len(mb) == 1
-    mb = collate(ss, [1], torch.device("cpu"))
-    # response token k of a 5-token prompt is predicted from position 5 + k - 1
-    assert mb.gather_index[0].tolist() == [4, 5, 6, 7]
-    assert split_evenly(list(range(5)), 3) == [[0, 1], [2, 3], [4]]
-    assert split_evenly([1], 3) == [[1], [], []]

@@ -1,0 +1,29 @@
+"""Training engines: how one model is trained across data-parallel ranks (base.py has the seam).
+
+`build_engine` is the one place that maps `actor.strategy` onto an engine class."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from polyrl.platform import Platform
+from polyrl.registry import Registry
+from polyrl.training.base import NonFiniteUpdate, StepResult, TrainingEngine
+from polyrl.workers.config import ActorConfig
+
+TRAINING_ENGINES: Registry[type] = Registry("training strategy")
+TRAINING_ENGINES.register("ddp", "polyrl.training.ddp:DDPEngine")
+
+
+def build_engine(model: torch.nn.Module, cfg: ActorConfig, platform: Platform, device: torch.device, *,
+                 rank: int = 0, world_size: int = 1, group: Any = None,
+                 horizon: int | None = None) -> TrainingEngine:
+    """The engine of `cfg.strategy` around `model` (loaded, on `device`, identical on every rank).
+    `horizon`: the run's length in optimizer steps; None builds a frozen engine (no optimizer)."""
+    return TRAINING_ENGINES.get(cfg.strategy)(model, cfg, platform, device, rank=rank,
+                                             world_size=world_size, group=group, horizon=horizon)
+
+
+__all__ = ["NonFiniteUpdate", "StepResult", "TRAINING_ENGINES", "TrainingEngine", "build_engine"]
