@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Literal, Mapping
 
+from polyrl.backends import PACKAGED_BACKENDS
 from polyrl.cli.common import add_config_args, load_job_config
 from polyrl.envplan import PlanContext, build_plan
 from polyrl.platform import Platform, PlatformError, get_platform
@@ -23,12 +24,20 @@ class Finding:
     message: str
 
 
-PACKAGES = ("torch", "ray", "transformers", "vllm", "sglang", "tensorrt_llm", "torch_npu")
+CORE_PACKAGES = ("torch", "ray", "transformers")
+PLATFORM_PACKAGES = ("torch_npu",)
+
+
+def packages() -> tuple[str, ...]:
+    """What doctor reports versions of: polyrl's core, every rollout backend's engine package
+    (from the one backend list, plugins included), and platform add-ons."""
+    engines = tuple(module for module, _extra in PACKAGED_BACKENDS.values())
+    return CORE_PACKAGES + engines + PLATFORM_PACKAGES
 
 
 def package_versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {}
-    for name in PACKAGES:
+    for name in packages():
         try:
             out[name] = version(name)
         except PackageNotFoundError:

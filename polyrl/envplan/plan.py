@@ -21,12 +21,13 @@ from polyrl.envplan.rules import (
     RULES,
     EnvRule,
 )
+from polyrl.backends import ROLLOUT_BACKENDS
 from polyrl.platform import Platform
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("job", "trainer", "rollout")
-BACKENDS = ("native", "vllm", "sglang", "trtllm")
+BACKENDS = ROLLOUT_BACKENDS  # live: a plugin backend registered later is valid here too
 PLACEMENTS = ("hybrid", "standalone")
 MODES = ("sync", "async")
 

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Mapping
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from polyrl.backends import ENGINE_PROCESS_BACKENDS
+
 if TYPE_CHECKING:
     from polyrl.envplan.plan import PlanContext
 
@@ -61,7 +63,7 @@ class EnvRule:
 
 
 _GPU = frozenset({"cuda", "rocm", "npu"})
-_ENGINES = frozenset({"vllm", "sglang", "trtllm"})
+_ENGINES = ENGINE_PROCESS_BACKENDS  # the GPU engines, from the one backend list (live view)
 
 RULES: tuple[EnvRule, ...] = (
     EnvRule(

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Iterator, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from polyrl.registry import Registry
+from polyrl.backends import ROLLOUT_BACKENDS
 
 StopReason = Literal["stop", "length", "aborted"]
 
@@ -121,8 +121,21 @@ class RolloutEngine(Protocol):
     def health(self) -> dict: ...
 
 
-ROLLOUT_ENGINES: Registry[type] = Registry("rollout backend")
-ROLLOUT_ENGINES.register("native", "polyrl.rollout.native.engine:NativeEngine")
-ROLLOUT_ENGINES.register("vllm", "polyrl.rollout.engines.vllm:VLLMEngine")
-ROLLOUT_ENGINES.register("sglang", "polyrl.rollout.engines.sglang:SGLangEngine")
-ROLLOUT_ENGINES.register("trtllm", "polyrl.rollout.engines.trtllm:TRTLLMEngine")
+class _EngineClasses:
+    """`ROLLOUT_BACKENDS` (`polyrl/backends.py`, the one list of backends) seen as
+    name -> engine class, each imported when first asked for."""
+
+    def get(self, name: str) -> type:
+        return ROLLOUT_BACKENDS.get(name).engine_class()
+
+    def names(self) -> list[str]:
+        return ROLLOUT_BACKENDS.names()
+
+    def __contains__(self, name: object) -> bool:
+        return name in ROLLOUT_BACKENDS
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+
+ROLLOUT_ENGINES = _EngineClasses()

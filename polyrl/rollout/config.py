@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from polyrl.backends import ENGINE_PROCESS_BACKENDS, backend_names, check_backend
 from polyrl.config import Config
 
 
 class RolloutConfig(Config):
-    backend: Literal["native", "vllm", "sglang", "trtllm"] = "native"
-    """Rollout engine: the built-in PyTorch engine (runs anywhere) or a GPU engine."""
+    backend: str = "native"
+    """Rollout engine: native (the built-in PyTorch engine, runs anywhere), vllm, sglang or
+    trtllm (GPU engines), or a backend a plugin registered (`polyrl/backends.py`)."""
     placement: Literal["hybrid", "standalone"] = "hybrid"
     """hybrid: the engine shares the trainer's devices, weights synced in place;
     standalone: rollout replicas on their own devices, weights sent over a collective."""
@@ -62,6 +64,11 @@ class RolloutConfig(Config):
     val_n: int = Field(1, ge=1)
     """Samples per validation prompt (pass@k uses k = val_n)."""
 
+    @field_validator("backend")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        return check_backend(value)
+
     @model_validator(mode="after")
     def _check(self) -> "RolloutConfig":
         if self.placement == "hybrid" and self.num_replicas > 1:
@@ -69,16 +76,16 @@ class RolloutConfig(Config):
                 "num_replicas > 1 needs rollout.placement=standalone (hybrid placement runs one "
                 "engine per trainer rank)"
             )
-        unknown = set(self.engine_kwargs) - {"native", "vllm", "sglang", "trtllm"}
+        unknown = set(self.engine_kwargs) - set(backend_names())
         if unknown:
             raise ValueError(
                 f"engine_kwargs has unknown engine(s) {sorted(unknown)}; "
-                "use native, vllm, sglang or trtllm"
+                f"use {', '.join(backend_names())}"
             )
         if self.quantization == "fp8":
-            if self.backend == "native":
+            if self.backend not in ENGINE_PROCESS_BACKENDS:
                 raise ValueError("rollout.quantization=fp8 needs a GPU engine: set rollout.backend to "
-                                 "vllm, sglang or trtllm, or unset rollout.quantization")
+                                 f"{' or '.join(ENGINE_PROCESS_BACKENDS)}, or unset rollout.quantization")
             if self.load_format == "auto":
                 raise ValueError("rollout.quantization=fp8 has no FP8 checkpoint to read: its weights "
                                  "arrive with the first weight sync. Set rollout.load_format=dummy "

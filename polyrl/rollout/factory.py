@@ -13,12 +13,13 @@ from typing import Any
 
 import torch
 
+from polyrl.backends import PACKAGED_BACKENDS
 from polyrl.platform import Platform, current_platform
 from polyrl.rollout.base import ROLLOUT_ENGINES
 from polyrl.rollout.config import RolloutConfig
 
-EXTRAS = {"vllm": ("vllm", "vllm"), "sglang": ("sglang", "sglang"), "trtllm": ("tensorrt_llm", "trtllm")}
-"""backend -> (import name, polyrl extra that installs it)."""
+EXTRAS = PACKAGED_BACKENDS
+"""backend -> (import name, polyrl extra that installs it), from `polyrl/backends.py`."""
 
 
 class EngineUnavailable(RuntimeError):
