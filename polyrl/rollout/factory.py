@@ -89,17 +89,22 @@ def build_colocated_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer
 
 
 def build_standalone_engine(cfg: RolloutConfig, model_path: str, device: torch.device, seed: int = 0,
-                            platform: Platform | None = None):
+                            platform: Platform | None = None, trust_remote_code: bool = False,
+                            tokenizer_path: str | None = None):
     """An engine that loads the policy's initial weights from disk (standalone placement); later
-    versions arrive through the weight transport."""
+    versions arrive through the weight transport. Its tokenizer is loaded here, by the loader
+    every layer shares, so `model.trust_remote_code` / `model.tokenizer_path` hold for replicas
+    as they do for the trainer."""
     require_backend(cfg.backend)
     from polyrl.builtin import resolve
+    from polyrl.modeling import load_tokenizer
 
     engine_cls = ROLLOUT_ENGINES.get(cfg.backend)
+    tokenizer = load_tokenizer(tokenizer_path or model_path, trust_remote_code)
     if _is_gpu_adapter(engine_cls):
         args = gpu_engine_args(cfg, str(resolve(model_path)), platform)
-        return engine_cls(args, seed=seed, update_bucket_mb=cfg.update_bucket_mb)
-    kwargs = dict(cfg.engine_kwargs.get(cfg.backend, {}))
+        return engine_cls(args, tokenizer=tokenizer, seed=seed, update_bucket_mb=cfg.update_bucket_mb)
+    kwargs = {"tokenizer": tokenizer, **cfg.engine_kwargs.get(cfg.backend, {})}
     return engine_cls(resolve(model_path), dtype=cfg.dtype, device=device,
                       max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, seed=seed,
                       **kwargs)

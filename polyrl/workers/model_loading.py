@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
+from polyrl import modeling
 from polyrl.builtin import resolve
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from polyrl.modeling import DTYPES, torch_dtype  # noqa: F401  (DTYPES re-exported)
 
 
 class ModelLoadError(RuntimeError):
@@ -28,10 +28,10 @@ def model_dir(path: str) -> Path:
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
+    """The policy's tokenizer (`polyrl.modeling.load_tokenizer`, with the model directory
+    checked first), padding with end-of-sequence when it has no pad token."""
     directory = model_dir(path) if not Path(resolve(path)).is_file() else Path(resolve(path))
-    tok = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
+    tok = modeling.load_tokenizer(directory, trust_remote_code)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -43,7 +43,7 @@ def load_causal_lm(path: str, dtype: str = "float32", trust_remote_code: bool = 
     directory = model_dir(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(directory), dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+            str(directory), dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
             attn_implementation="sdpa",
         )
     except (OSError, ValueError) as exc:

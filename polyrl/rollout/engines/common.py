@@ -199,10 +199,10 @@ class AsyncEngineAdapter:
 
 
 def _load_tokenizer(model_path: str):
-    from transformers import AutoTokenizer
+    from polyrl.modeling import load_tokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_path)
+        return load_tokenizer(model_path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"could not load a tokenizer from '{model_path}' ({exc}); pass "
                          "tokenizer=False to run without one") from exc

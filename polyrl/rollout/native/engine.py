@@ -23,6 +23,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from polyrl.modeling import load_tokenizer, torch_dtype
 from polyrl.rollout.base import SamplingParams, TokenOutput, WeightUpdateError
 from polyrl.rollout.native.kv_cache import KVCache
 from polyrl.rollout.native.loader import (
@@ -37,19 +38,7 @@ from polyrl.rollout.native.scheduler import Request, Scheduler
 from polyrl.rollout.native.streaming import StreamUpdate, TokenStream, post_to_loop
 from polyrl.rollout.native.weights import ModelWeights
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}
-
-
-def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} unsupported; choose one of {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
+_resolve_dtype = torch_dtype  # the dtype names every layer shares (polyrl/modeling.py)
 
 
 class NativeEngine:
@@ -331,10 +320,8 @@ def _resolve(fut: asyncio.Future, req: Request) -> None:
 
 
 def _load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        return load_tokenizer(model_dir)
     except (OSError, ValueError) as exc:
         raise ValueError(
             f"native engine: could not load a tokenizer from '{model_dir}' ({exc}); "
