@@ -11,9 +11,12 @@ A checkpoint is written under a temporary name and renamed when complete; a dire
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import shutil
+import struct
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -57,17 +60,70 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
 
 
 def find_resume_point(resume: str, output_dir: Path) -> Path | None:
-    """`off` -> None; `auto` -> the latest complete checkpoint (or None); else that path."""
+    """`off` -> None; `auto` -> the latest complete, readable checkpoint (or None), falling back
+    past damaged ones with a warning; else that path, which must be readable."""
     if resume == "off":
         return None
     if resume == "auto":
-        found = complete_checkpoints(output_dir)
-        return found[-1] if found else None
+        for path in reversed(complete_checkpoints(output_dir)):
+            damage = checkpoint_damage(path)
+            if damage is None:
+                return path
+            logger.warning("checkpoint %s is damaged (%s): resuming from the one before it; "
+                           "delete it to silence this warning", path, damage)
+        return None
     path = Path(resume)
     if not (path / "driver.pt").is_file():
         raise CheckpointError(f"trainer.resume: {path} is not a complete polyrl checkpoint "
                               "(no driver.pt); give a checkpoints/step_* directory, auto or off")
+    damage = checkpoint_damage(path)
+    if damage is not None:
+        raise CheckpointError(f"trainer.resume: checkpoint {path} is damaged ({damage}); give an "
+                              "earlier checkpoints/step_* directory, or trainer.resume=auto to take "
+                              "the latest readable one")
     return path
+
+
+def checkpoint_damage(path: Path) -> str | None:
+    """What is wrong with a complete-looking checkpoint (a truncated or corrupted file), or None.
+
+    A crash cannot half-write a `step_*` directory, but a full disk, a copy cut short or bad
+    storage can still damage one. torch.save files are zip archives (checked against their
+    CRCs); safetensors files must be as long as their header says. Reads each file once."""
+    for file in sorted(path.rglob("*")):
+        if file.suffix == ".pt":
+            problem = _zip_damage(file)
+        elif file.suffix == ".safetensors":
+            problem = _safetensors_damage(file)
+        else:
+            continue
+        if problem:
+            return f"{file.relative_to(path)}: {problem}"
+    return None
+
+
+def _zip_damage(file: Path) -> str | None:
+    try:
+        with zipfile.ZipFile(file) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        return f"unreadable ({exc})"
+    return f"member {bad} fails its checksum" if bad else None
+
+
+def _safetensors_damage(file: Path) -> str | None:
+    size = file.stat().st_size
+    try:
+        with file.open("rb") as f:
+            header_len = struct.unpack("<Q", f.read(8))[0]
+            if header_len > size - 8:
+                return "truncated header"
+            header = json.loads(f.read(header_len))
+    except (struct.error, ValueError, OSError) as exc:
+        return f"unreadable header ({exc})"
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    expected = 8 + header_len + end
+    return f"{size} bytes, its header says {expected}" if size != expected else None
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -136,8 +192,19 @@ class CheckpointWriter:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def check_writable(output_dir: Path, need_bytes: int) -> None:
-    """Fail before training, not at the first save, if checkpoints cannot be written."""
+def checkpoint_bytes(output_dir: Path) -> int:
+    """Bytes the run's checkpoints (complete or not) already take in `output_dir`."""
+    root = checkpoint_root(output_dir)
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.is_dir() else 0
+
+
+def check_writable(output_dir: Path, need_bytes: int, keep_last: int | None = None) -> None:
+    """Fail before training, not at the first save, if checkpoints cannot be written.
+
+    `need_bytes`: what the run's checkpoints take at most (`keep_last` kept + one being written).
+    Checkpoints already in `output_dir` (a resume) are part of that budget: rotation deletes
+    them as new ones arrive, so only the difference must be free - but at least one checkpoint's
+    worth (`need_bytes / (keep_last + 1)`), the one written before the oldest is pruned."""
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         probe = output_dir / ".polyrl-write-probe"
@@ -146,8 +213,10 @@ def check_writable(output_dir: Path, need_bytes: int) -> None:
     except OSError as exc:
         raise CheckpointError(f"trainer.output_dir: {output_dir} is not writable ({exc.strerror}); "
                               "choose another directory with --output-dir") from None
+    one = need_bytes // (keep_last + 1) if keep_last else 0
+    need_bytes = max(need_bytes - checkpoint_bytes(output_dir), one)
     free = shutil.disk_usage(output_dir).free
     if free < need_bytes:
         raise CheckpointError(
             f"trainer.output_dir: {output_dir} has {free / 2**20:.0f} MiB free but checkpoints need "
-            f"about {need_bytes / 2**20:.0f} MiB (lower trainer.keep_last or free space)")
+            f"about {need_bytes / 2**20:.0f} MiB more (lower trainer.keep_last or free space)")

@@ -112,3 +112,77 @@ def test_unwritable_output_dir_fails_before_training(tiny_model, arith_files, tm
     blocker.write_text("x")
     with pytest.raises(CheckpointError, match="is not writable"):
         Trainer(job(tiny_model, arith_files, blocker / "out", tmp_path)).fit()
+
+
+# --- damaged checkpoints and the free-space check (no training needed) -----------------------
+
+def fake_checkpoint(out, step):
+    """A checkpoint directory with real torch.save and safetensors files, as the writer lays it."""
+    from safetensors.torch import save_file
+
+    from polyrl.trainer.checkpoint import step_dir
+
+    d = step_dir(out, step)
+    (d / "policy").mkdir(parents=True)
+    save_file({"w": torch.arange(1000, dtype=torch.float32)}, str(d / "policy" / "model.safetensors"))
+    torch.save({"torch_rng": torch.get_rng_state(), "version": step}, d / "rank0.pt")
+    torch.save({"step": step, "blob": torch.arange(4000)}, d / "driver.pt")
+    return d
+
+
+def truncate(path, keep=0.5):
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def flip_a_byte_of(path, needle: bytes):
+    data = bytearray(path.read_bytes())
+    at = data.index(needle)  # inside a stored tensor's bytes, not the archive's directory
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["truncated driver.pt", "flipped byte in rank0.pt",
+                                    "truncated safetensors"])
+def test_damaged_latest_checkpoint_falls_back_with_a_warning(tmp_path, damage, caplog):
+    fake_checkpoint(tmp_path, 1)
+    latest = fake_checkpoint(tmp_path, 2)
+    if damage == "truncated driver.pt":
+        truncate(latest / "driver.pt")
+    elif damage == "flipped byte in rank0.pt":
+        flip_a_byte_of(latest / "rank0.pt", torch.get_rng_state().numpy().tobytes()[100:116])
+    else:
+        truncate(latest / "policy" / "model.safetensors", keep=0.9)
+    assert find_resume_point("auto", tmp_path) == latest.parent / "step_000001"
+    assert f"checkpoint {latest} is damaged" in caplog.text
+    with pytest.raises(CheckpointError, match=r"step_000002 is damaged .*trainer.resume=auto"):
+        find_resume_point(str(latest), tmp_path)
+
+
+def test_intact_checkpoints_are_taken_as_they_are(tmp_path, caplog):
+    fake_checkpoint(tmp_path, 1)
+    latest = fake_checkpoint(tmp_path, 2)
+    assert find_resume_point("auto", tmp_path) == latest and "damaged" not in caplog.text
+    assert find_resume_point(str(latest), tmp_path) == latest
+
+
+def test_free_space_check_counts_checkpoints_that_rotation_will_delete(tmp_path):
+    import shutil as sh
+
+    from polyrl.trainer.checkpoint import check_writable, checkpoint_root
+
+    old = checkpoint_root(tmp_path) / "step_000001"
+    old.mkdir(parents=True)
+    gib = 1 << 30
+    with (old / "rank0.pt").open("wb") as f:  # sparse: 8 GiB by size, no blocks on the disk
+        f.truncate(8 * gib)
+    free = sh.disk_usage(tmp_path).free
+    # the 8 GiB checkpoint on disk is rotated away as new ones arrive: of free + 6 GiB, only
+    # free - 2 GiB must still be free (refused before: it compared free + 6 GiB with free)
+    check_writable(tmp_path, need_bytes=free + 6 * gib, keep_last=1000)
+    with pytest.raises(CheckpointError, match="MiB more"):  # free + 2 GiB more does not fit
+        check_writable(tmp_path, need_bytes=free + 10 * gib, keep_last=1000)
+    # however much is on disk, the checkpoint written before the oldest is pruned must fit:
+    # keep_last=1 -> one is (2 x free + 6 GiB) / 2 = free + 3 GiB
+    with pytest.raises(CheckpointError, match="MiB more"):
+        check_writable(tmp_path, need_bytes=2 * free + 6 * gib, keep_last=1)
