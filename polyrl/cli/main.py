@@ -9,7 +9,9 @@ import sys
 from polyrl import __version__
 from polyrl.cli.common import CLIError, fail, setup_logging
 
-SUBCOMMANDS = ("train", "env", "doctor", "serve", "bench", "plot")
+SUBCOMMANDS = {"train": "polyrl.cli.train", "env": "polyrl.cli.env_cmd", "doctor": "polyrl.cli.doctor",
+               "serve": "polyrl.cli.serve", "bench": "polyrl.cli.bench", "plot": "polyrl.cli.plot"}
+"""command -> its module (imported when the parser is built; each defines `add_parser`)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,14 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"polyrl {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(f"polyrl.cli.{name}_cmd" if name == "env" else f"polyrl.cli.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.startswith("polyrl.cli"):
-                continue  # subcommand not built yet
-            raise
-        module.add_parser(sub)
+    for module in SUBCOMMANDS.values():
+        importlib.import_module(module).add_parser(sub)
     return parser
 
 

@@ -1,5 +1,5 @@
 """`polyrl train --dry-run` as a user runs it: a real subprocess that plans a GPU-cluster run on
-this CPU machine, starts no Ray, and returns fast."""
+this CPU machine and starts no Ray."""
 
 from __future__ import annotations
 
@@ -7,9 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
-
-import pytest
 
 from polyrl.cli.main import main
 from polyrl.envplan.rules import FORWARDED_PREFIXES
@@ -27,10 +24,8 @@ def polyrl(tmp_path, *args, env=None):
     ray_tmp.mkdir(exist_ok=True)
     full_env = {**clean_environ(), "RAY_TMPDIR": str(ray_tmp), "RAY_ADDRESS": "127.0.0.1:1",
                 "COLUMNS": "220", **(env or {})}
-    start = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "polyrl", "train", *args], capture_output=True,
                          text=True, env=full_env, timeout=120)
-    out.seconds = time.perf_counter() - start
     assert list(ray_tmp.iterdir()) == [], "a Ray session was started"
     return out
 
@@ -40,8 +35,7 @@ def test_json_plan_for_gb200_cluster_from_this_machine(tmp_path):
                  "rollout.placement=standalone", "rollout.num_replicas=2", "rollout.backend=vllm",
                  "actor.num_cpus_per_worker=2", "rollout.max_model_len=128",
                  env={"NCCL_CUMEM_ENABLE": "1", "TLLM_DISABLE_NVLS_MNNVL": "1"})
-    assert out.returncode == (0 if "vllm" in launch_args.BUILDERS else 1), out.stderr
-    assert out.seconds < 60, f"dry run took {out.seconds:.1f}s"
+    assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)  # one JSON object, nothing else on stdout
     assert plan["dry_run"] is True
     assert plan["platform"]["name"] == "cuda" and plan["platform"]["capability"] == [10, 0]
@@ -74,18 +68,15 @@ def test_json_plan_for_gb200_cluster_from_this_machine(tmp_path):
     rollout = actors[1]
     # issue 15: a replica reserving a GPU keeps the visibility Ray gives it
     assert not any(k.startswith("RAY_EXPERIMENTAL_NOSET_") for k in rollout["env"])
-    if "vllm" in launch_args.BUILDERS:
-        assert rollout["engine"]["args"]["max_model_len"] == 128
-        assert rollout["engine"]["args"]["tensor_parallel_size"] == 1
-    else:
-        assert "no launch-argument builder" in rollout["engine"]["error"]
+    assert rollout["engine"]["args"]["max_model_len"] == 128
+    assert rollout["engine"]["args"]["tensor_parallel_size"] == 1
 
 
 def test_human_plan_for_rocm_keeps_bracketed_text(tmp_path):
     out = polyrl(tmp_path, "--dry-run", "--platform", "mi300x", "rollout.placement=standalone",
                  "rollout.num_replicas=2", "rollout.backend=sglang", "actor.num_cpus_per_worker=1",
                  "rollout.engine_kwargs={sglang: {chunked_prefill_size: '[x]'}}")
-    assert out.returncode == (0 if "sglang" in launch_args.BUILDERS else 1), out.stderr
+    assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "platform: rocm: 8 device(s) (AMD Instinct MI300X), capability 9.4 [simulated]" in text
     assert "rollout replica 0 (rank 1), rollout replica 1 (rank 2): num_cpus=1, num_gpus=1" in text
@@ -94,8 +85,7 @@ def test_human_plan_for_rocm_keeps_bracketed_text(tmp_path):
     assert "RAY_EXPERIMENTAL_NOSET_" not in text
     assert ("devices: rollout replica 0 (rank 1) -> node 0 [1]; rollout replica 1 (rank 2) -> "
             "node 0 [2]") in text
-    if "sglang" in launch_args.BUILDERS:
-        assert '"[x]"' in text  # rich markup would have eaten [x]
+    assert '"[x]"' in text  # rich markup would have eaten [x]
     try:
         import sglang  # noqa: F401
     except ImportError:
@@ -154,8 +144,6 @@ def test_nodes_limit_the_cluster_and_impossible_layouts_say_what_fits(capsys):
 
 
 def test_engine_version_reaches_the_builder(capsys):
-    if "sglang" not in launch_args.BUILDERS:
-        pytest.skip("no sglang launch-argument builder in this checkout yet")
     args = ["train", "--dry-run", "--json", "--platform", "h100", "rollout.backend=sglang"]
     assert main([*args, "--engine-version", "0.5.9"]) == 0
     old = json.loads(capsys.readouterr().out)
