@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import queue
+import re
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -30,18 +32,19 @@ def stall_world(rank: int, world_size: int) -> dict:
     dog.beat("generate")
     # Every rank completes one watched collective first (the counters then agree).
     broadcast_from_leader(torch.ones(2), dist.group.WORLD, timeout_s=10, phase="warm-up")
-    if rank == 2:  # the stalled rank: stuck computing rewards
+    if rank == 2:  # the stalled rank: stuck computing rewards until the others gave up on it
         dog.beat("compute rewards")
-        time.sleep(STALL_TIMEOUT_S + 1.5)
+        dog.store.wait(["gave-up-0", "gave-up-1"], timedelta(seconds=60))
         return {}
-    t0 = time.monotonic()
     try:
         # A gather needs every rank (a broadcast root may finish without its receivers).
         gather_to_leader(rank, dist.group.WORLD, timeout_s=STALL_TIMEOUT_S, phase="sync before update")
     except CollectiveTimeout as exc:
         return {"error": str(exc), "missing": {r: (hb.step, hb.phase) if hb else None
                                                for r, hb in exc.missing.items()},
-                "seconds": time.monotonic() - t0, "is_timeout": isinstance(exc, TimeoutError)}
+                "is_timeout": isinstance(exc, TimeoutError)}
+    finally:
+        dog.store.set(f"gave-up-{rank}", "1")
     return {"error": None}
 
 
@@ -57,8 +60,7 @@ def test_stalled_rank_is_named_with_its_step_and_phase(stalled):
         assert r["missing"] == {2: (7, "compute rewards")}  # rank 0 and 1 arrived: not named
         assert "rank(s) 2 did not arrive" in r["error"]
         assert "step 7 'compute rewards'" in r["error"] and "sync before update" in r["error"]
-        assert r["is_timeout"]
-        assert STALL_TIMEOUT_S - 0.5 < r["seconds"] < STALL_TIMEOUT_S + 3
+        assert r["is_timeout"]  # the deadline expired (a dead peer would be a CollectiveError)
 
 
 def test_not_arrived_reads_the_side_channel():
@@ -76,9 +78,10 @@ def test_not_arrived_reads_the_side_channel():
 
 def test_error_messages():
     hb = Heartbeat(rank=4, step=9, phase="reward", time=time.time() - 3)
+    assert hb.describe(now=hb.time + 3.25) == "step 9 'reward' (3.2s ago)"
     err = CollectiveTimeout("broadcast", "weight sync", 9, [0, 4, 5], {4: hb, 5: None}, "no completion after 2s")
     text = str(err)
-    assert "rank(s) 4, 5 did not arrive" in text and "rank 4: step 9 'reward' (3." in text
+    assert "rank(s) 4, 5 did not arrive" in text and re.search(r"rank 4: step 9 'reward' \(\d+\.\ds ago\)", text)
     assert "rank 5: no heartbeat" in text and isinstance(err, TimeoutError)
     assert isinstance(err, CollectiveError) and isinstance(err, RuntimeError)
     assert "every rank entered it" in str(CollectiveError("gather", "p", 0, [0, 1], {}, "backend error"))
@@ -86,9 +89,7 @@ def test_error_messages():
 
 def test_queue_get_has_a_deadline():
     q: queue.Queue = queue.Queue()
-    t0 = time.monotonic()
     with pytest.raises(RemoteTimeout, match="rollout replica 1"):
         queue_get(q, phase="collect rollouts", timeout_s=0.2, source="rollout replica 1")
-    assert time.monotonic() - t0 < 2
     q.put(3)
     assert queue_get(q, phase="collect rollouts", timeout_s=0.2, source="x") == 3

@@ -8,7 +8,6 @@ import asyncio
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -66,10 +65,8 @@ def test_engine_loop_runs_coroutines_from_threads_and_loops():
             return await asyncio.gather(*(loop.run_async(where()) for _ in range(3)))
 
         assert asyncio.run(from_another_loop()) == ["test-engine"] * 3
-        start = time.monotonic()
         with pytest.raises(TimeoutError, match="slow op did not finish within 0 s"):
             loop.run(asyncio.sleep(10), 0.2, "slow op")
-        assert time.monotonic() - start < 5
     finally:
         loop.close()
 

@@ -120,7 +120,10 @@ def test_sleep_frees_the_cache_and_wake_up_restores_it(engine):
 
     async def queued_while_sleeping():
         task = asyncio.create_task(engine.generate(PROMPT, GREEDY, "s"))
-        await asyncio.sleep(0.05)
+        for _ in range(100_000):  # yield until the request reached the engine's queue
+            if engine.health()["waiting"]:
+                break
+            await asyncio.sleep(0)
         assert not task.done() and engine.health()["waiting"] == 1
         engine.wake_up()
         assert engine.health()["kv_cache_bytes"] > 0

@@ -91,7 +91,9 @@ def test_continuous_batching_requests_join_and_leave(engine):
     before = engine.stats
 
     async def late(i: int):
-        await asyncio.sleep(0.004 * i)  # arrive while earlier requests are mid-decode
+        # arrive after 3 * i decode steps: request 0 (30 tokens) is still decoding then
+        while engine.stats["decode_steps"] - before["decode_steps"] < 3 * i:
+            await asyncio.sleep(0)
         sp = SamplingParams(temperature=0, max_tokens=lengths[i], ignore_eos=True)
         return await engine.generate(prompts[i], sp, request_id=f"r{i}")
 
