@@ -16,7 +16,7 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, namespace="polyrl-tests",
+        ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="polyrl-tests",
                  configure_logging=False, log_to_driver=False)
     yield ray
     ray.shutdown()

@@ -63,8 +63,8 @@ def init_ray(
     )
     if address:
         kwargs["address"] = address
-    else:
-        kwargs["num_cpus"] = num_cpus or os.cpu_count()
+    else:  # "local": a new instance even when a `ray start` cluster runs on this machine
+        kwargs.update(address="local", num_cpus=num_cpus or os.cpu_count())
     ray.init(**kwargs)
     return plan
 
