@@ -1,0 +1,266 @@
+"""SFT data: chat files in verl's SFT schemas, encoded once at load into token ids plus an
+assistant-token mask, held as one columnar `RolloutBatch` the loop selects rows from.
+
+Schemas (`SFTDataConfig`):
+    messages:        {"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}],
+                      "tools": [...] (optional)}
+    prompt/response: {PROMPT_KEY: "question" or [messages], RESPONSE_KEY: "answer"}
+                     (becomes the prompt's messages plus one assistant turn)
+
+Each conversation becomes one batch row whose *prompt* is its first token and whose *response* is
+the rest, with `loss_mask` on the assistant tokens: the training engine's forward then scores
+every token after the first (polyrl/batch/micro.py `collate`), the same path RL trains on.
+
+Every row is checked and encoded here, at load, under `data.on_bad_row` (polyrl/data/rows.py
+`BadRows`): an error found at step 5000 is an error found far too late.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from polyrl.batch import Ragged, RolloutBatch
+from polyrl.builtin import resolve
+from polyrl.data import BadRows, DataFileError
+from polyrl.sft.config import SFTDataConfig
+from polyrl.sft.template import ChatEncoder, Encoded, TemplateError
+
+logger = logging.getLogger(__name__)
+
+ASSETS_DATA = Path(__file__).resolve().parents[1] / "assets" / "data"
+SFT_BUILTINS = {
+    "builtin:arithmetic_chat_train": ASSETS_DATA / "arithmetic_chat_train.parquet",
+    "builtin:arithmetic_chat_val": ASSETS_DATA / "arithmetic_chat_val.parquet",
+}
+"""The bundled chat files (scripts/build_tiny_model.py writes them); other builtin: names go to
+polyrl/builtin.py."""
+
+
+def resolve_file(path: str) -> str:
+    return str(SFT_BUILTINS[path]) if path in SFT_BUILTINS else resolve(path)
+
+
+@dataclass
+class SFTDataset:
+    """The encoded conversations of one split and what loading them dropped or changed."""
+
+    name: str
+    batch: RolloutBatch
+    where: list[str]
+    """Per conversation: "data file F row N", for messages."""
+    rows: int = 0
+    bad_rows: int = 0
+    dropped_overlong: int = 0
+    truncated: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    def __getitem__(self, i: int) -> int:  # the loader hands out indices into `batch`
+        return i
+
+    @property
+    def loss_tokens(self) -> int:
+        return int(self.batch.loss_mask.values.sum())
+
+    def counts(self, prefix: str) -> dict[str, int]:
+        return {f"{prefix}/conversations": len(self), f"{prefix}/bad_rows": self.bad_rows,
+                f"{prefix}/dropped_overlong": self.dropped_overlong,
+                f"{prefix}/truncated": self.truncated, f"{prefix}/loss_tokens": self.loss_tokens}
+
+
+def as_batch(encoded: Sequence[Encoded]) -> RolloutBatch:
+    """Conversations as training rows: prompt = first token, response = the rest."""
+    n = len(encoded)
+    zeros = torch.zeros(n, dtype=torch.long)
+    return RolloutBatch(
+        prompt_ids=Ragged.from_rows([e.input_ids[:1] for e in encoded], torch.long),
+        response_ids=Ragged.from_rows([e.input_ids[1:] for e in encoded], torch.long),
+        loss_mask=Ragged.from_rows([e.loss_mask[1:] for e in encoded], torch.float32),
+        group=torch.arange(n), stop_reason=zeros, finished_with_eos=zeros.bool(),
+        weight_version=zeros, min_version=zeros, max_version=zeros, continuations=zeros)
+
+
+# --- reading files -----------------------------------------------------------------------------
+
+
+def read_file(path: str, cfg: SFTDataConfig, bad: BadRows) -> list[tuple[str, dict]]:
+    """(where, row) of every object in a Parquet / JSONL file; unreadable lines are bad rows."""
+    p = Path(resolve_file(path)).expanduser()
+    if p.is_dir():
+        raise DataFileError(f"data file {p} is a directory; list the .parquet / .jsonl files inside it")
+    if not p.is_file():
+        raise DataFileError(f"data file {p} does not exist")
+    suffix = p.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(p)
+        except (pa.ArrowException, OSError) as exc:
+            raise DataFileError(f"data file {p} is not a readable parquet file: {exc}") from None
+        rows = [(f"data file {p} row {i}", r) for i, r in enumerate(table.to_pylist())]
+        columns = set(table.column_names)
+    elif suffix in (".jsonl", ".json"):
+        rows = []
+        for no, line in enumerate(p.read_bytes().splitlines(), 1):
+            where = f"data file {p} line {no}"
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                bad.add(where, f"not a UTF-8 JSON line ({type(exc).__name__}: {exc})")
+                continue
+            if isinstance(value, dict):
+                rows.append((where, value))
+            else:
+                bad.add(where, f"expected a JSON object, got {type(value).__name__}")
+        columns = set().union(*(r.keys() for _, r in rows)) if rows else set()
+    else:
+        raise DataFileError(f"data file {p}: unsupported format '{suffix}'; use .parquet or .jsonl")
+    needed = [cfg.prompt_key, cfg.response_key] if cfg.prompt_key else [cfg.messages_key]
+    missing = [c for c in needed if c not in columns]
+    if missing and columns:
+        hint = ("set data.messages_key, or data.prompt_key and data.response_key for the "
+                "prompt/response schema") if not cfg.prompt_key else "check data.prompt_key / data.response_key"
+        raise DataFileError(f"data file {p} lacks column(s) {', '.join(missing)} (has "
+                            f"{', '.join(sorted(columns))}); {hint}")
+    return rows
+
+
+def conversation(row: dict, cfg: SFTDataConfig) -> tuple[list[dict], list | None]:
+    """(messages, tools) of a row; raises TemplateError naming what is wrong with it."""
+    if cfg.prompt_key:
+        prompt, response = row.get(cfg.prompt_key), row.get(cfg.response_key)
+        if not isinstance(response, str) or not response:
+            raise TemplateError(f"'{cfg.response_key}' must be a non-empty string, got {_kind(response)}")
+        if isinstance(prompt, str) and prompt:
+            messages = [{"role": "user", "content": prompt}]
+        elif isinstance(prompt, list) and prompt:
+            messages = list(prompt)
+        else:
+            raise TemplateError(f"'{cfg.prompt_key}' must be a string or a list of messages, got {_kind(prompt)}")
+        messages = messages + [{"role": "assistant", "content": response}]
+        key = cfg.prompt_key
+    else:
+        messages, key = row.get(cfg.messages_key), cfg.messages_key
+        if not isinstance(messages, list) or not messages:
+            raise TemplateError(f"'{key}' must be a non-empty list of {{role, content}} messages, "
+                                f"got {_kind(messages)}")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise TemplateError(f"'{key}' message {i} is a {type(m).__name__}, not a {{role, content}} mapping")
+        m = {k: v for k, v in m.items() if v is not None}  # parquet structs carry every field
+        role = m.get("role")
+        if role not in cfg.roles:
+            raise TemplateError(f"'{key}' message {i} has role {role!r}, not one of "
+                                f"{', '.join(cfg.roles)} (data.roles)")
+        if not isinstance(m.get("content"), str) and not m.get("tool_calls"):
+            raise TemplateError(f"'{key}' message {i} ({role}) has no string content")
+        clean.append(m)
+    if not any(m["role"] == "assistant" for m in clean):
+        raise TemplateError(f"'{key}' has no assistant turn (nothing to train on)")
+    tools = row.get(cfg.tools_key)
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except json.JSONDecodeError as exc:
+            raise TemplateError(f"'{cfg.tools_key}' is a string but not JSON: {exc}") from None
+    if tools is not None and not isinstance(tools, list):
+        raise TemplateError(f"'{cfg.tools_key}' must be a list of tool schemas, got {_kind(tools)}")
+    return clean, tools or None
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "nothing (missing or null)"
+    if isinstance(value, (str, list)) and not value:
+        return f"an empty {type(value).__name__}"
+    return type(value).__name__
+
+
+# --- encoding and the length limit -------------------------------------------------------------
+
+
+def fit(encoder: ChatEncoder, messages: list[dict], tools: list | None, max_length: int,
+        truncation: str, where: str) -> tuple[Encoded | None, bool]:
+    """The encoded conversation within `max_length` tokens and whether turns were removed
+    (None: dropped as over-long)."""
+    enc = encoder.encode(messages, tools)
+    if len(enc.input_ids) <= max_length:
+        return enc, False
+    if truncation == "error":
+        raise DataFileError(f"{where}: the conversation has {len(enc.input_ids)} tokens > "
+                            f"data.max_length={max_length}; raise it, or set data.truncation=drop "
+                            "(skip such rows) or left (remove the oldest turns)")
+    if truncation == "drop":
+        return None, False
+    head = 0
+    while head < len(messages) and messages[head]["role"] == "system":
+        head += 1  # the system prompt stays: it conditions every turn
+    rest = messages[head:]
+    while True:  # drop the oldest turn: up to the next user message
+        nxt = next((j for j in range(1, len(rest)) if rest[j]["role"] == "user"), None)
+        if nxt is None:
+            return None, False
+        rest = rest[nxt:]
+        if not any(m["role"] == "assistant" for m in rest):
+            return None, False
+        enc = encoder.encode(messages[:head] + rest, tools)
+        if len(enc.input_ids) <= max_length:
+            return enc, True
+
+
+def load_sft_dataset(files: Sequence[str], tokenizer: Any, cfg: SFTDataConfig, max_length: int,
+                     split: str = "train") -> SFTDataset:
+    key = f"data.{split}_files"
+    if not files:
+        raise DataFileError(f"{key} is empty; set {key}=[path/to/{split}.parquet]")
+    encoder = ChatEncoder(tokenizer)
+    bad = BadRows(cfg.on_bad_row)
+    rows = [r for f in files for r in read_file(f, cfg, bad)]
+    if cfg.max_samples is not None:
+        rows = rows[: cfg.max_samples]
+    name = ", ".join(files)
+    out = SFTDataset(name=name, batch=as_batch([]), where=[], rows=len(rows) + bad.count)
+    encoded = []
+    for where, row in rows:
+        try:
+            messages, tools = conversation(row, cfg)
+            enc, truncated = fit(encoder, messages, tools, max_length, cfg.truncation, where)
+        except TemplateError as exc:
+            bad.add(where, str(exc))
+            continue
+        if enc is None:
+            out.dropped_overlong += 1
+            continue
+        if sum(enc.loss_mask[1:]) == 0:  # only the first token is assistant: nothing is predicted
+            bad.add(where, "no assistant token after the first token")
+            continue
+        out.truncated += truncated
+        encoded.append(enc)
+        out.where.append(where)
+    out.bad_rows = bad.count
+    out.batch = as_batch(encoded)
+    bad.log(name, out.rows)
+    if out.dropped_overlong or out.truncated:
+        logger.warning("%s: %d of %d conversations over data.max_length=%d tokens: %d dropped, "
+                       "%d shortened by removing their oldest turns (data.truncation=%s)", name,
+                       out.dropped_overlong + out.truncated, out.rows, max_length,
+                       out.dropped_overlong, out.truncated, cfg.truncation)
+    if not encoded:
+        raise DataFileError(f"{name}: no conversations left of {out.rows} rows ({out.bad_rows} bad, "
+                            f"{out.dropped_overlong} over data.max_length={max_length})"
+                            + (f", e.g. {bad.examples[0]}" if bad.examples else ""))
+    return out
