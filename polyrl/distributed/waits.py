@@ -10,6 +10,17 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import ray
+from ray.exceptions import RayActorError
+
+
+class RemoteActorDied(RuntimeError):
+    """An actor of the run died while the driver waited on it (its process exited: killed,
+    out of memory, or crashed). The message names the actor; callers that know the last
+    checkpoint add that rerunning resumes from it."""
+
+    def __init__(self, phase: str, actor: str, reason: str):
+        self.phase, self.actor, self.reason = phase, actor, reason
+        super().__init__(f"{phase}: {actor} died ({reason})")
 
 
 class RemoteTimeout(TimeoutError):
@@ -22,11 +33,29 @@ class RemoteTimeout(TimeoutError):
 
 
 def gather(refs: Sequence[Any], names: Sequence[str], *, phase: str, timeout_s: float) -> list[Any]:
-    """`ray.get(refs)` with a deadline; raises RemoteTimeout naming the refs that did not finish."""
+    """`ray.get(refs)` with a deadline; raises RemoteTimeout naming the refs that did not finish
+    and RemoteActorDied naming the first whose actor died (not Ray's multi-line traceback)."""
     refs = list(refs)
     ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     if pending:
         pending_set = set(pending)
         missing = [name for ref, name in zip(refs, names) if ref in pending_set]
         raise RemoteTimeout(phase, missing, timeout_s)
-    return ray.get(refs)
+    try:
+        return ray.get(refs)
+    except RayActorError:
+        pass
+    for ref, name in zip(refs, names):  # all are done: find whose actor died
+        try:
+            ray.get(ref)
+        except RayActorError as exc:
+            raise RemoteActorDied(phase, name, death_reason(exc)) from None
+    raise AssertionError("unreachable: ray.get raised RayActorError for none of the refs")
+
+
+def death_reason(exc: RayActorError) -> str:
+    """One line of why: Ray's own explanation is its message's last line (after the actor's
+    class, id, pid, ... lines)."""
+    lines = [line.strip() for line in str(getattr(exc, "error_msg", None) or exc).splitlines()]
+    reason = next((line for line in reversed(lines) if line), "no reason given")
+    return reason if len(reason) <= 300 else reason[:297] + "..."

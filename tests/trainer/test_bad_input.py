@@ -187,3 +187,29 @@ def test_hybrid_placement_with_a_collective_transport_is_refused():
                                               "rollout.placement=hybrid"):
             job_config(f"weights.transport={transport}")
         job_config(f"weights.transport={transport}", "rollout.placement=standalone")
+
+
+# --- a dead rank is named (polyrl/distributed/waits.py) ---------------------------------------
+
+def test_gather_names_the_actor_that_died(ray_session):
+    import ray
+
+    from polyrl.distributed.waits import RemoteActorDied, gather
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def ok(self):
+            return 1
+
+        def die(self):
+            os._exit(1)  # what an OOM kill or a segfault looks like to the driver
+
+    alive, doomed = Rank.remote(), Rank.remote()
+    assert gather([alive.ok.remote()], ["policy rank 0"], phase="update", timeout_s=60) == [1]
+    with pytest.raises(RemoteActorDied) as err:
+        gather([alive.ok.remote(), doomed.die.remote()], ["policy rank 0", "policy rank 1"],
+               phase="update", timeout_s=60)
+    assert err.value.actor == "policy rank 1" and err.value.phase == "update"
+    message = str(err.value)
+    assert message.startswith("update: policy rank 1 died (") and "\n" not in message
+    ray.kill(alive)

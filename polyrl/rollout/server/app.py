@@ -52,6 +52,20 @@ def error_body(message: str, param: str | None, kind: str = "invalid_request_err
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
+def validation_message(error: dict) -> tuple[str, str | None]:
+    """(message, param) of the first pydantic / JSON error of a request body."""
+    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+    if error.get("type") == "json_invalid":  # FastAPI puts the byte offset where a field goes
+        detail = (error.get("ctx") or {}).get("error", "JSON decode error")
+        where = f" at position {loc[0]}" if loc else ""
+        return f"the request body is not valid JSON: {detail}{where}", None
+    if error.get("type") == "extra_forbidden":
+        return (f"unknown field '{'.'.join(loc)}': not part of the OpenAI API this server "
+                "implements (check its spelling)"), loc[0] if loc else None
+    param = loc[0] if loc else "body"
+    return f"{'.'.join(loc) or 'body'}: {error.get('msg', 'invalid value')}", param
+
+
 def build_app(engine: Any, model_name: str, *, aliases: tuple[str, ...] = ()) -> FastAPI:
     """An app serving `engine` as `model_name` (requests may also name any of `aliases`)."""
     service = OpenAIService(engine, model_name, aliases=aliases)
@@ -65,9 +79,7 @@ def build_app(engine: Any, model_name: str, *, aliases: tuple[str, ...] = ()) ->
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": ("body",), "msg": "invalid request"}
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = loc[0] if loc else "body"
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
+        message, param = validation_message(first)
         return JSONResponse(error_body(message, param), status_code=400)
 
     @app.exception_handler(Exception)

@@ -60,6 +60,7 @@ class OpenAIService:
 
     async def complete(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
         self._check_model(req.model)
+        _refuse_unsupported(req)
         if req.echo:
             raise RolloutInputError("echo", "is not supported by this server")
         prompts = [self._encode(p) for p in req.prompts()]
@@ -97,6 +98,7 @@ class OpenAIService:
 
     async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         self._check_model(req.model)
+        _refuse_unsupported(req)
         prompt = self._render_chat(req)
         max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), None)
         if max_tokens is None:  # OpenAI's chat default: as long as the context allows
@@ -184,6 +186,15 @@ class OpenAIService:
         finally:
             for task in tasks:
                 task.cancel()
+
+
+def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """A 400 naming an OpenAI field the engine cannot honour, instead of ignoring it."""
+    found = req.unsupported()
+    if found is not None:
+        name, value = found
+        raise RolloutInputError(name, f"{value!r} is not supported by this server (the native "
+                                      "engine does not implement it); leave it unset")
 
 
 def _client_field(exc: RolloutInputError, field: str) -> RolloutInputError:

@@ -4,6 +4,10 @@ Pydantic here checks only types and shapes. Value ranges (temperature >= 0, top_
 n >= 1, max_tokens >= 1) and prompt limits (empty, longer than max_model_len, unknown token ids)
 are checked by the engine itself (`SamplingParams.validate`, the scheduler's `check`), so the HTTP
 API, the Ray actor and the trainer cannot disagree about what a valid request is.
+
+Unknown fields are refused by name (HTTP 400), as OpenAI does: a misspelt "temprature" must not
+sample at the default. OpenAI fields this engine cannot honour (`UNSUPPORTED`) are accepted only
+at their no-op value and refused by name otherwise, never silently ignored.
 """
 
 from __future__ import annotations
@@ -11,13 +15,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from polyrl.rollout.base import RolloutInputError, SamplingParams
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 COMPLETION_MAX_TOKENS = 16
 """OpenAI's default max_tokens for /v1/completions (chat defaults to "until max_model_len")."""
+MAX_COMPLETION_LOGPROBS = 5
+"""OpenAI's cap on /v1/completions `logprobs`."""
+MAX_CHAT_TOP_LOGPROBS = 20
+"""OpenAI's cap on /v1/chat/completions `top_logprobs`."""
+UNSUPPORTED = {
+    "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "best_of": 1, "suffix": "",
+    "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+}
+"""OpenAI fields the native engine cannot honour, each with the value that asks for nothing
+(accepted, and null always is); any other value is a 400 naming the field."""
 
 
 class StreamOptions(BaseModel):
@@ -28,7 +42,7 @@ class _SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions. None means "the default"
     (some clients send explicit nulls)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     n: int | None = None
@@ -46,6 +60,17 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> tuple[str, Any] | None:
+        """The first field set to something this engine cannot do, with its value."""
+        for name, no_op in UNSUPPORTED.items():
+            value = getattr(self, name, None)
+            if value is not None and value != no_op:
+                return name, value
+        return None
 
     def sampling(self, max_tokens: int, top_logprobs: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
@@ -71,9 +96,11 @@ class _SamplingRequest(BaseModel):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     """Text, token ids, or a batch of either; each prompt gets n choices."""
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     """Return the sampled tokens' log-probs plus this many top alternatives per position."""
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts as a list (a bare string or id list is a batch of one)."""
@@ -100,9 +127,12 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     max_completion_tokens: int | None = None
     """Newer name of max_tokens; wins when both are given."""
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 def sampling_from_dict(sampling: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:

@@ -106,6 +106,12 @@ def test_models_list_and_health(client, server):
     ({"prompt": ""}, "prompt"),
     ({"prompt": "x" * 80}, "prompt"),  # longer than max_model_len=64
     ({"extra_body": {"top_k": "many"}}, "top_k"),  # a pydantic type error
+    ({"extra_body": {"temprature": 0.5}}, "temprature"),  # a misspelt field is not ignored
+    ({"best_of": 3}, "best_of"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"presence_penalty": -1}, "presence_penalty"),
+    ({"logprobs": 6}, "logprobs"),  # OpenAI's cap is 5
 ])
 def test_bad_completion_input_is_400_naming_the_field(client, kwargs, field):
     args = {"model": MODEL, "prompt": "1+1=", "max_tokens": 4, **kwargs}
@@ -117,6 +123,39 @@ def test_bad_completion_input_is_400_naming_the_field(client, kwargs, field):
     assert field in str(info.value)
     # ...and the server keeps serving
     assert client.completions.create(model=MODEL, prompt="1+1=", max_tokens=2).choices
+
+
+def test_no_op_values_of_unsupported_fields_are_accepted(client):
+    out = client.completions.create(model=MODEL, prompt="1+1=", max_tokens=2, best_of=1,
+                                    frequency_penalty=0, presence_penalty=0.0, logit_bias={}, logprobs=5)
+    assert 1 <= len(out.choices[0].logprobs.top_logprobs[0]) <= 5  # keyed by text: ties merge
+
+
+def test_chat_top_logprobs_capped_at_20_and_unknown_fields_refused(client):
+    messages = [{"role": "user", "content": "1+1="}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, logprobs=True,
+                                       top_logprobs=21)
+    assert info.value.body["param"] == "top_logprobs"
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, logprobs=True,
+                                         top_logprobs=20)
+    assert len(out.choices[0].logprobs.content[0].top_logprobs) == 20
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                       extra_body={"max_token": 3})
+    assert info.value.body["param"] == "max_token" and "unknown field 'max_token'" in str(info.value)
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, tools=[
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+
+
+def test_malformed_json_names_the_position_not_a_field(server):
+    out = httpx.post(f"{server.url}/v1/completions", content=b'{"model": "tiny", "prompt": ',
+                     headers={"content-type": "application/json"}, timeout=30)
+    assert out.status_code == 400
+    error = out.json()["error"]
+    assert error["param"] is None
+    assert error["message"] == "the request body is not valid JSON: Expecting value at position 28"
 
 
 def test_bad_chat_input_is_400(client):
