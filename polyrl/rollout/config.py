@@ -15,8 +15,12 @@ class RolloutConfig(Config):
     """Rollout engine: native (the built-in PyTorch engine, runs anywhere), vllm, sglang or
     trtllm (GPU engines), or a backend a plugin registered (`polyrl/backends.py`)."""
     placement: Literal["hybrid", "standalone"] = "hybrid"
-    """hybrid: the engine shares the trainer's devices, weights synced in place;
-    standalone: rollout replicas on their own devices, weights sent over a collective."""
+    """hybrid: one engine inside each policy rank's process, on its device; after each update
+    the rank copies its weights into it (weights.transport=in_place) and it frees its KV cache
+    while training. standalone: rollout.num_replicas replicas as Ray actors with devices of their
+    own; new weights reach them through weights.transport: a bucketed broadcast from the
+    trainer's weight-sync leader in sync mode (through shared memory on one host), the object
+    store in async mode (trainer.mode=async, which requires standalone)."""
     n: int = Field(8, ge=1)
     """Samples per prompt (the GRPO group size)."""
     temperature: float = Field(1.0, ge=0)

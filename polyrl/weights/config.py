@@ -9,10 +9,14 @@ from polyrl.config import Config
 
 class WeightSyncConfig(Config):
     transport: str = "auto"
-    """How weights reach the engines: in_place (hybrid placement: the engine lives in the trainer
-    process), broadcast (standalone: bucketed collective over the platform's communication
-    backend), object_store (standalone fallback through Ray's object store), or auto: in_place
-    for hybrid placement, broadcast for standalone, object_store with trainer.mode=async."""
+    """How weights reach the engines. in_place: hybrid placement (its only choice): each policy
+    rank hands its weights to its own colocated engine in one engine.update_weights call, which
+    copies them into the engine's layout all or nothing; nothing crosses a process. broadcast:
+    standalone, sync mode: bucketed from the trainer's weight-sync leader to every rollout rank,
+    through shared memory when all are on one host (see shared_memory), else over the platform's
+    communication backend. object_store: standalone through Ray's object store and a mailbox
+    actor (required with trainer.mode=async, where a replacement replica must fetch the current
+    version). auto: in_place for hybrid, broadcast for standalone, object_store in async mode."""
     bucket_mb: float = Field(64, gt=0)
     """Bucket size in MB: tensors are packed into flat buffers up to this size, one collective
     (or object) per bucket. The sender holds two buckets of scratch memory; bigger buckets mean

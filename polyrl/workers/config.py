@@ -44,7 +44,10 @@ class ActorConfig(Config):
     mini_batch_size: int | None = Field(None, ge=1)
     """Prompts per optimizer step (default: the whole batch, i.e. one step per batch)."""
     micro_batch_tokens: int = Field(8192, ge=64)
-    """Token budget of one forward/backward micro-batch (sequences are packed up to it)."""
+    """Token budget of one forward/backward micro-batch, counted after padding: samples sorted by
+    length are right-padded to the longest in their micro-batch, and a micro-batch holds as many
+    as keep rows x longest row within the budget (a sample longer than the budget gets one of its
+    own). Nothing is packed: CPU attention has no variable-length kernels."""
     world_size: int = Field(1, ge=1)
     """Policy ranks (torch.distributed: gloo on CPU, the platform's backend on GPUs)."""
     strategy: Literal["ddp"] = "ddp"
@@ -55,7 +58,10 @@ class ActorConfig(Config):
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     """Autocast dtype of forward/backward."""
     num_cpus_per_worker: int | None = Field(None, ge=1)
-    """CPU cores (and torch threads) per worker (default: (this machine's cores - 1) / world_size)."""
+    """CPUs each Ray actor of the run reserves and torch threads it runs: every policy rank and
+    every standalone rollout rank (replicas x tensor_parallel_size). Default: (cores of the
+    machine that plans the job - 1) // (policy ranks + standalone rollout ranks), at least 1;
+    set it for a cluster whose nodes differ from the machine you launch from."""
     old_logprobs: Literal["auto", "rollout", "recompute"] = "auto"
     """Where the PPO ratio's old log-probs come from: auto uses the engine's when rollout is
     on-policy and the engine computes in the trainer's dtype, else recomputes."""
