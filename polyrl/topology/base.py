@@ -14,12 +14,14 @@ version to its engines, generating for validation, its share of the checkpoint, 
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import ray
 
+from polyrl.algorithms import select_informative
 from polyrl.batch import RolloutBatch
 from polyrl.distributed.waits import gather
 from polyrl.platform import Platform
@@ -30,6 +32,9 @@ from polyrl.workers.policy import PolicyWorker
 if TYPE_CHECKING:
     from polyrl.data import PromptSample
     from polyrl.trainer.config import JobConfig
+
+logger = logging.getLogger(__name__)
+
 
 class TrainingError(RuntimeError):
     """A run that cannot go on; the message says why and what to change."""
@@ -127,7 +132,7 @@ def setup_all(policy: PolicyGroup, refs: list, names: list[str]) -> list:
     return results[policy.world_size:]
 
 
-def prompt_seeds(seed: int, step: int, prompts: Sequence[PromptSample], validation: bool) -> list[int]:
+def prompt_seeds(seed: int, step: int | tuple[int, int], prompts: Sequence[PromptSample], validation: bool) -> list[int]:
     """One seed per (run, step, prompt): the same run draws the same samples, however batched."""
     return [hash((seed, step, p.index, validation)) % (2**31) for p in prompts]
 
@@ -153,17 +158,53 @@ class SyncTopology(Topology):
         """The group whose actors host the rollout engines (`WorkerGroup.generate`)."""
 
     def next_batch(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        prompts = self.ctx.loader.next_batch()
-        timer = self.ctx.timer
-        with timer("generate"):
-            batch = self.generate(prompts, train_sampling(self.cfg),
-                                  prompt_seeds(self.cfg.trainer.seed, step, prompts, False), "generate")
-        with timer("reward"):
-            metrics = self.ctx.score(batch)
-        metrics["perf/generate_tokens_per_s"] = (float(batch.response_lengths.sum())
+        """One round of generation; with algorithm.dynamic_sampling, more rounds until the
+        batch holds data.train_batch_size groups whose rewards differ (DAPO), at most
+        algorithm.max_sampling_rounds."""
+        algo, timer = self.cfg.algorithm, self.ctx.timer
+        batch, metrics = self._round(step, 0)
+        if algo.dynamic_sampling:
+            batch, metrics = self._refill(step, batch, metrics)
+        metrics["perf/generate_tokens_per_s"] = (metrics.pop("perf/generated_all_rounds")
                                                  / max(timer.times["timing/generate"], 1e-9))
         return batch, metrics
 
+    def _round(self, step: int, round_: int) -> tuple[RolloutBatch, dict[str, float]]:
+        prompts = self.ctx.loader.next_batch()
+        timer = self.ctx.timer
+        with timer("generate"):
+            # round 0 keeps the seeds a run without dynamic sampling draws
+            seeds = prompt_seeds(self.cfg.trainer.seed, step if round_ == 0 else (step, round_), prompts, False)
+            batch = self.generate(prompts, train_sampling(self.cfg), seeds, "generate")
+        with timer("reward"):
+            metrics = self.ctx.score(batch)
+        metrics["perf/generated_all_rounds"] = float(batch.response_lengths.sum())
+        return batch, metrics
+
+    def _refill(self, step: int, batch: RolloutBatch,
+                metrics: dict[str, float]) -> tuple[RolloutBatch, dict[str, float]]:
+        algo, want = self.cfg.algorithm, self.cfg.data.train_batch_size
+        kept: list[RolloutBatch] = []
+        have, rounds = 0, 0
+        while True:
+            rounds += 1
+            keep, taken = select_informative(batch.rewards, batch.group, want - have)
+            part = batch.select(keep.nonzero().flatten())
+            part.group = part.group + (rounds - 1) * want  # group ids stay unique across rounds
+            kept.append(part)
+            have += taken
+            if have >= want or rounds >= algo.max_sampling_rounds:
+                break
+            batch, round_metrics = self._round(step, rounds)
+            metrics["perf/generated_all_rounds"] += round_metrics["perf/generated_all_rounds"]
+        out = {**metrics, "dynamic_sampling/rounds": float(rounds), "adv/informative_groups": float(have),
+               "dynamic_sampling/shortfall_groups": float(want - have)}
+        if have < want:
+            logger.warning("step %d: %d of %d groups had differing rewards after %d rounds "
+                           "(algorithm.max_sampling_rounds); training on those", step, have, want, rounds)
+        if have == 0:  # nothing informative: the last round, whose advantages are all zero
+            return batch, out
+        return RolloutBatch.cat(kept), out
     def generate(self, prompts: Sequence[PromptSample], sampling: SamplingParams,
                  seeds: list[int], phase: str) -> RolloutBatch:
         batch = self.engines.generate([p.prompt_ids for p in prompts], sampling, seeds, phase=phase)
@@ -172,8 +213,6 @@ class SyncTopology(Topology):
     def load_state_dict(self, driver_state: dict[str, Any], source: str) -> None:
         if "async" in driver_state:
             owed = driver_state["async"]
-            import logging
-
-            logging.getLogger(__name__).warning(
+            logger.warning(
                 "resuming an async checkpoint synchronously: %d drawn but untrained prompts are "
                 "skipped", len(owed["pending"]) + len(owed["ready"]))

@@ -84,7 +84,10 @@ class RolloutStream:
         self.next_gid = 0
         self.consumed = 0
         self.version = 0  # the trainer's (newest published) policy version
-        self.totals = dict(discarded_stale=0, retried_groups=0, replica_restarts=0, partial_rollouts=0)
+        self.totals = dict(discarded_stale=0, retried_groups=0, replica_restarts=0, partial_rollouts=0,
+                           dropped_uninformative=0)
+        self.dropped_for_batch = 0
+        """Groups dynamic sampling dropped since the last batch was taken."""
         n = len(pool.workers)
         self.load = [0] * n  # groups in flight per replica
         self.idle_since: list[float | None] = [time.perf_counter()] * n
@@ -275,7 +278,22 @@ class RolloutStream:
             g.samples = results[g.gid]
             g.samples.prompts = [g.prompt] * len(g.samples)
             g.metrics = self.score(g.samples)
+            if self._uninformative(g):
+                continue  # dropped, and its place in the batch goes to a group drawn later
             self.ready[g.gid] = g
+
+    def _uninformative(self, g: Group) -> bool:
+        """Dynamic sampling (DAPO): drop a group whose rewards are all equal, up to
+        (max_sampling_rounds - 1) x B groups per batch, the same bound sync training has."""
+        algo = self.cfg.algorithm
+        if not algo.dynamic_sampling or self.dropped_for_batch >= (algo.max_sampling_rounds - 1) * self.B:
+            return False
+        rewards = g.samples.rewards
+        if bool((rewards != rewards[0]).any()):
+            return False
+        self.dropped_for_batch += 1
+        self.totals["dropped_uninformative"] += 1
+        return True
 
     def _received(self, ref: Any) -> None:
         self._now_serving(self.receives.pop(ref), ref)
@@ -353,6 +371,7 @@ class RolloutStream:
         for g in chosen:
             del self.ready[g.gid]
         self.consumed += len(chosen)
+        self.dropped_for_batch = 0
         self.totals["discarded_stale"] += discarded
         return chosen, self._metrics(chosen, waited, depth, discarded)
 

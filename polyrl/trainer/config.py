@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from polyrl.algorithms import AlgorithmConfig, check_samples_per_prompt
+from polyrl.algorithms import AlgorithmConfig, check_rollout
 from polyrl.config import Config
 from polyrl.data import DataConfig
 from polyrl.rewards.config import RewardConfig
@@ -119,7 +119,7 @@ class JobConfig(Config):
 
     @model_validator(mode="after")
     def _check(self) -> "JobConfig":
-        check_samples_per_prompt(self.algorithm, self.rollout.n)
+        check_rollout(self.algorithm, n=self.rollout.n, response_length=self.rollout.response_length)
         mini = self.actor.mini_batch_size
         if mini is not None and self.data.train_batch_size % mini:
             raise ValueError(

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import yaml
 
-from polyrl.algorithms import compute_advantages, kl_penalized_rewards
+from polyrl.algorithms import compute_advantages, kl_penalized_rewards, overlong_penalty
 from polyrl.batch import Ragged, RolloutBatch
 from polyrl.builtin import resolve
 from polyrl.config import to_yaml
@@ -271,8 +271,11 @@ class Trainer:
                 batch.ref_logprobs = self.policy.logprobs(batch, "reference")
         adv_metrics, tied = self.advantages(batch)
         metrics.update(adv_metrics)
-        if cfg.algorithm.filter_tied_groups:  # groups with all-equal rewards teach nothing
+        if cfg.algorithm.drops_tied_groups:  # groups with all-equal rewards teach nothing
             batch = batch.select((~tied).nonzero().flatten())
+        if cfg.algorithm.overlong.filter:  # DAPO: a truncated response says nothing about its end
+            batch.loss_mask = batch.loss_mask.with_values(
+                batch.loss_mask.values * torch.repeat_interleave((~batch.truncated).float(), batch.response_lengths))
         with timer("update"):
             metrics.update(self.update(batch, step))
         with timer("sync_weights"):
@@ -291,7 +294,14 @@ class Trainer:
         result = self.rewards.score(requests)
         batch.rewards = torch.tensor(result.scores, dtype=torch.float32)
         batch.acc = torch.tensor(result.accs, dtype=torch.float32)
-        return dict(result.metrics)
+        metrics = dict(result.metrics)
+        overlong = self.cfg.algorithm.overlong
+        if overlong.shaping:  # DAPO's soft overlong punishment, on the reward only (acc stays)
+            penalty = overlong_penalty(batch.response_lengths, self.cfg.rollout.response_length,
+                                       overlong.buffer_length, overlong.penalty_factor)
+            batch.rewards = batch.rewards + penalty
+            metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
+        return metrics
 
     def advantages(self, batch: RolloutBatch) -> tuple[dict[str, float], torch.Tensor]:
         """Advantages per sequence (outcome estimators: stored once) or per token (token-level
