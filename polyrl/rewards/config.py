@@ -28,6 +28,11 @@ class RewardConfig(Config):
     num_workers: int = Field(4, ge=1)
     """Threads that run scoring calls (scoring is cheap; threads only bound the timeout)."""
 
+    warn_error_rate: float = Field(0.5, gt=0, le=1)
+    """Warn during the run once this share of scoring calls (errors + timeouts, counted since
+    the start and over at least one batch) has failed: those samples score 0, so little or
+    nothing is learned. The run's totals are in summary.json ("reward_errors")."""
+
     gsm8k_method: Literal["strict", "flexible"] = "strict"
     """GSM8K answer extraction: strict takes the number after "#### "; flexible falls back to the
     last number in the response when there is no "#### "."""

@@ -2,7 +2,10 @@
 
 A reward function that raises, returns garbage or runs past `reward.timeout_s` scores 0 for that
 sample and is counted (`reward/errors`, `reward/timeouts`), so one bad verifier input cannot stop
-training; the first traceback per data source is logged so the bug is still visible.
+training; the first traceback per data source is logged so the bug is still visible. A function
+that fails on most calls is another matter - nothing is learned - so once the failed share passes
+`reward.warn_error_rate` the run says so, and `error_summary()` gives the totals for summary.json.
+Rows whose ground truth is null are scored as usual but counted (`reward/null_ground_truth`).
 """
 
 from __future__ import annotations
@@ -116,8 +119,12 @@ class RewardManager:
         self._scorers: dict[str, _Scorer] = {}
         self._pool: TimeoutPool | None = None  # threads start on first use, not at construction
         self._logged_sources: set[str] = set()
+        self.total_calls = 0
         self.total_errors = 0
         self.total_timeouts = 0
+        self.total_null_ground_truth = 0
+        self.first_error: str | None = None
+        self._warned_rate = False
 
     def scorer_for(self, data_source: str) -> _Scorer:
         """The scorer for `data_source`; raises UnknownDataSourceError if there is none."""
@@ -161,6 +168,8 @@ class RewardManager:
             if exc is not None:
                 errors += 1
                 failed[i] = True
+                if self.first_error is None:
+                    self.first_error = f"data_source '{req.data_source}': {type(exc).__name__}: {exc}"
                 if req.data_source not in self._logged_sources:
                     self._logged_sources.add(req.data_source)
                     logger.error(
@@ -176,11 +185,45 @@ class RewardManager:
                 "%d reward call(s) exceeded reward.timeout_s=%s and scored 0",
                 timeouts, self.cfg.timeout_s,
             )
+        null_truth = sum(r.ground_truth is None for r in requests)
+        self._count(n, errors, timeouts, null_truth)
+        metrics = self._metrics(requests, scores, accs, errors, timeouts)
+        metrics["reward/null_ground_truth"] = float(null_truth)
+        return RewardBatchResult(scores, accs, failed, extras, metrics)
+
+    def _count(self, calls: int, errors: int, timeouts: int, null_truth: int) -> None:
+        self.total_calls += calls
         self.total_errors += errors
         self.total_timeouts += timeouts
-        return RewardBatchResult(
-            scores, accs, failed, extras, self._metrics(requests, scores, accs, errors, timeouts)
-        )
+        self.total_null_ground_truth += null_truth
+        rate = self.error_rate
+        if not self._warned_rate and rate >= self.cfg.warn_error_rate:
+            self._warned_rate = True
+            logger.warning(
+                "%.0f%% of reward calls so far failed (%d errors, %d timeouts of %d) and scored 0: "
+                "the policy learns little or nothing. First error: %s. Fix the reward function "
+                "(warning threshold: reward.warn_error_rate=%s)",
+                100 * rate, self.total_errors, self.total_timeouts, self.total_calls,
+                self.first_error or "(timeouts only)", self.cfg.warn_error_rate,
+            )
+
+    @property
+    def error_rate(self) -> float:
+        """Share of all scoring calls so far that raised or timed out."""
+        return (self.total_errors + self.total_timeouts) / self.total_calls if self.total_calls else 0.0
+
+    def error_summary(self) -> dict[str, Any]:
+        """The run's scoring failures, for summary.json: counts, rate, the first error, and
+        whether the rate passed reward.warn_error_rate."""
+        return {
+            "calls": self.total_calls,
+            "errors": self.total_errors,
+            "timeouts": self.total_timeouts,
+            "error_rate": self.error_rate,
+            "null_ground_truth": self.total_null_ground_truth,
+            "first_error": self.first_error,
+            "over_warn_rate": self.error_rate >= self.cfg.warn_error_rate and self.total_calls > 0,
+        }
 
     @staticmethod
     def _metrics(requests, scores, accs, errors, timeouts) -> dict[str, float]:

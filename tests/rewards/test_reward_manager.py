@@ -41,6 +41,19 @@ def sleepy(solution_str, ground_truth, extra_info):
     return 1.0
 
 
+RELEASE = __import__("threading").Event()
+"""Set at the end of the stuck-scorer test: its calls block on it, as a hung verifier would."""
+
+
+def hangs(solution_str, ground_truth, extra_info):
+    RELEASE.wait()
+    return 1.0
+
+
+def always_raises(solution_str, ground_truth, extra_info):
+    raise KeyError("answer")
+
+
 def req(text, truth="7", source="openai/gsm8k", eos=True):
     return RewardRequest(source, text, truth, eos)
 
@@ -159,3 +172,51 @@ def test_ended_with_eos():
     assert ended_with_eos([5, 2], [2])
     assert not ended_with_eos([5, 3], [2, 0])
     assert not ended_with_eos([], [2])
+
+
+def test_a_function_failing_on_every_call_warns_once_and_is_summarised(manager_factory, caplog):
+    m = manager_factory(custom_function=f"{THIS}:always_raises")
+    with caplog.at_level(logging.WARNING, logger="polyrl.rewards.manager"):
+        for _ in range(3):
+            m.score([req("x")] * 4)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "100% of reward calls so far failed (4 errors, 0 timeouts of 4)" in warnings[0]
+    assert "KeyError: 'answer'" in warnings[0] and "reward.warn_error_rate=0.5" in warnings[0]
+    summary = m.error_summary()
+    assert summary["calls"] == 12 and summary["errors"] == 12 and summary["error_rate"] == 1.0
+    assert summary["over_warn_rate"] and summary["first_error"].startswith("data_source 'openai/gsm8k': KeyError")
+
+
+def test_occasional_failures_stay_quiet(manager_factory, caplog):
+    m = manager_factory(custom_function=f"{THIS}:boom")
+    with caplog.at_level(logging.WARNING, logger="polyrl.rewards.manager"):
+        m.score([req("ok")] * 9 + [req("boom")])
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert m.error_summary()["error_rate"] == 0.1 and not m.error_summary()["over_warn_rate"]
+
+
+def test_null_ground_truth_is_counted(manager_factory):
+    m = manager_factory()
+    out = m.score([req("7"), req("7", truth=None)])
+    assert out.metrics["reward/null_ground_truth"] == 1.0
+    assert m.error_summary()["null_ground_truth"] == 1
+
+
+def test_stuck_scorer_threads_are_bounded(manager_factory, caplog):
+    """A verifier that never returns: without a bound, one new thread per call."""
+    m = manager_factory(custom_function=f"{THIS}:hangs", timeout_s=0.05, num_workers=2)
+    try:
+        with caplog.at_level(logging.ERROR, logger="polyrl.rewards.executor"):
+            for _ in range(6):
+                out = m.score([req("x")] * 4)
+                assert out.scores == [0.0] * 4 and out.failed == [True] * 4
+        pool = m._pool
+        assert pool.threads <= pool.num_workers + pool.max_stuck == 2 + 8
+        assert m.error_summary()["timeouts"] == 24
+        assert "no more threads are started" in caplog.text
+    finally:
+        RELEASE.set()  # the stuck calls return; their threads exit
+    for worker in list(m._pool._stuck):
+        worker.join(timeout=30)
+    assert m.score([req("x")] * 2).scores == [1.0, 1.0]  # the pool grew back
