@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterator, Literal, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, AsyncIterator, Iterable, Iterator, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -93,32 +93,76 @@ class TokenOutput:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the trainer and servers need from an engine. All generation is async."""
+    """What the trainer, the workers and the server call on an engine (the built-in one in
+    `native/engine.py`, the GPU adapters in `engines/`). Generation is async (`generate`) or a
+    blocking batch (`generate_batch`, what rollout workers call); control calls are
+    synchronous. Engines that can stream tokens also implement `StreamingRolloutEngine`."""
 
     weight_version: int
+    """The version of the weights being served (stamped on every output)."""
+    tokenizer: Any
+    """The Hugging Face tokenizer, or None when the engine was built without one (no stop
+    strings, no text)."""
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Token ids that end a sample (the model's and the tokenizer's end-of-sequence)."""
+        ...
+
+    @classmethod
+    def from_model(cls, model: Any, *args: Any, tokenizer: Any = None, **kwargs: Any) -> "RolloutEngine":
+        """Hybrid placement: an engine in this process serving `model`'s current weights as
+        version 0 (`polyrl/rollout/factory.py` passes the engine's own arguments)."""
+        ...
 
     async def generate(
-        self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str | None = None
     ) -> list[TokenOutput]:
         """n = sampling.n outputs for one prompt."""
         ...
 
-    def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load Hugging Face-named tensors atomically (all or nothing), then serve `version`."""
+    def generate_batch(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams],
+        request_ids: Sequence[str] | None = None,
+    ) -> list[list[TokenOutput]]:
+        """Blocking: every prompt's n outputs, in prompt order. Every prompt is validated before
+        any is queued, so a bad one rejects the whole call (RolloutInputError)."""
+        ...
+
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                       version: int) -> None:
+        """Load Hugging Face-named tensors atomically (all or nothing), then serve `version`;
+        a rejected update raises WeightUpdateError and the previous weights keep serving."""
         ...
 
     def sleep(self) -> None:
         """Free the KV cache (and other transient memory) while the trainer works."""
         ...
 
-    def wake_up(self) -> None: ...
+    def wake_up(self) -> None:
+        """Undo `sleep`; requests queued meanwhile run from here on."""
+        ...
 
     def abort_all(self) -> int:
         """Abort every in-flight request; each returns its partial output with
         stop_reason="aborted". Returns how many were aborted."""
         ...
 
-    def health(self) -> dict: ...
+    def health(self) -> dict:
+        """A JSON-able snapshot: at least weight_version, running requests and sleeping."""
+        ...
+
+
+@runtime_checkable
+class StreamingRolloutEngine(RolloutEngine, Protocol):
+    """An engine that streams each request's tokens as they are produced (the OpenAI server's
+    `stream=true` uses it when present, else serves the finished request as one update)."""
+
+    def generate_stream(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                        request_id: str | None = None) -> AsyncIterator[Any]:
+        """An async iterator of the request's updates; the last one holds what `generate`
+        returns for the same request and seed."""
+        ...
 
 
 class _EngineClasses:
