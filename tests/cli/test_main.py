@@ -11,7 +11,8 @@ from polyrl.cli import main as cli
 def test_every_subcommand_is_in_the_parser():
     parser = cli.build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices
-    assert set(commands) == set(cli.SUBCOMMANDS) == {"train", "env", "doctor", "serve", "bench", "plot"}
+    assert set(commands) == set(cli.SUBCOMMANDS)
+    assert {"train", "env", "doctor", "serve", "bench", "plot"} <= set(commands)
 
 
 def test_a_subcommand_that_cannot_be_imported_is_an_error(monkeypatch):
