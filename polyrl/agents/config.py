@@ -1,0 +1,69 @@
+"""`AgentConfig`: tools, the tool-call format, the environment per row, and the limits of a
+multi-turn trajectory (each limit counted in the agent metrics when it ends a trajectory)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from polyrl.config import Config
+
+
+class AgentConfig(Config):
+    tools: list[str] = Field(default_factory=list)
+    """Tool functions as "package.module:function"; the JSON schema each model sees comes from the
+    function's type hints and docstring (polyrl/agents/tools.py)."""
+
+    tool_parser: str = "hermes"
+    """How tool calls are written: hermes (= qwen: <tool_call>{"name", "arguments"}</tool_call>)."""
+
+    tools_in_prompt: bool = True
+    """Render the tool schemas into the first prompt through the chat template's `tools` argument
+    (chat-message prompts only). Off for a model warm-started to know its tools."""
+
+    environment: str | None = None
+    """Environment for rows that do not name one; null: "tools" when tools are set, else a single
+    turn. Built-in: tools; others are registered in polyrl.agents.ENVIRONMENTS."""
+
+    environment_key: str = "agent_name"
+    """The row's extra_info key that names its environment (verl's agent_name column)."""
+
+    environment_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for every environment instance."""
+
+    max_turns: int = Field(4, ge=1)
+    """Assistant turns per trajectory; a trajectory still calling tools at the last one ends
+    there (agent/limit_turns)."""
+
+    max_response_tokens: int = Field(512, ge=1)
+    """Response tokens per trajectory, sampled and tool / environment ones together
+    (agent/limit_response_tokens)."""
+
+    tool_timeout_s: float = Field(10.0, gt=0)
+    """Most seconds one tool call (or environment step) may run; a slower one becomes an error
+    message to the model (agent/tool_timeouts)."""
+
+    max_tool_seconds: float = Field(60.0, gt=0)
+    """Tool and environment seconds per trajectory; the trajectory ends once they are spent
+    (agent/limit_tool_seconds)."""
+
+    max_parallel_tools: int = Field(16, ge=1)
+    """Tool calls running at once across all trajectories of a batch."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "AgentConfig":
+        from polyrl.agents.parsers import TOOL_PARSERS
+
+        if self.tool_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_parser '{self.tool_parser}' is not one of {', '.join(TOOL_PARSERS.names())}")
+        for spec in self.tools:
+            if ":" not in spec:
+                raise ValueError(f"tool '{spec}' must look like package.module:function")
+        return self
+
+    @property
+    def default_environment(self) -> str | None:
+        if self.environment is not None:
+            return self.environment
+        return "tools" if self.tools else None
