@@ -91,13 +91,13 @@ def train(cfg) -> int:
     """Run training; every failure a user can cause becomes one line and an exit code
     (polyrl/trainer/interrupts.py `EXIT_CODES`)."""
     from polyrl.config import to_yaml
-    from polyrl.trainer.interrupts import TrainingInterrupted, abort_on_signals
+    from polyrl.trainer.interrupts import StartupInterrupted, TrainingInterrupted, abort_on_signals
 
     try:
         with abort_on_signals():  # installed before the first log line: tests wait for that line
             logger.info("resolved config:\n%s", to_yaml(cfg))
             return _fit(cfg)
-    except TrainingInterrupted as exc:
+    except (TrainingInterrupted, StartupInterrupted) as exc:
         logger.error("%s", exc)
         return exc.exit_code
     except KeyboardInterrupt:  # the second Ctrl-C (interrupts.py stop_on_signals)
@@ -116,7 +116,7 @@ def _fit(cfg) -> int:
     from polyrl.trainer.loop import Trainer, TrainingError
     from polyrl.trainer.sinks import SinkUnavailable
     from polyrl.workers.model_loading import ModelLoadError
-    from polyrl.training.base import NonFiniteUpdate
+    from polyrl.workers.policy import NonFiniteUpdate
 
     try:
         summary = Trainer(cfg).fit()

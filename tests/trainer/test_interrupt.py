@@ -1,30 +1,113 @@
-"""SIGTERM during training: the step finishes, a checkpoint is written, Ray stops, exit != 0."""
+"""Signals as documented (docs/training.md, exit codes): SIGTERM / Ctrl-C finish the step and
+checkpoint (exit 143 / 130), a second Ctrl-C abandons it (130), either during start-up stops at
+once with a message. Real `polyrl train` processes; the test waits on their log lines, never on
+a clock."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import select
 import signal
 import subprocess
 import sys
-import time
+from pathlib import Path
+
+import pytest
+
+from polyrl.trainer.interrupts import EXIT_CODES
+
+STARTING = re.compile(r"INFO\s+resolved config:")  # logged once the start-up handlers are in place
+FINISHING = re.compile(r"SIGINT received: finishing the current step")
 
 
-def test_sigterm_checkpoints_and_exits_nonzero(tiny_model, arith_files, tmp_path):
-    out = tmp_path / "out"
-    proc = subprocess.Popen(
+def start(tiny_model, arith_files, out, *overrides):
+    return subprocess.Popen(
         [sys.executable, "-m", "polyrl", "train", f"model.path={tiny_model}",
          f"data.train_files=[{arith_files['train']}]", "data.val_files=[]",
-         "data.train_batch_size=4", "rollout.n=2", "rollout.response_length=4",
-         "trainer.total_steps=100000", "trainer.progress_bar=false", f"trainer.output_dir={out}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = out / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.2)
+         "data.train_batch_size=4", "rollout.n=2", "rollout.response_length=16",
+         "trainer.total_steps=100000", "trainer.progress_bar=false", f"trainer.output_dir={out}",
+         "ray.address=local",  # a Ray of its own even when another cluster runs on this machine
+         *overrides],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "COLUMNS": "500"})  # log lines unwrapped, so the patterns match
+
+
+def wait_for(proc, pattern: re.Pattern) -> str:
+    """Read the process's log until a line matches `pattern`; what was read comes back."""
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if pattern.search(line):
+            return "".join(seen)
+    proc.wait()
+    pytest.fail(f"exited ({proc.returncode}) before logging {pattern.pattern!r}:\n{''.join(seen)[-4000:]}")
+
+
+def wait_for_steps(proc, metrics: Path, steps: int) -> str:
+    """Drain the process's log until `metrics` holds `steps` lines (a step is logged nowhere
+    else with the progress bar off); waits on the log pipe, not on a clock."""
+    seen = []
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= steps):
+        ready, _, _ = select.select([proc.stderr], [], [], 0.5)
+        if ready:
+            line = proc.stderr.readline()
+            if not line:
+                proc.wait()
+                pytest.fail(f"exited ({proc.returncode}) before {steps} steps:\n{''.join(seen)[-4000:]}")
+            seen.append(line)
+    return "".join(seen)
+
+
+def finish(proc, seen: str) -> str:
+    try:
+        _, rest = proc.communicate(timeout=200)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # ours: never leave a training process behind
+        _, rest = proc.communicate()
+        pytest.fail(f"still running 200 s after the signal:\n{(seen + rest)[-4000:]}")
+    return seen + rest
+
+
+def test_sigterm_checkpoints_and_exits_143(tiny_model, arith_files, tmp_path):
+    out = tmp_path / "out"
+    proc = start(tiny_model, arith_files, out)
+    seen = wait_for_steps(proc, out / "metrics.jsonl", 2)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    err = finish(proc, seen)
+    assert proc.returncode == 128 + signal.SIGTERM == 143, err
     assert "stopped after step" in err and "trainer.resume=auto" in err
-    last = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
     assert (out / "checkpoints" / f"step_{last:06d}" / "driver.pt").is_file()
+
+
+def test_sigterm_during_start_up_exits_143_with_a_message(tiny_model, arith_files, tmp_path):
+    proc = start(tiny_model, arith_files, tmp_path / "out")
+    seen = wait_for(proc, STARTING)
+    proc.send_signal(signal.SIGTERM)
+    err = finish(proc, seen)
+    assert proc.returncode == 143, err
+    assert "SIGTERM received outside the training loop" in err and "Traceback" not in err
+
+
+def test_second_ctrl_c_abandons_the_step_and_exits_130(tiny_model, arith_files, tmp_path):
+    # long steps, so the second Ctrl-C lands inside the step the first one asked to finish
+    out = tmp_path / "out"
+    proc = start(tiny_model, arith_files, out, "rollout.response_length=64",
+                 "data.train_batch_size=8", "rollout.n=4")
+    wait_for_steps(proc, out / "metrics.jsonl", 1)
+    proc.send_signal(signal.SIGINT)
+    seen = wait_for(proc, FINISHING)
+    proc.send_signal(signal.SIGINT)
+    err = finish(proc, seen)
+    assert proc.returncode == 130, err
+    assert "second Ctrl-C: abandoned the current step" in err and "Traceback" not in err
+
+
+def test_exit_code_table_in_the_docs_matches_the_code():
+    doc = (Path(__file__).parents[2] / "docs" / "training.md").read_text()
+    table = dict(re.findall(r"^\| `(\d+)` \| (.+?) \|$", doc, flags=re.M))
+    assert {int(code) for code in table} == set(EXIT_CODES)
+    for code, meaning in EXIT_CODES.items():
+        assert table[str(code)] == meaning

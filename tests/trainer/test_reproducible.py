@@ -24,6 +24,7 @@ def run_train(out, tiny_model, arith_files):
             f"data.train_files=[{arith_files['train']}]", "data.val_files=[]",
             "data.train_batch_size=4", "rollout.n=4", "rollout.response_length=6", "actor.lr=0.01",
             "trainer.total_steps=3", "trainer.seed=7", "trainer.progress_bar=false",
+            "ray.address=local",  # a Ray of its own even when another cluster runs on this machine
             f"trainer.output_dir={out}"]
     done = subprocess.run(args, capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert done.returncode == 0, done.stderr[-4000:]
