@@ -116,7 +116,7 @@ def _fit(cfg) -> int:
     from polyrl.trainer.loop import Trainer, TrainingError
     from polyrl.trainer.sinks import SinkUnavailable
     from polyrl.workers.model_loading import ModelLoadError
-    from polyrl.workers.policy import NonFiniteUpdate
+    from polyrl.training.base import NonFiniteUpdate
 
     try:
         summary = Trainer(cfg).fit()
