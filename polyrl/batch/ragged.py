@@ -8,6 +8,7 @@ in one contiguous tensor, which is also the packed (varlen) layout a packed forw
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,11 @@ class Ragged:
     """[T] every row's entries back to back."""
     offsets: torch.Tensor
     """[N + 1] int64: row i is values[offsets[i]:offsets[i + 1]]."""
+
+    def __reduce__(self):
+        # as numpy arrays: Ray's serializer moves those out of band (zero-copy from its object
+        # store), where a torch tensor is pickled in band (copied into the pickle stream)
+        return _from_numpy, (self.values.numpy(), self.offsets.numpy())
 
     @classmethod
     def from_rows(cls, rows: Sequence[Sequence[float] | torch.Tensor], dtype: torch.dtype) -> Ragged:
@@ -68,6 +74,10 @@ class Ragged:
 
     def select(self, indices: Sequence[int] | torch.Tensor) -> Ragged:
         idx = torch.as_tensor(indices, dtype=torch.long)
+        if len(idx) and bool((idx[1:] - idx[:-1] == 1).all()):  # a contiguous run: a slice
+            first, last = int(idx[0]), int(idx[-1]) + 1
+            lo, hi = int(self.offsets[first]), int(self.offsets[last])
+            return Ragged(self.values[lo:hi], self.offsets[first:last + 1] - lo)
         lengths = self.lengths[idx]
         offsets = torch.zeros(len(idx) + 1, dtype=torch.long)
         torch.cumsum(lengths, 0, out=offsets[1:])
@@ -93,3 +103,12 @@ class Ragged:
         keep = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
         out[keep] = self.values
         return out
+
+
+def _from_numpy(values, offsets) -> Ragged:
+    """A Ragged over unpickled arrays. Arrays Ray hands out are read-only views of its object
+    store: the tensors share them (no copy) and, like every received batch, are never written in
+    place (results go into new tensors: `full_like`, `with_values`)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return Ragged(torch.from_numpy(values), torch.from_numpy(offsets))
