@@ -9,9 +9,13 @@ It writes, deterministically for a given seed and thread count:
 * ``polyrl/assets/tiny-arith/``: char-level tokenizer (``tokenizer.json``,
   ``tokenizer_config.json`` with a minimal chat template), a ~0.8M-parameter ``Qwen2ForCausalLM``
   (fp32 safetensors, tied embeddings) and ``generation_config.json``;
-* ``polyrl/assets/data/arithmetic_{train,val}.parquet``: the RL train / held-out val problems.
+* ``polyrl/assets/data/arithmetic_{train,val}.parquet``: the RL train / held-out val problems;
+* ``polyrl/assets/data/arithmetic_chat_{train,val}.parquet``: the same problems with their correct
+  answers as chat conversations (verl's SFT ``messages`` schema), the ``polyrl sft`` defaults.
 
-The model is warm-started by supervised training on a *noisy teacher* (see
+The model is warm-started with polyrl's own SFT trainer (``polyrl/sft``, ``docs/sft.md``) in two
+phases, each on a chat file of teacher answers: correct answers from a random initialisation, then
+a *noisy teacher* (see
 ``docs/embedded_default.md``): on problems that need a carry the teacher usually "forgets the
 carry" (``37+48=`` -> ``75``), sometimes slips a digit, and sometimes runs on without stopping.
 The imitation policy therefore always writes digits-then-EOS, is right on carry-free problems,
@@ -26,9 +30,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,45 +199,40 @@ def build_model(vocab_size: int, args):
     return Qwen2ForCausalLM(cfg)
 
 
-def sft(model, tokenizer, problems: list[Problem], teacher: Teacher, steps: int, lr_max: float,
-        batch_size: int, seed: int, tag: str) -> None:
-    """Supervised training on teacher samples (fresh targets every step), loss on response tokens."""
-    rng = random.Random(seed)
-    eos_id = tokenizer.eos_token_id
-    pad_id = tokenizer.pad_token_id
-    enc = {p: tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems}
-    opt = torch.optim.AdamW(model.parameters(), lr=lr_max, weight_decay=0.01, betas=(0.9, 0.98))
-    model.train()
+def chat_rows(problems: list[Problem], teacher: Teacher, rng: random.Random, per_problem: int = 1) -> list[dict]:
+    """Teacher answers as chat conversations (verl's SFT `messages` schema). A run-on answer is
+    8 digits: the template then ends it with EOS, which generation (max 8 new tokens) never reaches."""
+    rows = []
+    for p in problems:
+        for _ in range(per_problem):
+            text, _stop = teacher_target(p, rng, teacher)
+            rows.append({"messages": [{"role": "user", "content": p.prompt},
+                                      {"role": "assistant", "content": text}]})
+    return rows
+
+
+def sft_phase(model_path: Path, train_file: Path, val_file: Path, out: Path, steps: int, lr: float,
+              batch: int, seed: int, tag: str) -> Path:
+    """One warm-start phase through polyrl's own SFT trainer (polyrl/sft); returns the policy dir."""
+    from polyrl.config import load_config
+    from polyrl.sft.config import SFTConfig
+    from polyrl.sft.trainer import SFTTrainer
+
+    cfg = load_config(SFTConfig, overrides=[
+        f"model.path={model_path}", f"data.train_files=[{train_file}]", f"data.val_files=[{val_file}]",
+        f"data.train_batch_size={batch}", f"data.seed={seed}", f"trainer.seed={seed}",
+        f"trainer.total_steps={steps}", f"trainer.val_every={max(steps // 4, 1)}",
+        f"trainer.output_dir={out}", "trainer.resume=off", "trainer.keep_last=1",
+        "trainer.progress_bar=false", "logging.plot_at_end=false",
+        f"actor.lr={lr}", f"actor.warmup_steps={min(100, steps // 10 + 1)}", "actor.min_lr_ratio=0.0",
+        "actor.micro_batch_tokens=8192",
+    ])
     t0 = time.time()
-    warmup = min(100, steps // 10 + 1)
-    for step in range(steps):
-        lr = lr_max * min(1.0, (step + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * step / steps)))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        batch = [problems[rng.randrange(len(problems))] for _ in range(batch_size)]
-        seqs, masks = [], []
-        for p in batch:
-            text, stop = teacher_target(p, rng, teacher)
-            resp = tokenizer(text, add_special_tokens=False)["input_ids"] + ([eos_id] if stop else [])
-            seqs.append(enc[p] + resp)
-            masks.append([0] * len(enc[p]) + [1] * len(resp))
-        L = max(map(len, seqs))
-        ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
-        lm = torch.zeros((len(seqs), L))
-        for i, (s, m) in enumerate(zip(seqs, masks)):  # right padding: causal attention never sees it
-            ids[i, : len(s)] = torch.tensor(s)
-            lm[i, : len(m)] = torch.tensor(m, dtype=torch.float)
-        logits = model(input_ids=ids).logits[:, :-1]
-        tgt, w = ids[:, 1:], lm[:, 1:]
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tgt.reshape(-1), reduction="none")
-        loss = (nll * w.reshape(-1)).sum() / w.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % 200 == 0 or step == steps - 1:
-            print(f"{tag} step {step:5d} loss {loss.item():.4f} lr {lr:.2e} {time.time() - t0:.0f}s", flush=True)
-    model.eval()
+    summary = SFTTrainer(cfg).fit()
+    print(f"{tag}: held-out loss {summary['initial_val_loss']:.4f} -> {summary['final_val_loss']:.4f}, "
+          f"token accuracy {summary['final_val_token_acc']:.3f} ({steps} steps, {time.time() - t0:.0f}s)",
+          flush=True)
+    return Path(summary["policy_dir"])
 
 
 # ----------------------------------------------------------------------------- main
@@ -267,23 +267,38 @@ def main(argv=None) -> None:
     write_parquet(make_rows(train, "train"), data_dir / "arithmetic_train.parquet")
     write_parquet(make_rows(val, "val"), data_dir / "arithmetic_val.parquet")
 
+    # the bundled SFT files (`polyrl sft` defaults): correct answers to the RL train / val problems
+    write_parquet(chat_rows(train, Teacher(), random.Random(args.seed)), data_dir / "arithmetic_chat_train.parquet")
+    val_chat = write_parquet(chat_rows(val, Teacher(), random.Random(args.seed)), data_dir / "arithmetic_chat_val.parquet")
+
     model = build_model(len(tokenizer), args)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.3f}M params, vocab {len(tokenizer)}", flush=True)
-    # Warm start on every problem whose operand pair is not held out (train + rest), never val.
-    sft_problems = train + rest
-    sft(model, tokenizer, sft_problems, Teacher(), args.clean_steps, args.clean_lr, args.batch, args.seed + 1, "clean")
-    if args.save_clean:
-        model.save_pretrained(args.save_clean, safe_serialization=True)
-        save_tokenizer(tokenizer, Path(args.save_clean))
-    noisy = Teacher(p_forget=args.p_forget, p_slip=args.p_slip, p_runon=args.p_runon)
-    sft(model, tokenizer, sft_problems, noisy, args.noisy_steps, args.noisy_lr, args.batch, args.seed + 2, "noisy")
-    model.eval()
+    with tempfile.TemporaryDirectory(prefix="tiny-arith-") as tmp:
+        work = Path(tmp)
+        model.save_pretrained(work / "init", safe_serialization=True)
+        save_tokenizer(tokenizer, work / "init")
+        # Warm start on every problem whose operand pair is not held out (train + rest), never val.
+        sft_problems = train + rest
+        clean_file = write_parquet(chat_rows(sft_problems, Teacher(), random.Random(args.seed + 1)),
+                                   work / "clean.parquet")
+        policy = sft_phase(work / "init", clean_file, val_chat, work / "clean", args.clean_steps,
+                           args.clean_lr, args.batch, args.seed + 1, "clean")
+        if args.save_clean:
+            shutil.copytree(policy, args.save_clean, dirs_exist_ok=True)
+        noisy = Teacher(p_forget=args.p_forget, p_slip=args.p_slip, p_runon=args.p_runon)
+        # as many teacher samples as the noisy phase draws, fixed in a file (one epoch)
+        per_problem = -(-args.noisy_steps * args.batch // len(sft_problems))
+        noisy_file = write_parquet(chat_rows(sft_problems, noisy, random.Random(args.seed + 2), per_problem),
+                                   work / "noisy.parquet")
+        policy = sft_phase(policy, noisy_file, val_chat, work / "noisy", args.noisy_steps,
+                           args.noisy_lr, args.batch, args.seed + 2, "noisy")
+        model_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("config.json", "model.safetensors"):
+            shutil.copyfile(policy / name, model_dir / name)
 
     from transformers import GenerationConfig
 
-    model_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(model_dir, safe_serialization=True)
     save_tokenizer(tokenizer, model_dir)
     GenerationConfig(
         eos_token_id=tokenizer.eos_token_id,

@@ -10,7 +10,8 @@ from polyrl import __version__
 from polyrl.cli.common import CLIError, fail, setup_logging
 
 SUBCOMMANDS = {"train": "polyrl.cli.train", "env": "polyrl.cli.env_cmd", "doctor": "polyrl.cli.doctor",
-               "serve": "polyrl.cli.serve", "bench": "polyrl.cli.bench", "plot": "polyrl.cli.plot"}
+               "serve": "polyrl.cli.serve", "bench": "polyrl.cli.bench", "plot": "polyrl.cli.plot",
+               "sft": "polyrl.cli.sft"}
 """command -> its module (imported when the parser is built; each defines `add_parser`)."""
 
 

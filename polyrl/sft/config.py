@@ -128,11 +128,22 @@ class SFTLoggingConfig(Config):
         return ["jsonl", *(s for s in dict.fromkeys(sinks) if s != "jsonl")]
 
 
-def _sft_actor() -> ActorConfig:
-    # Tuned for the bundled tiny model on the bundled chat file (docs/sft.md): a full fine-tune
-    # of a 0.8M model tolerates a large LR; decay to 10% keeps the last epoch from undoing itself.
-    return ActorConfig(lr=1e-3, weight_decay=0.01, betas=(0.9, 0.98), warmup_steps=10,
-                       lr_schedule="cosine", min_lr_ratio=0.1)
+class SFTActorConfig(ActorConfig):
+    """The RL actor section with defaults tuned for a full fine-tune of the bundled tiny model on
+    the bundled chat file (docs/sft.md); for a real model start near actor.lr=1e-5."""
+
+    lr: float = Field(1e-3, gt=0)
+    """Peak learning rate of AdamW."""
+    weight_decay: float = Field(0.01, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.98)
+    """AdamW betas."""
+    warmup_steps: int = Field(10, ge=0)
+    """Linear learning-rate warm-up, in optimizer steps."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    """Schedule after warm-up; cosine / linear reach min_lr_ratio at the run's last step."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Final learning rate as a fraction of `lr` for decaying schedules."""
 
 
 class SFTConfig(Config):
@@ -140,7 +151,7 @@ class SFTConfig(Config):
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: SFTDataConfig = Field(default_factory=SFTDataConfig)
-    actor: ActorConfig = Field(default_factory=_sft_actor)
+    actor: SFTActorConfig = Field(default_factory=SFTActorConfig)
     """Optimizer, schedule, micro-batch token budget, dtypes, ranks and strategy of the training
     engine (the same keys as `polyrl train`; the PPO-only ones are refused)."""
     trainer: SFTTrainerConfig = Field(default_factory=SFTTrainerConfig)

@@ -129,6 +129,14 @@ class ChatEncoder:
         text, spans = self.assistant_spans(messages, tools)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+        boundaries = {b for span in spans for b in span}
+        for start, end in offsets:  # a token across a turn boundary holds both kinds of text
+            cut = next((b for b in boundaries if start < b < end), None)
+            if cut is not None:
+                raise TemplateError(
+                    f"the tokenizer merges {text[start:end]!r} across the boundary of an assistant "
+                    f"turn (character {cut}), so no token set is exactly the turn; use a template "
+                    "that separates turns with special tokens, or {% generation %} markers")
         mask = [0] * len(ids)
         k = 0  # spans and tokens are both in text order: one merge-like pass
         for t, (start, _end) in enumerate(offsets):

@@ -1,0 +1,106 @@
+"""Run an SFT job: in this process for one rank, else one process per rank on this machine.
+
+Ranks join a torch.distributed world through a FileStore in a private temporary directory (no
+port to pick, nothing left behind) with the platform's backend: gloo on CPU, the accelerator's
+collective library on devices, where rank r computes on local device r. The training engine
+(`build_engine`) does the rest. SFT needs no Ray: there is no rollout to place.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from polyrl.sft.config import SFTConfig
+
+logger = logging.getLogger(__name__)
+
+class RankFailed(RuntimeError):
+    """A rank of a multi-process run failed; the message is its error."""
+
+
+JOIN_TIMEOUT_S = 600.0
+"""Longest a collective may wait for a slow rank before the run fails naming the problem."""
+
+
+def run_sft(cfg: SFTConfig) -> dict[str, Any]:
+    """Train per `cfg`; returns rank 0's summary (also written to OUTPUT_DIR/summary.json)."""
+    from polyrl.sft.trainer import SFTTrainer
+
+    world = cfg.actor.world_size
+    if world == 1:
+        return SFTTrainer(cfg).fit()
+    ctx = mp.get_context("spawn")  # fork after torch threads / a CUDA context is unsafe
+    with tempfile.TemporaryDirectory(prefix="polyrl-sft-") as tmp:
+        errors = ctx.Queue()
+        procs = [ctx.Process(target=_rank_main, args=(cfg, rank, world, tmp, errors,
+                                                      logging.getLogger().level), daemon=False)
+                 for rank in range(world)]
+        for p in procs:
+            p.start()
+        _wait(procs)
+        failures = []
+        while not errors.empty():
+            failures.append(errors.get())
+        failures.sort()
+        if failures:
+            rank, message = failures[0]
+            raise RankFailed(f"sft rank {rank} failed: {message}")
+        bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            raise RankFailed(f"sft rank(s) {bad} exited with codes {[procs[r].exitcode for r in bad]}")
+        import json
+
+        return json.loads((cfg.output_path / "summary.json").read_text())
+
+
+def _wait(procs: list) -> None:
+    """Wait for every rank; once one fails, stop the others (they would wait in a collective
+    for the failed rank until the backend's timeout)."""
+    from multiprocessing.connection import wait
+
+    running = list(procs)
+    while running:
+        wait([p.sentinel for p in running])
+        done = [p for p in running if not p.is_alive()]
+        running = [p for p in running if p.is_alive()]
+        if any(p.exitcode != 0 for p in done):
+            for p in running:
+                p.terminate()
+            for p in running:
+                p.join()
+            return
+
+
+def _rank_main(cfg: SFTConfig, rank: int, world: int, tmp: str, errors: Any, level: int) -> None:
+    import torch.distributed as dist
+
+    from polyrl.platform import get_platform
+    from polyrl.sft.trainer import SFTTrainer
+
+    logging.basicConfig(level=level if rank == 0 else logging.WARNING, format="%(message)s")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        platform = get_platform(cfg.platform)
+        on_cpu = platform.torch_device(0).type == "cpu"
+        backend = platform.cpu_dist_backend() if on_cpu else platform.dist_backend()
+        if not on_cpu:
+            platform.set_device(rank)
+        store = dist.FileStore(str(Path(tmp) / "store"), world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+        if rank != 0:  # one progress bar and one set of console lines
+            cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"progress_bar": False})})
+        SFTTrainer(cfg, rank, world, group=None, local_device=0 if on_cpu else rank).fit()
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
+        errors.put((rank, f"{type(exc).__name__}: {exc}" if str(exc) else traceback.format_exc()))
+        raise SystemExit(1) from None
