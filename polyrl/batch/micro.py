@@ -26,6 +26,8 @@ class MicroBatch:
     rollout_logprobs: torch.Tensor | None  # [b, R] behaviour policy (the engine's)
     advantages: torch.Tensor | None  # [b, R]
     ref_logprobs: torch.Tensor | None  # [b, R]
+    values: torch.Tensor | None  # [b, R] the critic's values at rollout time
+    returns: torch.Tensor | None  # [b, R] GAE returns (the critic's targets)
     indices: torch.Tensor
     """[b] positions of these samples in the batch they were cut from."""
     response_lengths: torch.Tensor
@@ -67,7 +69,8 @@ def collate(batch: RolloutBatch, indices: list[int] | torch.Tensor, device: torc
         gather_index=gather_index.to(device), target_ids=response.to(device),
         response_mask=mask.to(device), old_logprobs=rows(old),
         rollout_logprobs=rows(sub.rollout_logprobs), advantages=rows(sub.token_advantage_rows()),
-        ref_logprobs=rows(sub.ref_logprobs), indices=idx, response_lengths=R_len,
+        ref_logprobs=rows(sub.ref_logprobs), values=rows(sub.values), returns=rows(sub.returns),
+        indices=idx, response_lengths=R_len,
     )
 
 

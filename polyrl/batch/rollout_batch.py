@@ -62,7 +62,9 @@ class RolloutBatch:
     forward of a single-step update)."""
     ref_logprobs: Ragged | None = None
     values: Ragged | None = None
-    """Critic values per response token (PPO with a value model)."""
+    """Critic values per response token at rollout time (PPO with a critic)."""
+    returns: Ragged | None = None
+    """GAE returns per response token: the critic's regression targets."""
     rewards: torch.Tensor | None = None
     """[N] float32 scalar reward per sequence."""
     acc: torch.Tensor | None = None

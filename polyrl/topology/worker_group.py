@@ -73,6 +73,10 @@ class PolicyGroup(WorkerGroup):
         shards = [(part, which) for part in shard(batch.for_training(), self.world_size)]
         return Ragged.cat(self.call_sharded("logprobs", shards, phase=f"{which} log-probs"))
 
+    def values(self, batch: RolloutBatch) -> Ragged:
+        shards = [(part,) for part in shard(batch.for_training(), self.world_size)]
+        return Ragged.cat(self.call_sharded("values", shards, phase="critic values"))
+
     def update(self, batch: RolloutBatch, num_mini_batches: int, use_rollout_logprobs: bool) -> dict:
         shards = [(part, num_mini_batches, use_rollout_logprobs)
                   for part in shard(batch.for_training(), self.world_size)]

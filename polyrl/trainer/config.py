@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from polyrl.algorithms import AlgorithmConfig, check_rollout
+from polyrl.algorithms import AlgorithmConfig, check_critic, check_rollout
 from polyrl.config import Config
 from polyrl.data import DataConfig
 from polyrl.rewards.config import RewardConfig
@@ -15,6 +15,7 @@ from polyrl.rollout.config import RolloutConfig
 from polyrl.weights import WeightSyncConfig
 from polyrl.trainer.sinks import LoggingConfig
 from polyrl.workers.config import ActorConfig, ModelConfig
+from polyrl.workers.critic_config import CriticConfig
 
 
 class RayConfig(Config):
@@ -106,6 +107,8 @@ class JobConfig(Config):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     weights: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     actor: ActorConfig = Field(default_factory=ActorConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    """PPO with a value model (algorithm.adv_estimator=gae): on the policy ranks and engine."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
     """Asynchronous training (trainer.mode=async): staleness bound, partial rollouts, queue."""
@@ -120,6 +123,7 @@ class JobConfig(Config):
     @model_validator(mode="after")
     def _check(self) -> "JobConfig":
         check_rollout(self.algorithm, n=self.rollout.n, response_length=self.rollout.response_length)
+        check_critic(self.algorithm, self.critic.enable)
         mini = self.actor.mini_batch_size
         if mini is not None and self.data.train_batch_size % mini:
             raise ValueError(

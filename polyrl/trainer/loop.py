@@ -269,6 +269,9 @@ class Trainer:
         if cfg.algorithm.uses_reference:
             with timer("reference"):
                 batch.ref_logprobs = self.policy.logprobs(batch, "reference")
+        if cfg.algorithm.uses_critic:
+            with timer("values"):
+                batch.values = self.policy.values(batch)
         adv_metrics, tied = self.advantages(batch)
         metrics.update(adv_metrics)
         if cfg.algorithm.drops_tied_groups:  # groups with all-equal rewards teach nothing
@@ -318,8 +321,11 @@ class Trainer:
                 rewards, batch.rollout_logprobs.padded(width), batch.ref_logprobs.padded(width), mask,
                 kl_coef=algo.kl_coef, estimator=algo.kl_estimator)
             metrics.update(kl_metrics)
-        out = compute_advantages(algo, rewards, batch.group, mask)
+        values = batch.values.padded(mask.shape[1]) if batch.values is not None else None
+        out = compute_advantages(algo, rewards, batch.group, mask, values=values)
         metrics.update(out.metrics)
+        if out.returns is not None:  # the critic's targets
+            batch.returns = Ragged.from_padded(out.returns, lengths)
         adv = out.advantages
         first = adv.gather(1, mask.argmax(1, keepdim=True)).squeeze(1)  # at each row's first trained token
         if bool((((adv - first.unsqueeze(1)) * mask).abs() == 0).all()):

@@ -7,7 +7,6 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-import numpy as np
 
 from polyrl.trainer.sinks import MetricsSink, close_all, log_all
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 REQUIRED = ("prompt", "response", "reward", "acc", "ground_truth")
 

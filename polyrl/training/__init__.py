@@ -15,15 +15,18 @@ from polyrl.workers.config import ActorConfig
 
 TRAINING_ENGINES: Registry[type] = Registry("training strategy")
 TRAINING_ENGINES.register("ddp", "polyrl.training.ddp:DDPEngine")
+TRAINING_ENGINES.register("fsdp2", "polyrl.training.fsdp2:FSDP2Engine")
 
 
 def build_engine(model: torch.nn.Module, cfg: ActorConfig, platform: Platform, device: torch.device, *,
                  rank: int = 0, world_size: int = 1, group: Any = None,
-                 horizon: int | None = None) -> TrainingEngine:
+                 horizon: int | None = None, **options: Any) -> TrainingEngine:
     """The engine of `cfg.strategy` around `model` (loaded, on `device`, identical on every rank).
-    `horizon`: the run's length in optimizer steps; None builds a frozen engine (no optimizer)."""
+    `horizon`: the run's length in optimizer steps; None builds a frozen engine (no optimizer).
+    `options`: engine options such as `head` (training/values.py for a critic)."""
     return TRAINING_ENGINES.get(cfg.strategy)(model, cfg, platform, device, rank=rank,
-                                             world_size=world_size, group=group, horizon=horizon)
+                                             world_size=world_size, group=group, horizon=horizon,
+                                             **options)
 
 
 __all__ = ["NonFiniteUpdate", "StepResult", "TRAINING_ENGINES", "TrainingEngine", "build_engine"]

@@ -9,7 +9,7 @@ global gradient, and ranks with no samples in a step still join the collective w
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -28,9 +28,11 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 class DDPEngine:
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, platform: Platform,
                  device: torch.device, *, rank: int = 0, world_size: int = 1, group=None,
-                 horizon: int | None = None):
+                 horizon: int | None = None, head: Callable = response_logprobs):
         """`horizon`: the run's length in optimizer steps; None builds a frozen engine (a
-        reference policy: no gradients, no optimizer state)."""
+        reference policy: no gradients, no optimizer state). `head(model, mb, ...)` gives the
+        per-token outputs: log-probs (+ entropy) of a policy, or a critic's values."""
+        self.head = head
         self.model, self.cfg, self.platform, self.device = model, cfg, platform, device
         self.rank, self.world_size, self.group = rank, world_size, group
         self.num_params = sum(p.numel() for p in model.parameters())
@@ -49,14 +51,14 @@ class DDPEngine:
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                   enabled=self.compute_dtype == torch.bfloat16)
         with autocast, self.platform.training_attention(self.compute_dtype):
-            return response_logprobs(self.model, mb, with_entropy=with_entropy, entropy_grad=entropy_grad)
+            return self.head(self.model, mb, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch) -> Ragged:
-        """Log-probs of every response token of `batch` under this engine's model."""
+        """The head's output for every response token of `batch` (log-probs; a critic's values)."""
         was_training = self.model.training
         self.model.eval()
         out = Ragged.full_like(batch.response_ids, 0.0, torch.float32)

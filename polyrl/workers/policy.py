@@ -23,7 +23,10 @@ from polyrl.platform import get_platform
 from polyrl.rollout.factory import build_colocated_engine
 from polyrl.training import build_engine
 from polyrl.weights import build_transport
+from polyrl.modeling import torch_dtype
+from polyrl.training.values import load_value_model, response_values
 from polyrl.workers.actor import PPOActor
+from polyrl.workers.critic import CriticUpdate
 from polyrl.workers.generation import generate_batch
 from polyrl.workers.model_loading import load_causal_lm, load_tokenizer
 from polyrl.workers.optim import total_optimizer_steps
@@ -77,6 +80,8 @@ class PolicyWorker:
                                           **engine_args)
         self.actor = PPOActor(self.engine, cfg.actor, cfg.algorithm,
                               cfg.algorithm.off_policy.resolve(cfg.trainer.mode), self.device)
+        self.critic = self._build_critic(horizon, engine_args)
+        self.updates = 0
         self.rollout_engine = None
         if not self.standalone:
             self.rollout_engine = build_colocated_engine(cfg.rollout, model, self.tokenizer, self.device,
@@ -85,6 +90,23 @@ class PolicyWorker:
             self.rollout_engine.sleep()
             self.transport = build_transport(cfg.resolved_weights, "hybrid", engine=self.rollout_engine)
         return self.engine.num_params
+
+    def _build_critic(self, horizon: int, engine_args: dict) -> CriticUpdate | None:
+        """A value model on the same ranks and the same training engine as the policy."""
+        cfg = self.cfg
+        if not cfg.critic.enable:
+            return None
+        dtype = torch_dtype(cfg.actor.param_dtype)
+        model = load_value_model(cfg.critic.path or cfg.model.path, dtype, cfg.model.trust_remote_code)
+        model = model.to(self.device)
+        if self.world_size > 1:  # the value head starts from random: the same random on every rank
+            src = group_leader(engine_args["group"] or dist.group.WORLD)
+            for p in model.parameters():
+                dist.broadcast(p.data, src=src, group=engine_args["group"])
+        critic_cfg = cfg.actor.model_copy(update={"lr": cfg.critic.lr, "grad_clip": cfg.critic.grad_clip})
+        engine = build_engine(model, critic_cfg, self.platform, self.device, horizon=horizon,
+                              head=response_values, **engine_args)
+        return CriticUpdate(engine, critic_cfg, cfg.algorithm, self.device)
 
     def _load_model(self) -> torch.nn.Module:
         cfg = self.cfg
@@ -133,8 +155,20 @@ class PolicyWorker:
             raise RuntimeError("no reference model: KL is off (algorithm.use_kl_* / kl_coef)")
         return engine.logprobs(batch)
 
+    def values(self, batch: RolloutBatch) -> Ragged:
+        """The critic's value of each response token's state (before the update)."""
+        return self.critic.engine.logprobs(batch)
+
     def update(self, batch: RolloutBatch, num_mini_batches: int, use_rollout_logprobs: bool) -> dict:
-        out = self.actor.update(batch, num_mini_batches, use_rollout_logprobs)
+        """The critic's update (if any), then the policy's — except during the critic's warm-up."""
+        out: dict[str, float] = {}
+        self.updates += 1
+        if self.critic is not None:
+            out.update(self.critic.update(batch, num_mini_batches))
+            if self.updates <= self.cfg.critic.warmup_steps:
+                out["critic/warmup"] = 1.0
+                return out
+        out.update(self.actor.update(batch, num_mini_batches, use_rollout_logprobs))
         out["perf/peak_memory_gb"] = self.platform.peak_memory_bytes() / 2**30
         return out
 
@@ -158,16 +192,25 @@ class PolicyWorker:
         and weight version."""
         d = Path(directory)
         self.engine.save(d)
+        if self.critic is not None:
+            (d / "critic").mkdir(exist_ok=True)
+            self.critic.engine.save(d / "critic")
         if self.rank == 0:
             self.tokenizer.save_pretrained(str(d / "policy"))
-        torch.save({"torch_rng": torch.get_rng_state(), "version": self.version}, d / f"rank{self.rank}.pt")
+        torch.save({"torch_rng": torch.get_rng_state(), "version": self.version, "updates": self.updates},
+                   d / f"rank{self.rank}.pt")
 
     def load_checkpoint(self, directory: str) -> int:
         d = Path(directory)
         self.engine.load(d)
+        if self.critic is not None:
+            if not (d / "critic").is_dir():
+                raise ValueError(f"{d} holds no critic (written with critic.enable=false); resume with "
+                                 "critic.enable=false or start fresh (trainer.resume=off)")
+            self.critic.engine.load(d / "critic")
         state = torch.load(d / f"rank{self.rank}.pt", weights_only=False)
         torch.set_rng_state(state["torch_rng"])
-        self.version = state["version"]
+        self.version, self.updates = state["version"], state.get("updates", 0)
         if self.rollout_engine is not None:
             self.sync_weights(bump=False)
         return self.version
