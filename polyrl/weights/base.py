@@ -64,7 +64,7 @@ WEIGHT_TRANSPORTS.register("object_store", "polyrl.weights.object_store:ObjectSt
 def build_transport(config: Any, placement: str = "hybrid", **context: Any) -> WeightTransport:
     """The transport `config` (a WeightSyncConfig) selects under `placement`.
 
-    Context by transport: in_place(engine=...), broadcast(group=..., watchdog=None),
+    Context by transport: in_place(engine=...), broadcast(group=..., watchdog=None, device=None),
     object_store(mailbox=...).
     """
     cls = WEIGHT_TRANSPORTS.get(config.resolve(placement))
