@@ -57,6 +57,9 @@ class NativeEngine:
         tokenizer: True loads it from model_path (needed for stop strings and `text`); False
             skips it; a tokenizer object is used as is.
         seed: seeds requests that carry no seed of their own.
+        prefix_cache_tokens: keep the KV of finished sequences, up to this many tokens, so a prompt
+            that extends one (a multi-turn trajectory's next turn) prefills only its new tokens;
+            0 (default) keeps none. Cleared by a weight update or sleep().
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class NativeEngine:
         max_prefill_tokens: int = 8192,
         tokenizer: bool | Any = True,
         seed: int = 0,
+        prefix_cache_tokens: int = 0,
     ):
         model_dir = resolve_model_dir(model_path)
         config = load_config(model_dir)
@@ -78,7 +82,7 @@ class NativeEngine:
             tokenizer = _load_tokenizer(model_dir)
         self._setup(config, read_state_dict(model_dir), tokenizer or None, model_dir,
                     dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                    max_prefill_tokens=max_prefill_tokens, seed=seed)
+                    max_prefill_tokens=max_prefill_tokens, seed=seed, prefix_cache_tokens=prefix_cache_tokens)
 
     @classmethod
     def from_model(
@@ -105,7 +109,8 @@ class NativeEngine:
         return engine
 
     def _setup(self, config, state, tokenizer, model_dir, *, dtype="float32", device="cpu",
-               max_model_len=None, max_num_seqs=256, max_prefill_tokens=8192, seed=0) -> None:
+               max_model_len=None, max_num_seqs=256, max_prefill_tokens=8192, seed=0,
+               prefix_cache_tokens=0) -> None:
         self.spec = spec_from_config(config)
         self.dtype, self.device = _resolve_dtype(dtype), torch.device(device)
         limit = self.spec.max_position_embeddings
@@ -123,6 +128,7 @@ class NativeEngine:
         cache_dtype = torch.float32 if self._weights.matmul.widens else self.dtype
         cache = KVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim,
                         max_slots=max_num_seqs, max_len=self.max_model_len, dtype=cache_dtype, device=self.device)
+        cache.prefix_budget = max(0, int(prefix_cache_tokens))
         self._sched = Scheduler(
             model, cache, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
             max_prefill_tokens=max(max_prefill_tokens, self.max_model_len),

@@ -9,6 +9,8 @@ for `sleep()`.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 
@@ -33,6 +35,13 @@ class KVCache:
         self.slots = 0
         self.capacity = 0
         self._released_shape: tuple[int, int] | None = None
+        # Prefix reuse across turns: the KV of finished sequences, keyed by the token ids it
+        # encodes, least recently used first. A multi-turn trajectory's next prompt extends its
+        # previous turn, so its prefill only computes the new tokens. Off while the budget is 0.
+        self.prefix_budget = 0
+        """Most tokens of finished sequences kept for reuse (0: no reuse)."""
+        self._prefixes: OrderedDict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._prefix_tokens = 0
 
     def _alloc(self, *shape: int) -> torch.Tensor:
         # zeros, not empty: a masked-out position still enters q @ k^T, and NaN * 0 is NaN.
@@ -62,7 +71,47 @@ class KVCache:
         self.k[:, dst, :, :, :length] = self.k[:, src, :, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
+    # -- prefix reuse -----------------------------------------------------------------------------
+
+    def stash(self, slot: int, tokens: list[int]) -> None:
+        """Keep row `slot`'s KV for `tokens` (its first len(tokens) positions) for a later prompt."""
+        if not self.prefix_budget or not tokens or len(tokens) > self.prefix_budget:
+            return
+        key = tuple(tokens)
+        if key in self._prefixes:
+            self._prefixes.move_to_end(key)
+            return
+        n = len(key)
+        self._prefixes[key] = (self.k[:, slot, :, :, :n].clone(), self.v[:, slot, :, :n].clone())
+        self._prefix_tokens += n
+        while self._prefix_tokens > self.prefix_budget:
+            old, _ = self._prefixes.popitem(last=False)
+            self._prefix_tokens -= len(old)
+
+    def take_prefix(self, prompt: list[int], slot: int) -> int:
+        """Copy the longest stashed prefix of `prompt` (shorter than it: the last prompt token
+        must be computed for its logits) into row `slot`; returns its length (0: none).
+
+        The entry is removed: the sequence that reuses it stashes its longer self when it ends."""
+        best = None
+        for key in self._prefixes:
+            if len(key) < len(prompt) and (best is None or len(key) > len(best)) and tuple(prompt[: len(key)]) == key:
+                best = key
+        if best is None:
+            return 0
+        k, v = self._prefixes.pop(best)
+        self._prefix_tokens -= len(best)
+        self.k[:, slot, :, :, : len(best)] = k
+        self.v[:, slot, :, : len(best)] = v
+        return len(best)
+
+    def clear_prefixes(self) -> None:
+        """Forget every stashed prefix (new weights make them stale)."""
+        self._prefixes.clear()
+        self._prefix_tokens = 0
+
     def release(self) -> None:
+        self.clear_prefixes()
         if self.k is not None:
             self._released_shape = (self.slots, self.capacity)
         self.k = self.v = None
@@ -76,4 +125,5 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
+        live = 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
+        return live + sum(k.numel() * k.element_size() * 2 for k, _ in self._prefixes.values())

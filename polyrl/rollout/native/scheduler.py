@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence as Seq
 import torch
 
 from polyrl.rollout.base import RolloutInputError, SamplingParams, TokenOutput
+from polyrl.rollout.native.extend import extend
 from polyrl.rollout.native.kv_cache import KVCache
 from polyrl.rollout.native.model import DecoderModel
 from polyrl.rollout.native.sampling import RowParams, sample
@@ -84,7 +85,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Sequence] = []  # running[i] lives in cache slot i
         self.weight_version = 0
-        self.stats = dict(prefill_calls=0, prefill_tokens=0, prefill_s=0.0,
+        self.stats = dict(prefill_calls=0, prefill_tokens=0, prefill_s=0.0, prefix_reused_tokens=0,
                           decode_steps=0, decode_tokens=0, decode_s=0.0)
 
     # -- requests -------------------------------------------------------------------------------
@@ -172,10 +173,6 @@ class Scheduler:
         t0 = time.perf_counter()
         device = self.model.device
         T = max(len(r.prompt) for r in reqs)
-        tokens = torch.zeros(len(reqs), T, dtype=torch.long)
-        for i, r in enumerate(reqs):
-            tokens[i, : len(r.prompt)] = torch.tensor(r.prompt)
-        lengths = torch.tensor([len(r.prompt) for r in reqs])
         base = len(self.running)
         firsts, new = [], []
         for r in reqs:
@@ -183,16 +180,34 @@ class Scheduler:
             firsts.append(base + len(new))
             new += r.seqs
         self.cache.reserve(base + len(new), T)
-        logits = self.model.prefill(tokens.to(device), lengths.to(device), torch.tensor(firsts, device=device), self.cache)
+        # A prompt that extends a stashed sequence (the next turn of a trajectory) computes only
+        # its new tokens; the rest are prefilled together as usual.
+        reused = [self.cache.take_prefix(r.prompt, first) for r, first in zip(reqs, firsts)]
+        logits: list[torch.Tensor | None] = [None] * len(reqs)
+        for j, (r, first, start) in enumerate(zip(reqs, firsts, reused)):
+            if start:
+                logits[j] = extend(self.model, r.prompt[start:], start, first, self.cache)
+        full = [j for j, start in enumerate(reused) if not start]
+        if full:
+            T = max(len(reqs[j].prompt) for j in full)
+            tokens = torch.zeros(len(full), T, dtype=torch.long)
+            for i, j in enumerate(full):
+                tokens[i, : len(reqs[j].prompt)] = torch.tensor(reqs[j].prompt)
+            lengths = torch.tensor([len(reqs[j].prompt) for j in full])
+            out = self.model.prefill(tokens.to(device), lengths.to(device),
+                                     torch.tensor([firsts[j] for j in full], device=device), self.cache)
+            for i, j in enumerate(full):
+                logits[j] = out[i]
         # The n samples share the prompt's prefill: copy its KV to their slots.
         for r, first in zip(reqs, firsts):
             for j in range(1, r.sampling.n):
                 self.cache.move(first, first + j, len(r.prompt))
-        owner = torch.tensor([i for i, r in enumerate(reqs) for _ in range(r.sampling.n)], device=device)
+        owner = [i for i, r in enumerate(reqs) for _ in range(r.sampling.n)]
         self.running += new
-        self._append(new, logits[owner])
+        self._append(new, torch.stack([logits[i] for i in owner]))
         self.stats["prefill_calls"] += 1
-        self.stats["prefill_tokens"] += int(lengths.sum())
+        self.stats["prefill_tokens"] += sum(len(r.prompt) - start for r, start in zip(reqs, reused))
+        self.stats["prefix_reused_tokens"] += sum(reused)
         self.stats["prefill_s"] += time.perf_counter() - t0
 
     def _decode(self) -> None:
@@ -259,6 +274,10 @@ class Scheduler:
         if len(live) == len(self.running):
             return []
         gone = [s for s in self.running if s.stop_reason is not None]
+        if self.cache.prefix_budget:  # before the holes are refilled: keep what may be extended
+            for slot, s in enumerate(self.running):
+                if s.stop_reason in ("stop", "length"):
+                    self.cache.stash(slot, s.request.prompt + s.tokens[:-1])  # the last is not cached
         keep = len(live)
         holes = [i for i, s in enumerate(self.running[:keep]) if s.stop_reason is not None]
         movers = [i for i, s in enumerate(self.running[keep:], start=keep) if s.stop_reason is None]
@@ -293,6 +312,7 @@ class Scheduler:
 
     def set_weight_version(self, version: int) -> None:
         self.weight_version = version
+        self.cache.clear_prefixes()  # their KV came from the old weights
         for s in self.running:
             s.min_version = min(s.min_version, version)
             s.max_version = max(s.max_version, version)
