@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as exc:
         return fail(str(exc))
     except KeyboardInterrupt:
-        return fail("interrupted")
+        fail("interrupted")
+        return 130  # the shell's code for SIGINT (EXIT_CODES in polyrl/trainer/interrupts.py)
 
 
 if __name__ == "__main__":

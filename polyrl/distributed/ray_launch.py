@@ -66,7 +66,20 @@ def init_ray(
     else:  # "local": a new instance even when a `ray start` cluster runs on this machine
         kwargs.update(address="local", num_cpus=num_cpus or os.cpu_count())
     ray.init(**kwargs)
+    _keep_python_signal_handlers()
     return plan
+
+
+def _keep_python_signal_handlers() -> None:
+    """Ray's core worker installs its own SIGTERM handler at `ray.init`, which aborts the driver
+    with a C++ stack dump instead of the clean exit 143 polyrl's handlers give: put Python's
+    handlers back (main thread only: that is where signals are delivered)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.getsignal(sig))
 
 
 def actor_options(

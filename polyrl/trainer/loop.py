@@ -27,6 +27,7 @@ from polyrl.builtin import resolve
 from polyrl.config import to_yaml
 from polyrl.data import build_loaders
 from polyrl.distributed.ray_launch import init_ray
+from polyrl.distributed.waits import RemoteActorDied
 from polyrl.platform import get_platform
 from polyrl.rewards import RewardManager, RewardRequest
 from polyrl.rollout.base import SamplingParams
@@ -50,6 +51,7 @@ from polyrl.trainer.interrupts import TrainingInterrupted, stop_on_signals
 from polyrl.trainer.launch_plan import plan_job
 from polyrl.trainer.metrics import MetricsWriter, PhaseTimer, response_metrics
 from polyrl.trainer.plots import plot_run, print_summary
+from polyrl.trainer.preflight import check_job
 from polyrl.trainer.samples_log import SampleLog, rows_from_batch
 from polyrl.trainer.sinks import build_sinks, check_available
 from polyrl.training.base import NonFiniteUpdate
@@ -89,6 +91,8 @@ class Trainer:
             "train_files": [resolve(f) for f in cfg.data.train_files],
             "val_files": [resolve(f) for f in cfg.data.val_files]})
         self.train_loader, self.val_loader = build_loaders(data_cfg, self.tokenizer)
+        check_job(cfg, self.train_loader.dataset, self.val_loader.dataset if self.val_loader else None,
+                  self._model_config())  # one clear line now, not a traceback after Ray started
         self.rewards = RewardManager(cfg.reward)
         self.rewards.check_sources(self.train_loader.dataset.data_sources)
         if self.val_loader is not None:
@@ -130,10 +134,22 @@ class Trainer:
         self.use_rollout_logprobs = self._use_rollout_logprobs()
         self.checkpoints = CheckpointWriter(self.out, cfg.trainer.keep_last)
         # model + tokenizer + two Adam moments, fp32, for each kept checkpoint plus the one in flight
-        check_writable(self.out, self.policy.num_params * 12 * (cfg.trainer.keep_last + 1))
+        check_writable(self.out, self.policy.num_params * 12 * (cfg.trainer.keep_last + 1),
+                       keep_last=cfg.trainer.keep_last)
         logger.info("policy: %s (%.2fM parameters) on %s, %d rank(s); %d steps of %d prompts x %d samples",
                     cfg.model.path, self.policy.num_params / 1e6, self.platform.describe(),
                     self.policy.world_size, self.total_steps, cfg.data.train_batch_size, cfg.rollout.n)
+
+    def _model_config(self) -> Any:
+        from transformers import AutoConfig
+
+        from polyrl.workers.model_loading import model_dir
+
+        try:
+            return AutoConfig.from_pretrained(str(model_dir(self.cfg.model.path)),
+                                              trust_remote_code=self.cfg.model.trust_remote_code)
+        except (OSError, ValueError):  # loading the model reports it with the fix
+            return None
 
     def _use_rollout_logprobs(self) -> bool:
         mode = self.cfg.actor.old_logprobs
@@ -152,6 +168,11 @@ class Trainer:
             self.setup()
             with stop_on_signals() as stop:
                 return self._run(start, stop)
+        except RemoteActorDied as exc:
+            kept = complete_checkpoints(self.out)
+            where = (f"rerunning the same command resumes from checkpoint {kept[-1]}" if kept
+                     else "no checkpoint was written yet (trainer.save_every sets how often)")
+            raise TrainingError(f"{exc}; {where}") from None
         finally:
             self.shutdown()
             if self.started_ray:
@@ -210,8 +231,16 @@ class Trainer:
             "steps": self.total_steps,
             "wall_seconds": round(time.perf_counter() - start + state.get("wall_seconds", 0.0), 2),
             "output_dir": str(self.out),
+            "reward_errors": self.rewards.error_summary(),
+            "skipped_data_rows": getattr(self.train_loader.dataset, "num_bad_rows", 0),
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        errors = summary["reward_errors"]
+        if errors["over_warn_rate"]:
+            logger.warning("%d of %d reward calls failed (%.0f%%; first: %s): the run learned from "
+                           "failed scores; see reward_errors in %s", errors["errors"] + errors["timeouts"],
+                           errors["calls"], 100 * errors["error_rate"], errors["first_error"],
+                           self.out / "summary.json")
         if cfg.logging.plot_at_end:
             try:
                 logger.info("curves: %s (redraw any time: polyrl plot %s)", plot_run(self.out), self.out)
