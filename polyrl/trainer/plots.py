@@ -2,8 +2,10 @@
 
     polyrl plot outputs/polyrl        # writes outputs/polyrl/curves.png, prints the summary
 
-`plot_run` draws four panels (reward, train accuracy, validation accuracy, response length) with
-matplotlib's Agg canvas, so it works on a headless machine and never changes pyplot's backend.
+`plot_run` draws four panels with matplotlib's Agg canvas, so it works on a headless machine and
+never changes pyplot's backend: for an RL run (`polyrl train`) reward, train accuracy, validation
+accuracy and response length; for an SFT run (`polyrl sft`, recognised by `train/loss` without
+rewards) loss (train and held-out), held-out token accuracy, learning rate and gradient norm.
 """
 
 from __future__ import annotations
@@ -86,6 +88,36 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     all_keys = keys(records)
     fig = Figure(figsize=(12, 7.5), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)  # Agg drawing for this figure only; pyplot's global backend is untouched
+    if is_sft(records):
+        _sft_panels(fig, records)
+    else:
+        _rl_panels(fig, records, all_keys)
+
+    last = max(r["step"] for r in records)
+    fig.suptitle(f"{run_dir.resolve().name}: {last} step{'s' * (last != 1)}", fontsize=13)
+    out = Path(out) if out is not None else run_dir / "curves.png"
+    fig.savefig(out)
+    return out
+
+
+def is_sft(records: list[dict[str, Any]]) -> bool:
+    """An SFT run logs a training loss and no rewards."""
+    present = {k for r in records for k in r}
+    return "train/loss" in present and "reward/score_mean" not in present
+
+
+def _sft_panels(fig, records) -> None:
+    ax_loss, ax_acc, ax_lr, ax_grad = fig.subplots(2, 2).flat
+    _panel(ax_loss, records, "Loss (NLL per assistant token)", "loss",
+           [("train/loss", "train", True), ("val/loss", "held-out", False)])
+    _panel(ax_acc, records, "Held-out token accuracy", "accuracy",
+           [("val/token_acc", "val/token_acc", True)], unit_range=True, markers=True)
+    _panel(ax_lr, records, "Learning rate", "lr", [("actor/lr", "actor/lr", True)])
+    _panel(ax_grad, records, "Gradient norm (before clipping)", "norm",
+           [("actor/grad_norm", "actor/grad_norm", True)])
+
+
+def _rl_panels(fig, records, all_keys) -> None:
     ax_reward, ax_acc, ax_val, ax_len = fig.subplots(2, 2).flat
 
     _panel(ax_reward, records, "Reward (train)", "score",
@@ -101,12 +133,6 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     _panel(ax_len, records, "Response length", "tokens",
            [("response/length_mean", "mean (train)", True), ("response/length_max", "max (train)", False),
             ("val/response_length", "mean (val)", False)])
-
-    last = max(r["step"] for r in records)
-    fig.suptitle(f"{run_dir.resolve().name}: {last} step{'s' * (last != 1)}", fontsize=13)
-    out = Path(out) if out is not None else run_dir / "curves.png"
-    fig.savefig(out)
-    return out
 
 
 def _panel(ax, records, title: str, ylabel: str, lines: list[tuple[str, str, bool]],
@@ -151,8 +177,9 @@ def _panel(ax, records, title: str, ylabel: str, lines: list[tuple[str, str, boo
 # --- the summary -------------------------------------------------------------------------------
 
 
-SUMMARY_KEYS = ("reward/score_mean", "reward/acc_mean", "response/length_mean", "actor/entropy")
-HIGHER_IS_BETTER = {"reward/score_mean", "reward/acc_mean"}
+SUMMARY_KEYS = ("reward/score_mean", "reward/acc_mean", "response/length_mean", "actor/entropy",
+                "train/loss")
+HIGHER_IS_BETTER = {"reward/score_mean", "reward/acc_mean", "val/token_acc"}
 
 
 def summary_rows(run_dir: Path) -> list[tuple[str, str]]:
@@ -183,17 +210,23 @@ def summary_rows(run_dir: Path) -> list[tuple[str, str]]:
     s, v = series(records, "timing/step")
     if s:
         rows.append(("seconds per step", f"{sum(v) / len(v):.2f} mean, {max(v):.2f} max"))
-    val_keys = ["val/acc", *sorted(k for k in keys(records) if PASS_AT_K.match(k))]
+    val_keys = ["val/acc", *sorted(k for k in keys(records) if PASS_AT_K.match(k)),
+                "val/loss", "val/token_acc"]
     for key in val_keys:
         s, v = series(records, key)
         if not s:
             continue
         if len(s) > 1:
-            best = max(range(len(v)), key=v.__getitem__)
+            pick = max if key in HIGHER_IS_BETTER or key == "val/acc" or PASS_AT_K.match(key) else min
+            best = pick(range(len(v)), key=v.__getitem__)
             rows.append((key, f"{_num(v[0])} (step {s[0]}) -> {_num(v[-1])} (step {s[-1]}), "
                               f"best {_num(v[best])} at step {s[best]}"))
         else:
             rows.append((key, f"{_num(v[0])} (step {s[0]})"))
+    if is_sft(records):
+        s, v = series(records, "val/loss")
+        rows.append(("last val/loss", f"{v[-1]:.4g} at step {s[-1]}" if s else "not validated"))
+        return rows
     s, v = series(records, "val/acc")
     rows.append(("last val/acc", f"{v[-1]:.1%} at step {s[-1]}" if s else "not validated"))
     return rows
