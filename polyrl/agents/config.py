@@ -29,6 +29,10 @@ class AgentConfig(Config):
     environment_key: str = "agent_name"
     """The row's extra_info key that names its environment (verl's agent_name column)."""
 
+    per_row_environments: bool = False
+    """Run the agent loop even without a default environment, so rows can name theirs in
+    extra_info[environment_key] (rows naming none get a single turn)."""
+
     environment_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for every environment instance."""
 
@@ -61,6 +65,11 @@ class AgentConfig(Config):
             if ":" not in spec:
                 raise ValueError(f"tool '{spec}' must look like package.module:function")
         return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether rollouts go through the multi-turn agent loop."""
+        return self.default_environment is not None or self.per_row_environments
 
     @property
     def default_environment(self) -> str | None:

@@ -3,7 +3,8 @@ padded `MicroBatch` a forward pass reads."""
 
 from polyrl.batch.micro import MicroBatch, collate, plan_micro_batches, scatter_rows
 from polyrl.batch.ragged import Ragged
-from polyrl.batch.rollout_batch import STOP_REASONS, RolloutBatch, shard, split_evenly
+from polyrl.batch.rollout_batch import (AGENT_LIMITS, STOP_REASONS, AgentColumns, RolloutBatch, shard,
+                                        split_evenly)
 
-__all__ = ["MicroBatch", "Ragged", "RolloutBatch", "STOP_REASONS", "collate", "plan_micro_batches",
+__all__ = ["AGENT_LIMITS", "AgentColumns", "MicroBatch", "Ragged", "RolloutBatch", "STOP_REASONS", "collate", "plan_micro_batches",
            "scatter_rows", "shard", "split_evenly"]

@@ -28,6 +28,47 @@ import torch
 
 from polyrl.batch.ragged import Ragged
 
+AGENT_LIMITS = ("", "turns", "response_tokens", "tool_seconds", "context")
+"""`AgentColumns.limit` codes: which limit ended a trajectory ("" = none)."""
+
+
+@dataclass
+class AgentColumns:
+    """Per-trajectory statistics of multi-turn rollouts (polyrl/agents), each [N]."""
+
+    turns: torch.Tensor
+    tool_calls: torch.Tensor
+    tool_errors: torch.Tensor
+    tool_timeouts: torch.Tensor
+    tool_seconds: torch.Tensor
+    env_errors: torch.Tensor
+    limit: torch.Tensor
+    """int64 index into AGENT_LIMITS."""
+    env_rewards: torch.Tensor
+    """float32: the environment's reward, NaN where no environment gave one."""
+
+    def select(self, idx: torch.Tensor) -> AgentColumns:
+        return AgentColumns(**{f.name: getattr(self, f.name)[idx] for f in dataclasses.fields(self)})
+
+    @staticmethod
+    def cat(parts: Sequence[AgentColumns]) -> AgentColumns:
+        return AgentColumns(**{f.name: torch.cat([getattr(p, f.name) for p in parts])
+                               for f in dataclasses.fields(AgentColumns)})
+
+    def metrics(self) -> dict[str, float]:
+        n = max(len(self.turns), 1)
+        out = {"agent/turns_mean": float(self.turns.sum()) / n,
+               "agent/tool_calls_mean": float(self.tool_calls.sum()) / n,
+               **{f"agent/{k}": float(getattr(self, k).sum())
+                  for k in ("tool_errors", "tool_timeouts", "tool_seconds", "env_errors")}}
+        for code, name in enumerate(AGENT_LIMITS[1:], start=1):
+            out[f"agent/limit_{name}"] = float((self.limit == code).sum())
+        given = self.env_rewards[~self.env_rewards.isnan()]
+        if len(given):
+            out["agent/env_reward_mean"] = float(given.mean())
+        return out
+
+
 STOP_REASONS = ("stop", "length", "aborted")
 """`stop_reason` codes (rollout/base.py StopReason): stop = EOS / stop token or string,
 length = hit max_tokens, aborted = cut short."""
@@ -73,8 +114,10 @@ class RolloutBatch:
     """[N] float32: one advantage per sequence (outcome estimators), broadcast over its tokens."""
     token_advantages: Ragged | None = None
     """Per-token advantages (token-level rewards such as KL in the reward); wins over `advantages`."""
+    agent: AgentColumns | None = None
+    """Multi-turn rollouts: per-trajectory turns, tool calls, errors, limits, environment rewards."""
     texts: list[str] | None = None
-    """Decoded responses (driver: scoring and sample logs)."""
+    """Decoded responses (driver: scoring and sample logs); multi-turn: the final assistant turn."""
     prompts: list[Any] | None = None
     """The data row (`PromptSample`) each sample answers (driver: scoring and sample logs)."""
 
@@ -116,8 +159,10 @@ class RolloutBatch:
             v = getattr(self, f.name)
             if v is None:
                 out[f.name] = None
-            elif isinstance(v, (Ragged, torch.Tensor)):
-                out[f.name] = v.select(idx) if isinstance(v, Ragged) else v[idx]
+            elif isinstance(v, (Ragged, AgentColumns)):
+                out[f.name] = v.select(idx)
+            elif isinstance(v, torch.Tensor):
+                out[f.name] = v[idx]
             else:
                 out[f.name] = [v[i] for i in rows]
         return RolloutBatch(**out)
@@ -134,8 +179,8 @@ class RolloutBatch:
                 out[f.name] = None
             elif not all(present):
                 raise ValueError(f"RolloutBatch.cat: field {f.name!r} is set in some parts only")
-            elif isinstance(vs[0], Ragged):
-                out[f.name] = Ragged.cat(vs)
+            elif isinstance(vs[0], (Ragged, AgentColumns)):
+                out[f.name] = type(vs[0]).cat(vs)
             elif isinstance(vs[0], torch.Tensor):
                 out[f.name] = torch.cat(vs)
             else:

@@ -207,7 +207,7 @@ class SyncTopology(Topology):
         return RolloutBatch.cat(kept), out
     def generate(self, prompts: Sequence[PromptSample], sampling: SamplingParams,
                  seeds: list[int], phase: str) -> RolloutBatch:
-        batch = self.engines.generate([p.prompt_ids for p in prompts], sampling, seeds, phase=phase)
+        batch = self.engines.generate(list(prompts), sampling, seeds, phase=phase)
         return attach_prompts(batch, prompts)
 
     def load_state_dict(self, driver_state: dict[str, Any], source: str) -> None:

@@ -48,9 +48,10 @@ class WorkerGroup:
         refs = [getattr(w, method).remote(*a, **kwargs) for w, a in zip(self.workers, shards)]
         return self._get(refs, phase)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None,
+    def generate(self, prompts: list[Any], sampling: SamplingParams, seeds: list[int] | None,
                  phase: str = "generate") -> RolloutBatch:
-        """Prompts split evenly over the ranks' engines; samples come back in prompt order."""
+        """Data rows (`PromptSample`) split evenly over the ranks' engines; samples come back in
+        row order."""
         shards = []
         for chunk in split_evenly(list(range(len(prompts))), self.world_size):
             offset = chunk[0] if chunk else 0

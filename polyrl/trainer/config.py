@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from polyrl.agents.config import AgentConfig
 from polyrl.algorithms import AlgorithmConfig, check_critic, check_rollout
 from polyrl.config import Config
 from polyrl.data import DataConfig
@@ -108,6 +109,8 @@ class JobConfig(Config):
     weights: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     actor: ActorConfig = Field(default_factory=ActorConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    """Multi-turn rollouts with tools or environments (docs/agents.md)."""
     """PPO with a value model (algorithm.adv_estimator=gae): on the policy ranks and engine."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
@@ -124,6 +127,9 @@ class JobConfig(Config):
     def _check(self) -> "JobConfig":
         check_rollout(self.algorithm, n=self.rollout.n, response_length=self.rollout.response_length)
         check_critic(self.algorithm, self.critic.enable)
+        if self.agent.enabled and self.trainer.mode == "async":
+            raise ValueError("multi-turn agents (agent.tools / agent.environment) run in "
+                             "trainer.mode=sync for now; set trainer.mode=sync")
         mini = self.actor.mini_batch_size
         if mini is not None and self.data.train_batch_size % mini:
             raise ValueError(

@@ -327,6 +327,10 @@ class Trainer:
         batch.rewards = torch.tensor(result.scores, dtype=torch.float32)
         batch.acc = torch.tensor(result.accs, dtype=torch.float32)
         metrics = dict(result.metrics)
+        if batch.agent is not None:  # an environment's reward wins over the reward function's
+            given = ~batch.agent.env_rewards.isnan()
+            batch.rewards = torch.where(given, batch.agent.env_rewards, batch.rewards)
+            batch.acc = torch.where(given, (batch.agent.env_rewards > 0).float(), batch.acc)
         overlong = self.cfg.algorithm.overlong
         if overlong.shaping:  # DAPO's soft overlong punishment, on the reward only (acc stays)
             penalty = overlong_penalty(batch.response_lengths, self.cfg.rollout.response_length,

@@ -76,4 +76,5 @@ def response_metrics(batch: Any) -> dict[str, float]:
         "response/clip_frac": float(batch.truncated.float().mean()),
         "response/masked_token_frac": 1.0 - float(batch.loss_mask.values.sum()) / max(float(lengths.sum()), 1.0),
         "perf/generated_tokens": float(lengths.sum()),
+        **(batch.agent.metrics() if batch.agent is not None else {}),
     }

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
-from polyrl.batch import STOP_REASONS, Ragged, RolloutBatch
+from polyrl.batch import AGENT_LIMITS, STOP_REASONS, AgentColumns, Ragged, RolloutBatch
 from polyrl.rollout.base import SamplingParams, TokenOutput
 
 
@@ -48,3 +48,25 @@ def to_batch(tokenizer: Any, eos_token_ids: Sequence[int], prompts: Sequence[Seq
         rollout_logprobs=Ragged.from_rows([list(out.logprobs) for _, out, _ in flat], torch.float32),
         texts=[tokenizer.decode(r, skip_special_tokens=True) for r in responses],
     )
+
+
+def rollout_rows(engine: Any, tokenizer: Any, rows: Sequence[Any], sampling: SamplingParams,
+                 seeds: list[int] | None, group_offset: int, agent_cfg: Any = None) -> RolloutBatch:
+    """Samples for data rows (`PromptSample`): single-turn generation, or multi-turn
+    trajectories with tools / environments when the job configures an agent (polyrl/agents)."""
+    if agent_cfg is None or not agent_cfg.enabled:
+        return generate_batch(engine, tokenizer, [r.prompt_ids for r in rows], sampling, seeds, group_offset)
+    from polyrl.agents import run_trajectories_sync
+
+    out = run_trajectories_sync(engine, tokenizer, rows, sampling, agent_cfg, seeds=seeds,
+                                group_offset=group_offset)
+    stats = out.stats
+    column = lambda name, dtype: torch.tensor([getattr(s, name) for s in stats], dtype=dtype)  # noqa: E731
+    out.batch.agent = AgentColumns(
+        turns=column("turns", torch.long), tool_calls=column("tool_calls", torch.long),
+        tool_errors=column("tool_errors", torch.long), tool_timeouts=column("tool_timeouts", torch.long),
+        tool_seconds=column("tool_seconds", torch.float32), env_errors=column("env_errors", torch.long),
+        limit=torch.tensor([AGENT_LIMITS.index(s.limit or "") for s in stats], dtype=torch.long),
+        env_rewards=out.env_rewards)
+    out.batch.prompts = None  # the driver attaches its own rows
+    return out.batch

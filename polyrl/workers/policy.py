@@ -27,7 +27,8 @@ from polyrl.modeling import torch_dtype
 from polyrl.training.values import load_value_model, response_values
 from polyrl.workers.actor import PPOActor
 from polyrl.workers.critic import CriticUpdate
-from polyrl.workers.generation import generate_batch
+from polyrl.rollout.base import SamplingParams
+from polyrl.workers.generation import rollout_rows
 from polyrl.workers.model_loading import load_causal_lm, load_tokenizer
 from polyrl.workers.optim import total_optimizer_steps
 from polyrl.workers.rollout_worker import rollout_layout, transport_context
@@ -139,11 +140,13 @@ class PolicyWorker:
         return None
 
     # --- rollout ------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], sampling: dict, seeds: list[int] | None = None,
+    def generate(self, rows: list[Any], sampling: SamplingParams, seeds: list[int] | None = None,
                  group_offset: int = 0) -> RolloutBatch:
+        """Samples for data rows (`PromptSample`), single- or multi-turn (generation.py)."""
         self.rollout_engine.wake_up()
         try:
-            return generate_batch(self.rollout_engine, self.tokenizer, prompts, sampling, seeds, group_offset)
+            return rollout_rows(self.rollout_engine, self.tokenizer, rows, sampling, seeds, group_offset,
+                                self.cfg.agent)
         finally:
             self.rollout_engine.sleep()
 

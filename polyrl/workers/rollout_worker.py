@@ -20,7 +20,7 @@ from polyrl.rollout.factory import build_standalone_engine
 from polyrl.weights import build_transport
 from polyrl.batch import RolloutBatch
 from polyrl.rollout.base import SamplingParams
-from polyrl.workers.generation import generate_batch
+from polyrl.workers.generation import rollout_rows
 
 
 def rollout_layout(cfg: Any) -> RankLayout:
@@ -60,9 +60,10 @@ class RolloutWorker:
                                          **transport_context(cfg, groups.group("weight_sync"), mailbox))
         return self.engine.weight_version
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None,
+    def generate(self, rows: list[Any], sampling: SamplingParams, seeds: list[int] | None = None,
                  group_offset: int = 0) -> RolloutBatch:
-        return generate_batch(self.engine, self.tokenizer, prompts, sampling, seeds, group_offset)
+        """Samples for data rows (`PromptSample`), single- or multi-turn (generation.py)."""
+        return rollout_rows(self.engine, self.tokenizer, rows, sampling, seeds, group_offset, self.cfg.agent)
 
     def receive_weights(self) -> int:
         """Apply the next version the trainer sends (all or nothing); returns the version."""
