@@ -4,6 +4,7 @@ training engine, and non-finite updates skipped, counted, then stopping the run.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,7 +27,8 @@ def worker(tiny_model, arith_files):
 
 
 def samples(w, advantage: float, n: int = 4) -> RolloutBatch:
-    out = w.generate([[5, 6, 7], [8, 9]], SamplingParams(n=n // 2, max_tokens=4, temperature=1.0), seeds=[1, 2])
+    rows = [SimpleNamespace(prompt_ids=[5, 6, 7]), SimpleNamespace(prompt_ids=[8, 9])]
+    out = w.generate(rows, SamplingParams(n=n // 2, max_tokens=4, temperature=1.0), seeds=[1, 2])
     out.advantages = torch.full((len(out),), advantage)
     return out.for_training()
 
