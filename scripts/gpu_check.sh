@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# GPU check of the vLLM / SGLang / TensorRT-LLM adapters: for every installed engine, the adapter
-# tests on the real engine, then a 3-step GRPO run (`polyrl train`, hybrid placement) in bf16 and,
-# where the model allows, with FP8 rollout. Prints one PASS / FAIL / SKIP line per check and exits
-# non-zero if any check failed.
+# GPU check of the vLLM / SGLang / TensorRT-LLM adapters and of placement: for every installed
+# engine, the adapter tests on the real engine, every actor's device for hybrid and standalone
+# placement (`python -m polyrl.placement.probe`: probe actors started with the run's own Ray
+# options report the GPU Ray gave them), then 2-step GRPO runs (`polyrl train`) in hybrid and
+# standalone placement in bf16 and, where the model allows, hybrid with FP8 rollout. Prints one
+# PASS / FAIL / SKIP line per check and exits non-zero if any check failed.
 #
 #   scripts/gpu_check.sh [MODEL_DIR]
 #
@@ -15,6 +17,8 @@
 # Environment: ENGINES (default "vllm sglang trtllm"), GPU_CHECK_TIMEOUT (total seconds, default
 # 1500), GPU_CHECK_STEP_TIMEOUT (seconds per check, default 600). Needs one GPU; installed
 # engines only (`pip install "polyrl[vllm]"` etc.); engines that are not installed are skipped.
+# Standalone placement needs 2 GPUs (a policy rank and a rollout replica); with one GPU its
+# checks are skipped with the reason. The model is local: nothing is downloaded.
 # Documented in docs/gpu_engines.md.
 set -u
 cd "$(dirname "$0")/.."
@@ -72,6 +76,21 @@ report() {  # name rc logfile
   fi
 }
 
+GPUS=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+STANDALONE="rollout.placement=standalone rollout.num_replicas=1"
+
+devices() {  # name engine [overrides...]: every actor on its planned device
+  local name=$1 engine=$2; shift 2
+  local t; t=$(budget)
+  if [ "$t" -eq 0 ]; then failures=$((failures + 1)); echo "FAIL $name (total timeout ${TOTAL}s reached)"; return; fi
+  local log="$work/$name.log"
+  timeout "$t" python -m polyrl.placement.probe model.path="$model" rollout.backend="$engine" \
+    rollout.max_model_len=256 actor.num_cpus_per_worker=1 "$@" >"$log" 2>&1
+  local rc=$?
+  grep -E '^(PASS|FAIL) device' "$log" | sed "s/^/  [$name] /"
+  report "$name" "$rc" "$log"
+}
+
 grpo() {  # name engine [overrides...]
   local name=$1 engine=$2; shift 2
   local t; t=$(budget)
@@ -81,13 +100,13 @@ grpo() {  # name engine [overrides...]
   timeout "$t" python -m polyrl train --output-dir "$out" \
     model.path="$model" rollout.backend="$engine" rollout.dtype=bfloat16 \
     rollout.gpu_memory_utilization=0.3 rollout.enforce_eager=true rollout.n=4 \
-    rollout.response_length=16 data.train_batch_size=8 trainer.total_steps=3 \
+    rollout.response_length=16 data.train_batch_size=8 trainer.total_steps=2 \
     trainer.val_before_train=false trainer.val_every=0 trainer.save_at_end=false \
     trainer.progress_bar=false actor.param_dtype=bfloat16 actor.compute_dtype=bfloat16 \
     "$@" >"$out/log" 2>&1
   local rc=$?
-  if [ "$rc" -eq 0 ]; then  # a finished run wrote summary.json with 3 steps
-    python -c "import json,sys; s=json.load(open('$out/summary.json')); sys.exit(s['steps'] != 3)" \
+  if [ "$rc" -eq 0 ]; then  # a finished run wrote summary.json with 2 steps
+    python -c "import json,sys; s=json.load(open('$out/summary.json')); sys.exit(s['steps'] != 2)" \
       >>"$out/log" 2>&1 || rc=1
   fi
   report "$name" "$rc" "$out/log"
@@ -105,7 +124,16 @@ for engine in $ENGINES; do
   timeout "$t" python -m pytest -q -x tests/rollout/engines/test_engine_adapters_gpu.py -k "$engine" \
     >"$work/$engine-adapter-tests.log" 2>&1
   report "$engine-adapter-tests" $? "$work/$engine-adapter-tests.log"
+  devices "$engine-devices-hybrid" "$engine"
   grpo "$engine-grpo-bf16" "$engine"
+  if [ "$GPUS" -ge 2 ]; then
+    # shellcheck disable=SC2086  # STANDALONE is two overrides
+    devices "$engine-devices-standalone" "$engine" $STANDALONE
+    # shellcheck disable=SC2086
+    grpo "$engine-grpo-standalone" "$engine" $STANDALONE
+  else
+    echo "SKIP $engine-standalone: needs 2 GPUs (a policy rank and a rollout replica), found $GPUS"
+  fi
   if [ -n "$fp8_reason" ]; then
     echo "SKIP $engine-grpo-fp8: model $fp8_reason (pass a model directory whose layers are)"
   else
