@@ -1,6 +1,8 @@
-"""`RewardManager`: score a batch of responses, one reward function per data_source.
+"""`RewardManager`: score a batch of responses; per data_source a function, a reward model, a
+remote verifier, or a weighted sum of those (routing: polyrl/rewards/routing.py).
 
-A reward function that raises, returns garbage or runs past `reward.timeout_s` scores 0 for that
+Every term of a batch starts before any is awaited: endpoint requests and the reward worker's
+batch run while the function pool works. A scorer that raises, returns garbage or runs past `reward.timeout_s` scores 0 for that
 sample and is counted (`reward/errors`, `reward/timeouts`), so one bad verifier input cannot stop
 training; the first traceback per data source is logged so the bug is still visible. A function
 that fails on most calls is another matter - nothing is learned - so once the failed share passes
@@ -10,17 +12,17 @@ Rows whose ground truth is null are scored as usual but counted (`reward/null_gr
 
 from __future__ import annotations
 
-import inspect
+import concurrent.futures
 import logging
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from polyrl.rewards.config import RewardConfig
 from polyrl.rewards.executor import TimeoutPool
-from polyrl.rewards.gsm8k import gsm8k_score
-from polyrl.rewards.registry import REWARD_FNS, RewardFn, UnknownDataSourceError, load_function
+from polyrl.rewards.functions import run_calls
+from polyrl.rewards.outcome import Outcome
+from polyrl.rewards.routing import Router, Term
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,9 @@ class RewardRequest:
     """True only if generation stopped on the EOS token (not on max_tokens, not padding).
     Required, so no caller can forget it: scorers such as arithmetic give 0 without it."""
     extra_info: dict | None = None
+    prompt: str | list[dict[str, Any]] | None = None
+    """The prompt as stored in the data row (messages or a string); a reward model reads it
+    with the response. Functions and endpoints do not get it (verl's compute_score does not)."""
 
 
 def ended_with_eos(token_ids: Sequence[int], eos_token_ids: Iterable[int]) -> bool:
@@ -49,147 +54,135 @@ class RewardBatchResult:
     failed: list[bool]
     """True where the call raised or timed out (its score is 0)."""
     extras: list[dict[str, float]] = field(default_factory=list)
-    """Other numeric keys a function returned in its dict, per sample."""
+    """Other numeric keys a scorer returned in its dict, per sample (first term's wins)."""
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass
-class _Scorer:
-    fn: RewardFn
-    kwargs: dict[str, Any]
-    pass_eos: bool
-    verl_style: bool  # first parameter is data_source
-    pass_source: bool
-
-
-def _make_scorer(fn: RewardFn, kwargs: dict[str, Any]) -> _Scorer:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # builtins / C functions: call plainly
-        return _Scorer(fn, kwargs, False, False, False)
-    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    names = list(params)
-    verl_style = bool(names) and names[0] == "data_source"
-    return _Scorer(
-        fn,
-        kwargs,
-        pass_eos=var_kw or "finished_with_eos" in params,
-        verl_style=verl_style,
-        pass_source=not verl_style and (var_kw or "data_source" in params),
-    )
-
-
-def _call(scorer: _Scorer, req: RewardRequest) -> tuple[float, float, dict[str, float]]:
-    """Run one scoring call (in a worker thread) and normalise its result."""
-    kwargs = dict(scorer.kwargs)
-    if scorer.pass_eos:
-        kwargs["finished_with_eos"] = req.finished_with_eos
-    if scorer.pass_source:
-        kwargs["data_source"] = req.data_source
-    args = (req.solution_str, req.ground_truth, req.extra_info)
-    if scorer.verl_style:
-        args = (req.data_source, *args)
-    out = scorer.fn(*args, **kwargs)
-    extras: dict[str, float] = {}
-    if isinstance(out, dict):
-        if "score" not in out:
-            raise TypeError(f"reward function returned a dict without 'score': {sorted(out)}")
-        score = float(out["score"])
-        acc = float(out.get("acc", score > 0))
-        extras = {
-            k: float(v) for k, v in out.items()
-            if k not in ("score", "acc") and isinstance(v, (int, float, bool))
-        }
-    elif isinstance(out, (int, float)):
-        score, acc = float(out), float(out > 0)
-    else:
-        raise TypeError(f"reward function returned {type(out).__name__}; expected float or dict")
-    if not math.isfinite(score):
-        raise ValueError(f"reward function returned a non-finite score {score}")
-    return score, acc, extras
-
-
 class RewardManager:
-    def __init__(self, cfg: RewardConfig | None = None):
+    def __init__(self, cfg: RewardConfig | None = None, platform_name: str | None = None):
         self.cfg = cfg or RewardConfig()
-        self._custom: _Scorer | None = None
-        if self.cfg.custom_function:
-            fn = load_function(self.cfg.custom_function)
-            self._custom = _make_scorer(fn, dict(self.cfg.custom_function_kwargs))
-        self._scorers: dict[str, _Scorer] = {}
+        self.router = Router(self.cfg)
+        self.http = self.model = None
+        if self.cfg.http is not None:
+            from polyrl.rewards.http import HttpScorer
+
+            self.http = HttpScorer(self.cfg.http)
+        if self.cfg.model is not None:
+            from polyrl.rewards.reward_model import ModelScorer
+
+            self.model = ModelScorer(self.cfg.model, platform_name)
         self._pool: TimeoutPool | None = None  # threads start on first use, not at construction
-        self._logged_sources: set[str] = set()
+        self._logged: set[tuple[str, str]] = set()
         self.total_calls = 0
         self.total_errors = 0
         self.total_timeouts = 0
         self.total_null_ground_truth = 0
         self.first_error: str | None = None
         self._warned_rate = False
+        self._http_retries_seen = 0
 
-    def scorer_for(self, data_source: str) -> _Scorer:
-        """The scorer for `data_source`; raises UnknownDataSourceError if there is none."""
-        scorer = self._scorers.get(data_source)
-        if scorer is not None:
-            return scorer
-        sources = self.cfg.custom_function_sources
-        if self._custom is not None and (sources is None or data_source in sources):
-            scorer = self._custom
-        elif data_source in REWARD_FNS:
-            fn = REWARD_FNS.get(data_source)
-            options = {"method": self.cfg.gsm8k_method} if fn is gsm8k_score else {}
-            scorer = _make_scorer(fn, options)
-        else:
-            raise UnknownDataSourceError(data_source)
-        self._scorers[data_source] = scorer
-        return scorer
+    def terms_for(self, data_source: str) -> tuple[Term, ...]:
+        """The terms that score `data_source`; raises UnknownDataSourceError if none do."""
+        return self.router.terms_for(data_source)
 
     def check_sources(self, data_sources: Iterable[str]) -> None:
         """Fail at start, not mid-run, if a dataset holds a data_source nobody can score."""
         for source in sorted(set(data_sources)):
-            self.scorer_for(source)
+            self.terms_for(source)
 
     def score(self, requests: Sequence[RewardRequest]) -> RewardBatchResult:
-        scorers = [self.scorer_for(r.data_source) for r in requests]  # unknown source: raise now
-        if self._pool is None:
-            self._pool = TimeoutPool(self.cfg.num_workers)
-        futures = [self._pool.submit(_call, s, r) for s, r in zip(scorers, requests)]
-        timed_out = self._pool.run_all(futures, self.cfg.timeout_s)
+        plans = [self.terms_for(r.data_source) for r in requests]  # unknown source: raise now
+        jobs: dict[str, list[tuple[int, int]]] = defaultdict(list)  # kind -> (sample, term)
+        for i, plan in enumerate(plans):
+            for t, term in enumerate(plan):
+                jobs[term.kind].append((i, t))
+        outcomes = self._run(requests, plans, jobs)
 
         n = len(requests)
         scores, accs, failed = [0.0] * n, [0.0] * n, [False] * n
         extras: list[dict[str, float]] = [{} for _ in range(n)]
-        errors = timeouts = 0
-        for i, (future, req) in enumerate(zip(futures, requests)):
-            if timed_out[i]:
-                timeouts += 1
-                failed[i] = True
-                continue
-            exc = future.exception()
-            if exc is not None:
-                errors += 1
-                failed[i] = True
-                if self.first_error is None:
-                    self.first_error = f"data_source '{req.data_source}': {type(exc).__name__}: {exc}"
-                if req.data_source not in self._logged_sources:
-                    self._logged_sources.add(req.data_source)
-                    logger.error(
-                        "reward function for data_source '%s' raised; the sample scores 0 "
-                        "(later errors are only counted in reward/errors)",
-                        req.data_source,
-                        exc_info=exc,
-                    )
-                continue
-            scores[i], accs[i], extras[i] = future.result()
-        if timeouts:
-            logger.warning(
-                "%d reward call(s) exceeded reward.timeout_s=%s and scored 0",
-                timeouts, self.cfg.timeout_s,
-            )
+        for i, plan in enumerate(plans):
+            for t, term in enumerate(plan):
+                out = outcomes[(i, t)]
+                scores[i] += term.weight * out.score
+                failed[i] |= out.failed
+                for key, value in out.extras.items():
+                    extras[i].setdefault(key, value)
+            accs[i] = outcomes[(i, 0)].acc
+        errors = sum(o.error is not None for o in outcomes.values())
+        timeouts = sum(o.timed_out for o in outcomes.values())
+        self._log_failures(requests, plans, outcomes)
         null_truth = sum(r.ground_truth is None for r in requests)
-        self._count(n, errors, timeouts, null_truth)
+        self._count(len(outcomes), errors, timeouts, null_truth)
         metrics = self._metrics(requests, scores, accs, errors, timeouts)
+        metrics.update(self._term_metrics(plans, outcomes, extras))
         metrics["reward/null_ground_truth"] = float(null_truth)
         return RewardBatchResult(scores, accs, failed, extras, metrics)
+
+    def _run(self, requests, plans, jobs) -> dict[tuple[int, int], Outcome]:
+        """Every term of the batch: endpoint and reward model started first, functions on the
+        pool while they run, then the endpoint's and the model's answers collected."""
+        http_keys, model_keys, fn_keys = jobs.get("http", []), jobs.get("model", []), jobs.get("function", [])
+        http_future = self.http.submit([requests[i] for i, _ in http_keys]) if http_keys else None
+        model_handle = self.model.submit([requests[i] for i, _ in model_keys]) if model_keys else None
+        outcomes: dict[tuple[int, int], Outcome] = {}
+        if fn_keys:
+            if self._pool is None:
+                self._pool = TimeoutPool(self.cfg.num_workers)
+            fn_jobs = [(plans[i][t].fn, requests[i]) for i, t in fn_keys]
+            outcomes.update(zip(fn_keys, run_calls(self._pool, fn_jobs, self.cfg.timeout_s)))
+        if http_future is not None:
+            try:  # the loop bounds every sample; this bound only guards a dead loop (R5)
+                answers = http_future.result(timeout=self.http.wait_bound_s(len(http_keys)))
+            except concurrent.futures.TimeoutError:
+                http_future.cancel()
+                answers = [Outcome(timed_out=True) for _ in http_keys]
+            outcomes.update(zip(http_keys, answers))
+        if model_handle is not None:
+            outcomes.update(zip(model_keys, self.model.collect(model_handle, len(model_keys))))
+        return outcomes
+
+    def _log_failures(self, requests, plans, outcomes) -> None:
+        timeouts: dict[str, int] = defaultdict(int)
+        for (i, t), out in outcomes.items():
+            term, source = plans[i][t], requests[i].data_source
+            if out.timed_out:
+                timeouts[term.kind] += 1
+            if out.error is None:
+                continue
+            if self.first_error is None:
+                self.first_error = f"data_source '{source}': {type(out.error).__name__}: {out.error}"
+            if (source, term.label) not in self._logged:
+                self._logged.add((source, term.label))
+                logger.error(
+                    "reward %s '%s' for data_source '%s' failed; the sample scores 0 for it "
+                    "(later errors are only counted in reward/errors)", term.kind, term.label,
+                    source, exc_info=out.error)
+        limits = {"function": ("reward.timeout_s", self.cfg.timeout_s),
+                  "http": ("reward.http.timeout_s", self.cfg.http and self.cfg.http.timeout_s),
+                  "model": ("reward.model.timeout_s", self.cfg.model and self.cfg.model.timeout_s)}
+        for kind, count in timeouts.items():
+            key, value = limits[kind]
+            logger.warning("%d reward call(s) exceeded %s=%s and scored 0", count, key, value)
+
+    def _term_metrics(self, plans, outcomes, extras) -> dict[str, float]:
+        """reward/term/<label> (mean raw score of each term of a sum), reward/extra/<key> (mean
+        of each extra number a scorer returned), reward/http_retries (this batch)."""
+        metrics: dict[str, float] = {}
+        if any(len(plan) > 1 for plan in plans):
+            by_label: dict[str, list[float]] = defaultdict(list)
+            for (i, t), out in outcomes.items():
+                by_label[plans[i][t].label].append(out.score)
+            metrics.update({f"reward/term/{k}": sum(v) / len(v) for k, v in by_label.items()})
+        by_key: dict[str, list[float]] = defaultdict(list)
+        for sample in extras:
+            for key, value in sample.items():
+                by_key[key].append(value)
+        metrics.update({f"reward/extra/{k}": sum(v) / len(v) for k, v in by_key.items()})
+        if self.http is not None:
+            metrics["reward/http_retries"] = float(self.http.retries - self._http_retries_seen)
+            self._http_retries_seen = self.http.retries
+        return metrics
 
     def _count(self, calls: int, errors: int, timeouts: int, null_truth: int) -> None:
         self.total_calls += calls
@@ -246,3 +239,6 @@ class RewardManager:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        for scorer in (self.http, self.model):
+            if scorer is not None:
+                scorer.close()
