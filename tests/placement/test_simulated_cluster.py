@@ -178,3 +178,21 @@ def test_rocm_and_npu_actor_device_map(cluster, platform_name, layout, tp):
     check_map(platform_name, plan, live, seen)
     if platform_name == "npu":
         assert all(a.resources.get("resources", {}).get("NPU") for a in plan.actors if a.devices)
+
+
+def test_gpu_check_probe_module_agrees_and_names_a_misplaced_actor(cluster):
+    """`python -m polyrl.placement.probe` (run by scripts/gpu_check.sh on a GPU machine) on the
+    simulated cluster: every actor PASSes; a plan whose ids are shifted is reported per actor."""
+    import dataclasses
+
+    from polyrl.placement import Devices
+    from polyrl.placement.probe import probe_plan, problems
+
+    platform = get_platform("cuda", SIMULATED_PROBES["h100"])
+    plan = plan_launch(job("standalone", 2, 1), platform, "0.11.0", nodes=1)
+    node_ids, seen = probe_plan(plan, timeout_s=120)
+    assert all(bad == [] for bad in problems(plan, node_ids, seen).values())
+    wrong = dataclasses.replace(plan.actors[1], devices=Devices(0, (5,)))
+    plan.actors[1] = wrong
+    assert problems(plan, node_ids, seen)[wrong.name] == [
+        "Ray assigned ids ['1'], planned ['5']", "sees devices '1', planned '5'"]
