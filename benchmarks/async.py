@@ -45,7 +45,7 @@ RUNS = {"sync": ("sync", 1), "async": ("async", 1), "sync_all_cores": ("sync", 2
 def config(out: Path, run: str, args: argparse.Namespace):
     from polyrl.cli.train import EMBEDDED_DEFAULT
     from polyrl.config import load_config
-    from polyrl.trainer.config import JobConfig
+    from polyrl.job import JobConfig
 
     mode, factor = RUNS[run]
     overrides = [

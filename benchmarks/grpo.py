@@ -60,7 +60,7 @@ def cpu_seconds() -> float:
 # ----------------------------------------------------------------------------- polyrl
 def polyrl_config(model_dir: str, files: dict, out: Path, dtype: str, steps: int, threads: int):
     from polyrl.config import load_config
-    from polyrl.trainer.config import JobConfig
+    from polyrl.job import JobConfig
 
     overrides = [
         f"model.path={model_dir}", f"data.train_files=[{files['train']}]", "data.val_files=[]",

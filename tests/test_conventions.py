@@ -72,7 +72,7 @@ def test_the_checks_catch_offenders():
 def test_import_has_no_side_effects():
     code = (
         "import os, logging, sys; before = dict(os.environ);"
-        "import polyrl, polyrl.cli.main, polyrl.envplan, polyrl.platform, polyrl.trainer.config;"
+        "import polyrl, polyrl.cli.main, polyrl.envplan, polyrl.platform, polyrl.job;"
         "assert dict(os.environ) == before, 'environment changed at import';"
         "assert not logging.getLogger().handlers, 'root logging configured at import';"
         "import polyrl.platform.detect as d; assert d._real_probe.cache_info().currsize == 0, 'probed at import'"

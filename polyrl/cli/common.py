@@ -17,7 +17,7 @@ from polyrl.platform import (
     simulated_probe,
 )
 from polyrl.platform.detect import DEFAULT_GPU_PLATFORM, PLATFORMS
-from polyrl.trainer.config import JobConfig
+from polyrl.job import JobConfig
 
 
 class CLIError(Exception):

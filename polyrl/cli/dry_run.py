@@ -23,9 +23,10 @@ from rich.text import Text
 from rich.tree import Tree
 
 from polyrl.trainer.launch_plan import ActorPlan, LaunchPlan, plan_launch
+from polyrl.job import JobConfig
 
 
-def dry_run(cfg: Any, platform: Any, engine_version: str | None, as_json: bool,
+def dry_run(cfg: JobConfig, platform: Any, engine_version: str | None, as_json: bool,
             nodes: int | None = None) -> int:
     """Print the plan; `nodes`: simulate a cluster of that many nodes (None: as many as needed)."""
     plan = plan_launch(cfg, platform, engine_version, nodes)
@@ -36,7 +37,7 @@ def dry_run(cfg: Any, platform: Any, engine_version: str | None, as_json: bool,
     return 1 if plan.errors else 0
 
 
-def placement_summary(cfg: Any, engine_version: str | None) -> dict[str, Any]:
+def placement_summary(cfg: JobConfig, engine_version: str | None) -> dict[str, Any]:
     r = cfg.rollout
     standalone = r.placement == "standalone"
     return {"placement": r.placement, "mode": cfg.trainer.mode, "backend": r.backend,
@@ -46,7 +47,7 @@ def placement_summary(cfg: Any, engine_version: str | None) -> dict[str, Any]:
             "rollout_ranks": r.num_replicas * r.tensor_parallel_size if standalone else 0}
 
 
-def plan_json(cfg: Any, plan: LaunchPlan, engine_version: str | None) -> dict[str, Any]:
+def plan_json(cfg: JobConfig, plan: LaunchPlan, engine_version: str | None) -> dict[str, Any]:
     return {"dry_run": True, "placement": placement_summary(cfg, engine_version),
             **plan.as_dict(), "config": cfg.model_dump(mode="json")}
 
@@ -55,7 +56,7 @@ def plan_json(cfg: Any, plan: LaunchPlan, engine_version: str | None) -> dict[st
 # Every user-controlled string goes through Text(...): rich markup would eat `[vllm]`.
 
 
-def render(cfg: Any, plan: LaunchPlan, engine_version: str | None, console: Console) -> None:
+def render(cfg: JobConfig, plan: LaunchPlan, engine_version: str | None, console: Console) -> None:
     from polyrl.config import to_yaml
 
     console.rule(Text("resolved config"))

@@ -52,7 +52,7 @@ PLAN_ONLY = ("json", "platform", "capability", "gpus_per_node", "engine_version"
 
 def run(args: argparse.Namespace) -> int:
     from polyrl.config import describe, to_yaml
-    from polyrl.trainer.config import JobConfig
+    from polyrl.job import JobConfig
 
     if args.help_config:
         for key, type_name, default, doc in describe(JobConfig):

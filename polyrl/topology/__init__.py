@@ -10,13 +10,10 @@ colocated one-step-off async) is one module plus one entry in TOPOLOGIES.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 from polyrl.registry import Registry
 from polyrl.topology.base import Scorer, Topology, TopologyContext, TrainingError
-
-if TYPE_CHECKING:
-    from polyrl.trainer.config import JobConfig
+from polyrl.job import JobConfig
 
 TOPOLOGIES: Registry[type] = Registry("rollout topology")
 TOPOLOGIES.register("colocated", "polyrl.topology.colocated:ColocatedTopology")

@@ -31,7 +31,7 @@ from polyrl.workers.policy import PolicyWorker
 
 if TYPE_CHECKING:
     from polyrl.data import PromptSample
-    from polyrl.trainer.config import JobConfig
+    from polyrl.job import JobConfig
 
 logger = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ import ray
 
 from polyrl.topology.worker_group import WorkerGroup
 from polyrl.workers.streaming_replica import StreamingReplica
+from polyrl.job import JobConfig
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 class ReplicaPool(WorkerGroup):
     """`workers[i]` is replica i's current actor (replaced in place on restart)."""
 
-    def __init__(self, cfg: Any, spec: Any, mailbox: Any):
+    def __init__(self, cfg: JobConfig, spec: Any, mailbox: Any):
         """`spec`: replica 0's `ActorPlan` (every replica starts with its options: the launch
         plan is the single source of the actors' options, `polyrl train --dry-run`)."""
         self.cfg, self.mailbox = cfg, mailbox

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from polyrl.trainer.config import JobConfig
+from polyrl.job import JobConfig
 
 
 def cpus_needed(cfg: JobConfig) -> tuple[int, int]:

@@ -39,6 +39,7 @@ from ray.exceptions import RayActorError
 from polyrl.distributed.waits import RemoteTimeout, gather
 from polyrl.batch import RolloutBatch, split_evenly
 from polyrl.rollout.base import SamplingParams
+from polyrl.job import JobConfig
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class Call:
 
 
 class RolloutStream:
-    def __init__(self, cfg: Any, pool: Any, loader: Any, score: Callable[[RolloutBatch], dict],
+    def __init__(self, cfg: JobConfig, pool: Any, loader: Any, score: Callable[[RolloutBatch], dict],
                  sampling: SamplingParams):
         self.cfg, self.pool, self.loader, self.score = cfg, pool, loader, score
         self.a = cfg.async_

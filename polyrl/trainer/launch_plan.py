@@ -30,6 +30,7 @@ from polyrl.platform import Platform
 from polyrl.rollout.factory import EXTRAS
 from polyrl.rollout.launch_args import engine_launch_args
 from polyrl.topology.resources import cpus_needed
+from polyrl.job import JobConfig
 
 ENV_ROLE = {"policy": "trainer", "rollout": "rollout"}
 """Environment-plan role of each actor role."""
@@ -159,12 +160,12 @@ def devices_reserved(resources: dict[str, Any]) -> float:
     return resources.get("num_gpus", 0) + sum((resources.get("resources") or {}).values())
 
 
-def _env_kwargs(cfg: Any, engine_version: str | None) -> dict[str, Any]:
+def _env_kwargs(cfg: JobConfig, engine_version: str | None) -> dict[str, Any]:
     return dict(backend=cfg.rollout.backend, placement=cfg.rollout.placement, mode=cfg.trainer.mode,
                 config_env=cfg.env, backend_version=engine_version)
 
 
-def plan_job(cfg: Any, platform: Platform, engine_version: str | None = None) -> JobPlan:
+def plan_job(cfg: JobConfig, platform: Platform, engine_version: str | None = None) -> JobPlan:
     """What `Trainer.setup` passes to `init_ray`: the cluster address, or a local instance
     sized to hold every actor's CPU reservation (at least this machine's cores)."""
     if cfg.ray.address:
@@ -176,7 +177,7 @@ def plan_job(cfg: Any, platform: Platform, engine_version: str | None = None) ->
     return JobPlan(ray_init, plan_for_role(platform, "job", **_env_kwargs(cfg, engine_version)))
 
 
-def engine_launch(cfg: Any, platform: Platform, engine_version: str | None = None) -> EngineLaunch:
+def engine_launch(cfg: JobConfig, platform: Platform, engine_version: str | None = None) -> EngineLaunch:
     """The rollout engine's launch arguments, or the builder's error as data."""
     backend = cfg.rollout.backend
     try:
@@ -186,7 +187,7 @@ def engine_launch(cfg: Any, platform: Platform, engine_version: str | None = Non
     return EngineLaunch(backend, args=args)
 
 
-def replica_concurrency(cfg: Any) -> int:
+def replica_concurrency(cfg: JobConfig) -> int:
     """Concurrent calls an async replica serves: its generation requests (in-flight groups /
     groups per request) + a weight receive + health / validation calls."""
     a = cfg.async_
@@ -194,7 +195,7 @@ def replica_concurrency(cfg: Any) -> int:
     return math.ceil(inflight / a.groups_per_request) + 3
 
 
-def plan_actors(cfg: Any, platform: Platform, engine_version: str | None = None) -> list[ActorPlan]:
+def plan_actors(cfg: JobConfig, platform: Platform, engine_version: str | None = None) -> list[ActorPlan]:
     """Every Ray actor `worker_group.launch` starts for `cfg`, in start order: the policy ranks,
     then (standalone placement) one actor per rollout rank — in async mode one streaming actor per
     replica, outside the process group — then the weight mailbox when weights travel through
@@ -231,7 +232,7 @@ def plan_actors(cfg: Any, platform: Platform, engine_version: str | None = None)
     return actors
 
 
-def job_gangs(cfg: Any, actors: list[ActorPlan]) -> list[Gang]:
+def job_gangs(cfg: JobConfig, actors: list[ActorPlan]) -> list[Gang]:
     """The actors that must share a node: a rollout replica's ranks (standalone) and, in hybrid
     placement, each group of tensor_parallel_size policy ranks whose colocated engines form one
     TP engine. Everyone else is a gang of one."""
@@ -257,7 +258,7 @@ def job_gangs(cfg: Any, actors: list[ActorPlan]) -> list[Gang]:
     return gangs
 
 
-def plan_launch(cfg: Any, platform: Platform, engine_version: str | None = None,
+def plan_launch(cfg: JobConfig, platform: Platform, engine_version: str | None = None,
                 nodes: int | None = None) -> LaunchPlan:
     """The whole plan: Ray job, actors with their devices, and notes on what the plan could not
     settle here. `nodes`: the cluster's node count (None: as many as the job needs)."""
@@ -275,7 +276,7 @@ def plan_launch(cfg: Any, platform: Platform, engine_version: str | None = None,
     return plan
 
 
-def _notes(cfg: Any, platform: Platform, plan: LaunchPlan) -> list[str]:
+def _notes(cfg: JobConfig, platform: Platform, plan: LaunchPlan) -> list[str]:
     notes = []
     backend = cfg.rollout.backend
     if backend in EXTRAS and importlib.util.find_spec(EXTRAS[backend][0]) is None:

@@ -46,7 +46,7 @@ from polyrl.trainer.checkpoint import (
     restore_rng,
     step_dir,
 )
-from polyrl.trainer.config import JobConfig
+from polyrl.job import JobConfig
 from polyrl.trainer.interrupts import TrainingInterrupted, stop_on_signals
 from polyrl.trainer.launch_plan import plan_job
 from polyrl.trainer.metrics import MetricsWriter, PhaseTimer, response_metrics

@@ -12,12 +12,13 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from polyrl.config import ConfigError
+from polyrl.job import JobConfig
 
 CONTEXT_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 """Where Hugging Face model configs keep the longest sequence the model was built for."""
 
 
-def check_job(cfg: Any, train_set: Sequence[Any], val_set: Sequence[Any] | None,
+def check_job(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any] | None,
               model_config: Any | None) -> None:
     """Every pre-flight check; raises `ConfigError` (one problem) at the first failure.
 
@@ -32,7 +33,7 @@ def check_job(cfg: Any, train_set: Sequence[Any], val_set: Sequence[Any] | None,
     check_max_model_len(cfg, longest)
 
 
-def check_platform(cfg: Any) -> None:
+def check_platform(cfg: JobConfig) -> None:
     """`platform=cuda` on a machine without CUDA (and the like) fails here, not inside Ray."""
     from polyrl.platform import PlatformError, get_platform
 
@@ -42,7 +43,7 @@ def check_platform(cfg: Any) -> None:
         raise ConfigError([f"platform={cfg.platform}: {exc}"]) from None
 
 
-def check_reward_function(cfg: Any) -> None:
+def check_reward_function(cfg: JobConfig) -> None:
     """reward.custom_function imports and names a function (its module's own errors included)."""
     spec = cfg.reward.custom_function
     if spec is None:
@@ -59,7 +60,7 @@ def check_reward_function(cfg: Any) -> None:
                            f"{type(exc).__name__}: {exc}{where}; fix the module"]) from None
 
 
-def check_batch_sizes(cfg: Any, train_set: Sequence[Any], val_set: Sequence[Any] | None) -> None:
+def check_batch_sizes(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any] | None) -> None:
     """A training batch must fit in the training set (after bad and over-long rows are dropped)."""
     size, n = cfg.data.train_batch_size, len(train_set)
     if size > n and cfg.data.drop_last:
@@ -89,7 +90,7 @@ def model_context_length(model_config: Any) -> int | None:
     return None
 
 
-def check_model_context(cfg: Any, longest: int, model_config: Any | None) -> None:
+def check_model_context(cfg: JobConfig, longest: int, model_config: Any | None) -> None:
     """Longest prompt + rollout.response_length must fit the model's context window."""
     context = model_context_length(model_config) if model_config is not None else None
     need = longest + cfg.rollout.response_length
@@ -101,7 +102,7 @@ def check_model_context(cfg: Any, longest: int, model_config: Any | None) -> Non
             f"{max(context - longest, 0)}, or data.max_prompt_length to drop long prompts"])
 
 
-def check_max_model_len(cfg: Any, longest: int) -> None:
+def check_max_model_len(cfg: JobConfig, longest: int) -> None:
     """An explicit rollout.max_model_len below prompt + response would clip responses silently."""
     limit = cfg.rollout.max_model_len
     need = longest + cfg.rollout.response_length

@@ -18,47 +18,11 @@ import secrets
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from pydantic import Field, field_validator
-
-from polyrl.config import Config
 
 logger = logging.getLogger(__name__)
 
-SinkName = Literal["jsonl", "tensorboard", "wandb"]
-
 EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
 """Optional sink -> (module it needs, polyrl extra that installs it)."""
-
-
-class LoggingConfig(Config):
-    """Metric sinks, sample logging and the end-of-run plot."""
-
-    sinks: list[SinkName] = Field(default_factory=lambda: ["jsonl"])
-    """Where metrics go: jsonl (OUTPUT_DIR/metrics.jsonl, always on even if omitted),
-    tensorboard (OUTPUT_DIR/tensorboard, needs polyrl[tensorboard]), wandb (needs polyrl[wandb])."""
-    wandb_project: str = "polyrl"
-    """Weights & Biases project of the run (when sinks includes wandb)."""
-    wandb_mode: Literal["offline", "online"] = "offline"
-    """offline: write the W&B run under OUTPUT_DIR/wandb with no network (upload later with
-    `wandb sync`); online: stream to the W&B server (needs `wandb login`)."""
-    run_name: str | None = None
-    """Run name shown by W&B (default: the name of trainer.output_dir)."""
-    samples_every: int = Field(10, ge=0)
-    """Write example prompts, responses and rewards to OUTPUT_DIR/samples.{jsonl,txt} every this
-    many steps (0 disables)."""
-    num_samples: int = Field(4, ge=1)
-    """Examples written each time, taken from different prompts where possible."""
-    plot_at_end: bool = True
-    """Write OUTPUT_DIR/curves.png (reward, accuracy, validation, length) when training ends."""
-
-    @field_validator("sinks")
-    @classmethod
-    def _jsonl_always(cls, sinks: list[str]) -> list[str]:
-        # metrics.jsonl is what resume, `polyrl plot` and summary tooling read: never optional
-        return ["jsonl", *(s for s in dict.fromkeys(sinks) if s != "jsonl")]
-
-    def resolved_run_name(self, output_dir: Path) -> str:
-        return self.run_name or Path(output_dir).resolve().name
 
 
 class SinkUnavailable(RuntimeError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,9 +32,7 @@ from polyrl.workers.generation import rollout_rows
 from polyrl.workers.model_loading import load_causal_lm, load_tokenizer
 from polyrl.workers.optim import total_optimizer_steps
 from polyrl.workers.rollout_worker import rollout_layout, transport_context
-
-if TYPE_CHECKING:
-    from polyrl.trainer.config import JobConfig
+from polyrl.job import JobConfig
 
 logger = logging.getLogger(__name__)
 

@@ -21,15 +21,16 @@ from polyrl.weights import build_transport
 from polyrl.batch import RolloutBatch
 from polyrl.rollout.base import SamplingParams
 from polyrl.workers.generation import rollout_rows
+from polyrl.job import JobConfig
 
 
-def rollout_layout(cfg: Any) -> RankLayout:
+def rollout_layout(cfg: JobConfig) -> RankLayout:
     return RankLayout(num_replicas=cfg.rollout.num_replicas,
                       tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                       trainer_world_size=cfg.actor.world_size)
 
 
-def transport_context(cfg: Any, group: Any, mailbox: Any) -> dict:
+def transport_context(cfg: JobConfig, group: Any, mailbox: Any) -> dict:
     """What the run's weight transport needs: the weight-sync group, or the mailbox actor."""
     if cfg.weight_transport == "object_store":
         return {"mailbox": mailbox}
@@ -37,7 +38,7 @@ def transport_context(cfg: Any, group: Any, mailbox: Any) -> dict:
 
 
 class RolloutWorker:
-    def __init__(self, cfg: Any, global_rank: int, num_threads: int):
+    def __init__(self, cfg: JobConfig, global_rank: int, num_threads: int):
         self.cfg, self.rank = cfg, global_rank
         torch.set_num_threads(num_threads)
         self.platform = get_platform(cfg.platform)

@@ -23,10 +23,11 @@ from polyrl.batch import RolloutBatch
 from polyrl.rollout.base import SamplingParams
 from polyrl.workers.generation import sampling_params, to_batch
 from polyrl.workers.partial_rollout import WeightGate, generate_resumable
+from polyrl.job import JobConfig
 
 
 class StreamingReplica:
-    def __init__(self, cfg: Any, index: int, num_threads: int, mailbox: Any, weights_cfg: Any):
+    def __init__(self, cfg: JobConfig, index: int, num_threads: int, mailbox: Any, weights_cfg: JobConfig):
         self.cfg, self.index, self.mailbox, self.weights_cfg = cfg, index, mailbox, weights_cfg
         torch.set_num_threads(num_threads)
         self.platform = get_platform(cfg.platform)

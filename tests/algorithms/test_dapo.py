@@ -106,7 +106,7 @@ def test_critic_only_with_gae():
 
 
 def test_dapo_recipe_loads_with_its_settings():
-    from polyrl.trainer.config import JobConfig
+    from polyrl.job import JobConfig
 
     cfg = load_config(JobConfig, files=[REPO / "configs" / "dapo_arith.yaml"])
     algo = cfg.algorithm

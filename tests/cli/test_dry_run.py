@@ -119,7 +119,7 @@ def test_nodes_limit_the_cluster_and_impossible_layouts_say_what_fits(capsys):
     from polyrl.cli.dry_run import dry_run
     from polyrl.config import load_config
     from polyrl.platform import SIMULATED_PROBES, get_platform
-    from polyrl.trainer.config import JobConfig
+    from polyrl.job import JobConfig
 
     h100 = get_platform("cuda", SIMULATED_PROBES["h100"])
     cfg = load_config(JobConfig, overrides=[

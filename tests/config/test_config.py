@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from polyrl.config import ConfigError, describe, load_config, parse_overrides, to_yaml
-from polyrl.trainer.config import JobConfig
+from polyrl.job import JobConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ import torch
 
 from polyrl.config import load_config
 from polyrl.trainer.checkpoint import step_dir
-from polyrl.trainer.config import JobConfig
+from polyrl.job import JobConfig
 from polyrl.trainer.loop import Trainer
 
 B, N = 4, 4

@@ -79,7 +79,7 @@ def test_print_config_and_help_config():
 
 def job_config(*overrides):
     from polyrl.config import load_config
-    from polyrl.trainer.config import JobConfig
+    from polyrl.job import JobConfig
 
     return load_config(JobConfig, overrides=list(overrides))
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from polyrl.config import load_config
 from polyrl.trainer.checkpoint import CheckpointError, complete_checkpoints, find_resume_point
-from polyrl.trainer.config import JobConfig
+from polyrl.job import JobConfig
 from polyrl.trainer.loop import Trainer
 
 VOLATILE = ("timing/", "perf/", "train/epoch")

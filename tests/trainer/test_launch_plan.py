@@ -12,7 +12,7 @@ from polyrl.config import load_config
 from polyrl.envplan.rules import FORWARDED_PREFIXES
 from polyrl.platform import SIMULATED_PROBES, get_platform
 from polyrl.rollout import launch_args
-from polyrl.trainer.config import JobConfig
+from polyrl.job import JobConfig
 from polyrl.trainer.launch_plan import plan_actors, plan_launch
 
 TOK = ("false", "polyrl-default")  # TOKENIZERS_PARALLELISM, in every process

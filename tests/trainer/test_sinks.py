@@ -11,9 +11,9 @@ import torch
 
 from polyrl.config import ConfigError, load_config
 from polyrl.trainer import sinks as sinks_mod
+from polyrl.job import LoggingConfig
 from polyrl.trainer.sinks import (
     JsonlSink,
-    LoggingConfig,
     MetricsSink,
     SinkUnavailable,
     WandbSink,

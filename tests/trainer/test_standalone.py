@@ -9,7 +9,7 @@ import json
 import pytest
 
 from polyrl.config import load_config
-from polyrl.trainer.config import JobConfig
+from polyrl.job import JobConfig
 from polyrl.trainer.loop import Trainer
 
 COMPARED = ("reward/score_mean", "response/length_mean", "actor/loss", "actor/grad_norm",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from polyrl.config import load_config
-from polyrl.trainer.config import JobConfig
+from polyrl.job import JobConfig
 from polyrl.trainer.loop import Trainer
 
 

@@ -12,7 +12,7 @@ import torch
 from polyrl.batch import RolloutBatch
 from polyrl.config import load_config
 from polyrl.rollout.base import SamplingParams
-from polyrl.trainer.config import JobConfig
+from polyrl.job import JobConfig
 from polyrl.training.base import NonFiniteUpdate
 from polyrl.workers.policy import PolicyWorker
 
