@@ -50,9 +50,13 @@ class ActorConfig(Config):
     own). Nothing is packed: CPU attention has no variable-length kernels."""
     world_size: int = Field(1, ge=1)
     """Policy ranks (torch.distributed: gloo on CPU, the platform's backend on GPUs)."""
-    strategy: Literal["ddp"] = "ddp"
+    strategy: Literal["ddp", "fsdp2"] = "ddp"
     """How the ranks share the model: ddp replicates it and all-reduces gradients (one flat
-    all-reduce per optimizer step). Sharded strategies (FSDP2) are not implemented yet."""
+    all-reduce per optimizer step); fsdp2 shards parameters, gradients and optimizer state per
+    decoder layer over the ranks (PyTorch FSDP2; docs/training.md, "DDP or FSDP2")."""
+    offload: bool = False
+    """fsdp2 only: keep the parameter shards and optimizer state in host memory, moving each
+    layer to the device for its forward/backward (no effect on a CPU platform)."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """Master weights and optimizer dtype."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"

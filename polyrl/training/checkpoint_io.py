@@ -1,0 +1,212 @@
+"""Checkpoint files of a sharded engine (fsdp2.py), and Hugging Face directories written from a
+stream of tensors.
+
+A checkpoint directory (trainer/checkpoint.py writes it under a temporary name and renames it
+when complete, so nothing here needs to be atomic) holds, for actor.strategy=fsdp2:
+
+    dcp/        model + optimizer, sharded (torch.distributed.checkpoint): any world size reads it
+    engine.pt   LR schedule and non-finite counter (identical on every rank; rank 0 writes it)
+    policy/     the model in Hugging Face format, gathered tensor by tensor: usable as model.path
+
+and for actor.strategy=ddp (ddp.py) `policy/` plus `engine_rank{r}.pt` (full optimizer per rank),
+which the sharded engine also reads, so a DDP run can resume sharded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor
+
+DCP_DIR = "dcp"
+ENGINE_FILE = "engine.pt"
+SHARD_BYTES = 2 * 2**30
+"""Largest safetensors file of a written Hugging Face directory: also what rank 0 buffers."""
+
+
+# --- sharded state (torch.distributed.checkpoint) ------------------------------------------------
+def save_sharded(directory: Path, model: torch.nn.Module, optimizer, group) -> None:
+    """Every rank writes its shards of the model (and optimizer) under `directory/dcp`."""
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    dcp.save(state, checkpoint_id=str(directory / DCP_DIR), process_group=group)
+
+
+def load_sharded(directory: Path, model: torch.nn.Module, optimizer, group) -> None:
+    """Load `directory`'s model (and optimizer) into this rank's shards, whatever world size wrote
+    it; a checkpoint of another model is an error naming what differs."""
+    if not (directory / DCP_DIR).is_dir():
+        return _load_replicated(directory, model, optimizer)
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    _check_same_model(directory, state["model"], optimizer is not None)
+    dcp.load(state, checkpoint_id=str(directory / DCP_DIR), process_group=group)
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def engine_state(directory: Path) -> dict:
+    """Schedule and counters: this engine's `engine.pt`, or a DDP checkpoint's rank-0 file."""
+    path = directory / ENGINE_FILE
+    if not path.is_file():
+        path = directory / "engine_rank0.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {directory} has no {ENGINE_FILE} or engine_rank0.pt "
+                                "(written by a frozen engine or truncated); give a training checkpoint")
+    saved = torch.load(path, weights_only=False)
+    return {"scheduler": saved["scheduler"], "nonfinite_in_a_row": saved["nonfinite_in_a_row"]}
+
+
+def _check_same_model(directory: Path, model_state: dict, with_optimizer: bool) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = FileSystemReader(str(directory / DCP_DIR)).read_metadata().state_dict_metadata
+    saved_shapes = {k[len("model."):]: tuple(v.size) for k, v in saved.items()
+                    if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    current = {k: tuple(v.shape) for k, v in model_state.items()}
+    missing = sorted(set(current) - set(saved_shapes))
+    unexpected = sorted(set(saved_shapes) - set(current))
+    reshaped = [f"{k}: {saved_shapes[k]} vs {current[k]}" for k in sorted(set(current) & set(saved_shapes))
+                if saved_shapes[k] != current[k]]
+    if missing or unexpected or reshaped:
+        raise ValueError(f"checkpoint {directory} holds another model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}, shapes differ {reshaped[:5]} "
+                         "(resume with the model.path it was written for)")
+    if with_optimizer and not any(k.startswith("optimizer.") for k in saved):
+        raise ValueError(f"checkpoint {directory} has no optimizer state (written by a frozen engine)")
+
+
+def _load_replicated(directory: Path, model: torch.nn.Module, optimizer) -> None:
+    """A DDP checkpoint: full tensors from `policy/`, the full optimizer of `engine_rank0.pt`
+    (identical on every DDP rank); each rank keeps its shards."""
+    from safetensors.torch import load_file
+
+    files = sorted((directory / "policy").glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"checkpoint {directory} has neither {DCP_DIR}/ nor policy/*.safetensors")
+    full: dict[str, torch.Tensor] = {}
+    for f in files:
+        full.update(load_file(str(f)))
+    current = get_model_state_dict(model)
+    tied = set(current) - set(full)
+    for name in tied:  # tied weights are saved once by transformers: take the tensor they share
+        source = _tied_source(model, name)
+        if source is None or source not in full:
+            raise ValueError(f"checkpoint {directory} holds another model: missing {sorted(tied)[:5]} "
+                             "(resume with the model.path it was written for)")
+        full[name] = full[source]
+    unexpected = sorted(set(full) - set(current))
+    reshaped = [k for k in current if tuple(full[k].shape) != tuple(current[k].shape)]
+    if unexpected or reshaped:
+        raise ValueError(f"checkpoint {directory} holds another model: unexpected {unexpected[:5]}, "
+                         f"shapes differ {reshaped[:5]} (resume with the model.path it was written for)")
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, full, options=options)
+    if optimizer is not None:
+        saved = torch.load(directory / "engine_rank0.pt", weights_only=False)["optimizer"]
+        # torch.optim numbers parameters in the order it was given them (ddp.py: trainable
+        # model.parameters()); the state-dict API names them
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        by_id = dict(enumerate(names))
+        osd = {"state": {by_id[i]: s for i, s in saved["state"].items()},
+               "param_groups": [{**g, "params": [by_id[i] for i in g["params"]]} for g in saved["param_groups"]]}
+        set_optimizer_state_dict(model, optimizer, osd, options=options)
+
+
+def _tied_source(model: torch.nn.Module, name: str) -> str | None:
+    """The name under which the parameter `name` is stored when it is shared with another."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    target = params.get(name)
+    if target is None:
+        return None
+    return next((n for n, p in model.named_parameters() if p is target), None)
+
+
+# --- Hugging Face directories ------------------------------------------------------------------
+def write_hf_dir(out: Path, model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], *,
+                 write: bool = True, dtype: torch.dtype | None = None, shard_bytes: int = SHARD_BYTES) -> None:
+    """A Hugging Face model directory from `named` (full tensors, consumed one at a time):
+    safetensors files of at most `shard_bytes` (with an index when there are several), config and
+    generation config. `write=False` only consumes the stream (the other ranks of a gather)."""
+    from safetensors.torch import save_file
+
+    if not write:
+        for _ in named:
+            pass
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    files: list[dict[str, torch.Tensor]] = []
+    written: list[Path] = []
+    bucket: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        nonlocal bucket, size
+        if bucket:
+            path = out / f".part-{len(written):05d}.safetensors"
+            save_file(bucket, str(path), metadata={"format": "pt"})
+            written.append(path)
+            files.append(dict.fromkeys(bucket))
+        bucket, size = {}, 0
+
+    for name, t in [*named, *_persistent_buffers(model)]:
+        t = t.detach().to("cpu", dtype if dtype is not None and t.is_floating_point() else t.dtype).contiguous()
+        if size and size + t.nbytes > shard_bytes:
+            flush()
+        bucket[name] = t
+        size += t.nbytes
+        total += t.nbytes
+    flush()
+    n = len(written)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for path, final in zip(written, names):
+        path.rename(out / final)
+    if n > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {k: final for keys, final in zip(files, names) for k in keys}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    config = model.config
+    if dtype is not None:
+        config = type(config).from_dict(config.to_dict())
+        config.dtype = dtype
+    config.save_pretrained(str(out))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(str(out))
+
+
+def _persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Buffers that belong in a state dict (FSDP2 does not shard buffers)."""
+    out = []
+    for mod_name, mod in model.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                out.append((f"{mod_name}.{name}" if mod_name else name, buf))
+    return out
+
+
+# --- memory ----------------------------------------------------------------------------------------
+def local_state_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state (DTensors: its shard)."""
+    def local(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    params = list(model.parameters())
+    out = {"params": sum(local(p) for p in params),
+           "grads": sum(local(p.grad) for p in params if p.grad is not None),
+           "optimizer": 0}
+    if optimizer is not None:
+        out["optimizer"] = sum(local(v) for s in optimizer.state.values() for v in s.values()
+                               if isinstance(v, torch.Tensor))
+    return out

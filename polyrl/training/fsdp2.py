@@ -1,0 +1,272 @@
+"""Sharded data-parallel training on PyTorch FSDP2 (actor.strategy=fsdp2).
+
+Each decoder layer is one FSDP unit, the rest of the model (embeddings, final norm, LM head, tied
+or not) is the root unit. Every rank stores 1/N of the parameters, gradients and AdamW state;
+a unit's parameters are all-gathered for its forward / backward and its gradients
+reduce-scattered after its backward.
+
+Three differences from the replicated engine (ddp.py), each for a reason:
+
+* Gradients are *summed* over ranks, not averaged (FSDP2's default): the PPO actor's loss is
+  already each micro-batch's share of the global mean (workers/actor.py), exactly as the DDP
+  engine's flat all-reduce assumes. Reduce-scatter runs after every backward and accumulates into
+  the sharded gradient, which is the same sum as one reduction per optimizer step.
+* Every forward is a collective, but ranks plan their micro-batches on their own shard of the
+  batch, so their counts differ. Before each training forward a rank announces itself with a
+  one-element all-reduce; a rank that has run out of micro-batches answers from its next
+  collective entry point (all_reduce / optimizer_step / logprobs / weights / save) and runs a
+  zero-loss forward + backward for every announcement it hears (`_drain`). Zero loss gives zero
+  gradients, so the result is the one DDP computes; the PPO actor needs no change.
+* `named_weights()` gathers one full tensor at a time (DTensor.full_tensor) and every rank of
+  the group must iterate it together (`gathers_weights`).
+
+Checkpoints: `torch.distributed.checkpoint` for the sharded model + optimizer (any world size can
+read them) and, like the DDP engine, a Hugging Face `policy/` directory gathered tensor by tensor
+(checkpoint_io.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from polyrl.batch import MicroBatch, Ragged, RolloutBatch, collate, plan_micro_batches, scatter_rows
+from polyrl.platform import Platform
+from polyrl.training import checkpoint_io
+from polyrl.training.ddp import _OPS, DDPEngine
+from polyrl.training.logprobs import response_logprobs
+from polyrl.workers.config import ActorConfig
+from polyrl.workers.optim import build_optimizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_IDLE, _TRAIN, _NO_GRAD = 0, 1, 2
+"""What a rank announces before a forward: nothing more to run, a forward followed by a
+backward, or a forward without gradient (the drainers mirror whichever is heard)."""
+
+
+class _LogprobRoot(torch.nn.Module):
+    """The root FSDP unit: FSDP2 all-gathers a unit's parameters in its forward hook, and the PPO
+    forward (training/logprobs.py) calls the model's trunk and LM head rather than `model(...)`,
+    so the hook must sit on a module whose forward is that whole computation."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool):
+        logprob, entropy = response_logprobs(self.lm, mb, with_entropy=with_entropy, entropy_grad=entropy_grad)
+        # FSDP2 hooks the backward on the unit's outputs; an in-place op on a view would bypass it
+        return logprob.clone(), None if entropy is None else entropy.clone()
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules to shard one by one: those of the model's `_no_split_modules` classes (what
+    transformers itself never splits across devices), else the entries of `model.model.layers`."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        trunk = getattr(getattr(model, "model", None), "layers", None)
+        layers = list(trunk) if isinstance(trunk, torch.nn.ModuleList) else []
+    if not layers:
+        raise ValueError(f"actor.strategy=fsdp2: {type(model).__name__} has no decoder layers to shard "
+                         "(no module of its _no_split_modules classes, no model.layers); "
+                         "use actor.strategy=ddp for this model")
+    return layers
+
+
+class FSDP2Engine(DDPEngine):
+    gathers_weights = True
+    """Every rank of the group must iterate named_weights() together (each tensor is gathered)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: ActorConfig, platform: Platform,
+                 device: torch.device, *, rank: int = 0, world_size: int = 1, group=None,
+                 horizon: int | None = None):
+        self.model, self.cfg, self.platform, self.device = model, cfg, platform, device
+        self.rank, self.world_size = rank, world_size
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.nonfinite_in_a_row = 0
+        self.optimizer = self.scheduler = None
+        self._dummy: MicroBatch | None = None
+        layers = decoder_layers(model)  # before anything is changed: a bad model fails cleanly
+        self.group = group if group is not None else _default_group(platform, device, world_size)
+        self.compute_dtype = _DTYPES[cfg.compute_dtype]
+        if horizon is None:
+            model.eval().requires_grad_(False)
+        else:
+            model.train()
+        # gradient checkpointing (PolicyWorker enables it before this): transformers checkpoints
+        # each layer non-reentrantly by default, under which FSDP2 re-gathers a layer for its
+        # recomputation (tests/training/test_fsdp2.py trains with it)
+        self.root = _LogprobRoot(model)
+        param_dtype = _DTYPES[cfg.param_dtype]
+        # reduce in fp32 whatever the compute dtype; all-gather in the compute dtype
+        mp = MixedPrecisionPolicy(param_dtype=None if self.compute_dtype == param_dtype else self.compute_dtype,
+                                  reduce_dtype=torch.float32)
+        kwargs = dict(mesh=DeviceMesh.from_group(self.group, device.type), mp_policy=mp)
+        if cfg.offload and device.type != "cpu":
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        elif cfg.offload:
+            logger.info("actor.offload=true on a CPU device: parameters and optimizer state are "
+                        "already in host memory; nothing to offload")
+        for layer in layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(self.root, **kwargs)
+        for m in self.root.modules():
+            if isinstance(m, FSDPModule):
+                # a plain sum (see the module docstring); force SUM because gloo has no PREMUL_SUM
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)
+        if horizon is not None:
+            self.optimizer, self.scheduler = build_optimizer(model.parameters(), cfg, horizon)
+        # the announce/drain handshake on a CPU group: no device sync per micro-batch
+        self.control = self.group if device.type == "cpu" else dist.new_group(
+            dist.get_process_group_ranks(self.group), backend=platform.cpu_dist_backend(),
+            use_local_synchronization=True)
+
+    # --- forward / backward -----------------------------------------------------------------------
+    def forward(self, mb: MicroBatch, with_entropy: bool = False,
+                entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self._announce(_TRAIN if torch.is_grad_enabled() else _NO_GRAD)
+        return self._forward(mb, with_entropy, entropy_grad)
+
+    def _forward(self, mb: MicroBatch, with_entropy: bool = False, entropy_grad: bool = False):
+        with self.platform.training_attention(self.compute_dtype):
+            return self.root(mb, with_entropy, entropy_grad)
+
+    def _announce(self, what: int) -> int:
+        if self.world_size == 1:
+            return what
+        flag = torch.tensor([what], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
+        return int(flag)
+
+    def _drain(self) -> None:
+        """Mirror the forwards other ranks still run (see the module docstring) until all are
+        idle; called before every other collective."""
+        while (heard := self._announce(_IDLE)) != _IDLE:
+            self._dummy_pass(with_grad=heard == _TRAIN)
+
+    def _dummy_pass(self, with_grad: bool) -> None:
+        """One forward (+ backward) that moves the same collectives as a real micro-batch and adds
+        exactly zero to every gradient."""
+        if self._dummy is None:
+            self._dummy = _one_token_micro_batch(self.device)
+        mb = self._dummy
+        with torch.set_grad_enabled(with_grad):
+            logprob, _ = self._forward(mb)
+            if with_grad:
+                (logprob.sum() * 0.0).backward()
+
+    @torch.no_grad()
+    def logprobs(self, batch: RolloutBatch) -> Ragged:
+        """Log-probs of every response token of `batch`; ranks with fewer micro-batches run
+        empty forwards so every rank moves the same all-gathers."""
+        self._drain()
+        was_training = self.root.training
+        self.root.eval()
+        out = Ragged.full_like(batch.response_ids, 0.0, torch.float32)
+        plan = plan_micro_batches(batch.lengths, self.cfg.micro_batch_tokens)
+        count = self.all_reduce(torch.tensor([len(plan)], dtype=torch.int64), "max")
+        for i in range(int(count)):
+            if i < len(plan):
+                mb = collate(batch, plan[i], self.device)
+                lp, _ = self._forward(mb)
+                scatter_rows(out, mb, lp.float().cpu())
+            else:
+                self._dummy_pass(with_grad=False)
+        self.root.train(was_training)
+        self.root.reshard()  # the root unit stays gathered after a forward without backward
+        return out
+
+    # --- optimizer ---------------------------------------------------------------------------------
+    def optimizer_step(self, loss_value: float):
+        self._drain()
+        return super().optimizer_step(loss_value)
+
+    def _reduce_and_clip(self) -> float:
+        """Gradients are already summed and sharded (reduce-scatter after each backward); the norm
+        is over the DTensor shards, all-reduced into the global norm."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:  # as ddp.py: no backward anywhere this step still steps with zeros
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        if self.cfg.grad_clip is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.grad_clip, norm)
+        return float(norm)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self._drain()
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=_OPS[op], group=self.group)
+        return tensor
+
+    # --- weights and checkpoints --------------------------------------------------------------------
+    @torch.no_grad()
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors, gathered one parameter at a time (a collective: every rank iterates);
+        nothing is kept, so a rank holds its shards plus the tensors its consumer keeps."""
+        self._drain()
+        self.root.reshard()
+        for name, p in self.model.named_parameters():
+            yield name, p.full_tensor() if isinstance(p, DTensor) else p
+
+    def save(self, directory: Path) -> None:
+        """`dcp/`: model and optimizer shards (torch.distributed.checkpoint); `engine.pt` (rank 0):
+        schedule and counters; `policy/` (rank 0): the model in Hugging Face format."""
+        self._drain()
+        self.root.reshard()
+        checkpoint_io.save_sharded(directory, self.model, self.optimizer, self.group)
+        if self.rank == 0 and self.scheduler is not None:
+            torch.save({"scheduler": self.scheduler.state_dict(), "nonfinite_in_a_row": self.nonfinite_in_a_row},
+                       directory / checkpoint_io.ENGINE_FILE)
+        checkpoint_io.write_hf_dir(directory / "policy", self.model, self.named_weights(),
+                                   write=self.rank == 0)
+
+    def load(self, directory: Path) -> None:
+        """From this engine's own checkpoints (any world size) or a DDP checkpoint."""
+        self._drain()
+        self.root.reshard()
+        checkpoint_io.load_sharded(directory, self.model, self.optimizer, self.group)
+        if self.scheduler is not None:
+            saved = checkpoint_io.engine_state(directory)
+            self.scheduler.load_state_dict(saved["scheduler"])
+            self.nonfinite_in_a_row = saved["nonfinite_in_a_row"]
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state (its shards)."""
+        return checkpoint_io.local_state_bytes(self.model, self.optimizer)
+
+
+def _one_token_micro_batch(device: torch.device) -> MicroBatch:
+    """A micro-batch of one sample (one prompt token, one response token) that trains nothing:
+    collated like any other, its loss mask zero."""
+    one = Ragged.from_rows([[0]], torch.long)
+    zero = torch.zeros(1, dtype=torch.long)
+    batch = RolloutBatch(prompt_ids=one, response_ids=one, loss_mask=one.with_values(torch.zeros(1)),
+                         group=zero, stop_reason=zero, finished_with_eos=zero.bool(), weight_version=zero,
+                         min_version=zero, max_version=zero, continuations=zero)
+    return collate(batch, [0], device)
+
+
+def _default_group(platform: Platform, device: torch.device, world_size: int):
+    """The world group; a one-rank run has none (PolicyWorker starts torch.distributed only for
+    several ranks), and FSDP2 needs a mesh, so a private one-process world is started."""
+    if not dist.is_initialized():
+        if world_size != 1:
+            raise RuntimeError(f"actor.world_size={world_size} but torch.distributed is not initialized")
+        backend = platform.cpu_dist_backend() if device.type == "cpu" else platform.dist_backend()
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.group.WORLD

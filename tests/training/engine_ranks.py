@@ -1,0 +1,144 @@
+"""What one rank of a training-engine test runs (imported by the gloo ranks of gloo_world.py).
+
+A fixed hand-built RolloutBatch, sharded over the ranks the way the trainer shards it
+(polyrl.batch.shard), trained with the real PPOActor through `build_engine`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from polyrl.algorithms import AlgorithmConfig
+from polyrl.algorithms.off_policy import OffPolicyConfig
+from polyrl.batch import Ragged, RolloutBatch, plan_micro_batches, shard
+from polyrl.platform import get_platform
+from polyrl.training import build_engine
+from polyrl.workers.actor import PPOActor
+from polyrl.workers.config import ActorConfig
+from polyrl.workers.model_loading import load_causal_lm
+
+SHARE_KEYS = ("actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/nonfinite_skipped")
+"""Metrics that are global by construction (the per-token local means are averaged over ranks)."""
+
+
+def make_batch(seed: int, n: int = 7, vocab: int = 128) -> RolloutBatch:
+    """`n` samples of different prompt / response lengths, random tokens, advantages and
+    rollout log-probs; a hole in one loss mask."""
+    g = torch.Generator().manual_seed(seed)
+    P = torch.randint(4, 24, (n,), generator=g).tolist()
+    R = torch.randint(1, 30, (n,), generator=g).tolist()
+    prompts = Ragged.from_rows([torch.randint(2, vocab, (p,), generator=g) for p in P], torch.long)
+    responses = Ragged.from_rows([torch.randint(2, vocab, (r,), generator=g) for r in R], torch.long)
+    mask = Ragged.full_like(responses, 1.0, torch.float32)
+    mask.values[1] = 0.0  # a token the policy did not sample
+    zeros = torch.zeros(n, dtype=torch.long)
+    return RolloutBatch(
+        prompt_ids=prompts, response_ids=responses, loss_mask=mask, group=torch.arange(n) // 2,
+        stop_reason=zeros, finished_with_eos=torch.ones(n, dtype=torch.bool), weight_version=zeros,
+        min_version=zeros, max_version=zeros, continuations=zeros,
+        rollout_logprobs=responses.with_values(-torch.rand(len(responses.values), generator=g) * 3),
+        advantages=torch.randn(n, generator=g))
+
+
+def actor_config(strategy: str, **overrides) -> ActorConfig:
+    # a tiny token budget: several micro-batches per rank, and different counts on each rank
+    fields = dict(strategy=strategy, lr=1e-3, micro_batch_tokens=64, ppo_epochs=2, grad_clip=0.5)
+    return ActorConfig(**{**fields, **overrides})
+
+
+def build(model_path: str, cfg: ActorConfig, rank: int, world_size: int, horizon: int | None = 8):
+    platform = get_platform("cpu")
+    device = platform.torch_device(0)
+    model = load_causal_lm(model_path, cfg.param_dtype).to(device)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    engine = build_engine(model, cfg, platform, device, rank=rank, world_size=world_size,
+                          group=dist.group.WORLD if dist.is_initialized() else None, horizon=horizon)
+    return engine, PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve("sync"), device)
+
+
+def full_weights(engine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in engine.named_weights()}
+
+
+BATCHES = ((1, 7), (2, 7), (3, 1))
+"""(seed, samples) of each update: 7 samples split 4 / 3 over two ranks, then 1 (rank 1 idle)."""
+
+
+def train(rank: int, world_size: int, model_path: str, strategy: str, batches=BATCHES,
+          overrides: dict | None = None) -> dict:
+    """One update (`ppo_epochs`=2 optimizer steps) per fixed batch; the metrics of each update,
+    the micro-batches each rank ran, and the final full weights."""
+    cfg = actor_config(strategy, **(overrides or {}))
+    engine, actor = build(model_path, cfg, rank, world_size)
+    metrics, micro = [], []
+    for seed, n in batches:
+        mine = shard(make_batch(seed, n), world_size)[rank]
+        micro.append(len(plan_micro_batches(mine.lengths, cfg.micro_batch_tokens)))
+        m = actor.update(mine, num_mini_batches=1, use_rollout_logprobs=False)
+        metrics.append({k: m[k] for k in SHARE_KEYS})
+    return {"metrics": metrics, "micro_batches": micro, "weights": full_weights(engine)}
+
+
+def _updates(actor, batches, rank: int, world_size: int) -> list[dict]:
+    out = []
+    for seed, n in batches:
+        m = actor.update(shard(make_batch(seed, n), world_size)[rank], 1, False)
+        out.append({k: m[k] for k in SHARE_KEYS})
+    return out
+
+
+def save_then_train(rank: int, world_size: int, model_path: str, ckpt: str, batches=BATCHES) -> dict:
+    """Train on the first batch, checkpoint, train on the rest: the metrics after the checkpoint
+    and the final weights (what a resumed run must reproduce)."""
+    engine, actor = build(model_path, actor_config("fsdp2"), rank, world_size)
+    _updates(actor, batches[:1], rank, world_size)
+    Path(ckpt).mkdir(parents=True, exist_ok=True)
+    engine.save(Path(ckpt))
+    return {"metrics": _updates(actor, batches[1:], rank, world_size), "weights": full_weights(engine)}
+
+
+def resume_then_train(rank: int, world_size: int, model_path: str, ckpt: str, batches=BATCHES,
+                      strategy: str = "fsdp2") -> dict:
+    engine, actor = build(model_path, actor_config(strategy), rank, world_size)
+    engine.load(Path(ckpt))
+    return {"metrics": _updates(actor, batches[1:], rank, world_size), "weights": full_weights(engine)}
+
+
+def fsdp2_facts(rank: int, world_size: int, model_path: str, ckpt: str) -> dict:
+    """Everything the fsdp2 tests check on one world (each world start costs an import of
+    transformers per rank): the training run with a checkpoint after the first update, the
+    reference engine, and a weight sync."""
+    import weakref
+
+    cfg = actor_config("fsdp2")
+    engine, actor = build(model_path, cfg, rank, world_size)
+    out: dict = {"metrics": [], "micro_batches": []}
+    for i, (seed, n) in enumerate(BATCHES):
+        mine = shard(make_batch(seed, n), world_size)[rank]
+        out["micro_batches"].append(len(plan_micro_batches(mine.lengths, cfg.micro_batch_tokens)))
+        m = actor.update(mine, 1, False)
+        out["metrics"].append({k: m[k] for k in SHARE_KEYS})
+        if i == 0:
+            Path(ckpt).mkdir(parents=True, exist_ok=True)
+            engine.save(Path(ckpt))
+    out["state_bytes"] = engine.state_bytes()
+    # weight sync: how many gathered tensors are alive at once when the consumer keeps none
+    refs, live_peak, largest, total = [], 0, 0, 0
+    for _, t in engine.named_weights():
+        refs.append(weakref.ref(t))
+        largest, total = max(largest, t.nbytes), total + t.nbytes
+        live_peak = max(live_peak, sum(r() is not None for r in refs))
+        del t
+    out["sync"] = {"live_peak": live_peak, "largest": largest, "total": total}
+    out["weights"] = full_weights(engine)
+    # the reference policy: sharded, frozen, no optimizer state
+    ref, _ = build(model_path, cfg, rank, world_size, horizon=None)
+    out["reference"] = {
+        "optimizer": ref.optimizer, "trainable": sum(p.requires_grad for p in ref.model.parameters()),
+        "state_bytes": ref.state_bytes(),
+        "logprobs": ref.logprobs(shard(make_batch(5, 5), world_size)[rank]).values}
+    return out
