@@ -20,7 +20,7 @@ from polyrl.platform import Platform
 from polyrl.training.base import MicroBatch, NonFiniteUpdate, StepResult
 from polyrl.training.logprobs import response_logprobs
 from polyrl.workers.config import ActorConfig
-from polyrl.workers.optim import build_optimizer
+from polyrl.training.optim import build_optimizer
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 

@@ -14,7 +14,7 @@ import torch
 
 from polyrl.batch import split_evenly
 from polyrl.workers.config import ActorConfig
-from polyrl.workers.optim import build_optimizer, optimizer_steps_per_train_step, total_optimizer_steps
+from polyrl.training.optim import build_optimizer, optimizer_steps_per_train_step, total_optimizer_steps
 
 LR = 1e-3
 
