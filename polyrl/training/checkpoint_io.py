@@ -134,11 +134,12 @@ def _tied_source(model: torch.nn.Module, name: str) -> str | None:
 
 
 # --- Hugging Face directories ------------------------------------------------------------------
-def write_hf_dir(out: Path, model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], *,
+def write_hf_dir(out: Path, named: Iterable[tuple[str, torch.Tensor]], config, generation_config=None, *,
                  write: bool = True, dtype: torch.dtype | None = None, shard_bytes: int = SHARD_BYTES) -> None:
     """A Hugging Face model directory from `named` (full tensors, consumed one at a time):
     safetensors files of at most `shard_bytes` (with an index when there are several), config and
-    generation config. `write=False` only consumes the stream (the other ranks of a gather)."""
+    generation config; `dtype` casts floating-point tensors. `write=False` only consumes the
+    stream (the other ranks of a gather)."""
     from safetensors.torch import save_file
 
     if not write:
@@ -146,43 +147,47 @@ def write_hf_dir(out: Path, model: torch.nn.Module, named: Iterable[tuple[str, t
             pass
         return
     out.mkdir(parents=True, exist_ok=True)
-    files: list[dict[str, torch.Tensor]] = []
-    written: list[Path] = []
+    parts: list[tuple[Path, list[str]]] = []
     bucket: dict[str, torch.Tensor] = {}
     size = total = 0
 
     def flush() -> None:
         nonlocal bucket, size
         if bucket:
-            path = out / f".part-{len(written):05d}.safetensors"
+            path = out / f".part-{len(parts):05d}.safetensors"
             save_file(bucket, str(path), metadata={"format": "pt"})
-            written.append(path)
-            files.append(dict.fromkeys(bucket))
+            parts.append((path, list(bucket)))
         bucket, size = {}, 0
 
-    for name, t in [*named, *_persistent_buffers(model)]:
-        t = t.detach().to("cpu", dtype if dtype is not None and t.is_floating_point() else t.dtype).contiguous()
+    for name, t in named:
+        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        t = t.detach().to("cpu", cast).contiguous()
         if size and size + t.nbytes > shard_bytes:
             flush()
         bucket[name] = t
         size += t.nbytes
         total += t.nbytes
     flush()
-    n = len(written)
+    n = len(parts)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    for path, final in zip(written, names):
+    for (path, _), final in zip(parts, names):
         path.rename(out / final)
     if n > 1:
         index = {"metadata": {"total_size": total},
-                 "weight_map": {k: final for keys, final in zip(files, names) for k in keys}}
+                 "weight_map": {k: final for (_, keys), final in zip(parts, names) for k in keys}}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
-    config = model.config
     if dtype is not None:
         config = type(config).from_dict(config.to_dict())
         config.dtype = dtype
     config.save_pretrained(str(out))
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(str(out))
+    if generation_config is not None:
+        generation_config.save_pretrained(str(out))
+
+
+def model_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]):
+    """`named` (the gathered parameters) followed by the model's persistent buffers."""
+    yield from named
+    yield from _persistent_buffers(model)
 
 
 def _persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -43,7 +43,7 @@ from polyrl.training import checkpoint_io
 from polyrl.training.ddp import _OPS, DDPEngine
 from polyrl.training.logprobs import response_logprobs
 from polyrl.workers.config import ActorConfig
-from polyrl.workers.optim import build_optimizer
+from polyrl.training.optim import build_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -232,8 +232,9 @@ class FSDP2Engine(DDPEngine):
         if self.rank == 0 and self.scheduler is not None:
             torch.save({"scheduler": self.scheduler.state_dict(), "nonfinite_in_a_row": self.nonfinite_in_a_row},
                        directory / checkpoint_io.ENGINE_FILE)
-        checkpoint_io.write_hf_dir(directory / "policy", self.model, self.named_weights(),
-                                   write=self.rank == 0)
+        tensors = checkpoint_io.model_tensors(self.model, self.named_weights())
+        checkpoint_io.write_hf_dir(directory / "policy", tensors, self.model.config,
+                                   getattr(self.model, "generation_config", None), write=self.rank == 0)
 
     def load(self, directory: Path) -> None:
         """From this engine's own checkpoints (any world size) or a DDP checkpoint."""

@@ -1,0 +1,107 @@
+"""`polyrl export CHECKPOINT --output DIR [--dtype bfloat16]`: a Hugging Face model directory from
+a training checkpoint.
+
+Every checkpoint carries the policy in Hugging Face format under `policy/` (DDP: rank 0's
+save_pretrained; FSDP2: gathered tensor by tensor, training/checkpoint_io.py), so export reads
+that, never the sharded optimizer files: tensors are streamed one at a time (optionally cast),
+written as safetensors files of at most 2 GiB, with config, generation config and tokenizer. The
+result loads in transformers and serves with `polyrl serve --model DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from polyrl.cli.common import CLIError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write a Hugging Face model directory from a training checkpoint",
+                       description="Read CHECKPOINT (a checkpoints/step_NNNNNN directory of a run, DDP "
+                       "or FSDP2, or its policy/ directory) and write a model directory that "
+                       "transformers and `polyrl serve --model DIR` load.")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="outputs/<run>/checkpoints/step_NNNNNN")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="new directory to write")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="cast floating-point weights (default: keep the checkpoint's dtype)")
+    p.set_defaults(func=run)
+
+
+def policy_dir(checkpoint: Path) -> Path:
+    """The Hugging Face directory inside `checkpoint` (or `checkpoint` itself if it is one)."""
+    if not checkpoint.is_dir():
+        raise CLIError(f"CHECKPOINT: {checkpoint} is not a directory; give a run's "
+                       "checkpoints/step_NNNNNN directory")
+    for candidate in (checkpoint / "policy", checkpoint):
+        if (candidate / "config.json").is_file() and any(candidate.glob("*.safetensors")):
+            return candidate
+    raise CLIError(f"CHECKPOINT: {checkpoint} has no policy/ directory with config.json and "
+                   "*.safetensors; give a run's checkpoints/step_NNNNNN directory")
+
+
+def _tokenizer_source(checkpoint: Path, policy: Path) -> str:
+    """The policy directory when the checkpoint saved its tokenizer there (PolicyWorker does),
+    else the tokenizer of the config that wrote the checkpoint."""
+    if (policy / "tokenizer_config.json").is_file():
+        return str(policy)
+    config = checkpoint / "config.yaml"
+    if config.is_file():
+        import yaml
+
+        from polyrl.builtin import resolve
+
+        model = (yaml.safe_load(config.read_text()) or {}).get("model", {})
+        source = model.get("tokenizer_path") or model.get("path")
+        if source:
+            return str(resolve(source))
+    raise CLIError(f"CHECKPOINT: {checkpoint} holds no tokenizer (policy/tokenizer_config.json) and "
+                   "no config.yaml naming model.path; copy the tokenizer files into policy/")
+
+
+def _tensors(policy: Path):
+    from safetensors import safe_open
+
+    for file in sorted(policy.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def export(checkpoint: Path, output: Path, dtype: str | None = None) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from polyrl.training.checkpoint_io import write_hf_dir
+
+    policy = policy_dir(checkpoint)
+    if output.exists() and any(output.iterdir()):
+        raise CLIError(f"--output: {output} exists and is not empty; choose a new directory")
+    tokenizer = AutoTokenizer.from_pretrained(_tokenizer_source(checkpoint, policy))
+    config = AutoConfig.from_pretrained(str(policy))
+    try:
+        generation = GenerationConfig.from_pretrained(str(policy))
+    except OSError:  # a checkpoint without one: what transformers derives from the config
+        generation = GenerationConfig.from_model_config(config)
+    # written beside the target and renamed: an interrupted export leaves no half directory
+    tmp = output.parent / f".{output.name}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_hf_dir(tmp, _tensors(policy), config, generation,
+                 dtype=getattr(torch, dtype) if dtype else None)
+    tokenizer.save_pretrained(str(tmp))
+    if output.exists():
+        output.rmdir()
+    tmp.rename(output)
+    return output
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        out = export(Path(args.checkpoint).expanduser(), Path(args.output).expanduser(), args.dtype)
+    except OSError as exc:
+        raise CLIError(f"export failed: {exc}") from None
+    print(f"wrote {out} (load with transformers, or `polyrl serve --model {out}`)", flush=True)
+    return 0
