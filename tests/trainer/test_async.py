@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -76,10 +75,12 @@ def test_replica_killed_mid_step(ray_session, tiny_model, arith_files, tmp_path)
 
         def take_and_record():
             if len(consumed) == B and not killed:  # step 2: kill replica 0 while it generates
-                deadline = time.time() + 60
-                while not any(c.replica == 0 for c in t.topology.stream.calls.values()):
-                    assert time.time() < deadline, "replica 0 never got work"
+                for _ in range(6000):  # each pump dispatches or waits up to 10 ms
+                    if any(c.replica == 0 for c in t.topology.stream.calls.values()):
+                        break
                     t.topology.stream.pump(0.01)
+                else:
+                    raise AssertionError("replica 0 never got work")
                 killed.append(t.topology.pool.workers[0])
                 ray.kill(t.topology.pool.workers[0])
             groups, metrics = take()
@@ -128,24 +129,24 @@ def test_replica_dead_during_validation(ray_session, tiny_model, arith_files, tm
 
 
 def test_trainer_killed_and_resumed(ray_session, tiny_model, arith_files, tmp_path):
-    import ray
-
     out = tmp_path / "o"
     args = overrides(tiny_model, arith_files, out, tmp_path, "trainer.total_steps=8", "trainer.save_every=1",
                      "trainer.keep_last=8",  # step 1's checkpoint stays, however far the run got
                      "trainer.val_before_train=false", "trainer.val_every=0", "actor.ppo_epochs=2",
                      f"ray.address={ray_session.get_runtime_context().gcs_address}")
-    proc = subprocess.Popen([sys.executable, "-m", "polyrl", "train", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "polyrl", "-v", "train", *args], text=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     # step 1's checkpoint: batch 2 started (one replica, at most B groups in flight) as batch 1's
     # groups finished, i.e. before version 1 existed, and finished during update 1
     ckpt = step_dir(out, 1)
     try:
-        deadline = time.time() + 120
-        while not (ckpt / "driver.pt").is_file():
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            assert time.time() < deadline, "no checkpoint within 120 s"
-            time.sleep(0.1)
+        seen = []
+        for line in proc.stderr:  # the run's own log says when the checkpoint is complete
+            seen.append(line)
+            if "checkpoint written" in line:  # the first one is step 1's (save_every=1)
+                break
+        else:
+            raise AssertionError("the run ended before writing step 1's checkpoint:\n" + "".join(seen[-40:]))
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -159,10 +160,7 @@ def test_trainer_killed_and_resumed(ray_session, tiny_model, arith_files, tmp_pa
     stale = sum(1 for g in state["ready"] if int(g.samples.min_version.min()) < 1)
     assert stale >= 1, "the checkpoint should hold finished groups generated before version 1"
 
-    deadline = time.time() + 60  # the killed driver's actors are reclaimed by Ray
-    while ray.available_resources().get("CPU", 0) < 2:
-        assert time.time() < deadline
-        time.sleep(0.2)
+    # (the killed driver's actors free their CPUs lazily: Trainer.setup waits for them)
     # resume with a tighter bound: the saved groups from version 0 are now too stale
     from polyrl.cli.train import (
         EMBEDDED_DEFAULT,  # what `polyrl train` without -c starts from
