@@ -9,6 +9,58 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # test helpers (tiny_models)
 
+# The slow tier: end-to-end training runs, CLI subprocess runs, Ray clusters and benchmarks.
+# `python -m pytest -m "not slow"` skips them (the unit and component tests, a few minutes on 2
+# cores); plain `python -m pytest` (.ci/run) runs everything. Keys are node-id prefixes (a
+# module, a test, or a test with all its parameters); the numbers are seconds measured on the
+# 2-core machine with `--durations`, under load from other work (setup included where it is the
+# cost). A test file may also mark itself with @pytest.mark.slow.
+SLOW_TESTS = {
+    "tests/placement/test_simulated_cluster.py": 339,  # a simulated multi-node Ray cluster
+    "tests/rollout/server/test_ray_server.py": 327,  # Ray server actors + router
+    "tests/trainer/test_embedded_default.py": 62,
+    "tests/trainer/test_interrupt.py::test_sigterm_checkpoints_and_exits_143": 50,
+    "tests/trainer/test_interrupt.py::test_second_ctrl_c_abandons_the_step_and_exits_130": 47,
+    "tests/trainer/test_interrupt.py::test_sigterm_during_start_up_exits_143_with_a_message": 7,
+    "tests/trainer/test_async.py": 93,  # 48 + 25 + 10 + 10
+    "tests/trainer/test_standalone.py::test_standalone_embedded_default_learns": 25,
+    "tests/trainer/test_standalone.py::test_sync_standalone_over_the_object_store": 20,
+    "tests/trainer/test_standalone.py::test_two_replicas_reproduce_hybrid": 13,
+    "tests/trainer/test_launch_plan.py::test_plan_equals_a_real_standalone_launch": 14,
+    "tests/trainer/test_train_loop.py::test_two_steps_write_metrics_and_summary": 9,
+    "tests/trainer/test_train_loop.py::test_two_ranks_train_like_one": 9,
+    "tests/trainer/test_train_loop.py::test_kl_loss_uses_reference_and_reports_kl": 10,
+    # the module's `uninterrupted` training run is set up once for these
+    "tests/trainer/test_checkpoint_resume.py::test_resume_matches_uninterrupted": 6,
+    "tests/trainer/test_checkpoint_resume.py::test_checkpoints_are_pruned_loadable_and_atomic": 1,
+    "tests/trainer/test_checkpoint_resume.py::test_incompatible_resume_names_the_field": 1,
+    "tests/trainer/test_checkpoint_resume.py::test_harmless_change_is_allowed": 1,
+    "tests/trainer/test_checkpoint_resume.py::test_keep_last_prunes": 5,
+    "tests/trainer/test_plots.py::test_polyrl_plot_cli": 12,
+    "tests/trainer/test_sinks.py::test_wandb_offline_run_without_network": 7,
+    # `polyrl train` subprocesses that fail on bad input (6-14 s each: torch + Ray imports)
+    "tests/trainer/test_bad_input.py::test_missing_data_file": 9,
+    "tests/trainer/test_bad_input.py::test_missing_columns_are_named": 14,
+    "tests/trainer/test_bad_input.py::test_corrupt_file": 11,
+    "tests/trainer/test_bad_input.py::test_missing_model_path": 8,
+    "tests/trainer/test_bad_input.py::test_contradictory_config": 25,  # 4 x ~6
+    "tests/trainer/test_bad_input.py::test_engine_not_installed_names_the_extra": 6,
+    "tests/trainer/test_bad_input.py::test_print_config_and_help_config": 10,
+    "tests/rollout/server/test_serve_cli.py": 7,
+    "tests/cli/test_env_doctor.py::test_env_table_and_bad_flags": 20,
+    "tests/weights/test_bench_weights.py": 22,
+    "tests/weights/test_fp8.py::test_bench_fp8_quick_json": 7,
+    "tests/assets/test_tiny_assets.py::test_warm_start_writes_answer_format": 18,
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(item.nodeid == key or item.nodeid.startswith((key + "::", key + "["))
+               for key in SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def ray_session():

@@ -10,8 +10,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "architecture.md"
 CITED = re.compile(r"\bR([1-9])\b")
-SOURCES = [p for d in ("polyrl", "docs", "tests") for p in (ROOT / d).rglob("*")
-           if p.suffix in (".py", ".md") and p.is_file()]
+
+
+def sources() -> dict[str, str]:
+    """Repository path -> text of every .py / .md file under polyrl, docs and tests (a file
+    that disappears while this reads, moved by a concurrent edit, is left out)."""
+    out = {}
+    for path in (p for d in ("polyrl", "docs", "tests") for p in (ROOT / d).rglob("*")):
+        if path.suffix in (".py", ".md") and path != Path(__file__).resolve():
+            try:
+                out[path.relative_to(ROOT).as_posix()] = path.read_text()
+            except (FileNotFoundError, IsADirectoryError):
+                continue
+    return out
 
 
 def headings() -> list[str]:
@@ -21,14 +32,13 @@ def headings() -> list[str]:
 def test_every_cited_requirement_has_a_section():
     sections = {m.group(1) for h in headings() if (m := re.match(r"R([1-9]) — ", h))}
     assert sections == {"1", "2", "3", "4", "5"}
-    cited = {(p.relative_to(ROOT).as_posix(), n) for p in SOURCES for n in CITED.findall(p.read_text())}
+    cited = {(path, n) for path, text in sources().items() for n in CITED.findall(text)}
     missing = sorted(c for c in cited if c[1] not in sections)
     assert not missing, f"cited requirements without a section in docs/architecture.md: {missing}"
 
 
 def test_nothing_cites_a_design_document_outside_the_repository():
-    offenders = [p.relative_to(ROOT).as_posix() for p in SOURCES
-                 if p != Path(__file__).resolve() and "DESIGN.md" in p.read_text()]
+    offenders = [path for path, text in sources().items() if "DESIGN.md" in text]
     assert not offenders
 
 
