@@ -91,10 +91,11 @@ def _updates(actor, batches, rank: int, world_size: int) -> list[dict]:
     return out
 
 
-def save_then_train(rank: int, world_size: int, model_path: str, ckpt: str, batches=BATCHES) -> dict:
+def save_then_train(rank: int, world_size: int, model_path: str, ckpt: str, batches=BATCHES,
+                    strategy: str = "fsdp2") -> dict:
     """Train on the first batch, checkpoint, train on the rest: the metrics after the checkpoint
     and the final weights (what a resumed run must reproduce)."""
-    engine, actor = build(model_path, actor_config("fsdp2"), rank, world_size)
+    engine, actor = build(model_path, actor_config(strategy), rank, world_size)
     _updates(actor, batches[:1], rank, world_size)
     Path(ckpt).mkdir(parents=True, exist_ok=True)
     engine.save(Path(ckpt))
@@ -125,6 +126,7 @@ def fsdp2_facts(rank: int, world_size: int, model_path: str, ckpt: str) -> dict:
         if i == 0:
             Path(ckpt).mkdir(parents=True, exist_ok=True)
             engine.save(Path(ckpt))
+            out["weights_at_save"] = full_weights(engine)
     out["state_bytes"] = engine.state_bytes()
     # weight sync: how many gathered tensors are alive at once when the consumer keeps none
     refs, live_peak, largest, total = [], 0, 0, 0
@@ -141,4 +143,19 @@ def fsdp2_facts(rank: int, world_size: int, model_path: str, ckpt: str) -> dict:
         "optimizer": ref.optimizer, "trainable": sum(p.requires_grad for p in ref.model.parameters()),
         "state_bytes": ref.state_bytes(),
         "logprobs": ref.logprobs(shard(make_batch(5, 5), world_size)[rank]).values}
+    return out
+
+
+def fsdp2_extras(rank: int, world_size: int, model_path: str, ddp_ckpt: str, other_model: str) -> dict:
+    """Gradient checkpointing + actor.offload; resuming a DDP checkpoint; loading a checkpoint of
+    another model (its error message)."""
+    out = {"checkpointed": train(rank, world_size, model_path, "fsdp2",
+                                 overrides={"gradient_checkpointing": True, "offload": True})["metrics"]}
+    out["from_ddp"] = resume_then_train(rank, world_size, model_path, ddp_ckpt)
+    engine, _ = build(other_model, actor_config("fsdp2"), rank, world_size)
+    try:
+        engine.load(Path(ddp_ckpt))
+        out["mismatch"] = None
+    except ValueError as exc:
+        out["mismatch"] = str(exc)
     return out

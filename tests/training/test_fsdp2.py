@@ -134,3 +134,40 @@ def test_decoder_layers_of_a_transformers_model(tiny_model):
 
     layers = decoder_layers(load_causal_lm(tiny_model))
     assert [type(m).__name__ for m in layers] == ["Qwen2DecoderLayer"] * 2
+
+
+@pytest.mark.slow
+def test_checkpointing_offload_ddp_resume_and_mismatch(ddp_one_rank, tiny_model, tmp_path):
+    """Gradient checkpointing (+ actor.offload, a no-op on CPU) trains the same; a DDP checkpoint
+    resumes sharded; a checkpoint of another model is refused, naming model.path."""
+    from tiny_models import build_tiny_model
+
+    ddp_ckpt = tmp_path / "ddp-ckpt"
+    uninterrupted = engine_ranks.save_then_train(0, 1, tiny_model, str(ddp_ckpt), strategy="ddp")
+    other = build_tiny_model(tmp_path / "other", hidden=32)
+    (tmp_path / "w").mkdir()
+    ranks = run_world_ok(engine_ranks.fsdp2_extras, 2, tmp_path / "w",
+                         args=(tiny_model, str(ddp_ckpt), other), timeout_s=400, backend_timeout_s=300)
+    for r in ranks.values():
+        same_metrics(r["checkpointed"], ddp_one_rank["metrics"])
+        same_metrics(r["from_ddp"]["metrics"], uninterrupted["metrics"])
+        assert "holds another model" in r["mismatch"] and "model.path" in r["mismatch"]
+    same_weights(ranks[0]["from_ddp"]["weights"], uninterrupted["weights"])
+
+
+def test_export_of_a_sharded_checkpoint(fsdp2_two_ranks, tiny_model, tmp_path, capsys):
+    """policy/ of an FSDP2 checkpoint, gathered tensor by tensor, is the model at the save."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from polyrl.cli.main import main
+
+    ranks, ckpt = fsdp2_two_ranks
+    # the engine alone writes no tokenizer (PolicyWorker adds it) and this one has no config.yaml
+    assert main(["export", str(ckpt), "-o", str(tmp_path / "a")]) == 2
+    assert "holds no tokenizer" in capsys.readouterr().err
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(str(ckpt / "policy"))
+    assert main(["export", str(ckpt), "-o", str(tmp_path / "b")]) == 0
+    params = dict(AutoModelForCausalLM.from_pretrained(str(tmp_path / "b")).named_parameters())
+    saved = ranks[0]["weights_at_save"]
+    assert sorted(saved) == sorted(params)
+    assert all(torch.equal(params[k], v) for k, v in saved.items())
