@@ -55,7 +55,9 @@ class RolloutWorker:
         self.replica = groups.info.replica
         self.engine = build_standalone_engine(cfg.rollout, cfg.model.path, self.device,
                                               seed=cfg.trainer.seed + 1000 * self.rank,
-                                              platform=self.platform)
+                                              platform=self.platform,
+                                              trust_remote_code=cfg.model.trust_remote_code,
+                                              tokenizer_path=cfg.model.tokenizer_path)
         self.tokenizer = self.engine.tokenizer
         self.transport = build_transport(cfg.resolved_weights, "standalone",
                                          **transport_context(cfg, groups.group("weight_sync"), mailbox))

@@ -39,7 +39,9 @@ class StreamingReplica:
         cfg = self.cfg
         self.engine = build_standalone_engine(cfg.rollout, cfg.model.path, self.device,
                                               seed=cfg.trainer.seed + 1000 * self.index,
-                                              platform=self.platform)
+                                              platform=self.platform,
+                                              trust_remote_code=cfg.model.trust_remote_code,
+                                              tokenizer_path=cfg.model.tokenizer_path)
         self.tokenizer = self.engine.tokenizer
         self.gate = WeightGate(self.engine, cfg.async_.partial_rollout)
         self.transport = build_transport(self.weights_cfg, "standalone", mailbox=self.mailbox)

@@ -42,11 +42,6 @@ def env_of(plan) -> dict[str, tuple[str, str]]:
     return {name: (e.value, e.source) for name, e in plan.entries.items()}
 
 
-def needs_builder(backend: str):
-    return pytest.mark.skipif(backend not in launch_args.BUILDERS,
-                              reason=f"no {backend} launch-argument builder in this checkout yet")
-
-
 def test_hybrid_h100_two_policy_ranks():
     cfg = job("actor.world_size=2", "data.train_batch_size=16")
     actors = plan_actors(cfg, machine("h100"))
@@ -69,7 +64,6 @@ def launch_args_model():
     return resolve("builtin:tiny-arith")
 
 
-@needs_builder("vllm")
 def test_standalone_h100_vllm_two_replicas_user_cumem_survives(monkeypatch):
     monkeypatch.setenv("NCCL_CUMEM_ENABLE", "1")  # R1: a GB300-class user's setting
     cfg = job("rollout.placement=standalone", "rollout.num_replicas=2", "rollout.backend=vllm",
@@ -133,7 +127,6 @@ def test_gb200_nvls_mnnvl_only_with_opt_in(monkeypatch, opt_in):
         (0, (0,)), (0, (1,)), (0, (2,)), (1, (0,)), (1, (1,))]
 
 
-@needs_builder("trtllm")
 def test_gb200_trtllm_kv_cache_config_merged_key_by_key():
     cfg = job("rollout.placement=standalone", "rollout.backend=trtllm",
               "rollout.gpu_memory_utilization=0.7",
@@ -162,7 +155,6 @@ def test_mi300x_rocm_standalone_sglang(monkeypatch):
         assert plan.actors[1].engine.args["attention_backend"] == "aiter"
 
 
-@needs_builder("sglang")
 def test_sglang_attention_backend_default_and_user_value():
     cfg = job("rollout.placement=standalone", "rollout.backend=sglang")
     new = plan_actors(cfg, machine("h100"), engine_version="0.5.12")[1]
