@@ -76,7 +76,8 @@ def job(layout: str, tp: int, nodes: int) -> JobConfig:
         world = 8 + tp if nodes == 2 else 2 * tp
         overrides += [f"actor.world_size={world}", f"data.train_batch_size={world * 2}"]
     else:
-        replicas = 2 if nodes == 1 else (8 - 1) // tp + 1
+        fits = (8 - 1) // tp  # replicas beside the policy rank on one node
+        replicas = min(2, fits) if nodes == 1 else fits + 1
         overrides += ["rollout.placement=standalone", f"rollout.num_replicas={replicas}"]
         if layout == "async":
             overrides += ["trainer.mode=async"]
