@@ -1,0 +1,200 @@
+"""LoRA on `peft`: adapters on the policy, merged weights for the engines, the base model as the
+reference policy, adapter checkpoints and exports (docs/training.md, "LoRA").
+
+Why these pieces and not more: with peft's LoRA layers the base weights stay frozen in place, so
+- the optimizer sees only the adapter parameters (its state shrinks with them);
+- the reference policy is the same module with the adapters switched off (`adapters_disabled`),
+  no second copy of the model;
+- rollout engines that know nothing of LoRA get full weights under their Hugging Face names with
+  the adapters folded in (`merged_named_weights`), one tensor at a time so a sync never holds a
+  merged copy of the whole model;
+- a checkpoint needs only the adapter (`save_adapter` / `load_adapter`), the base being the
+  unchanged `model.path`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+import torch
+from pydantic import Field
+
+from polyrl.config import Config
+
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+class LoraError(ValueError):
+    """A LoRA setting that cannot apply to this model; the message names the key and the fix."""
+
+
+class LoraConfig(Config):
+    lora_rank: int = Field(0, ge=0)
+    """LoRA rank; 0 trains the full model. With a rank, only the adapters train and hold
+    optimizer state; the engines receive merged weights."""
+    lora_alpha: float | None = Field(None, gt=0)
+    """LoRA scaling numerator (updates are scaled by lora_alpha / lora_rank); null: 2 x lora_rank."""
+    lora_target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Module names that get adapters (e.g. [q_proj, v_proj]), or all-linear: every linear layer
+    but the output head."""
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input during training."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.lora_rank > 0
+
+    @property
+    def alpha(self) -> float:
+        return self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank
+
+
+def linear_layers(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def _output_head(model: torch.nn.Module) -> str | None:
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    return next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+
+
+def targeted_layers(model: torch.nn.Module, cfg: LoraConfig) -> dict[str, torch.nn.Linear]:
+    """The linear layers `cfg` puts adapters on; raises LoraError naming model.lora_target_modules
+    (with the names that exist) or model.lora_rank (with the layers it does not fit)."""
+    layers = linear_layers(model)
+    short_names = sorted({name.rpartition(".")[2] for name in layers})
+    if cfg.lora_target_modules == "all-linear":
+        head = _output_head(model)
+        chosen = {n: m for n, m in layers.items() if n != head}  # peft's all-linear keeps the head out
+    else:
+        chosen = {}
+        for target in cfg.lora_target_modules:
+            hits = {n: m for n, m in layers.items() if n == target or n.endswith("." + target)}
+            if not hits:
+                raise LoraError(f"model.lora_target_modules: '{target}' matches no linear layer of "
+                                f"this model; its linear layers are named {', '.join(short_names)} "
+                                "(or use all-linear)")
+            chosen.update(hits)
+    if not chosen:
+        raise LoraError("model.lora_target_modules: no linear layer to adapt; linear layers of this "
+                        f"model: {', '.join(short_names) or '(none)'}")
+    too_small = sorted({f"{n.rpartition('.')[2]} ({m.in_features}x{m.out_features})"
+                        for n, m in chosen.items() if cfg.lora_rank > min(m.in_features, m.out_features)})
+    if too_small:
+        raise LoraError(f"model.lora_rank={cfg.lora_rank} is larger than layer(s) {', '.join(too_small)} "
+                        "(a rank can be at most the smaller side); lower model.lora_rank or leave "
+                        "those out of model.lora_target_modules")
+    return chosen
+
+
+def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> Any:
+    """`model` wrapped by peft with adapters on the targeted layers; only adapter parameters
+    require grad. The adapters start as a no-op (B = 0), so the first policy is the base model."""
+    import peft
+
+    if not cfg.enabled:
+        raise LoraError("apply_lora needs model.lora_rank > 0")
+    chosen = targeted_layers(model, cfg)
+    # full module paths, not short names: what we validated is exactly what peft adapts
+    peft_cfg = peft.LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.alpha, lora_dropout=cfg.lora_dropout,
+                               target_modules=sorted(chosen), bias="none")
+    wrapped = peft.get_peft_model(model, peft_cfg)
+    for name, param in wrapped.named_parameters():
+        if param.requires_grad and "lora_" not in name:  # peft's contract; fail loudly if it changes
+            raise LoraError(f"peft left a base parameter trainable: {name}")
+    return wrapped
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    import peft
+
+    return isinstance(model, peft.PeftModel)
+
+
+def adapter_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """What the optimizer gets: the parameters that require grad (the adapters)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def merged_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, weight) of the base model with the active adapters folded in:
+    W + B @ A x alpha / rank on adapted layers, the plain weight elsewhere. No `base_model.model.`
+    prefix, no lora tensors, tied weights once (as `named_parameters`). One merged tensor is
+    alive at a time; the model itself is not changed."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    for name, param in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        module_name = owner.removesuffix(".base_layer")
+        layer = adapted.get(module_name) if owner.endswith(".base_layer") else None
+        hf_name = f"{module_name}.{leaf}" if layer is not None else name
+        if layer is None or leaf != "weight" or layer.merged or getattr(layer, "disable_adapters", False):
+            yield hf_name, param.detach()
+            continue
+        weight = param.detach()
+        for adapter in layer.active_adapters:
+            if adapter in layer.lora_A:
+                weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
+        yield hf_name, weight
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The base model for the duration: the reference policy without a second copy."""
+    if not is_lora(model):
+        raise LoraError("adapters_disabled needs a model from apply_lora (model.lora_rank > 0)")
+    with model.disable_adapter():
+        yield model
+
+
+def save_adapter(model: torch.nn.Module, directory: str | Path) -> Path:
+    """The adapter weights and peft's adapter_config.json in `directory` (Hugging Face / peft
+    format: `PeftModel.from_pretrained(base, directory)` loads it elsewhere)."""
+    directory = Path(directory)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    return directory
+
+
+def load_adapter(model: torch.nn.Module, directory: str | Path) -> None:
+    """Put the adapter saved in `directory` into `model` (built by apply_lora with the same
+    settings), exactly; a checkpoint of other LoRA settings is an error naming them."""
+    import json
+
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if not (directory / ADAPTER_FILE).is_file():
+        raise LoraError(f"{directory} holds no {ADAPTER_FILE}; is it a LoRA checkpoint?")
+    saved = json.loads((directory / "adapter_config.json").read_text())
+    ours = model.peft_config["default"]
+    if saved["r"] != ours.r or set(saved["target_modules"]) != set(ours.target_modules):
+        raise LoraError(f"{directory} holds a rank-{saved['r']} adapter on {len(saved['target_modules'])} "
+                        f"modules, this run has rank {ours.r} on {len(ours.target_modules)}; resume with "
+                        "the model.lora_rank / model.lora_target_modules it was written with")
+    result = set_peft_model_state_dict(model, load_file(str(directory / ADAPTER_FILE)))
+    unexpected = list(getattr(result, "unexpected_keys", []) or [])
+    if unexpected:
+        raise LoraError(f"{directory}: adapter tensors this model has no place for: {unexpected[:5]}")
+
+
+def export(model: torch.nn.Module, directory: str | Path, adapter_only: bool = False,
+           tokenizer: Any = None) -> Path:
+    """`polyrl export`: the merged model as a plain Hugging Face checkpoint (loads without peft),
+    or with `adapter_only` the adapter alone."""
+    directory = Path(directory)
+    if adapter_only:
+        save_adapter(model, directory)
+    else:
+        state = dict(merged_named_weights(model))
+        model.get_base_model().save_pretrained(str(directory), state_dict=state, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))
+    return directory
