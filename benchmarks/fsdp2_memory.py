@@ -1,0 +1,148 @@
+"""Per-rank training state of DDP and FSDP2 at N = 1, 2 ranks, and memory during a weight sync.
+
+    python benchmarks/fsdp2_memory.py [--size 30M] [--ranks 1,2] [--json]
+
+For each strategy and rank count, N gloo processes on this machine build the engine around the
+same random-init Qwen2 (`benchmarks/_tiny.py`), run one forward/backward and one AdamW step
+through the engine, and report the bytes each rank holds (training/checkpoint_io.py
+`local_state_bytes`: a DTensor counts its local shard):
+
+    params     after building the engine
+    grads      after the backward, before the step
+    optimizer  after the step (AdamW: exp_avg + exp_avg_sq, plus a scalar step per tensor)
+
+Weight sync: the resident set size (/proc/self/statm) is read after every tensor
+`named_weights()` yields, the consumer keeping none; the largest rise over the value before the
+sync is reported next to the largest single tensor and the whole model. These are counts of
+bytes, not timings: the same on any machine for the same shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import resource
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MiB = 2**20
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _rank(rank: int, world: int, strategy: str, model_dir: str, store: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from polyrl.batch import Ragged, RolloutBatch, collate
+    from polyrl.platform import get_platform
+    from polyrl.training import build_engine
+    from polyrl.training.checkpoint_io import local_state_bytes
+    from polyrl.workers.config import ActorConfig
+    from polyrl.workers.model_loading import load_causal_lm
+
+    torch.set_num_threads(1)
+    platform = get_platform("cpu")
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    cfg = ActorConfig(strategy=strategy, world_size=world, lr=1e-5)
+    device = platform.torch_device(0)
+    engine = build_engine(load_causal_lm(model_dir), cfg, platform, device, rank=rank, world_size=world,
+                          group=dist.group.WORLD, horizon=10)
+    result = {"params": local_state_bytes(engine.model, engine.optimizer)["params"]}
+    g = torch.Generator().manual_seed(rank)
+    rows = [torch.randint(2, 100, (64,), generator=g) for _ in range(4)]
+    ids = Ragged.from_rows(rows, torch.long)
+    zero = torch.zeros(4, dtype=torch.long)
+    batch = RolloutBatch(prompt_ids=ids, response_ids=ids, loss_mask=Ragged.full_like(ids, 1.0, torch.float32),
+                         group=zero, stop_reason=zero, finished_with_eos=zero.bool(), weight_version=zero,
+                         min_version=zero, max_version=zero, continuations=zero)
+    logprob, _ = engine.forward(collate(batch, [0, 1, 2, 3], device))
+    loss = -logprob.mean() / world
+    engine.backward(loss)
+    result["grads"] = local_state_bytes(engine.model, engine.optimizer)["grads"]
+    engine.optimizer_step(float(loss.detach()))
+    result["optimizer"] = local_state_bytes(engine.model, engine.optimizer)["optimizer"]
+    # weight sync: the consumer keeps nothing, so any rise is what the engine holds
+    before, rise, largest, total = _rss(), 0, 0, 0
+    for _, t in engine.named_weights():
+        largest, total = max(largest, t.nbytes), total + t.nbytes
+        rise = max(rise, _rss() - before)
+        del t
+    result.update(sync_rss_rise=rise, largest_tensor=largest, model_bytes=total,
+                  peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def measure(strategy: str, world: int, model_dir: str, tmp: Path) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    run = tmp / f"{strategy}-{world}"
+    run.mkdir()
+    procs = [ctx.Process(target=_rank, args=(r, world, strategy, model_dir, str(run / "store"),
+                                             str(run / f"rank{r}.json"))) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+        if p.exitcode != 0:
+            raise RuntimeError(f"{strategy} x{world}: a rank exited with {p.exitcode}")
+    return [json.loads((run / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
+    return f"{model}; " + " ".join(f for f in wanted if f in flags)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from _tiny import MODELS, build_model
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="30M", choices=sorted(MODELS))
+    parser.add_argument("--ranks", default="1,2")
+    parser.add_argument("--strategies", default="ddp,fsdp2")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / args.size
+        num_params = build_model(model_dir, MODELS[args.size])
+        for strategy in args.strategies.split(","):
+            for world in (int(n) for n in args.ranks.split(",")):
+                ranks = measure(strategy, world, str(model_dir), Path(tmp))
+                worst = {k: max(r[k] for r in ranks) for k in ranks[0]}
+                rows.append({"strategy": strategy, "ranks": world, **worst})
+    header = {"date": datetime.date.today().isoformat(), "cpu": cpu_flags(), "size": args.size,
+              "num_params": num_params}
+    if args.json:
+        print(json.dumps({**header, "rows": rows}, indent=2))
+        return 0
+    print(f"{header['date']}  {args.size} ({num_params / 1e6:.1f}M parameters, fp32)  {header['cpu']}")
+    print("per rank, the largest over the ranks, MiB:")
+    print(f"{'strategy':8} {'N':>2} {'params':>8} {'grads':>8} {'optim':>8} {'total':>8} "
+          f"{'sync rise':>10} {'largest':>8} {'model':>8} {'peak RSS':>9}")
+    for r in rows:
+        total = r["params"] + r["grads"] + r["optimizer"]
+        print(f"{r['strategy']:8} {r['ranks']:>2} {r['params'] / MiB:8.1f} {r['grads'] / MiB:8.1f} "
+              f"{r['optimizer'] / MiB:8.1f} {total / MiB:8.1f} {r['sync_rss_rise'] / MiB:10.1f} "
+              f"{r['largest_tensor'] / MiB:8.1f} {r['model_bytes'] / MiB:8.1f} {r['peak_rss'] / MiB:9.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
