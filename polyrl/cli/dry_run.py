@@ -22,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from polyrl.trainer.launch_plan import ActorPlan, LaunchPlan, plan_launch
+from polyrl.topology.launch_plan import ActorPlan, LaunchPlan, plan_launch
 from polyrl.job import JobConfig
 
 

@@ -40,6 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       "(h100, gb200, gb300, mi300x, ascend910) instead of this one")
     plan.add_argument("--capability", metavar="MAJOR.MINOR",
                       help="simulate a device capability, e.g. 10.0 for Blackwell")
+    plan.add_argument("--nodes", type=int, metavar="N",
+                      help="simulate a cluster of N nodes of the platform's devices (with --dry-run)")
     plan.add_argument("--gpus-per-node", type=int, metavar="N",
                       help="devices per node of the simulated machine")
     plan.add_argument("--engine-version", metavar="VERSION",
@@ -47,7 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-PLAN_ONLY = ("json", "platform", "capability", "gpus_per_node", "engine_version")
+PLAN_ONLY = ("json", "platform", "capability", "gpus_per_node", "nodes", "engine_version")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,7 +86,7 @@ def plan_only(cfg, args: argparse.Namespace) -> int:
 
     platform = choose_platform(args.platform or cfg.platform, args.capability, args.gpus_per_node)
     version = args.engine_version or installed_version(cfg.rollout.backend)
-    return dry_run(cfg, platform, version, args.json)
+    return dry_run(cfg, platform, version, args.json, nodes=args.nodes)
 
 
 def train(cfg) -> int:

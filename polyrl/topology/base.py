@@ -26,6 +26,7 @@ from polyrl.batch import RolloutBatch
 from polyrl.distributed.waits import gather
 from polyrl.platform import Platform
 from polyrl.rollout.base import SamplingParams
+from polyrl.topology.launch_plan import ActorPlan, plan_launch
 from polyrl.topology.worker_group import PolicyGroup, Waiter
 from polyrl.workers.policy import PolicyWorker
 
@@ -94,26 +95,67 @@ class Topology(abc.ABC):
         self.publish(bump=False)
 
     def shutdown(self) -> None:
-        if self.policy is not None:
-            self.policy.shutdown()
-            self.policy = None
+        try:
+            if self.policy is not None:
+                self.policy.shutdown()
+                self.policy = None
+        finally:
+            launch = getattr(self, "launch", None)
+            if launch is not None:
+                launch.release()
 
 
 # --- launch steps shared by the topologies -------------------------------------------------------
-def plan(ctx: TopologyContext) -> list[Any]:
-    """Every actor's `ActorPlan`, computed once per launch (what `polyrl train --dry-run` shows)."""
-    from polyrl.trainer.launch_plan import plan_actors
+@dataclass
+class Launch:
+    """Every actor's plan and the `.options(...)` it starts with, computed once per launch: the
+    plan `polyrl train --dry-run` shows, and on device platforms Ray placement groups that pin
+    each actor to its planned node and devices (polyrl/placement/)."""
 
-    return plan_actors(ctx.cfg, ctx.platform)
+    actors: list[ActorPlan]
+    options: dict[str, dict[str, Any]]
+    placement: Any = None
+    """The live placement groups (None without devices)."""
+
+    def of(self, role: str) -> list[ActorPlan]:
+        return [a for a in self.actors if a.role == role]
+
+    def release(self) -> None:
+        if self.placement is not None:
+            self.placement.remove()
+            self.placement = None
 
 
-def start_policy(ctx: TopologyContext, actors: list[Any], waiter: Waiter = gather) -> PolicyGroup:
+def plan(ctx: TopologyContext) -> Launch:
+    launch_plan = plan_launch(ctx.cfg, ctx.platform, nodes=_device_nodes(ctx.platform))
+    if launch_plan.placement_error:
+        raise TrainingError(launch_plan.placement_error)
+    options = {a.name: a.ray_options() for a in launch_plan.actors}
+    placed = [a for a in launch_plan.actors if a.devices]
+    if not placed:
+        return Launch(launch_plan.actors, options)
+    from polyrl.placement import create_placement, options_for
+
+    live = create_placement(launch_plan.placement, placed)
+    return Launch(launch_plan.actors, {**options, **options_for(live, placed)}, live)
+
+
+def _device_nodes(platform: Platform) -> int | None:
+    """Alive Ray nodes that offer the platform's devices (None without devices)."""
+    if not platform.ray_resource:
+        return None
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(platform.ray_resource)]
+    return len(nodes) or None
+
+
+def start_policy(ctx: TopologyContext, launch: Launch, waiter: Waiter = gather) -> PolicyGroup:
     """Start the policy ranks with their planned options (not set up yet)."""
     cfg = ctx.cfg
-    planned = [a for a in actors if a.role == "policy"]
+    planned = launch.of("policy")
     cls = ray.remote(PolicyWorker)
-    workers = [cls.options(**a.ray_options()).remote(cfg, a.rank, cfg.actor.world_size, ctx.total_steps,
-                                                     a.num_threads) for a in planned]
+    workers = [cls.options(**launch.options[a.name]).remote(cfg, a.rank, cfg.actor.world_size,
+                                                             ctx.total_steps, a.num_threads)
+               for a in planned]
     return PolicyGroup(workers, [a.name for a in planned], cfg.ray.timeout_s, waiter)
 
 

@@ -12,7 +12,8 @@ class ColocatedTopology(SyncTopology):
     name = "colocated"
 
     def start(self) -> None:
-        self.policy = start_policy(self.ctx, plan(self.ctx))
+        self.launch = plan(self.ctx)
+        self.policy = start_policy(self.ctx, self.launch)
         address = rendezvous(self.policy, self.cfg.actor.world_size > 1)
         setup_all(self.policy, self.policy.refs("setup", address, None), [])
 

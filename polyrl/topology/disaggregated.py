@@ -21,12 +21,12 @@ class DisaggregatedTopology(SyncTopology):
 
     def start(self) -> None:
         cfg = self.cfg
-        actors = plan(self.ctx)
+        self.launch = plan(self.ctx)
         mailbox = create_mailbox() if cfg.weight_transport == "object_store" else None
-        self.policy = start_policy(self.ctx, actors)
-        planned = [a for a in actors if a.role == "rollout"]
+        self.policy = start_policy(self.ctx, self.launch)
+        planned = self.launch.of("rollout")
         cls = ray.remote(RolloutWorker)
-        self.rollout = WorkerGroup([cls.options(**a.ray_options()).remote(cfg, a.rank, a.num_threads)
+        self.rollout = WorkerGroup([cls.options(**self.launch.options[a.name]).remote(cfg, a.rank, a.num_threads)
                                     for a in planned], [a.name for a in planned], cfg.ray.timeout_s,
                                    helpers=[mailbox] if mailbox is not None else [])
         address = rendezvous(self.policy, True)

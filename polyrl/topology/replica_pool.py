@@ -25,12 +25,12 @@ logger = logging.getLogger(__name__)
 class ReplicaPool(WorkerGroup):
     """`workers[i]` is replica i's current actor (replaced in place on restart)."""
 
-    def __init__(self, cfg: JobConfig, spec: Any, mailbox: Any):
-        """`spec`: replica 0's `ActorPlan` (every replica starts with its options: the launch
-        plan is the single source of the actors' options, `polyrl train --dry-run`)."""
+    def __init__(self, cfg: JobConfig, launch: Any, mailbox: Any):
+        """`launch`: the run's `Launch` (topology/base.py); replica i starts, and restarts, with
+        its own planned options (its node and devices), as `polyrl train --dry-run` shows."""
         self.cfg, self.mailbox = cfg, mailbox
-        self.options, self.threads = spec.ray_options(), spec.num_threads
-        self.concurrency = spec.max_concurrency
+        self.specs = launch.of("rollout")
+        self.options = [launch.options[s.name] for s in self.specs]
         self.cls = ray.remote(StreamingReplica)
         n = cfg.rollout.num_replicas
         super().__init__([self._new(i) for i in range(n)], [f"rollout replica {i}" for i in range(n)],
@@ -40,8 +40,8 @@ class ReplicaPool(WorkerGroup):
         self.restarts = 0
 
     def _new(self, index: int) -> Any:
-        return self.cls.options(**self.options).remote(self.cfg, index, self.threads, self.mailbox,
-                                                       self.cfg.resolved_weights)
+        return self.cls.options(**self.options[index]).remote(self.cfg, index, self.specs[index].num_threads,
+                                                              self.mailbox, self.cfg.resolved_weights)
 
     def setup_refs(self) -> list:
         return [w.setup.remote() for w in self.workers]

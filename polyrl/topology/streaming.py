@@ -29,12 +29,11 @@ class StreamingTopology(Topology):
 
     def start(self) -> None:
         cfg, ctx = self.cfg, self.ctx
-        actors = plan(ctx)
+        self.launch = plan(ctx)
         mailbox = create_mailbox()
-        [spec, *_] = [a for a in actors if a.role == "rollout"]
-        self.pool = ReplicaPool(cfg, spec, mailbox)
+        self.pool = ReplicaPool(cfg, self.launch, mailbox)
         self.stream = RolloutStream(cfg, self.pool, ctx.loader, ctx.score, train_sampling(cfg))
-        self.policy = start_policy(ctx, actors, waiter=self.stream.gather)
+        self.policy = start_policy(ctx, self.launch, waiter=self.stream.gather)
         address = rendezvous(self.policy, cfg.actor.world_size > 1)
         versions = setup_all(self.policy, self.policy.refs("setup", address, mailbox)
                              + self.pool.refs("setup"), self.pool.names)

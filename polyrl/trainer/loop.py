@@ -48,7 +48,7 @@ from polyrl.trainer.checkpoint import (
 )
 from polyrl.job import JobConfig
 from polyrl.trainer.interrupts import TrainingInterrupted, stop_on_signals
-from polyrl.trainer.launch_plan import plan_job
+from polyrl.topology.launch_plan import plan_job
 from polyrl.trainer.metrics import MetricsWriter, PhaseTimer, response_metrics
 from polyrl.trainer.plots import plot_run, print_summary
 from polyrl.trainer.preflight import check_job

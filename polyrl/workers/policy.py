@@ -44,7 +44,7 @@ class PolicyWorker:
         self.standalone = cfg.rollout.placement == "standalone"
         torch.set_num_threads(num_threads)
         self.platform = get_platform(cfg.platform)
-        self.device = self.platform.torch_device(0)
+        self.device = self.platform.reserved_device()  # from the Ray reservation
         self.version = 0
 
     def address(self) -> str:

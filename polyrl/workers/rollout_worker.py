@@ -42,7 +42,7 @@ class RolloutWorker:
         self.cfg, self.rank = cfg, global_rank
         torch.set_num_threads(num_threads)
         self.platform = get_platform(cfg.platform)
-        self.device = self.platform.torch_device(0)
+        self.device = self.platform.reserved_device()  # from the Ray reservation
 
     def setup(self, dist_init: str, mailbox: Any = None) -> int:
         cfg = self.cfg

@@ -31,7 +31,7 @@ class StreamingReplica:
         self.cfg, self.index, self.mailbox, self.weights_cfg = cfg, index, mailbox, weights_cfg
         torch.set_num_threads(num_threads)
         self.platform = get_platform(cfg.platform)
-        self.device = self.platform.torch_device(0)
+        self.device = self.platform.reserved_device()  # from the Ray reservation
         self.busy_s = 0.0
 
     def setup(self) -> int:

@@ -25,7 +25,7 @@ from polyrl.envplan.rules import FORWARDED_PREFIXES
 from polyrl.placement import create_placement, options_for
 from polyrl.platform import SIMULATED_PROBES, get_platform
 from polyrl.job import JobConfig
-from polyrl.trainer.launch_plan import plan_launch
+from polyrl.topology.launch_plan import plan_launch
 
 HARDWARE = {"cuda": "h100", "rocm": "mi300x", "npu": "ascend910"}
 VISIBLE = {"cuda": "CUDA_VISIBLE_DEVICES", "rocm": "CUDA_VISIBLE_DEVICES",

@@ -13,7 +13,7 @@ from polyrl.envplan.rules import FORWARDED_PREFIXES
 from polyrl.platform import SIMULATED_PROBES, get_platform
 from polyrl.rollout import launch_args
 from polyrl.job import JobConfig
-from polyrl.trainer.launch_plan import plan_actors, plan_launch
+from polyrl.topology.launch_plan import plan_actors, plan_launch
 
 TOK = ("false", "polyrl-default")  # TOKENIZERS_PARALLELISM, in every process
 NOSET = "RAY_EXPERIMENTAL_NOSET_"
