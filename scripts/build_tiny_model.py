@@ -1,6 +1,7 @@
 """Build polyrl's bundled tiny model, tokenizer and arithmetic data (the ``polyrl train`` default).
 
-Exact command (from the repository root, about 3 minutes on 2 CPU cores)::
+Exact command (from the repository root; 2300 SFT steps of 128 conversations, 15 minutes measured
+on a heavily shared 2-core machine)::
 
     python scripts/build_tiny_model.py
 

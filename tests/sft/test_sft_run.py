@@ -99,3 +99,18 @@ def test_checkpoint_is_a_model_path_for_polyrl_train(ray_session, tmp_path):
     assert code == 0
     rl = json.loads((out / "summary.json").read_text())
     assert rl["steps"] == 1 and rl["final_accuracy"] is not None
+
+
+@pytest.mark.slow  # two spawned processes import torch and transformers
+def test_two_processes_train_like_one(tmp_path):
+    from polyrl.sft.launch import run_sft
+
+    args = ("trainer.total_steps=2", "trainer.val_every=1", "data.max_samples=64")
+    one = run_sft(config(tmp_path / "one", *args))
+    two = run_sft(config(tmp_path / "two", *args, "actor.world_size=2"))
+    assert two["final_val_loss"] == pytest.approx(one["final_val_loss"], rel=1e-3)
+    read = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    for a, b in zip(read(tmp_path / "one"), read(tmp_path / "two"), strict=True):
+        for key in ("train/loss", "train/loss_tokens", "actor/grad_norm", "val/loss", "val/token_acc"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-6), (a["step"], key)
