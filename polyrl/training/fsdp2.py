@@ -223,6 +223,11 @@ class FSDP2Engine(DDPEngine):
         for name, p in self.model.named_parameters():
             yield name, p.full_tensor() if isinstance(p, DTensor) else p
 
+    def weight_specs(self) -> list[tuple[str, torch.Size, torch.dtype]]:
+        """Name, full shape and dtype of every tensor named_weights() yields, known without
+        gathering: what a transport needs to plan its buckets before the tensors arrive."""
+        return [(name, p.shape, p.dtype) for name, p in self.model.named_parameters()]
+
     def save(self, directory: Path) -> None:
         """`dcp/`: model and optimizer shards (torch.distributed.checkpoint); `engine.pt` (rank 0):
         schedule and counters; `policy/` (rank 0): the model in Hugging Face format."""

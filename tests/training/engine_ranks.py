@@ -129,13 +129,15 @@ def fsdp2_facts(rank: int, world_size: int, model_path: str, ckpt: str) -> dict:
             out["weights_at_save"] = full_weights(engine)
     out["state_bytes"] = engine.state_bytes()
     # weight sync: how many gathered tensors are alive at once when the consumer keeps none
-    refs, live_peak, largest, total = [], 0, 0, 0
-    for _, t in engine.named_weights():
+    refs, live_peak, largest, total, seen = [], 0, 0, 0, []
+    for name, t in engine.named_weights():
+        seen.append((name, t.shape, t.dtype))
         refs.append(weakref.ref(t))
         largest, total = max(largest, t.nbytes), total + t.nbytes
         live_peak = max(live_peak, sum(r() is not None for r in refs))
         del t
-    out["sync"] = {"live_peak": live_peak, "largest": largest, "total": total}
+    out["sync"] = {"live_peak": live_peak, "largest": largest, "total": total,
+                   "specs_match": seen == engine.weight_specs()}
     out["weights"] = full_weights(engine)
     # the reference policy: sharded, frozen, no optimizer state
     ref, _ = build(model_path, cfg, rank, world_size, horizon=None)
@@ -146,16 +148,19 @@ def fsdp2_facts(rank: int, world_size: int, model_path: str, ckpt: str) -> dict:
     return out
 
 
-def fsdp2_extras(rank: int, world_size: int, model_path: str, ddp_ckpt: str, other_model: str) -> dict:
-    """Gradient checkpointing + actor.offload; resuming a DDP checkpoint; loading a checkpoint of
-    another model (its error message)."""
+def fsdp2_extras(rank: int, world_size: int, model_path: str, ddp_ckpt: str, other_model: str,
+                 fsdp2_ckpt: str) -> dict:
+    """Gradient checkpointing + actor.offload; resuming a DDP checkpoint; loading a DDP and an
+    FSDP2 checkpoint of another model (the error messages)."""
     out = {"checkpointed": train(rank, world_size, model_path, "fsdp2",
                                  overrides={"gradient_checkpointing": True, "offload": True})["metrics"]}
     out["from_ddp"] = resume_then_train(rank, world_size, model_path, ddp_ckpt)
     engine, _ = build(other_model, actor_config("fsdp2"), rank, world_size)
-    try:
-        engine.load(Path(ddp_ckpt))
-        out["mismatch"] = None
-    except ValueError as exc:
-        out["mismatch"] = str(exc)
+    out["mismatch"] = []
+    for ckpt in (ddp_ckpt, fsdp2_ckpt):
+        try:
+            engine.load(Path(ckpt))
+            out["mismatch"].append(None)
+        except ValueError as exc:
+            out["mismatch"].append(str(exc))
     return out

@@ -79,6 +79,7 @@ def test_shards_halve_memory_and_sync_gathers_one_tensor_at_a_time(fsdp2_two_ran
         assert b["grads"] == 0  # freed by zero_grad after the step
         assert 0.9 * full <= b["optimizer"] <= 1.1 * full  # AdamW: two moments of half the model
         assert r["sync"]["live_peak"] == 1 and r["sync"]["total"] == full
+        assert r["sync"]["specs_match"]  # names, shapes, dtypes known before any gather
         assert r["sync"]["largest"] < full / 2
 
 
@@ -137,7 +138,7 @@ def test_decoder_layers_of_a_transformers_model(tiny_model):
 
 
 @pytest.mark.slow
-def test_checkpointing_offload_ddp_resume_and_mismatch(ddp_one_rank, tiny_model, tmp_path):
+def test_checkpointing_offload_ddp_resume_and_mismatch(ddp_one_rank, fsdp2_two_ranks, tiny_model, tmp_path):
     """Gradient checkpointing (+ actor.offload, a no-op on CPU) trains the same; a DDP checkpoint
     resumes sharded; a checkpoint of another model is refused, naming model.path."""
     from tiny_models import build_tiny_model
@@ -147,11 +148,13 @@ def test_checkpointing_offload_ddp_resume_and_mismatch(ddp_one_rank, tiny_model,
     other = build_tiny_model(tmp_path / "other", hidden=32)
     (tmp_path / "w").mkdir()
     ranks = run_world_ok(engine_ranks.fsdp2_extras, 2, tmp_path / "w",
-                         args=(tiny_model, str(ddp_ckpt), other), timeout_s=400, backend_timeout_s=300)
+                         args=(tiny_model, str(ddp_ckpt), other, str(fsdp2_two_ranks[1])),
+                         timeout_s=400, backend_timeout_s=300)
     for r in ranks.values():
         same_metrics(r["checkpointed"], ddp_one_rank["metrics"])
         same_metrics(r["from_ddp"]["metrics"], uninterrupted["metrics"])
-        assert "holds another model" in r["mismatch"] and "model.path" in r["mismatch"]
+        for message in r["mismatch"]:  # a DDP and an FSDP2 checkpoint
+            assert "holds another model" in message and "model.path" in message, message
     same_weights(ranks[0]["from_ddp"]["weights"], uninterrupted["weights"])
 
 
