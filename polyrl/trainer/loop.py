@@ -93,7 +93,7 @@ class Trainer:
         self.train_loader, self.val_loader = build_loaders(data_cfg, self.tokenizer)
         check_job(cfg, self.train_loader.dataset, self.val_loader.dataset if self.val_loader else None,
                   self._model_config())  # one clear line now, not a traceback after Ray started
-        self.rewards = RewardManager(cfg.reward)
+        self.rewards = RewardManager(cfg.reward, platform_name=cfg.platform)
         self.rewards.check_sources(self.train_loader.dataset.data_sources)
         if self.val_loader is not None:
             self.rewards.check_sources(self.val_loader.dataset.data_sources)
@@ -183,8 +183,13 @@ class Trainer:
     def shutdown(self) -> None:
         """Stop generating and shut the run's actors down (Ray itself stays up)."""
         topology, self.topology, self.policy = self.topology, None, None
-        if topology is not None:
-            topology.shutdown()
+        try:
+            if topology is not None:
+                topology.shutdown()
+        finally:
+            rewards = getattr(self, "rewards", None)
+            if rewards is not None:
+                rewards.close()  # the reward-model worker and the HTTP loop thread
 
     def _run(self, start: float, stop) -> dict[str, Any]:
         cfg = self.cfg
@@ -321,7 +326,8 @@ class Trainer:
     # --- the named steps ----------------------------------------------------------------------
     def score(self, batch: RolloutBatch) -> dict[str, float]:
         """Rewards and accuracy of every sample, from its text and its data row (in place)."""
-        requests = [RewardRequest(p.data_source, text, p.ground_truth, bool(eos), p.extra_info)
+        requests = [RewardRequest(p.data_source, text, p.ground_truth, bool(eos), p.extra_info,
+                                  prompt=p.raw_prompt)
                     for p, text, eos in zip(batch.prompts, batch.texts, batch.finished_with_eos.tolist())]
         result = self.rewards.score(requests)
         batch.rewards = torch.tensor(result.scores, dtype=torch.float32)
