@@ -46,3 +46,13 @@ def test_dry_run_reports_the_plan_without_training(capsys, tmp_path):
     assert plan["batches_per_epoch"] == 4000 // 64 and plan["steps"] == 2 * (4000 // 64)
     assert plan["max_length"] == 64  # capped by the tiny model's context
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_shipped_sft_configs_validate(capsys):
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).parents[2] / "configs").glob("sft_*.yaml"))
+    assert configs
+    for path in configs:
+        assert main(["sft", "-c", str(path), "--print-config"]) == 0, path
+        assert yaml.safe_load(capsys.readouterr().out)["actor"]["world_size"] >= 1
