@@ -28,7 +28,7 @@ read them) and, like the DDP engine, a Hugging Face `policy/` directory gathered
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -53,17 +53,18 @@ _IDLE, _TRAIN, _NO_GRAD = 0, 1, 2
 backward, or a forward without gradient (the drainers mirror whichever is heard)."""
 
 
-class _LogprobRoot(torch.nn.Module):
+class _HeadRoot(torch.nn.Module):
     """The root FSDP unit: FSDP2 all-gathers a unit's parameters in its forward hook, and the PPO
     forward (training/logprobs.py) calls the model's trunk and LM head rather than `model(...)`,
-    so the hook must sit on a module whose forward is that whole computation."""
+    so the hook must sit on a module whose forward is that whole computation (`head`: the
+    engine's per-token output, log-probs or a critic's values, as in ddp.py)."""
 
-    def __init__(self, lm: torch.nn.Module):
+    def __init__(self, lm: torch.nn.Module, head: Callable):
         super().__init__()
-        self.lm = lm
+        self.lm, self.head = lm, head
 
     def forward(self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool):
-        logprob, entropy = response_logprobs(self.lm, mb, with_entropy=with_entropy, entropy_grad=entropy_grad)
+        logprob, entropy = self.head(self.lm, mb, with_entropy=with_entropy, entropy_grad=entropy_grad)
         # FSDP2 hooks the backward on the unit's outputs; an in-place op on a view would bypass it
         return logprob.clone(), None if entropy is None else entropy.clone()
 
@@ -89,7 +90,8 @@ class FSDP2Engine(DDPEngine):
 
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, platform: Platform,
                  device: torch.device, *, rank: int = 0, world_size: int = 1, group=None,
-                 horizon: int | None = None):
+                 horizon: int | None = None, head: Callable = response_logprobs):
+        self.head = head
         self.model, self.cfg, self.platform, self.device = model, cfg, platform, device
         self.rank, self.world_size = rank, world_size
         self.num_params = sum(p.numel() for p in model.parameters())
@@ -106,7 +108,7 @@ class FSDP2Engine(DDPEngine):
         # gradient checkpointing (PolicyWorker enables it before this): transformers checkpoints
         # each layer non-reentrantly by default, under which FSDP2 re-gathers a layer for its
         # recomputation (tests/training/test_fsdp2.py trains with it)
-        self.root = _LogprobRoot(model)
+        self.root = _HeadRoot(model, head)
         param_dtype = _DTYPES[cfg.param_dtype]
         # reduce in fp32 whatever the compute dtype; all-gather in the compute dtype
         mp = MixedPrecisionPolicy(param_dtype=None if self.compute_dtype == param_dtype else self.compute_dtype,

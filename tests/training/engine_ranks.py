@@ -155,6 +155,7 @@ def fsdp2_extras(rank: int, world_size: int, model_path: str, ddp_ckpt: str, oth
     out = {"checkpointed": train(rank, world_size, model_path, "fsdp2",
                                  overrides={"gradient_checkpointing": True, "offload": True})["metrics"]}
     out["from_ddp"] = resume_then_train(rank, world_size, model_path, ddp_ckpt)
+    out["critic"] = critic_updates(rank, world_size, model_path, "fsdp2")
     engine, _ = build(other_model, actor_config("fsdp2"), rank, world_size)
     out["mismatch"] = []
     for ckpt in (ddp_ckpt, fsdp2_ckpt):
@@ -163,4 +164,30 @@ def fsdp2_extras(rank: int, world_size: int, model_path: str, ddp_ckpt: str, oth
             out["mismatch"].append(None)
         except ValueError as exc:
             out["mismatch"].append(str(exc))
+    return out
+
+
+def critic_updates(rank: int, world_size: int, model_path: str, strategy: str) -> list[dict]:
+    """The critic (a value head, training/values.py) trained through the engine seam: one
+    update per fixed batch, with random values and returns per token."""
+    from polyrl.training.values import load_value_model, response_values
+    from polyrl.workers.critic import CriticUpdate
+
+    cfg = actor_config(strategy, ppo_epochs=1)
+    torch.manual_seed(0)  # the value head starts from random: the same on every rank and run
+    model = load_value_model(model_path, torch.float32)
+    platform = get_platform("cpu")
+    engine = build_engine(model, cfg, platform, platform.torch_device(0), rank=rank, world_size=world_size,
+                          group=dist.group.WORLD if dist.is_initialized() else None, horizon=8,
+                          head=response_values)
+    critic = CriticUpdate(engine, cfg, AlgorithmConfig(), platform.torch_device(0))
+    out = []
+    for seed, n in BATCHES:
+        batch = make_batch(seed, n)
+        g = torch.Generator().manual_seed(seed + 100)
+        T = len(batch.response_ids.values)
+        batch = batch.replace(values=batch.response_ids.with_values(torch.randn(T, generator=g)),
+                              returns=batch.response_ids.with_values(torch.randn(T, generator=g)))
+        m = critic.update(shard(batch, world_size)[rank], 1)
+        out.append({k: m[k] for k in ("critic/value_loss", "critic/grad_norm")})
     return out

@@ -139,8 +139,8 @@ def test_decoder_layers_of_a_transformers_model(tiny_model):
 
 @pytest.mark.slow
 def test_checkpointing_offload_ddp_resume_and_mismatch(ddp_one_rank, fsdp2_two_ranks, tiny_model, tmp_path):
-    """Gradient checkpointing (+ actor.offload, a no-op on CPU) trains the same; a DDP checkpoint
-    resumes sharded; a checkpoint of another model is refused, naming model.path."""
+    """Gradient checkpointing (+ actor.offload, a no-op on CPU) trains the same, so does a critic;
+    a DDP checkpoint resumes sharded; a checkpoint of another model is refused, naming model.path."""
     from tiny_models import build_tiny_model
 
     ddp_ckpt = tmp_path / "ddp-ckpt"
@@ -150,7 +150,10 @@ def test_checkpointing_offload_ddp_resume_and_mismatch(ddp_one_rank, fsdp2_two_r
     ranks = run_world_ok(engine_ranks.fsdp2_extras, 2, tmp_path / "w",
                          args=(tiny_model, str(ddp_ckpt), other, str(fsdp2_two_ranks[1])),
                          timeout_s=400, backend_timeout_s=300)
+    critic = engine_ranks.critic_updates(0, 1, tiny_model, "ddp")
     for r in ranks.values():
+        for a, b in zip(r["critic"], critic):  # a value head (critic) trains the same way
+            assert a == pytest.approx(b, rel=RTOL), (a, b)
         same_metrics(r["checkpointed"], ddp_one_rank["metrics"])
         same_metrics(r["from_ddp"]["metrics"], uninterrupted["metrics"])
         for message in r["mismatch"]:  # a DDP and an FSDP2 checkpoint
