@@ -11,6 +11,8 @@ BUILTINS = {
     "tiny-arith": ASSETS / "tiny-arith",
     "arithmetic_train": ASSETS / "data" / "arithmetic_train.parquet",
     "arithmetic_val": ASSETS / "data" / "arithmetic_val.parquet",
+    "arithmetic_chat_train": ASSETS / "data" / "arithmetic_chat_train.parquet",
+    "arithmetic_chat_val": ASSETS / "data" / "arithmetic_chat_val.parquet",
 }
 
 

@@ -34,17 +34,11 @@ from polyrl.sft.template import ChatEncoder, Encoded, TemplateError
 
 logger = logging.getLogger(__name__)
 
-ASSETS_DATA = Path(__file__).resolve().parents[1] / "assets" / "data"
-SFT_BUILTINS = {
-    "builtin:arithmetic_chat_train": ASSETS_DATA / "arithmetic_chat_train.parquet",
-    "builtin:arithmetic_chat_val": ASSETS_DATA / "arithmetic_chat_val.parquet",
-}
-"""The bundled chat files (scripts/build_tiny_model.py writes them); other builtin: names go to
-polyrl/builtin.py."""
+
 
 
 def resolve_file(path: str) -> str:
-    return str(SFT_BUILTINS[path]) if path in SFT_BUILTINS else resolve(path)
+    return resolve(path)
 
 
 @dataclass

@@ -4,14 +4,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from polyrl.platform import Platform
 from polyrl.registry import Registry
 from polyrl.training.base import NonFiniteUpdate, StepResult, TrainingEngine
-from polyrl.workers.config import ActorConfig
+
+if TYPE_CHECKING:  # a config leaf of a higher package: for the signature only
+    from polyrl.workers.config import ActorConfig
 
 TRAINING_ENGINES: Registry[type] = Registry("training strategy")
 TRAINING_ENGINES.register("ddp", "polyrl.training.ddp:DDPEngine")

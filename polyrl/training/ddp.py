@@ -18,6 +18,8 @@ import torch.distributed as dist
 from polyrl.batch import Ragged, RolloutBatch, collate, plan_micro_batches, scatter_rows
 from polyrl.platform import Platform
 from polyrl.training.base import MicroBatch, NonFiniteUpdate, StepResult
+from polyrl.training import lora
+from polyrl.training.lora import merged_named_weights
 from polyrl.training.logprobs import response_logprobs
 from polyrl.workers.config import ActorConfig
 from polyrl.training.optim import build_optimizer
@@ -33,6 +35,10 @@ class DDPEngine:
         reference policy: no gradients, no optimizer state). `head(model, mb, ...)` gives the
         per-token outputs: log-probs (+ entropy) of a policy, or a critic's values."""
         self.head = head
+        # LoRA (training/lora.py): the optimizer sees only the adapters; the head runs on the
+        # adapted model itself, not peft's wrapper
+        self.lora = hasattr(model, "get_base_model")
+        self.module = model.get_base_model() if self.lora else model
         self.model, self.cfg, self.platform, self.device = model, cfg, platform, device
         self.rank, self.world_size, self.group = rank, world_size, group
         self.num_params = sum(p.numel() for p in model.parameters())
@@ -51,7 +57,7 @@ class DDPEngine:
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                   enabled=self.compute_dtype == torch.bfloat16)
         with autocast, self.platform.training_attention(self.compute_dtype):
-            return self.head(self.model, mb, with_entropy=with_entropy, entropy_grad=entropy_grad)
+            return self.head(self.module, mb, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -114,11 +120,17 @@ class DDPEngine:
     # --- weights and checkpoints --------------------------------------------------------------------
     @torch.no_grad()
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.model.named_parameters()
+        if self.lora:  # full Hugging Face-named weights with the adapters folded in
+            yield from merged_named_weights(self.model)
+        else:
+            yield from self.model.named_parameters()
 
     def save(self, directory: Path) -> None:
         """Rank 0: the model in Hugging Face format (`policy/`); every rank: its optimizer state."""
-        if self.rank == 0:
+        if self.rank == 0 and self.lora:  # the merged model (usable as model.path) + the adapter
+            lora.export(self.model, directory / "policy")
+            lora.save_adapter(self.model, directory / "policy_adapter")
+        elif self.rank == 0:
             self.model.save_pretrained(str(directory / "policy"), safe_serialization=True)
         if self.optimizer is not None:
             torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
@@ -127,6 +139,10 @@ class DDPEngine:
     def load(self, directory: Path) -> None:
         from safetensors.torch import load_file
 
+        if self.lora:
+            lora.load_adapter(self.model, directory / "policy_adapter")
+            self._load_optimizer(directory)
+            return
         state = {}
         for f in sorted((directory / "policy").glob("*.safetensors")):
             state.update(load_file(str(f)))
@@ -136,6 +152,9 @@ class DDPEngine:
         if missing or unexpected:
             raise ValueError(f"checkpoint {directory} holds another model: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]} (resume with the model it was written for)")
+        self._load_optimizer(directory)
+
+    def _load_optimizer(self, directory: Path) -> None:
         if self.optimizer is not None:
             saved = torch.load(directory / f"engine_rank{self.rank}.pt", weights_only=False)
             self.optimizer.load_state_dict(saved["optimizer"])

@@ -16,39 +16,16 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator
 
 import torch
-from pydantic import Field
-
-from polyrl.config import Config
+from polyrl.training.lora_config import LoraConfig
 
 ADAPTER_FILE = "adapter_model.safetensors"
 
 
 class LoraError(ValueError):
     """A LoRA setting that cannot apply to this model; the message names the key and the fix."""
-
-
-class LoraConfig(Config):
-    lora_rank: int = Field(0, ge=0)
-    """LoRA rank; 0 trains the full model. With a rank, only the adapters train and hold
-    optimizer state; the engines receive merged weights."""
-    lora_alpha: float | None = Field(None, gt=0)
-    """LoRA scaling numerator (updates are scaled by lora_alpha / lora_rank); null: 2 x lora_rank."""
-    lora_target_modules: list[str] | Literal["all-linear"] = "all-linear"
-    """Module names that get adapters (e.g. [q_proj, v_proj]), or all-linear: every linear layer
-    but the output head."""
-    lora_dropout: float = Field(0.0, ge=0, lt=1)
-    """Dropout on the adapters' input during training."""
-
-    @property
-    def enabled(self) -> bool:
-        return self.lora_rank > 0
-
-    @property
-    def alpha(self) -> float:
-        return self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank
 
 
 def linear_layers(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:

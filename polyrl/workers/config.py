@@ -7,11 +7,12 @@ from typing import Literal
 from pydantic import Field
 
 from polyrl.config import Config
+from polyrl.training.lora_config import LoraConfig
 
 BUILTIN_MODEL = "builtin:tiny-arith"
 
 
-class ModelConfig(Config):
+class ModelConfig(LoraConfig):
     path: str = BUILTIN_MODEL
     """Local Hugging Face model directory (config.json, safetensors, tokenizer files), or
     builtin:tiny-arith for the bundled tiny model. Nothing is downloaded."""

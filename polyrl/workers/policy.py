@@ -22,6 +22,7 @@ from polyrl.distributed.layout import build_groups, group_leader
 from polyrl.platform import get_platform
 from polyrl.rollout.factory import build_colocated_engine
 from polyrl.training import build_engine
+from polyrl.training.lora import adapters_disabled, apply_lora
 from polyrl.weights import build_transport
 from polyrl.modeling import torch_dtype
 from polyrl.training.values import load_value_model, response_values
@@ -64,6 +65,15 @@ class PolicyWorker:
         train_group = self._join_process_groups(dist_init, mailbox)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
         model = self._load_model()
+        self.rollout_engine = None
+        if not self.standalone:  # built from the plain model (it copies the weights), before LoRA
+            self.rollout_engine = build_colocated_engine(cfg.rollout, model, self.tokenizer, self.device,
+                                                         seed=cfg.trainer.seed + 1000 * rank,
+                                                         platform=self.platform)
+            self.rollout_engine.sleep()
+            self.transport = build_transport(cfg.resolved_weights, "hybrid", engine=self.rollout_engine)
+        if cfg.model.enabled:  # LoRA: adapters on the policy; the frozen base is the reference
+            model = apply_lora(model, cfg.model)
         if cfg.actor.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if self.world_size > 1:  # identical start on every rank, whatever each rank's RNG did
@@ -72,22 +82,18 @@ class PolicyWorker:
                 dist.broadcast(p.data, src=src, group=train_group)
         horizon = total_optimizer_steps(cfg.actor, self.total_steps, cfg.num_mini_batches)
         engine_args = dict(rank=rank, world_size=self.world_size, group=train_group)
-        self.engine = build_engine(model, cfg.actor, self.platform, self.device, horizon=horizon, **engine_args)
+        actor_cfg = cfg.actor
+        if cfg.model.enabled:
+            actor_cfg = actor_cfg.model_copy(update={"lr": cfg.actor.lr * cfg.model.lora_lr_scale})
+        self.engine = build_engine(model, actor_cfg, self.platform, self.device, horizon=horizon, **engine_args)
         self.reference = None
-        if cfg.algorithm.uses_reference:  # frozen: no gradients, no optimizer state
+        if cfg.algorithm.uses_reference and not cfg.model.enabled:  # frozen: no grads, no optimizer
             self.reference = build_engine(self._load_model(), cfg.actor, self.platform, self.device,
                                           **engine_args)
         self.actor = PPOActor(self.engine, cfg.actor, cfg.algorithm,
                               cfg.algorithm.off_policy.resolve(cfg.trainer.mode), self.device)
         self.critic = self._build_critic(horizon, engine_args)
         self.updates = 0
-        self.rollout_engine = None
-        if not self.standalone:
-            self.rollout_engine = build_colocated_engine(cfg.rollout, model, self.tokenizer, self.device,
-                                                         seed=cfg.trainer.seed + 1000 * rank,
-                                                         platform=self.platform)
-            self.rollout_engine.sleep()
-            self.transport = build_transport(cfg.resolved_weights, "hybrid", engine=self.rollout_engine)
         return self.engine.num_params
 
     def _build_critic(self, horizon: int, engine_args: dict) -> CriticUpdate | None:
@@ -151,6 +157,9 @@ class PolicyWorker:
     # --- log-probs and update -------------------------------------------------------------------
     def logprobs(self, batch: RolloutBatch, which: str = "reference") -> Ragged:
         """Log-probs of each response token under the reference (or current) policy."""
+        if which == "reference" and self.cfg.model.enabled:  # LoRA: the base model, adapters off
+            with adapters_disabled(self.engine.model):
+                return self.engine.logprobs(batch)
         engine = self.reference if which == "reference" else self.engine
         if engine is None:
             raise RuntimeError("no reference model: KL is off (algorithm.use_kl_* / kl_coef)")

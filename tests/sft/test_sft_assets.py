@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from polyrl.data.synthetic import split_problems
-from polyrl.sft.data import SFT_BUILTINS
+from polyrl.builtin import resolve
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
 
@@ -20,7 +20,7 @@ def test_bundled_chat_files_match_the_build_script():
 
     train, val, _ = split_problems(4000, 500, seed=0)
     for name, problems in (("train", train), ("val", val)):
-        rows = pq.read_table(SFT_BUILTINS[f"builtin:arithmetic_chat_{name}"]).to_pylist()
+        rows = pq.read_table(resolve(f"builtin:arithmetic_chat_{name}")).to_pylist()
         assert rows == build.chat_rows(problems, build.Teacher(), random.Random(0))
         for r in rows:
             a, b = r["messages"][0]["content"].removesuffix("=").split("+")

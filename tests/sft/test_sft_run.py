@@ -27,12 +27,12 @@ def greedy_accuracy(model_dir: str, rows: int = 64) -> float:
     import pyarrow.parquet as pq
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from polyrl.sft.data import SFT_BUILTINS
+    from polyrl.builtin import resolve
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    val = pq.read_table(SFT_BUILTINS["builtin:arithmetic_chat_val"]).to_pylist()[-rows:]
+    val = pq.read_table(resolve("builtin:arithmetic_chat_val")).to_pylist()[-rows:]
     enc = tok.apply_chat_template([[r["messages"][0]] for r in val], add_generation_prompt=True,
                                   tokenize=True, return_dict=True, padding=True, return_tensors="pt")
     with torch.no_grad():

@@ -1,5 +1,6 @@
 """The README's first command: `polyrl train` with no config trains the bundled tiny model on
-the bundled task, on this CPU, within 5 minutes, and held-out accuracy rises >= 30 points."""
+the bundled task on this CPU and held-out accuracy rises >= 30 points. (How long it takes is a
+benchmark's question, docs/benchmarks.md; a test never asserts on wall-clock time.)"""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ def test_polyrl_train_with_no_arguments_learns(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_accuracy"] - summary["initial_accuracy"] >= 0.30, summary
-    assert summary["wall_seconds"] <= 300, summary
     assert "held-out accuracy:" in out.stdout
     for name in ("metrics.jsonl", "curves.png", "samples.txt", "config.yaml"):
         assert (tmp_path / name).is_file(), name
