@@ -4,7 +4,7 @@
     live = create_placement(plan, launch_plan.actors)             # Ray placement groups
     options = options_for(live, launch_plan.actors)               # actor name -> .options(...)
 
-`polyrl/trainer/launch_plan.py` builds the gangs of a run (`job_gangs`); `polyrl train --dry-run`
+`polyrl/topology/launch_plan.py` builds the gangs of a run (`job_gangs`); `polyrl train --dry-run`
 prints each actor's `devices`. Ray-dependent code lives in `ray_groups` and is imported lazily, so
 planning never needs Ray.
 """

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from polyrl.cli.common import add_config_args, load_job_config
     from polyrl.platform import current_platform
-    from polyrl.trainer.launch_plan import plan_launch
+    from polyrl.topology.launch_plan import plan_launch
 
     parser = argparse.ArgumentParser(prog="python -m polyrl.placement.probe")
     add_config_args(parser)
