@@ -2,6 +2,16 @@
 
 The LM head is the largest matmul of a small model's forward (vocab x hidden per position);
 running it on prompt positions, as `model(input_ids).logits` does, wastes most of those FLOPs.
+
+With a large vocabulary the head's *output* is the problem: a float32 [rows, vocab] block of
+logits, its log-softmax and their gradients are gigabytes at 150k tokens (and, on CPU, tensors
+above glibc's 32 MB mmap threshold are handed back to the kernel on every free and page-faulted
+in again on the next step). Above `FUSED_MIN_ELEMENTS` logits the head runs as
+`fused_logprobs`: rows in chunks of about `CHUNK_ELEMENTS` logits, one pass per chunk for
+logsumexp, target log-prob and entropy, and a backward that recomputes the chunk's logits, so
+autograd keeps only the hidden states (plus two floats per row). Below it the plain path is
+faster: its extra head matmul in the backward costs more than the memory traffic it saves
+(docs/benchmarks.md, "Fused log-prob + entropy").
 """
 
 from __future__ import annotations
@@ -10,6 +20,16 @@ import torch
 
 from polyrl.algorithms import entropy_from_logits
 from polyrl.batch import MicroBatch
+
+FUSED_MIN_ELEMENTS = 1 << 24
+"""Logits (response rows x vocab) from which the chunked, recomputing path is used: 64 MB of
+float32. A size rule, never a run-time timing, so a run's numerics are decided by its shapes."""
+CHUNK_ELEMENTS = 1 << 22
+"""Logits per chunk (16 MB of float32: below glibc's mmap threshold, so chunk temporaries are
+reused from the heap rather than faulted in)..."""
+MIN_CHUNK_ROWS = 128
+"""...but never fewer rows than this: each chunk re-reads the whole [vocab, hidden] head, and a
+matmul with too few rows is bound by that read rather than by arithmetic."""
 
 
 def response_logprobs(
@@ -20,8 +40,25 @@ def response_logprobs(
     The entropy carries gradient only when `entropy_grad` (an entropy bonus in the loss)."""
     hidden = model.base_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
     H = hidden.shape[-1]
+    head = model.get_output_embeddings()
+    b, R = mb.target_ids.shape
+    vocab = head.weight.shape[0]
+    if _fusable(head) and b * R * vocab >= FUSED_MIN_ELEMENTS:
+        # only real response rows: padding past a row's length gets 0 (masked everywhere anyway)
+        real = torch.arange(R, device=hidden.device).unsqueeze(0) < mb.response_lengths.to(hidden.device).unsqueeze(1)
+        rows = (mb.gather_index + torch.arange(b, device=hidden.device).unsqueeze(1) * hidden.shape[1])[real]
+        picked = hidden.reshape(-1, H).index_select(0, rows)  # [n, H]
+        lp, ent = fused_logprobs(picked, head.weight, mb.target_ids[real],
+                                 with_entropy=with_entropy or entropy_grad)
+        logprobs = lp.new_zeros(b, R).masked_scatter(real, lp)
+        entropy = None
+        if ent is not None:
+            if not entropy_grad:
+                ent = ent.detach()
+            entropy = ent.new_zeros(b, R).masked_scatter(real, ent)
+        return logprobs, entropy
     picked = hidden.gather(1, mb.gather_index.unsqueeze(-1).expand(-1, -1, H))  # [b, R, H]
-    logits = model.get_output_embeddings()(picked).float()  # [b, R, V]
+    logits = head(picked).float()  # [b, R, V]
     logp_all = torch.log_softmax(logits, dim=-1)  # [b, R, V]
     logprobs = logp_all.gather(-1, mb.target_ids.unsqueeze(-1)).squeeze(-1)
     entropy = None
@@ -31,3 +68,78 @@ def response_logprobs(
         with torch.no_grad():  # from the log-softmax already computed: no second softmax pass
             entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logprobs, entropy
+
+
+def _fusable(head: torch.nn.Module) -> bool:
+    """A plain bias-free Linear head (a LoRA-wrapped or biased head takes the plain path)."""
+    return type(head) is torch.nn.Linear and head.bias is None
+
+
+def fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                   with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hidden [n, H], head weight [V, H], targets [n] -> (log p(target) [n], entropy [n] or None),
+    float32, without materialising more than one chunk of [rows, V] logits.
+
+    Under autocast the head matmul runs in the autocast dtype (bf16 logits, as `Linear` would
+    give) and everything after it in float32, like the plain path."""
+    dtype = weight.dtype
+    if torch.is_autocast_enabled(hidden.device.type):
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+    rows = max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // max(weight.shape[0], 1))
+    # autocast off inside: the function casts explicitly, and its backward must use the same dtype
+    with torch.autocast(hidden.device.type, enabled=False):
+        lp, ent = _FusedLogProbs.apply(hidden, weight, targets, dtype, rows, with_entropy)
+    return lp, ent if with_entropy else None
+
+
+class _FusedLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, dtype, rows, with_entropy):
+        w = weight.to(dtype)
+        n = hidden.shape[0]
+        lse = hidden.new_empty(n, dtype=torch.float32)
+        logprob = hidden.new_empty(n, dtype=torch.float32)
+        entropy = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)
+        for s in range(0, n, rows):
+            e = min(s + rows, n)
+            z = (hidden[s:e].to(dtype) @ w.t()).float()  # [c, V]
+            lse[s:e] = torch.logsumexp(z, dim=-1)
+            logp = z.sub_(lse[s:e].unsqueeze(1))  # in place: the chunk's only [c, V] float buffer
+            logprob[s:e] = logp.gather(1, targets[s:e].unsqueeze(1)).squeeze(1)
+            if with_entropy:
+                entropy[s:e] = -(logp.exp().mul_(logp)).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.dtype, ctx.rows = dtype, rows
+        return logprob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        dtype, rows = ctx.dtype, ctx.rows
+        w = weight.to(dtype)
+        n = hidden.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        if grad_logprob is None:
+            grad_logprob = lse.new_zeros(n)
+        use_ent = grad_entropy is not None and entropy.numel() == n
+        for s in range(0, n, rows):
+            e = min(s + rows, n)
+            h = hidden[s:e].to(dtype)
+            logp = (h @ w.t()).float().sub_(lse[s:e].unsqueeze(1))  # recomputed: [c, V]
+            g = grad_logprob[s:e].unsqueeze(1)
+            p = logp.exp()
+            # d logp_t / dz = onehot_t - p;  d entropy / dz = -p * (logp + entropy)
+            if use_ent:
+                coef = logp.add_(entropy[s:e].unsqueeze(1)).mul_(grad_entropy[s:e].unsqueeze(1)).add_(g)
+                gz = p.mul_(coef).neg_()
+            else:
+                gz = p.mul_(g).neg_()
+            gz.scatter_add_(1, targets[s:e].unsqueeze(1), g)
+            gz = gz.to(dtype)
+            if need_h:
+                grad_hidden[s:e] = gz @ w
+            if need_w:
+                grad_w.add_(gz.t() @ h)  # accumulated in float32 across chunks
+        return (grad_hidden, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None)
