@@ -4,7 +4,6 @@ weights gathered one tensor at a time, DCP checkpoints read back on 1 and 2 rank
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,7 +36,7 @@ def same_metrics(a: list[dict], b: list[dict]) -> None:
             assert step_a[k] == pytest.approx(step_b[k], rel=RTOL, abs=1e-9), (k, step_a, step_b)
 
 
-def same_weights(a: dict, b: dict, initial: dict | None = None) -> None:
+def same_weights(a: dict, b: dict) -> None:
     assert sorted(a) == sorted(b)
     for k in a:
         # Adam divides by sqrt(v): an element whose gradient is ~0 turns summation-order noise
