@@ -68,7 +68,27 @@ class RayConfig(Config):
     """Longest wait on any remote call before polyrl names who did not answer."""
 
 
-class TrainerConfig(Config):
+class CheckpointConfig(Config):
+    """When checkpoints are written, how many are kept, and where a run resumes (RL and SFT)."""
+
+    save_every: int = Field(0, ge=0)
+    """Write a checkpoint every this many steps (0: only at the end, if save_at_end)."""
+    save_at_end: bool = True
+    """Write a checkpoint after the last step."""
+    keep_last: int = Field(2, ge=1)
+    """Complete checkpoints to keep; older ones are deleted."""
+    resume: str = "auto"
+    """auto: continue from the latest complete checkpoint in output_dir (if any); off: start
+    fresh; or the path of a checkpoints/step_* directory."""
+
+    @field_validator("resume", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        # YAML reads a bare `off` / `on` as a boolean
+        return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
+
+
+class TrainerConfig(CheckpointConfig):
     mode: Literal["sync", "async"] = "sync"
     """sync: generate then train each step (on-policy); async: overlap them (bounded staleness)."""
     total_steps: int | None = Field(None, ge=1)
@@ -87,23 +107,8 @@ class TrainerConfig(Config):
     """Write metrics every this many steps."""
     progress_bar: bool = True
     """Show a live progress bar on the console."""
-    save_every: int = Field(0, ge=0)
-    """Write a checkpoint every this many steps (0: only at the end, if save_at_end)."""
-    save_at_end: bool = True
-    """Write a checkpoint after the last step."""
     save_on_interrupt: bool = True
     """On Ctrl-C / SIGTERM, finish the current step and write a checkpoint before exiting."""
-    keep_last: int = Field(2, ge=1)
-    """Complete checkpoints to keep; older ones are deleted."""
-    resume: str = "auto"
-    """auto: continue from the latest complete checkpoint in output_dir (if any); off: start
-    fresh; or the path of a checkpoints/step_* directory."""
-
-    @field_validator("resume", mode="before")
-    @classmethod
-    def _yaml_off(cls, value):
-        # YAML reads a bare `off` / `on` as a boolean
-        return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
 
 
 class AsyncConfig(Config):

@@ -40,3 +40,14 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(resolve(str(path))), trust_remote_code=trust_remote_code)
+
+
+def seed_everything(seed: int) -> None:
+    """Python's, numpy's and torch's global generators, for what the run draws in this process."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from polyrl.config import Config
+from polyrl.job import CheckpointConfig
 from polyrl.workers.config import ActorConfig, ModelConfig
 
 BUILTIN_TRAIN = "builtin:arithmetic_chat_train"
@@ -76,7 +77,10 @@ class SFTDataConfig(Config):
         return self
 
 
-class SFTTrainerConfig(Config):
+class SFTTrainerConfig(CheckpointConfig):
+    """Checkpoint keys as `polyrl train` (CheckpointConfig); a finished checkpoint's policy/ is
+    the fine-tuned model."""
+
     total_epochs: int = Field(2, ge=1)
     """Passes over the training data when total_steps is not set."""
     total_steps: int | None = Field(None, ge=1)
@@ -93,20 +97,6 @@ class SFTTrainerConfig(Config):
     """Write metrics every this many steps."""
     progress_bar: bool = True
     """Show a live progress bar on the console."""
-    save_every: int = Field(0, ge=0)
-    """Write a checkpoint every this many steps (0: only at the end, if save_at_end)."""
-    save_at_end: bool = True
-    """Write a checkpoint after the last step (its policy/ is the fine-tuned model)."""
-    keep_last: int = Field(2, ge=1)
-    """Complete checkpoints to keep; older ones are deleted."""
-    resume: str = "auto"
-    """auto: continue from the latest complete checkpoint in output_dir (if any); off: start
-    fresh; or the path of a checkpoints/step_* directory."""
-
-    @field_validator("resume", mode="before")
-    @classmethod
-    def _yaml_off(cls, value):
-        return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
 
 
 class SFTLoggingConfig(Config):

@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import yaml
 
 from polyrl.batch import split_evenly
 from polyrl.config import to_yaml
 from polyrl.data import PromptLoader
+from polyrl.modeling import seed_everything
 from polyrl.platform import get_platform
 from polyrl.sft.config import SFTConfig
 from polyrl.sft.data import SFTDataset, load_sft_dataset
@@ -54,9 +53,7 @@ class SFTTrainer:
             check_available(cfg.logging.sinks)
             check_writable(self.out, need_bytes=0)
             (self.out / "config.yaml").write_text(to_yaml(cfg))
-        random.seed(cfg.trainer.seed)
-        np.random.seed(cfg.trainer.seed)
-        torch.manual_seed(cfg.trainer.seed)
+        seed_everything(cfg.trainer.seed)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
         model = load_causal_lm(cfg.model.path, cfg.actor.param_dtype, cfg.model.trust_remote_code)
         context = getattr(model.config, "max_position_embeddings", None) or cfg.data.max_length

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import time
 from typing import Any
 
@@ -28,6 +27,7 @@ from polyrl.config import to_yaml
 from polyrl.data import build_loaders
 from polyrl.distributed.ray_launch import init_ray
 from polyrl.distributed.waits import RemoteActorDied
+from polyrl.modeling import seed_everything
 from polyrl.platform import get_platform
 from polyrl.rewards import RewardManager, RewardRequest
 from polyrl.rollout.base import SamplingParams
@@ -82,9 +82,7 @@ class Trainer:
         check_available(cfg.logging.sinks)  # a missing tensorboard/wandb fails now, not after loading
         check_writable(self.out, need_bytes=0)
         (self.out / "config.yaml").write_text(to_yaml(cfg))
-        random.seed(cfg.trainer.seed)
-        np.random.seed(cfg.trainer.seed)
-        torch.manual_seed(cfg.trainer.seed)
+        seed_everything(cfg.trainer.seed)
 
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
         data_cfg = cfg.data.model_copy(update={

@@ -112,25 +112,16 @@ def _from_config(cfg: "AlgorithmConfig", token_level: bool, *tensors, **agg):
     )
 
 
-def gspo_policy_loss(
-    cfg: "AlgorithmConfig",
-    logprob: torch.Tensor,
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    **agg: float | None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Registry entry `gspo`: sequence-level GSPO with `algorithm.gspo_clip_ratio_*`."""
-    return _from_config(cfg, False, logprob, old_logprob, advantages, response_mask, **agg)
+def _registry_entry(token_level: bool, doc: str):
+    def loss(cfg: "AlgorithmConfig", logprob: torch.Tensor, old_logprob: torch.Tensor,
+             advantages: torch.Tensor, response_mask: torch.Tensor,
+             **agg: float | None) -> tuple[torch.Tensor, dict[str, float]]:
+        return _from_config(cfg, token_level, logprob, old_logprob, advantages, response_mask, **agg)
+
+    loss.__doc__ = doc
+    return loss
 
 
-def gspo_token_policy_loss(
-    cfg: "AlgorithmConfig",
-    logprob: torch.Tensor,
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    **agg: float | None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Registry entry `gspo_token`: GSPO-token (per-token advantages, gradient per token)."""
-    return _from_config(cfg, True, logprob, old_logprob, advantages, response_mask, **agg)
+gspo_policy_loss = _registry_entry(False, "Registry entry `gspo`: sequence-level GSPO with `algorithm.gspo_clip_ratio_*`.")
+gspo_token_policy_loss = _registry_entry(
+    True, "Registry entry `gspo_token`: GSPO-token (per-token advantages, gradient per token).")
