@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from polyrl.config import Config
 from polyrl.training.lora_config import LoraConfig
@@ -74,4 +74,11 @@ class ActorConfig(Config):
     """Trade compute for memory in the policy forward."""
     max_nonfinite_steps: int = Field(3, ge=1)
     """Stop after this many consecutive updates with NaN/inf loss or gradients (each skipped)."""
+
+    @model_validator(mode="after")
+    def _offload_needs_shards(self) -> "ActorConfig":
+        if self.offload and self.strategy != "fsdp2":
+            raise ValueError(f"actor.offload=true needs actor.strategy=fsdp2 ({self.strategy} keeps the "
+                             "whole model on the device); set actor.strategy=fsdp2 or actor.offload=false")
+        return self
 

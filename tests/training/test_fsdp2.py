@@ -176,3 +176,12 @@ def test_export_of_a_sharded_checkpoint(fsdp2_two_ranks, tiny_model, tmp_path, c
     saved = ranks[0]["weights_at_save"]
     assert sorted(saved) == sorted(params)
     assert all(torch.equal(params[k], v) for k, v in saved.items())
+
+
+def test_offload_without_fsdp2_names_the_fields():
+    from polyrl.config import ConfigError, load_config
+    from polyrl.job import JobConfig
+
+    with pytest.raises((ConfigError, ValueError), match=r"actor.offload=true needs actor.strategy=fsdp2"):
+        load_config(JobConfig, overrides=["actor.offload=true"])
+    assert load_config(JobConfig, overrides=["actor.offload=true", "actor.strategy=fsdp2"]).actor.offload
