@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from polyrl.batch import split_evenly
 from polyrl.config import to_yaml
@@ -27,8 +26,8 @@ from polyrl.sft.config import SFTConfig
 from polyrl.sft.data import SFTDataset, load_sft_dataset
 from polyrl.sft.step import evaluate, train_step
 from polyrl.trainer.checkpoint import (
-    CheckpointError, CheckpointWriter, capture_rng, check_compatible, check_writable,
-    checkpoint_root, find_resume_point, restore_rng, step_dir,
+    CheckpointError, CheckpointWriter, capture_rng, check_writable,
+    checkpoint_root, read_resume_point, restore_rng, step_dir,
 )
 from polyrl.trainer.sinks import build_sinks, check_available, close_all, log_all
 from polyrl.training import build_engine
@@ -192,14 +191,12 @@ class SFTTrainer:
             raise CheckpointError(f"could not write the checkpoint of step {step} ({exc})") from None
 
     def resume_or_start(self) -> dict[str, Any]:
-        resume_dir = find_resume_point(self.cfg.trainer.resume, self.out)
-        if resume_dir is None:
+        found = read_resume_point(self.cfg.trainer.resume, self.out, self.cfg.model_dump(mode="json"))
+        if found is None:
             return {"step": 0}
-        saved_cfg = yaml.safe_load((resume_dir / "config.yaml").read_text())
-        changed = check_compatible(saved_cfg, self.cfg.model_dump(mode="json"))
+        resume_dir, state, changed = found
         if changed and self.rank == 0:
             logger.info("resuming with changed settings (allowed): %s", ", ".join(changed))
-        state = torch.load(resume_dir / "driver.pt", weights_only=False)
         if state["step"] > self.total_steps:
             raise CheckpointError(f"{resume_dir} is past this run's last step ({self.total_steps}); "
                                   "raise trainer.total_steps or start fresh with trainer.resume=off")

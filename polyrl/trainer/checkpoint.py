@@ -220,3 +220,16 @@ def check_writable(output_dir: Path, need_bytes: int, keep_last: int | None = No
         raise CheckpointError(
             f"trainer.output_dir: {output_dir} has {free / 2**20:.0f} MiB free but checkpoints need "
             f"about {need_bytes / 2**20:.0f} MiB more (lower trainer.keep_last or free space)")
+
+
+def read_resume_point(resume: str, output_dir: Path, config: dict[str, Any]) -> tuple[Path, dict[str, Any], list[str]] | None:
+    """(checkpoint directory, its driver state, settings changed since it was written) of the
+    checkpoint `resume` selects in `output_dir` (trainer.resume), or None for a fresh run. A
+    change that makes the checkpoint unusable raises (`check_compatible`)."""
+    import yaml
+
+    resume_dir = find_resume_point(resume, output_dir)
+    if resume_dir is None:
+        return None
+    changed = check_compatible(yaml.safe_load((resume_dir / "config.yaml").read_text()), config)
+    return resume_dir, torch.load(resume_dir / "driver.pt", weights_only=False), changed

@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 
 from polyrl.algorithms import compute_advantages, kl_penalized_rewards, overlong_penalty
 from polyrl.batch import Ragged, RolloutBatch
@@ -39,10 +38,9 @@ from polyrl.trainer.checkpoint import (
     CheckpointError,
     CheckpointWriter,
     capture_rng,
-    check_compatible,
+    read_resume_point,
     check_writable,
     complete_checkpoints,
-    find_resume_point,
     restore_rng,
     step_dir,
 )
@@ -257,14 +255,12 @@ class Trainer:
 
     # --- checkpoints --------------------------------------------------------------------------
     def resume_or_start(self) -> dict[str, Any]:
-        resume_dir = find_resume_point(self.cfg.trainer.resume, self.out)
-        if resume_dir is None:
+        found = read_resume_point(self.cfg.trainer.resume, self.out, self.cfg.model_dump(mode="json"))
+        if found is None:
             return {"step": 0}
-        saved_cfg = yaml.safe_load((resume_dir / "config.yaml").read_text())
-        changed = check_compatible(saved_cfg, self.cfg.model_dump(mode="json"))
+        resume_dir, state, changed = found
         if changed:
             logger.info("resuming with changed settings (allowed): %s", ", ".join(changed))
-        state = torch.load(resume_dir / "driver.pt", weights_only=False)
         self.train_loader.load_state_dict(state["data"])
         restore_rng(state["rng"])
         self.topology.load_state_dict(state, str(resume_dir))  # before any wait pumps generation
