@@ -169,6 +169,9 @@ class JobConfig(Config):
     def _check(self) -> "JobConfig":
         check_rollout(self.algorithm, n=self.rollout.n, response_length=self.rollout.response_length)
         check_critic(self.algorithm, self.critic.enable)
+        if self.model.enabled and self.actor.strategy == "fsdp2":
+            raise ValueError("model.lora_rank > 0 with actor.strategy=fsdp2 is not supported yet "
+                             "(LoRA runs on ddp); set actor.strategy=ddp")
         if self.agent.enabled and self.trainer.mode == "async":
             raise ValueError("multi-turn agents (agent.tools / agent.environment) run in "
                              "trainer.mode=sync for now; set trainer.mode=sync")

@@ -87,12 +87,12 @@ class PPOActor:
         return sums
 
     def _reduce(self, sums: dict[str, float], maxima: dict[str, float]) -> dict[str, float]:
-        """Shares add up across ranks; local means are averaged; maxima take the max."""
-        world = self.engine.world_size
-        if world > 1:
+        """Sums over ranks: every micro-batch's value is already weighted by its share of the
+        *global* tokens (losses by aggregation, local means by `weight`); maxima take the max."""
+        if self.engine.world_size > 1:
             keys = sorted(sums)
             totals = self.engine.all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
-            sums = {k: float(t) if k in SHARE_METRICS else float(t) / world for k, t in zip(keys, totals)}
+            sums = {k: float(t) for k, t in zip(keys, totals)}
             if maxima:
                 names = sorted(maxima)
                 peaks = self.engine.all_reduce(torch.tensor([maxima[k] for k in names], dtype=torch.float64), "max")

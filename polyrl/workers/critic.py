@@ -49,7 +49,8 @@ class CriticUpdate:
                 sums[k] += m[k] * weight
         keys = sorted(sums)
         totals = engine.all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
-        out = {k: float(t) if k in SHARE else float(t) / engine.world_size for k, t in zip(keys, totals)}
+        # shares of the global mean (losses by aggregation, local means by their token weight)
+        out = {k: float(t) for k, t in zip(keys, totals)}
         step = engine.optimizer_step(out["critic/value_loss"])
         out.update({"critic/grad_norm": step.grad_norm, "critic/lr": step.lr})
         return out

@@ -188,6 +188,9 @@ class PolicyWorker:
         leader, over the transport to every standalone replica (which call receive_weights)."""
         self.version += int(bump)
         if self.transport is None:
+            if getattr(self.engine, "gathers_weights", False):  # FSDP2: every rank joins each gather
+                for _ in self.engine.named_weights():
+                    pass
             return {}
         with torch.no_grad():
             metrics = self.transport.send(self.engine.named_weights(), self.version).metrics()
@@ -218,8 +221,13 @@ class PolicyWorker:
                 raise ValueError(f"{d} holds no critic (written with critic.enable=false); resume with "
                                  "critic.enable=false or start fresh (trainer.resume=off)")
             self.critic.engine.load(d / "critic")
-        state = torch.load(d / f"rank{self.rank}.pt", weights_only=False)
-        torch.set_rng_state(state["torch_rng"])
+        mine = d / f"rank{self.rank}.pt"
+        if mine.is_file():
+            state = torch.load(mine, weights_only=False)
+            torch.set_rng_state(state["torch_rng"])
+        else:  # a sharded checkpoint written by fewer ranks (fsdp2 resumes on any world size)
+            state = torch.load(d / "rank0.pt", weights_only=False)
+            torch.manual_seed(self.cfg.trainer.seed + self.rank + 1000 * state["version"])
         self.version, self.updates = state["version"], state.get("updates", 0)
         if self.rollout_engine is not None:
             self.sync_weights(bump=False)
