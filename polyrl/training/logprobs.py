@@ -21,9 +21,14 @@ import torch
 from polyrl.algorithms import entropy_from_logits
 from polyrl.batch import MicroBatch
 
-FUSED_MIN_ELEMENTS = 1 << 24
-"""Logits (response rows x vocab) from which the chunked, recomputing path is used: 64 MB of
-float32. A size rule, never a run-time timing, so a run's numerics are decided by its shapes."""
+FUSED_MIN_ELEMENTS = 1 << 28
+"""Logits (response rows x vocab) from which a forward that will be differentiated takes the
+chunked, recomputing path: 1 GiB of float32 (the plain path keeps ~3 such blocks alive). Below
+it the plain path is faster on CPU, where the recomputed head matmul costs more than the memory
+passes it saves. A size rule, never a run-time timing, so a run's numerics follow its shapes."""
+FUSED_MIN_ELEMENTS_NO_GRAD = 1 << 24
+"""The same under no_grad (reference / proximal log-probs): nothing is recomputed there, so the
+fused path does the same matmul with fewer passes over the logits; from 64 MB of float32."""
 CHUNK_ELEMENTS = 1 << 22
 """Logits per chunk (16 MB of float32: below glibc's mmap threshold, so chunk temporaries are
 reused from the heap rather than faulted in)..."""
@@ -43,7 +48,8 @@ def response_logprobs(
     head = model.get_output_embeddings()
     b, R = mb.target_ids.shape
     vocab = head.weight.shape[0]
-    if _fusable(head) and b * R * vocab >= FUSED_MIN_ELEMENTS:
+    threshold = FUSED_MIN_ELEMENTS if torch.is_grad_enabled() else FUSED_MIN_ELEMENTS_NO_GRAD
+    if _fusable(head) and b * R * vocab >= threshold:
         # only real response rows: padding past a row's length gets 0 (masked everywhere anyway)
         real = torch.arange(R, device=hidden.device).unsqueeze(0) < mb.response_lengths.to(hidden.device).unsqueeze(1)
         rows = (mb.gather_index + torch.arange(b, device=hidden.device).unsqueeze(1) * hidden.shape[1])[real]
@@ -140,6 +146,8 @@ class _FusedLogProbs(torch.autograd.Function):
             gz = gz.to(dtype)
             if need_h:
                 grad_hidden[s:e] = gz @ w
-            if need_w:
-                grad_w.add_(gz.t() @ h)  # accumulated in float32 across chunks
+            if need_w and gz.dtype == torch.float32:
+                grad_w.addmm_(gz.t(), h)  # in place: no [V, H] temporary per chunk
+            elif need_w:
+                grad_w.add_(gz.t() @ h)  # a bf16 partial per chunk, accumulated in float32
         return (grad_hidden, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None)
