@@ -57,6 +57,14 @@ class SamplingParams:
     """Also return the top-k log-probs at each position (0 disables)."""
     ignore_eos: bool = False
     """Keep generating past the tokenizer's end-of-sequence token."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the sample has generated so far (OpenAI's)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the sample has generated it (OpenAI's)."""
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    """Token id -> value added to its logit before sampling (OpenAI's; -100 bans, 100 forces).
+    Penalties and bias shape what is sampled; the returned log-probs stay those of the model's
+    raw distribution, as for temperature and top-p."""
 
     def validate(self) -> "SamplingParams":
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -71,7 +79,21 @@ class SamplingParams:
             raise RolloutInputError("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if self.top_logprobs < 0:
             raise RolloutInputError("top_logprobs", f"must be >= 0, got {self.top_logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise RolloutInputError(name, f"must be in [-2, 2], got {value}")
+        for token, bias in self.logit_bias.items():
+            if not (isinstance(token, int) and token >= 0):
+                raise RolloutInputError("logit_bias", f"keys must be token ids, got {token!r}")
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise RolloutInputError("logit_bias", f"token {token}: bias must be in [-100, 100], got {bias}")
         return self
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether penalties or a logit bias change what is sampled."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 @dataclass

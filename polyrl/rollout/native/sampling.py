@@ -12,7 +12,7 @@ The returned logprob of a sampled token is always under the model's raw distribu
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,19 @@ class RowParams:
     top_k: int
     top_logprobs: int
     rng: random.Random
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    counts: dict[int, int] = field(default_factory=dict)
+    """Tokens this sequence has generated, with their counts (for the penalties)."""
+
+    @property
+    def shapes_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+    def record(self, token: int) -> None:
+        if self.presence_penalty or self.frequency_penalty:
+            self.counts[token] = self.counts.get(token, 0) + 1
 
     @property
     def filtered(self) -> bool:
@@ -75,8 +88,36 @@ def _sample_filtered(scaled: torch.Tensor, rows: list[RowParams], u: torch.Tenso
     return idx.gather(1, _inverse_cdf(probs, u)[:, None]).squeeze(1)
 
 
+def _shaped(logits: torch.Tensor, rows: list[RowParams]) -> torch.Tensor:
+    """The logits sampling draws from: OpenAI's presence / frequency penalties on the tokens each
+    sequence generated so far, plus its logit bias. Only rows that ask for it are touched."""
+    adjust = torch.zeros_like(logits)
+    for i, r in enumerate(rows):
+        if not r.shapes_logits:
+            continue
+        if r.counts:
+            ids = torch.tensor(list(r.counts), device=logits.device)
+            counts = torch.tensor(list(r.counts.values()), dtype=logits.dtype, device=logits.device)
+            adjust[i, ids] -= r.presence_penalty + r.frequency_penalty * counts
+        if r.logit_bias:
+            ids = torch.tensor(list(r.logit_bias), device=logits.device)
+            adjust[i, ids] += torch.tensor(list(r.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+    return logits + adjust
+
+
 def sample(logits: torch.Tensor, rows: list[RowParams]):
-    """logits [B, V] float32 -> (token ids, their logprobs, top-logprob dicts or None), as lists."""
+    """logits [B, V] float32 -> (token ids, their logprobs, top-logprob dicts or None), as lists.
+    The log-probs are under the raw logits; penalties and bias only change what is drawn."""
+    raw = logits
+    if any(r.shapes_logits for r in rows):
+        logits = _shaped(logits, rows)
+    tokens, logprobs, top = _sample(logits, rows, raw)
+    for r, t in zip(rows, tokens):
+        r.record(t)
+    return tokens, logprobs, top
+
+
+def _sample(logits: torch.Tensor, rows: list[RowParams], raw: torch.Tensor):
     device = logits.device
     # Unnormalized temperature-1 probabilities and log-normalizer in four passes; the inverse
     # CDF below does not need normalized rows. log_softmax(logits) = logits - lse.
@@ -102,6 +143,10 @@ def sample(logits: torch.Tensor, rows: list[RowParams]):
         if any(greedy):
             sel = torch.tensor([i for i, g in enumerate(greedy) if g], device=device)
             tokens[sel] = logits[sel].argmax(-1)
+    if raw is not logits:  # report under the model's own distribution
+        peak = raw.amax(-1, keepdim=True)
+        lse = peak + (raw - peak).exp().sum(-1, keepdim=True).log()
+        logits = raw
     token_logprobs = (logits.gather(1, tokens[:, None]) - lse).squeeze(1)
     top = None
     kmax = max(r.top_logprobs for r in rows)

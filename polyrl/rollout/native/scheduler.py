@@ -127,7 +127,8 @@ class Scheduler:
         sp = req.sampling
         # A seeded request's sample i always gets the same stream, whatever else is running.
         rng = random.Random(f"{sp.seed}/{index}") if sp.seed is not None else random.Random(self._rng.getrandbits(64))
-        row = RowParams(sp.temperature, sp.top_p, sp.top_k, sp.top_logprobs, rng)
+        row = RowParams(sp.temperature, sp.top_p, sp.top_k, sp.top_logprobs, rng,
+                        sp.presence_penalty, sp.frequency_penalty, dict(sp.logit_bias))
         v = self.weight_version
         return Sequence(req, row, index, min_version=v, max_version=v)
 

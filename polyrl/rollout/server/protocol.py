@@ -27,7 +27,7 @@ MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
 """OpenAI's cap on /v1/chat/completions `top_logprobs`."""
 UNSUPPORTED = {
-    "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "best_of": 1, "suffix": "",
+    "best_of": 1, "suffix": "",
     "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
 }
 """OpenAI fields the native engine cannot honour, each with the value that asks for nothing
@@ -86,7 +86,20 @@ class _SamplingRequest(BaseModel):
             logprobs=True,
             top_logprobs=top_logprobs,
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=self._token_bias(),
         ).validate()
+
+    def _token_bias(self) -> dict[int, float]:
+        """OpenAI sends logit_bias keys as strings of token ids."""
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                out[int(key)] = float(value)
+            except ValueError:
+                raise RolloutInputError("logit_bias", f"keys must be token ids, got {key!r}") from None
+        return out
 
     @property
     def include_usage_in_stream(self) -> bool:

@@ -108,9 +108,10 @@ def test_models_list_and_health(client, server):
     ({"extra_body": {"top_k": "many"}}, "top_k"),  # a pydantic type error
     ({"extra_body": {"temprature": 0.5}}, "temprature"),  # a misspelt field is not ignored
     ({"best_of": 3}, "best_of"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"presence_penalty": -1}, "presence_penalty"),
+    ({"logit_bias": {"five": 10}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"presence_penalty": -3}, "presence_penalty"),
     ({"logprobs": 6}, "logprobs"),  # OpenAI's cap is 5
 ])
 def test_bad_completion_input_is_400_naming_the_field(client, kwargs, field):
@@ -129,6 +130,16 @@ def test_no_op_values_of_unsupported_fields_are_accepted(client):
     out = client.completions.create(model=MODEL, prompt="1+1=", max_tokens=2, best_of=1,
                                     frequency_penalty=0, presence_penalty=0.0, logit_bias={}, logprobs=5)
     assert 1 <= len(out.choices[0].logprobs.top_logprobs[0]) <= 5  # keyed by text: ties merge
+
+
+def test_logit_bias_reaches_the_engine(client):
+    def forced(token: int) -> list[str]:
+        out = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, temperature=0,
+                                        logprobs=0, logit_bias={str(token): 100})
+        return out.choices[0].logprobs.tokens
+
+    nine, ten = forced(9), forced(10)
+    assert len(set(nine)) == 1 and len(set(ten)) == 1 and nine != ten
 
 
 def test_chat_top_logprobs_capped_at_20_and_unknown_fields_refused(client):
