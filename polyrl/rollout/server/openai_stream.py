@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from polyrl.rollout.base import TokenOutput
 from polyrl.rollout.native.streaming import SampleDelta, StreamUpdate
 from polyrl.rollout.server.openai_format import IncrementalDecoder, TokenText, envelope, finish_reason, usage
+
+logger = logging.getLogger(__name__)
 
 
 def sse(payload: dict | str) -> str:
@@ -147,6 +150,7 @@ async def sse_events(streams: list[Any], *, n: int, text: TokenText, stops: Sequ
     """
     samples: dict[int, SampleText] = {}
     outputs: list[TokenOutput] = []
+    ended = False
 
     def event(choices: list[dict], **extra) -> str:
         return sse(envelope(kind, rid, model, choices, **extra))
@@ -182,10 +186,15 @@ async def sse_events(streams: list[Any], *, n: int, text: TokenText, stops: Sequ
                             yield chunk
         if include_usage:
             yield event([], usage=usage(prompt_tokens, outputs))
+        ended = True
         yield sse("[DONE]")
     except Exception as exc:  # the engine failed mid-stream: tell the client in-band
+        ended = True
         yield sse({"error": {"message": f"{type(exc).__name__}: {exc}", "type": "server_error",
                              "param": None, "code": None}})
         yield sse("[DONE]")
     finally:
+        if not ended:  # closed before its end: the client went away (one line, not a traceback)
+            logger.info("%s: client disconnected mid-stream; cancelling its %d sample(s)",
+                        rid, n * len(streams))
         close_all(streams)

@@ -5,6 +5,8 @@ disconnects mid-stream gets its request cancelled in the engine."""
 
 from __future__ import annotations
 
+import logging
+
 import time
 
 import openai
@@ -100,7 +102,8 @@ def test_chat_stream_equals_non_streamed_with_n_stop_and_logprobs(client):
         assert streamed == pytest.approx([e.logprob for e in choice.logprobs.content], abs=1e-6)
 
 
-def test_client_disconnect_cancels_the_request_in_the_engine(client, engine):
+def test_client_disconnect_cancels_the_request_in_the_engine(client, engine, caplog):
+    caplog.set_level(logging.INFO)
     _wait_idle(engine)
     tokens_before = engine.stats["decode_tokens"]
     stream = client.completions.create(model=MODEL, prompt="9+9=", max_tokens=LONG, n=2,
@@ -113,4 +116,8 @@ def test_client_disconnect_cancels_the_request_in_the_engine(client, engine):
     _wait_idle(engine)
     # The engine stopped both samples well before their 110 tokens each.
     assert engine.stats["decode_tokens"] - tokens_before < 2 * LONG - 20
+    # one line says so; nothing is logged as a warning or an error
+    said = [r for r in caplog.records if "disconnected mid-stream" in r.getMessage()]
+    assert len(said) == 1 and "2 sample(s)" in said[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert client.completions.create(model=MODEL, prompt="1", max_tokens=2).choices
