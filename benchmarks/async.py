@@ -13,6 +13,10 @@ actors of sync never compute at the same time, so each phase may use the cores o
 the strongest sync on the same machine, and `speedup_vs_sync_all_cores` compares async with it
 (`--no-all-cores` skips it).
 
+`--workload dapo` adds DAPO dynamic sampling (`WORKLOADS`): a generation-heavy step, several
+generation rounds per update once the model is mostly right; `generate_fraction` is sync's
+generation seconds / training-step seconds.
+
 Reported per mode (median over repeats): samples/s = trained samples / the summed seconds of the
 training steps (validation is excluded, it is the same work in both modes); seconds of training
 steps until held-out accuracy first reaches `--target` (validation every 5 steps); the final and
@@ -21,6 +25,7 @@ best held-out accuracy; async's mean staleness, trainer idle and partial-rollout
     python benchmarks/async.py             # = polyrl bench async: ~3 min on an idle 2-core machine
     python benchmarks/async.py --json      # last line is JSON
     python benchmarks/async.py --repeats 3 # steadier on a busy machine
+    python benchmarks/async.py --workload dapo --max-rounds 16 --no-all-cores --json
 """
 
 from __future__ import annotations
@@ -85,7 +90,9 @@ def run_once(run: str, args: argparse.Namespace, root: Path, index: int) -> dict
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "timing/step" in r]
     train_s = sum(r["timing/step"] for r in steps)
-    samples = len(steps) * cfg.data.train_batch_size * cfg.rollout.n
+    # samples each step trained on (perf/samples_per_s = len(batch) / timing/step): with dynamic
+    # sampling a step may train on fewer than train_batch_size x n when rounds ran out
+    samples = sum(round(r["perf/samples_per_s"] * r["timing/step"]) for r in steps)
     elapsed, to_target = 0.0, None
     vals = [r.get("val/acc") for r in rows if "val/acc" in r]
     for r in rows:
