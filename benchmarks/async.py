@@ -75,6 +75,8 @@ def config(out: Path, run: str, args: argparse.Namespace):
     if mode == "async":
         overrides += [f"async.max_staleness={args.staleness}", f"async.partial_rollout={args.partial}"]
     overrides += WORKLOADS[args.workload](args)
+    if args.n:
+        overrides.append(f"rollout.n={args.n}")
     return load_config(JobConfig, files=[EMBEDDED_DEFAULT], overrides=overrides)
 
 
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="default",
                    help="default: the embedded task as is; dapo: with DAPO dynamic sampling "
                         "(generation-heavy, see WORKLOADS)")
+    p.add_argument("--n", type=int, default=0, help="rollout.n (samples per prompt); 0 = the task's 8")
     p.add_argument("--max-rounds", type=int, default=8, help="dapo: algorithm.max_sampling_rounds")
     p.add_argument("--no-all-cores", dest="all_cores", action="store_false",
                    help="skip the 'sync, all cores' run (sync with twice the threads per actor)")
@@ -182,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         "sync_sampling_rounds_mean": med("sync", "sampling_rounds_mean"),
         "async_samples_per_s_per_run": [r["samples_per_s"] for r in results["async"]],
         "sync_samples_per_s_per_run": [r["samples_per_s"] for r in results["sync"]],
-        "workload": args.workload,
+        "workload": args.workload, "rollout_n": args.n or 8, "max_rounds": args.max_rounds,
         "target_accuracy": args.target, "steps": args.steps, "repeats": args.repeats,
         "threads": args.threads, "max_staleness": args.staleness, "partial_rollout": args.partial,
         "load_average": os.getloadavg()[0],
