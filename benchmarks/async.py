@@ -51,8 +51,12 @@ WORKLOADS = {
     # groups are all-correct, so a step generates several rounds for one update: generation
     # dominates the way it does in real runs, with the model's own (short) answers, no forced
     # lengths.
+    # async.groups_per_request = the train batch: the replica then decodes as many sequences at a
+    # time as a sync round does (the default 4 groups per call decodes 4 x n at a time, which on
+    # CPU costs nearly as much per step as 16 x n: decode of a tiny model is overhead-bound)
     "dapo": lambda args: ["algorithm.dynamic_sampling=true",
-                          f"algorithm.max_sampling_rounds={args.max_rounds}"],
+                          f"algorithm.max_sampling_rounds={args.max_rounds}",
+                          f"async.groups_per_request={args.groups_per_request}"],
 }
 """--workload -> extra overrides."""
 
@@ -132,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="default: the embedded task as is; dapo: with DAPO dynamic sampling "
                         "(generation-heavy, see WORKLOADS)")
     p.add_argument("--n", type=int, default=0, help="rollout.n (samples per prompt); 0 = the task's 8")
+    p.add_argument("--groups-per-request", type=int, default=16,
+                   help="dapo: async.groups_per_request (16 = the task's train batch)")
     p.add_argument("--max-rounds", type=int, default=8, help="dapo: algorithm.max_sampling_rounds")
     p.add_argument("--no-all-cores", dest="all_cores", action="store_false",
                    help="skip the 'sync, all cores' run (sync with twice the threads per actor)")
@@ -186,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         "async_samples_per_s_per_run": [r["samples_per_s"] for r in results["async"]],
         "sync_samples_per_s_per_run": [r["samples_per_s"] for r in results["sync"]],
         "workload": args.workload, "rollout_n": args.n or 8, "max_rounds": args.max_rounds,
+        "groups_per_request": args.groups_per_request,
         "target_accuracy": args.target, "steps": args.steps, "repeats": args.repeats,
         "threads": args.threads, "max_staleness": args.staleness, "partial_rollout": args.partial,
         "load_average": os.getloadavg()[0],

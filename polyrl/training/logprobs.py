@@ -43,8 +43,13 @@ def response_logprobs(
     """(logprobs [b, R], entropy [b, R] or None) of `mb`'s response tokens under `model`.
 
     The entropy carries gradient only when `entropy_grad` (an entropy bonus in the loss)."""
-    hidden = model.base_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
+    kwargs = {}
+    if getattr(mb, "position_ids", None) is not None:  # packed (polyrl/batch/packed.py): [1, T]
+        kwargs["position_ids"] = mb.position_ids
+    hidden = model.base_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, **kwargs).last_hidden_state
     H = hidden.shape[-1]
+    # gather_index indexes each row of a padded batch, or the single row of a packed one
+    row_offset = 0 if hidden.shape[0] == 1 else torch.arange(hidden.shape[0], device=hidden.device).unsqueeze(1) * hidden.shape[1]
     head = model.get_output_embeddings()
     b, R = mb.target_ids.shape
     vocab = head.weight.shape[0]
@@ -52,7 +57,7 @@ def response_logprobs(
     if _fusable(head) and b * R * vocab >= threshold:
         # only real response rows: padding past a row's length gets 0 (masked everywhere anyway)
         real = torch.arange(R, device=hidden.device).unsqueeze(0) < mb.response_lengths.to(hidden.device).unsqueeze(1)
-        rows = (mb.gather_index + torch.arange(b, device=hidden.device).unsqueeze(1) * hidden.shape[1])[real]
+        rows = (mb.gather_index + row_offset)[real]
         picked = hidden.reshape(-1, H).index_select(0, rows)  # [n, H]
         lp, ent = fused_logprobs(picked, head.weight, mb.target_ids[real],
                                  with_entropy=with_entropy or entropy_grad)
@@ -63,7 +68,7 @@ def response_logprobs(
                 ent = ent.detach()
             entropy = ent.new_zeros(b, R).masked_scatter(real, ent)
         return logprobs, entropy
-    picked = hidden.gather(1, mb.gather_index.unsqueeze(-1).expand(-1, -1, H))  # [b, R, H]
+    picked = hidden.reshape(-1, H)[mb.gather_index + row_offset]  # [b, R, H]
     logits = head(picked).float()  # [b, R, V]
     logp_all = torch.log_softmax(logits, dim=-1)  # [b, R, V]
     logprobs = logp_all.gather(-1, mb.target_ids.unsqueeze(-1)).squeeze(-1)
