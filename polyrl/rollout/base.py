@@ -90,11 +90,6 @@ class SamplingParams:
                 raise RolloutInputError("logit_bias", f"token {token}: bias must be in [-100, 100], got {bias}")
         return self
 
-    @property
-    def shapes_logits(self) -> bool:
-        """Whether penalties or a logit bias change what is sampled."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
-
 
 @dataclass
 class TokenOutput:

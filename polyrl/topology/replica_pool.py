@@ -43,9 +43,6 @@ class ReplicaPool(WorkerGroup):
         return self.cls.options(**self.options[index]).remote(self.cfg, index, self.specs[index].num_threads,
                                                               self.mailbox, self.cfg.resolved_weights)
 
-    def setup_refs(self) -> list:
-        return [w.setup.remote() for w in self.workers]
-
     def restart(self, index: int) -> Any:
         """Replace replica `index` with a new actor; returns the ref of its setup (which fetches
         the newest published weights)."""

@@ -37,7 +37,7 @@ class DDPEngine:
         self.head = head
         # LoRA (training/lora.py): the optimizer sees only the adapters; the head runs on the
         # adapted model itself, not peft's wrapper
-        self.lora = hasattr(model, "get_base_model")
+        self.lora = lora.is_lora(model)
         self.module = model.get_base_model() if self.lora else model
         self.model, self.cfg, self.platform, self.device = model, cfg, platform, device
         self.rank, self.world_size, self.group = rank, world_size, group

@@ -15,6 +15,7 @@ Why these pieces and not more: with peft's LoRA layers the base weights stay fro
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -85,9 +86,8 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> Any:
 
 
 def is_lora(model: torch.nn.Module) -> bool:
-    import peft
-
-    return isinstance(model, peft.PeftModel)
+    peft = sys.modules.get("peft")  # no PeftModel can exist before peft is imported: never import it here
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def adapter_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
