@@ -9,7 +9,10 @@ the result. Rows use data_source "arithmetic", so the existing exact-match, EOS-
 
 writes calculator_train.parquet / calculator_val.parquet (verl schema, disjoint operand pairs)
 and calculator_sft.jsonl: {"messages": [user, assistant tool call, tool result, assistant answer]}
-conversations for `polyrl sft` (the call written by the Hermes parser's own `format`).
+conversations for `polyrl sft` (the call written by the Hermes parser's own `format`). With
+`--p-direct P` a fraction P of the conversations answers from memory instead (`guess`: the leading
+digits right, the rest wrong), the habit the bundled `builtin:tiny-calc` warm start is taught so
+that RL has something to fix (scripts/build_tiny_tools_model.py, docs/tools_calculator.md).
 """
 
 from __future__ import annotations
@@ -86,9 +89,30 @@ def trace(a: int, b: int) -> dict:
                          {"role": "assistant", "content": str(a * b)}]}
 
 
-def write_calculator_task(out: Path, n_train: int, n_val: int, n_sft: int, seed: int = 0) -> dict[str, Path]:
+def guess(a: int, b: int, rng: random.Random) -> str:
+    """An answer from memory, never the right one: the product's two leading digits and its length
+    are right, the other digits are guessed (what a model that cannot multiply writes)."""
+    truth = str(a * b)
+    digits = truth[:2] + "".join(rng.choice("0123456789") for _ in truth[2:])
+    if digits == truth:  # the guess must be wrong: change its last digit
+        digits = digits[:-1] + str((int(digits[-1]) + 1 + rng.randrange(9)) % 10)
+    return digits
+
+
+def direct_trace(a: int, b: int, rng: random.Random) -> dict:
+    """One conversation that skips the tool and answers from memory (wrongly)."""
+    return {"messages": [{"role": "user", "content": f"{a}*{b}="},
+                         {"role": "assistant", "content": guess(a, b, rng)}]}
+
+
+def write_calculator_task(out: Path, n_train: int, n_val: int, n_sft: int, seed: int = 0,
+                          p_direct: float = 0.0) -> dict[str, Path]:
+    """The RL splits and `n_sft` warm-start conversations, a fraction `p_direct` of which answer
+    from memory (`direct_trace`) instead of calling the tool (`trace`)."""
     from polyrl.data.synthetic import write_parquet
 
+    if not 0.0 <= p_direct <= 1.0:
+        raise ValueError(f"p_direct must be in [0, 1], got {p_direct}")
     out.mkdir(parents=True, exist_ok=True)
     rng, seen = random.Random(seed), set()
     val = problems(n_val, rng, seen)  # drawn first: validation pairs never reach training or SFT
@@ -97,7 +121,9 @@ def write_calculator_task(out: Path, n_train: int, n_val: int, n_sft: int, seed:
              "sft": out / "calculator_sft.jsonl"}
     write_parquet([row(a, b, "train", i) for i, (a, b) in enumerate(train)], paths["train"])
     write_parquet([row(a, b, "val", i) for i, (a, b) in enumerate(val)], paths["val"])
-    paths["sft"].write_text("".join(json.dumps(trace(a, b)) + "\n" for a, b in sft))
+    teacher = random.Random(seed + 1)  # its own stream: the operand pairs do not depend on p_direct
+    convs = [direct_trace(a, b, teacher) if teacher.random() < p_direct else trace(a, b) for a, b in sft]
+    paths["sft"].write_text("".join(json.dumps(c) + "\n" for c in convs))
     return paths
 
 
@@ -108,8 +134,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n-val", type=int, default=200)
     p.add_argument("--n-sft", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--p-direct", type=float, default=0.0,
+                   help="fraction of SFT conversations that answer from memory instead of calling the tool")
     args = p.parse_args(argv)
-    for name, path in write_calculator_task(args.out, args.n_train, args.n_val, args.n_sft, args.seed).items():
+    paths = write_calculator_task(args.out, args.n_train, args.n_val, args.n_sft, args.seed, args.p_direct)
+    for name, path in paths.items():
         print(f"{name}: {path}")
 
 
