@@ -5,7 +5,8 @@
 
 See docs/agents.md. Modules: tools (typed functions -> JSON schema), parsers (tool-call formats),
 executor (concurrent calls with timeouts), chat (template deltas), environments (registry),
-runner (the turn loop), stats (trajectories -> RolloutBatch and metrics).
+runner (the turn loop), stats (trajectories -> RolloutBatch and metrics), black_box (any OpenAI-API
+agent program, trained on the ids the server sampled).
 """
 
 from polyrl.agents.config import AgentConfig

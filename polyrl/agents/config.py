@@ -1,5 +1,5 @@
-"""`AgentConfig`: tools, the tool-call format, the environment per row, and the limits of a
-multi-turn trajectory (each limit counted in the agent metrics when it ends a trajectory)."""
+"""`AgentConfig`: tools, the tool-call format, the environment per row, a black-box agent, and the
+limits of a multi-turn trajectory (each limit counted in the agent metrics when it ends a trajectory)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,20 @@ class AgentConfig(Config):
     max_parallel_tools: int = Field(16, ge=1)
     """Tool calls running at once across all trajectories of a batch."""
 
+    black_box: str | None = None
+    """A black-box agent as "package.module:function": called once per sample as
+    `agent(base_url, row, trajectory_id)` (sync or async) while polyrl serves the rollout engine
+    over the OpenAI API at `base_url`; it returns None (the reward function scores the last
+    turn), a number (the reward) or a string (the final answer to score). The trainer learns from
+    the ids the server sampled (docs/agents.md, black-box agents)."""
+
+    black_box_timeout_s: float = Field(600.0, gt=0)
+    """Most seconds one black-box agent run may take; a slower one is abandoned and counted in
+    agent/env_errors (its trajectory gets no loss)."""
+
+    max_parallel_agents: int = Field(64, ge=1)
+    """Black-box agent runs at once per rollout worker."""
+
     @model_validator(mode="after")
     def _check(self) -> "AgentConfig":
         from polyrl.agents.parsers import TOOL_PARSERS
@@ -64,12 +78,18 @@ class AgentConfig(Config):
         for spec in self.tools:
             if ":" not in spec:
                 raise ValueError(f"tool '{spec}' must look like package.module:function")
+        if self.black_box is not None:
+            if ":" not in self.black_box:
+                raise ValueError(f"agent.black_box '{self.black_box}' must look like package.module:function")
+            if self.tools or self.environment is not None or self.per_row_environments:
+                raise ValueError("agent.black_box runs its own agent loop: unset agent.tools, agent.environment "
+                                 "and agent.per_row_environments (the agent calls its tools itself)")
         return self
 
     @property
     def enabled(self) -> bool:
         """Whether rollouts go through the multi-turn agent loop."""
-        return self.default_environment is not None or self.per_row_environments
+        return self.default_environment is not None or self.per_row_environments or self.black_box is not None
 
     @property
     def default_environment(self) -> str | None:

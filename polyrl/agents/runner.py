@@ -173,7 +173,12 @@ class AgentRunner:
 async def run_trajectories(engine: Any, tokenizer: Any, rows: Sequence[Any], sampling: SamplingParams,
                            agent_cfg: AgentConfig, *, seeds: Sequence[int | None] | None = None,
                            group_offset: int = 0, tools: dict[str, Tool] | None = None) -> AgentRollout:
-    """`sampling.n` trajectories per row (GRPO groups: samples of row i get group_offset + i)."""
+    """`sampling.n` trajectories per row (GRPO groups: samples of row i get group_offset + i):
+    the built-in turn loop with tools / environments, or a black-box agent (black_box.py)."""
+    if agent_cfg.black_box is not None:
+        from polyrl.agents.black_box import BlackBoxRunner
+
+        return await BlackBoxRunner(engine, tokenizer, agent_cfg).run(rows, sampling, seeds, group_offset)
     runner = AgentRunner(engine, tokenizer, agent_cfg, tools)
     return await runner.run(rows, sampling, seeds, group_offset)
 

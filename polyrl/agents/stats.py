@@ -33,6 +33,11 @@ class TrajectoryStats:
     """The environment's reward after each of its steps."""
     limit: str | None = None
     """The limit that ended the trajectory: turns | response_tokens | tool_seconds | context."""
+    reward: float | None = None
+    """A reward for the whole trajectory (what a black-box agent returned), else None."""
+    prefix_mismatch: int = 0
+    """1 when a black-box agent's later prompt did not extend its earlier prompt + sampled ids
+    (the trajectory gets no loss)."""
 
     def add(self, step: StepStats, reward: float) -> None:
         self.tool_calls += step.tool_calls
@@ -47,8 +52,11 @@ class TrajectoryStats:
 
     @property
     def env_reward(self) -> float | None:
-        """Sum of the environment's rewards (None for tools-only or single-turn trajectories)."""
-        if self.environment in (None, "tools"):
+        """A black-box agent's reward, else the sum of the environment's rewards (None for
+        tools-only or single-turn trajectories)."""
+        if self.reward is not None:
+            return self.reward
+        if self.environment in (None, "tools", "black_box"):
             return None
         return float(sum(self.turn_rewards))
 
@@ -156,6 +164,7 @@ class AgentRollout:
             "agent/tool_timeouts": float(sum(s.tool_timeouts for s in stats)),
             "agent/tool_seconds": float(sum(s.tool_seconds for s in stats)),
             "agent/env_errors": float(sum(s.env_errors for s in stats)),
+            "agent/prefix_mismatch": float(sum(s.prefix_mismatch for s in stats)),
         }
         for limit in ("turns", "response_tokens", "tool_seconds", "context"):
             out[f"agent/limit_{limit}"] = float(sum(s.limit == limit for s in stats))

@@ -46,6 +46,8 @@ class AgentColumns:
     """int64 index into AGENT_LIMITS."""
     env_rewards: torch.Tensor
     """float32: the environment's reward, NaN where no environment gave one."""
+    prefix_mismatch: torch.Tensor
+    """int64: 1 where a black-box agent's turns did not chain (the trajectory gets no loss)."""
 
     def select(self, idx: torch.Tensor) -> AgentColumns:
         return AgentColumns(**{f.name: getattr(self, f.name)[idx] for f in dataclasses.fields(self)})
@@ -60,7 +62,7 @@ class AgentColumns:
         out = {"agent/turns_mean": float(self.turns.sum()) / n,
                "agent/tool_calls_mean": float(self.tool_calls.sum()) / n,
                **{f"agent/{k}": float(getattr(self, k).sum())
-                  for k in ("tool_errors", "tool_timeouts", "tool_seconds", "env_errors")}}
+                  for k in ("tool_errors", "tool_timeouts", "tool_seconds", "env_errors", "prefix_mismatch")}}
         for code, name in enumerate(AGENT_LIMITS[1:], start=1):
             out[f"agent/limit_{name}"] = float((self.limit == code).sum())
         given = self.env_rewards[~self.env_rewards.isnan()]

@@ -67,6 +67,6 @@ def rollout_rows(engine: Any, tokenizer: Any, rows: Sequence[Any], sampling: Sam
         tool_errors=column("tool_errors", torch.long), tool_timeouts=column("tool_timeouts", torch.long),
         tool_seconds=column("tool_seconds", torch.float32), env_errors=column("env_errors", torch.long),
         limit=torch.tensor([AGENT_LIMITS.index(s.limit or "") for s in stats], dtype=torch.long),
-        env_rewards=out.env_rewards)
+        env_rewards=out.env_rewards, prefix_mismatch=column("prefix_mismatch", torch.long))
     out.batch.prompts = None  # the driver attaches its own rows
     return out.batch

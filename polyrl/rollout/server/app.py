@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from polyrl.rollout.base import RolloutInputError
 from polyrl.rollout.server.openai_service import OpenAIService
 from polyrl.rollout.server.protocol import ChatCompletionRequest, CompletionRequest
+from polyrl.rollout.server.trajectories import TrajectoryRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,9 @@ class TokenRequest(BaseModel):
     request_id: str | None = None
 
 
-def error_body(message: str, param: str | None, kind: str = "invalid_request_error") -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def error_body(message: str, param: str | None, kind: str = "invalid_request_error",
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def validation_message(error: dict) -> tuple[str, str | None]:
@@ -66,15 +68,17 @@ def validation_message(error: dict) -> tuple[str, str | None]:
     return f"{'.'.join(loc) or 'body'}: {error.get('msg', 'invalid value')}", param
 
 
-def build_app(engine: Any, model_name: str, *, aliases: tuple[str, ...] = ()) -> FastAPI:
-    """An app serving `engine` as `model_name` (requests may also name any of `aliases`)."""
-    service = OpenAIService(engine, model_name, aliases=aliases)
+def build_app(engine: Any, model_name: str, *, aliases: tuple[str, ...] = (),
+              recorder: TrajectoryRecorder | None = None) -> FastAPI:
+    """An app serving `engine` as `model_name` (requests may also name any of `aliases`). With a
+    `recorder`, black-box agent trajectories are served under /trajectories/<id>/v1/..."""
+    service = OpenAIService(engine, model_name, aliases=aliases, recorder=recorder)
     app = FastAPI(title="polyrl rollout server", docs_url=None, redoc_url=None)
     app.state.service = service
 
     @app.exception_handler(RolloutInputError)
     async def _input_error(_: Request, exc: RolloutInputError) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), exc.field), status_code=400)
+        return JSONResponse(error_body(str(exc), exc.field, code=getattr(exc, "code", None)), status_code=400)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -112,5 +116,19 @@ def build_app(engine: Any, model_name: str, *, aliases: tuple[str, ...] = ()) ->
     @app.post("/generate")
     async def generate(req: TokenRequest):
         return await service.generate_tokens(req.prompt_ids, req.sampling, req.request_id)
+
+    if recorder is not None:  # a black-box agent's base URL: /trajectories/<id>/v1
+        @app.post("/trajectories/{trajectory_id}/v1/completions")
+        async def trajectory_completions(trajectory_id: str, req: CompletionRequest):
+            return respond(await service.complete(req, trajectory=trajectory_id))
+
+        @app.post("/trajectories/{trajectory_id}/v1/chat/completions")
+        async def trajectory_chat(trajectory_id: str, req: ChatCompletionRequest):
+            return respond(await service.chat(req, trajectory=trajectory_id))
+
+        @app.get("/trajectories/{trajectory_id}/v1/models")
+        async def trajectory_models(trajectory_id: str):
+            recorder.get(trajectory_id)
+            return service.models()
 
     return app

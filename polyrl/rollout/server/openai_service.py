@@ -25,6 +25,7 @@ from polyrl.rollout.server.protocol import (
     CompletionRequest,
     sampling_from_dict,
 )
+from polyrl.rollout.server.trajectories import TrajectoryRecorder, TurnRequest
 
 
 class OpenAIService:
@@ -33,8 +34,9 @@ class OpenAIService:
         model_name: the id clients put in "model" (the model's path is accepted too).
     """
 
-    def __init__(self, engine: Any, model_name: str, *, aliases: Sequence[str] = ()):
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine: Any, model_name: str, *, aliases: Sequence[str] = (),
+                 recorder: TrajectoryRecorder | None = None):
+        self.engine, self.model_name, self.recorder = engine, model_name, recorder
         self.accepted_names = {model_name, *aliases}
         self.tokenizer = getattr(engine, "tokenizer", None)
         self.text = TokenText(self.tokenizer)
@@ -58,18 +60,26 @@ class OpenAIService:
 
     # -- /v1/completions ------------------------------------------------------------------------
 
-    async def complete(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
-        self._check_model(req.model)
+    async def complete(self, req: CompletionRequest, trajectory: str | None = None) -> dict | AsyncIterator[str]:
+        """/v1/completions; with `trajectory`, one recorded turn of that black-box trajectory."""
+        if trajectory is None:
+            self._check_model(req.model)  # a trajectory is always the policy, whatever the agent names
         _refuse_unsupported(req)
         if req.echo:
             raise RolloutInputError("echo", "is not supported by this server")
-        prompts = [self._encode(p) for p in req.prompts()]
         max_tokens = COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        sampling = req.sampling(max_tokens, top_logprobs=req.logprobs or 0)
         rid = f"cmpl-{uuid.uuid4().hex}"
+        if trajectory is not None:
+            prompts, results, sampling = await self._trajectory_completion(trajectory, req)
+        else:
+            prompts = [self._encode(p) for p in req.prompts()]
+            sampling = req.sampling(max_tokens, top_logprobs=req.logprobs or 0)
         n_prompt = sum(len(p) for p in prompts)
         if req.stream:
-            streams = await self._open_streams(prompts, sampling, rid, field="prompt")
+            if trajectory is not None:
+                streams = [FinishedStream(outs) for outs in results]
+            else:
+                streams = await self._open_streams(prompts, sampling, rid, field="prompt")
 
             def choice(index, delta, piece, reason):
                 logprobs = None
@@ -83,7 +93,8 @@ class OpenAIService:
             return sse_events(streams, n=sampling.n, text=self.text, stops=sampling.stop,
                               kind="text_completion", rid=rid, model=self.model_name, choice=choice,
                               prompt_tokens=n_prompt, include_usage=req.include_usage_in_stream)
-        results = await self._generate_all(prompts, sampling, rid, field="prompt")
+        if trajectory is None:
+            results = await self._generate_all(prompts, sampling, rid, field="prompt")
         flat = [o for outs in results for o in outs]
         choices = []
         for index, out in enumerate(flat):
@@ -91,23 +102,36 @@ class OpenAIService:
             choices.append({
                 "index": index, "text": self.text.text(out), "finish_reason": finish_reason(out),
                 "logprobs": self.text.completion_logprobs(out, pieces) if req.logprobs is not None else None,
+                **(_ids(prompts[0], out) if trajectory is not None else {}),
             })
         return envelope("text_completion", rid, self.model_name, choices, usage=usage(n_prompt, flat))
 
     # -- /v1/chat/completions -------------------------------------------------------------------
 
-    async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
-        self._check_model(req.model)
+    async def chat(self, req: ChatCompletionRequest, trajectory: str | None = None) -> dict | AsyncIterator[str]:
+        """/v1/chat/completions; with `trajectory`, one recorded turn of that black-box trajectory."""
+        if trajectory is None:
+            self._check_model(req.model)  # a trajectory is always the policy, whatever the agent names
         _refuse_unsupported(req)
-        prompt = self._render_chat(req)
+        self._check_messages(req)
         max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), None)
-        if max_tokens is None:  # OpenAI's chat default: as long as the context allows
-            max_tokens = max(1, (self.max_model_len or len(prompt) + 256) - len(prompt))
         top = (req.top_logprobs or 0) if req.logprobs else 0
-        sampling = req.sampling(max_tokens, top_logprobs=top)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if trajectory is not None:
+            prompt, out = await self.recorder_or_fail().chat_turn(
+                trajectory, self.engine, [m.as_template_input() for m in req.messages], self._render_messages,
+                TurnRequest.of(req, max_tokens, top))
+            outs, sampling = [out], SamplingParams(n=1)
+        else:
+            prompt = self._render_messages([m.as_template_input() for m in req.messages])
+            if max_tokens is None:  # OpenAI's chat default: as long as the context allows
+                max_tokens = max(1, (self.max_model_len or len(prompt) + 256) - len(prompt))
+            sampling = req.sampling(max_tokens, top_logprobs=top)
         if req.stream:
-            streams = await self._open_streams([prompt], sampling, rid, field="messages")
+            if trajectory is not None:
+                streams = [FinishedStream(outs)]
+            else:
+                streams = await self._open_streams([prompt], sampling, rid, field="messages")
 
             def choice(index, delta, piece, reason):
                 logprobs = self.text.chat_logprobs(_partial(delta)) if req.logprobs and delta.token_ids else None
@@ -122,11 +146,13 @@ class OpenAIService:
                               kind="chat.completion.chunk", rid=rid, model=self.model_name,
                               choice=choice, prompt_tokens=len(prompt),
                               include_usage=req.include_usage_in_stream, opening=opening)
-        (outs,) = await self._generate_all([prompt], sampling, rid, field="messages")
+        if trajectory is None:
+            (outs,) = await self._generate_all([prompt], sampling, rid, field="messages")
         choices = [{
             "index": i, "message": {"role": "assistant", "content": self.text.text(out)},
             "logprobs": self.text.chat_logprobs(out) if req.logprobs else None,
             "finish_reason": finish_reason(out),
+            **(_ids(prompt, out) if trajectory is not None else {}),
         } for i, out in enumerate(outs)]
         return envelope("chat.completion", rid, self.model_name, choices, usage=usage(len(prompt), outs))
 
@@ -143,14 +169,31 @@ class OpenAIService:
             raise RolloutInputError("prompt", "text prompts need a tokenizer; this engine has none, send token ids")
         return self.tokenizer.encode(prompt)
 
-    def _render_chat(self, req: ChatCompletionRequest) -> list[int]:
+    def recorder_or_fail(self) -> TrajectoryRecorder:
+        if self.recorder is None:
+            raise RolloutInputError("trajectory", "this server records no trajectories (it serves black-box "
+                                                  "agents only during a polyrl rollout)")
+        return self.recorder
+
+    async def _trajectory_completion(self, trajectory: str, req: CompletionRequest
+                                     ) -> tuple[list[list[int]], list[list[TokenOutput]], SamplingParams]:
+        prompts = req.prompts()
+        if len(prompts) != 1:
+            raise RolloutInputError("prompt", "a trajectory request carries one prompt (one path per trajectory)")
+        ask = TurnRequest.of(req, req.max_tokens, req.logprobs or 0)  # None: the trainer's per-turn cap
+        prompt, out = await self.recorder_or_fail().completion_turn(trajectory, self.engine, prompts[0],
+                                                                    self._encode, ask)
+        return [prompt], [[out]], SamplingParams(n=1)
+
+    def _check_messages(self, req: ChatCompletionRequest) -> None:
         if not req.messages:
             raise RolloutInputError("messages", "is empty; send at least one message")
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise RolloutInputError("messages", "this model has no chat template; use /v1/completions")
+
+    def _render_messages(self, messages: list[dict]) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(
-                [m.as_template_input() for m in req.messages], add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # the template itself rejects the conversation (jinja raise)
             raise RolloutInputError("messages", f"the chat template rejected them: {exc}") from None
         # The template already wrote any BOS / special tokens as text.
@@ -200,6 +243,12 @@ def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
 def _client_field(exc: RolloutInputError, field: str) -> RolloutInputError:
     """The engine says "prompt_ids"; the client sent `field` ("prompt" / "messages")."""
     return RolloutInputError(field, exc.message) if exc.field == "prompt_ids" else exc
+
+
+def _ids(prompt: list[int], out: TokenOutput) -> dict:
+    """A trajectory turn's prompt and sampled ids in its choice (vLLM's field names), so an agent
+    that keeps token ids itself can extend them exactly."""
+    return {"prompt_token_ids": list(prompt), "token_ids": list(out.token_ids)}
 
 
 def _partial(delta) -> TokenOutput:
