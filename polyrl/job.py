@@ -172,9 +172,6 @@ class JobConfig(Config):
         if self.model.enabled and self.actor.strategy == "fsdp2":
             raise ValueError("model.lora_rank > 0 with actor.strategy=fsdp2 is not supported yet "
                              "(LoRA runs on ddp); set actor.strategy=ddp")
-        if self.agent.enabled and self.trainer.mode == "async":
-            raise ValueError("multi-turn agents (agent.tools / agent.environment) run in "
-                             "trainer.mode=sync for now; set trainer.mode=sync")
         mini = self.actor.mini_batch_size
         if mini is not None and self.data.train_batch_size % mini:
             raise ValueError(

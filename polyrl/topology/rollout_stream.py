@@ -127,9 +127,9 @@ class RolloutStream:
             self.pump(0.05)
 
     # --- generation outside the stream (validation) ----------------------------------------------
-    def generate_sharded(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None,
+    def generate_sharded(self, prompts: list[Any], sampling: SamplingParams, seeds: list[int] | None,
                          phase: str = "validation") -> RolloutBatch:
-        """`WorkerGroup.generate` for the replicas, surviving a replica that dies: the prompts are
+        """`WorkerGroup.generate` for the replicas (data rows in), surviving a replica that dies: the rows are
         split over the replicas serving the trainer's version; a shard whose replica dies goes
         back in the queue for a live one (at most async.max_retries times) and the replica is
         replaced, as during training. Training generation is pumped meanwhile. Samples come
@@ -240,8 +240,7 @@ class RolloutStream:
             for g in groups:
                 g.attempts += 1
             ref = self.pool.workers[i].generate_groups.remote(
-                [g.gid for g in groups], [g.prompt.prompt_ids for g in groups], self.sampling,
-                [g.seed for g in groups])
+                [g.gid for g in groups], [g.prompt for g in groups], self.sampling, [g.seed for g in groups])
             self.calls[ref] = Call(i, groups, time.perf_counter())
             self._set_load(i, self.load[i] + take)
 

@@ -68,7 +68,7 @@ class StreamingTopology(Topology):
         """Measures the current policy, not a replica still behind it; a replica that dies is
         replaced and its shard rerun."""
         self.stream.wait_replicas_current(phase)
-        batch = self.stream.generate_sharded([p.prompt_ids for p in prompts], sampling, seeds, phase)
+        batch = self.stream.generate_sharded(list(prompts), sampling, seeds, phase)
         return attach_prompts(batch, prompts)
 
     def state_dict(self) -> dict[str, Any]:

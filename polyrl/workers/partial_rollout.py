@@ -24,10 +24,11 @@ bit-for-bit repeatable (wait mode is, for the same weight-arrival order).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -61,15 +62,31 @@ class WeightGate:
     @contextmanager
     def generating(self) -> Iterator[None]:
         """Held while a generation call runs; waits while an update is being applied."""
-        with self._cond:
-            self._cond.wait_for(lambda: not self._paused)
-            self._active += 1
+        self._enter()
         try:
             yield
         finally:
-            with self._cond:
-                self._active -= 1
-                self._cond.notify_all()
+            self._leave()
+
+    @asynccontextmanager
+    async def generating_async(self) -> AsyncIterator[None]:
+        """`generating` for a coroutine: the wait for an update runs on a thread, so the event
+        loop keeps delivering the aborted outputs the update is waiting for."""
+        await asyncio.to_thread(self._enter)
+        try:
+            yield
+        finally:
+            self._leave()
+
+    def _enter(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._paused)
+            self._active += 1
+
+    def _leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
 
     def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
         with self._update_lock:
@@ -151,3 +168,48 @@ def generate_resumable(engine: Any, gate: WeightGate, prompts: Sequence[Sequence
             outputs[i] = list(res)
         for (i, j), res in zip(partial, results[len(fresh):]):
             outputs[i][j] = merge(outputs[i][j], res[0])
+
+
+def continue_aborted(outs: Sequence[TokenOutput], prompt: Sequence[int], sp: SamplingParams
+                     ) -> tuple[bool, list[tuple[int, list[int], SamplingParams]]]:
+    """What to request again for one prompt's outputs: (resubmit the prompt unchanged - nothing
+    was generated yet -, [(sample index, prompt + tokens so far, the rest's sampling)])."""
+    if all(o.stop_reason == "aborted" and not o.token_ids for o in outs):
+        return True, []
+    return False, [(j, list(prompt) + list(o.token_ids), replace(
+        sp, n=1, max_tokens=sp.max_tokens - len(o.token_ids), seed=continuation_seed(sp.seed, j, len(o.token_ids))))
+        for j, o in enumerate(outs) if o.stop_reason == "aborted"]
+
+
+class GatedEngine:
+    """An engine whose async `generate` goes through a `WeightGate` and continues samples a weight
+    update aborted, like `generate_resumable`: the multi-turn agent loop and the black-box server
+    (polyrl/agents) generate through it in an async replica, so a turn is never cut by a weight
+    sync; its tokens and log-probs are each those of the policy that sampled it and its output
+    records the oldest and newest version (`min_weight_version` / `max_weight_version`).
+    Everything else is the engine's (no token stream: servers fall back to whole outputs)."""
+
+    def __init__(self, engine: Any, gate: WeightGate):
+        self.engine, self.gate = engine, gate
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "generate_stream":  # would bypass the gate
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                       request_id: str | None = None) -> list[TokenOutput]:
+        async with self.gate.generating_async():
+            outs = list(await self.engine.generate(prompt_ids, sampling, request_id))
+        while True:
+            fresh, partial = continue_aborted(outs, prompt_ids, sampling)
+            if fresh:
+                async with self.gate.generating_async():
+                    outs = list(await self.engine.generate(prompt_ids, sampling, request_id))
+                continue
+            if not partial:
+                return outs
+            async with self.gate.generating_async():
+                rests = await asyncio.gather(*(self.engine.generate(p, sp) for _, p, sp in partial))
+            for (j, _, _), rest in zip(partial, rests):
+                outs[j] = merge(outs[j], rest[0])

@@ -1,11 +1,12 @@
 """A rollout replica for asynchronous training (trainer.mode=async, standalone placement).
 
 A threaded Ray actor: several `generate_groups` calls run at once (their requests share the
-engine's continuous batching) while `receive_weights` fetches the next policy version from the
-Ray object store and applies it through a `WeightGate` (abort + continue, or wait; see
-partial_rollout.py). The replica joins no collective group: the trainer publishes each version to
-a mailbox actor, so a replica that dies can be replaced by a new one that fetches the current
-version at start-up, which a fixed torch.distributed world cannot offer.
+engine's continuous batching; multi-turn agent rollouts send every turn through the gate) while
+`receive_weights` fetches the next policy version from the Ray object store and applies it
+through a `WeightGate` (abort + continue, or wait; see partial_rollout.py). The replica joins
+no collective group: the trainer publishes each version to a mailbox actor, so a replica that
+dies can be replaced by a new one that fetches the current version at start-up, which a fixed
+torch.distributed world cannot offer.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from polyrl.rollout.factory import build_standalone_engine
 from polyrl.weights import build_transport
 from polyrl.batch import RolloutBatch
 from polyrl.rollout.base import SamplingParams
-from polyrl.workers.generation import sampling_params, to_batch
-from polyrl.workers.partial_rollout import WeightGate, generate_resumable
+from polyrl.workers.generation import rollout_rows, sampling_params, to_batch
+from polyrl.workers.partial_rollout import GatedEngine, WeightGate, generate_resumable
 from polyrl.job import JobConfig
 
 
@@ -44,6 +45,7 @@ class StreamingReplica:
                                               tokenizer_path=cfg.model.tokenizer_path)
         self.tokenizer = self.engine.tokenizer
         self.gate = WeightGate(self.engine, cfg.async_.partial_rollout)
+        self.gated = GatedEngine(self.engine, self.gate)
         self.transport = build_transport(self.weights_cfg, "standalone", mailbox=self.mailbox)
         [latest] = gather([self.mailbox.latest_version.remote()], ["weight mailbox"],
                           phase=f"replica {self.index} start-up", timeout_s=cfg.ray.timeout_s)
@@ -51,22 +53,28 @@ class StreamingReplica:
             self.receive_weights()
         return self.engine.weight_version
 
-    def generate_groups(self, group_ids: list[int], prompts: list[list[int]], sampling: SamplingParams,
+    def generate_groups(self, group_ids: list[int], rows: list[Any], sampling: SamplingParams,
                         seeds: list[int]) -> dict[int, RolloutBatch]:
-        """n samples per prompt; a group's samples come back together, keyed by group id."""
+        """n samples per data row (`PromptSample`); a group's samples come back together, keyed
+        by group id."""
         t0 = time.perf_counter()
-        params = sampling_params(sampling, seeds, len(prompts))
-        outputs = generate_resumable(self.engine, self.gate, prompts, params)
-        batch = to_batch(self.tokenizer, self.engine.eos_token_ids, prompts, outputs, group_ids)
+        batch = self._generate(rows, sampling, seeds, group_ids)
         self.busy_s += time.perf_counter() - t0
         return {g: batch.select((batch.group == g).nonzero().flatten()) for g in group_ids}
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None,
+    def generate(self, rows: list[Any], sampling: SamplingParams, seeds: list[int] | None = None,
                  group_offset: int = 0) -> RolloutBatch:
         """The WorkerGroup generate API (validation), through the same gate."""
-        params = sampling_params(sampling, seeds, len(prompts))
-        outputs = generate_resumable(self.engine, self.gate, prompts, params)
-        groups = [group_offset + i for i in range(len(prompts))]
+        return self._generate(rows, sampling, seeds, [group_offset + i for i in range(len(rows))])
+
+    def _generate(self, rows: list[Any], sampling: SamplingParams, seeds: list[int] | None,
+                  groups: list[int]) -> RolloutBatch:
+        if self.cfg.agent.enabled:  # multi-turn: every turn through the gate (GatedEngine)
+            batch = rollout_rows(self.gated, self.tokenizer, rows, sampling, seeds, 0, self.cfg.agent)
+            batch.group = torch.as_tensor(groups, dtype=torch.long)[batch.group]
+            return batch
+        prompts = [r.prompt_ids for r in rows]
+        outputs = generate_resumable(self.engine, self.gate, prompts, sampling_params(sampling, seeds, len(rows)))
         return to_batch(self.tokenizer, self.engine.eos_token_ids, prompts, outputs, groups)
 
     def receive_weights(self) -> int:

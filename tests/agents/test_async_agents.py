@@ -1,0 +1,143 @@
+"""Agents in async mode (trainer.mode=async): every turn goes through the replica's WeightGate
+(`GatedEngine`), so a weight update that aborts a turn mid-way is continued from its tokens so far;
+the trajectory stays token-exact, masked as before, and records both policy versions. The slow
+test trains 2 async steps with the calculator tool on a scripted tiny model and a black-box agent."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from conftest import USER, native
+from polyrl.agents import AgentConfig, run_trajectories_sync
+from polyrl.agents.chat import ChatDelta
+from polyrl.data import PromptSample
+from polyrl.rollout.base import SamplingParams
+from polyrl.workers.partial_rollout import GatedEngine, WeightGate
+
+
+@pytest.mark.parametrize("policy", ["abort", "wait"])
+def test_a_weight_update_mid_turn_keeps_the_trajectory_exact(tokenizer, random_dir, policy):
+    from transformers import AutoModelForCausalLM
+
+    engine = native(random_dir, tokenizer)
+    step = engine.engine._step
+
+    def paced_step():  # >= 1 ms a decode step: the update lands mid-turn however busy the machine
+        time.sleep(0.001)
+        step()
+
+    engine.engine._step = paced_step
+    gate = WeightGate(engine, policy)
+    weights = {k: v for k, v in AutoModelForCausalLM.from_pretrained(random_dir).state_dict().items()
+               if k != "lm_head.weight"}  # tied to the embedding
+    row = PromptSample(0, "arithmetic", ChatDelta(tokenizer).prompt_ids(USER), "", USER, "5", {})
+    sampling = SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True)
+    cfg = AgentConfig(environment="tools", max_turns=2, max_response_tokens=500)
+    updated = threading.Event()
+
+    def update():  # 5 decode steps into turn 1, publish version 1 (the same tensors, a new version)
+        deadline = time.monotonic() + 120
+        while engine.stats["decode_steps"] < 5 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        gate.update_weights(weights, 1)
+        updated.set()
+
+    thread = threading.Thread(target=update)
+    thread.start()
+    rollout = run_trajectories_sync(GatedEngine(engine, gate), tokenizer, [row], sampling, cfg, seeds=[3])
+    thread.join(120)
+    assert updated.is_set()
+    traj, batch = rollout.trajectories[0], rollout.batch
+    # the turn ran to its max_tokens whatever the update did (a length stop ends the episode)
+    assert traj.stats.turns == 1 and traj.turn_spans == [(0, 200)]
+    versions = (int(batch.min_version[0]), int(batch.max_version[0]))
+    assert versions == ((0, 1) if policy == "abort" else (0, 0))  # wait: the update waited for the turn
+    response = traj.response_ids
+    sampled = [0.0] * len(response)
+    pos = 0
+    for prompt, out in engine.calls:  # each piece continued exactly the ids before it
+        start = len(prompt) - len(traj.prompt_ids)
+        assert prompt == traj.prompt_ids + response[:start]
+        assert response[start:start + len(out.token_ids)] == out.token_ids
+        assert batch.rollout_logprobs.row(0)[start:start + len(out.token_ids)].tolist() == \
+            pytest.approx(out.logprobs)
+        sampled[start:start + len(out.token_ids)] = [1.0] * len(out.token_ids)
+        pos = max(pos, start + len(out.token_ids))
+    assert pos == len(response) and batch.loss_mask.row(0).tolist() == sampled == [1.0] * 200
+    assert len(engine.calls) == (2 if policy == "abort" else 1)  # abort: the turn came in two pieces
+
+
+B, N = 2, 2
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+ANSWER = "The answer is 5."
+
+
+@pytest.fixture(scope="module")
+def calc_run(tmp_path_factory):
+    """A scripted model that calls the calculator then answers, and its data."""
+    from agent_models import build_scripted_model, byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer([CALL, ANSWER])
+    header = ChatDelta(tokenizer).prompt_ids(USER)[-1]
+    root = tmp_path_factory.mktemp("calc")
+    model = build_scripted_model(root / "model", tokenizer, header, CALL, ANSWER)
+    row = {"data_source": "arithmetic", "prompt": USER, "reward_model": {"ground_truth": "5"}}
+    data = root / "train.jsonl"
+    data.write_text("\n".join(json.dumps({**row, "extra_info": {"i": i}}) for i in range(8)))
+    return model, data
+
+
+def black_box_agent(base_url, row, trajectory_id):
+    """A blocking agent with the sync openai client: call, compute, answer; its reward."""
+    import openai
+
+    from polyrl.agents import HermesParser
+    from polyrl.agents.calculator import calculator
+
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as llm:
+        messages = list(row.raw_prompt)
+        for _ in range(3):
+            reply = llm.chat.completions.create(model="policy", messages=messages)
+            text = reply.choices[0].message.content
+            messages.append({"role": "assistant", "content": text})
+            calls = HermesParser().parse(text).calls
+            if not calls:
+                return 1.0 if text == ANSWER else 0.0
+            messages += [{"role": "tool", "content": calculator(**c.arguments)} for c in calls]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agent", ["tools", "black_box"])
+def test_async_training_with_agents(ray_session, calc_run, tmp_path, agent):
+    from polyrl.config import load_config
+    from polyrl.job import JobConfig
+    from polyrl.trainer.loop import Trainer
+
+    model, data = calc_run
+    agent_keys = (["agent.tools=[polyrl.agents.calculator:calculator]", "agent.tools_in_prompt=false"]
+                  if agent == "tools" else [f"agent.black_box={__name__}:black_box_agent"])
+    out = tmp_path / "out"
+    cfg = load_config(JobConfig, overrides=[
+        f"model.path={model}", f"data.train_files=[{data}]", f"data.val_files=[{data}]",
+        f"data.train_batch_size={B}", f"rollout.n={N}", "rollout.response_length=8", "actor.lr=1e-6",
+        "agent.max_turns=3", "agent.max_response_tokens=64", *agent_keys,
+        "trainer.total_steps=2", "trainer.val_every=2", "trainer.val_before_train=false",
+        "trainer.progress_bar=false", "trainer.save_at_end=false", "actor.num_cpus_per_worker=1",
+        f"trainer.output_dir={out}", "logging.plot_at_end=false", "rollout.placement=standalone",
+        "trainer.mode=async", "async.groups_per_request=1"])
+    Trainer(cfg).fit()
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0 and "agent/turns_mean" in r and "async/staleness_max" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["agent/turns_mean"] == 2.0 and r["agent/env_errors"] == 0 and r["agent/prefix_mismatch"] == 0
+        assert 0 < r["response/masked_token_frac"] < 1  # the tool turn is in the response, masked
+        assert r["async/staleness_max"] <= 1
+        if agent == "tools":
+            assert r["agent/tool_calls_mean"] == 1.0 and r["agent/tool_errors"] == 0
+        else:
+            assert r["agent/env_reward_mean"] == 1.0
