@@ -19,15 +19,20 @@ from safetensors.torch import load_file
 VOLATILE = ("timing/", "perf/", "time/")
 
 
-def run_train(out, tiny_model, arith_files):
+def start_train(out, tiny_model, arith_files) -> subprocess.Popen:
     args = [sys.executable, "-m", "polyrl", "train", f"model.path={tiny_model}",
             f"data.train_files=[{arith_files['train']}]", "data.val_files=[]",
             "data.train_batch_size=4", "rollout.n=4", "rollout.response_length=6", "actor.lr=0.01",
             "trainer.total_steps=3", "trainer.seed=7", "trainer.progress_bar=false",
             "ray.address=local",  # a Ray of its own even when another cluster runs on this machine
             f"trainer.output_dir={out}"]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=600, env=dict(os.environ))
-    assert done.returncode == 0, done.stderr[-4000:]
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ))
+
+
+def wait_ok(proc: subprocess.Popen) -> None:
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-4000:]
 
 
 def stable_metrics(out):
@@ -42,9 +47,11 @@ def final_weights(out):
 
 @pytest.mark.slow
 def test_two_runs_with_the_same_seed_match_bit_for_bit(tiny_model, arith_files, tmp_path):
+    """The two runs overlap in time, so they also see different CPU contention and scheduling."""
     first, second = tmp_path / "first", tmp_path / "second"
-    run_train(first, tiny_model, arith_files)
-    run_train(second, tiny_model, arith_files)
+    procs = [start_train(out, tiny_model, arith_files) for out in (first, second)]
+    for proc in procs:
+        wait_ok(proc)
     assert stable_metrics(first) == stable_metrics(second)
     a, b = final_weights(first), final_weights(second)
     assert a.keys() == b.keys()
