@@ -98,8 +98,11 @@ class Trainer:
             longest = max(len(p.prompt_ids) for p in self.train_loader.dataset)
             if self.val_loader is not None:
                 longest = max(longest, max(len(p.prompt_ids) for p in self.val_loader.dataset))
+            response = cfg.rollout.response_length
+            if cfg.agent.enabled:  # a multi-turn response holds every turn, tool output included
+                response = max(response, cfg.agent.max_response_tokens)
             cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
-                update={"max_model_len": longest + cfg.rollout.response_length})})
+                update={"max_model_len": longest + response})})
             self.cfg = cfg
 
         self.platform = get_platform(cfg.platform)
