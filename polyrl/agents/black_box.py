@@ -1,6 +1,7 @@
 """Black-box agents: any program that talks to the OpenAI API, trained on the ids polyrl sampled.
 
-    agent.black_box: my_pkg.agent:solve        # def solve(base_url, row, trajectory_id) -> ...
+    agent.black_box: my_pkg.agent:solve        # or /path/to/agent.py:solve
+                                               # def solve(base_url, row, trajectory_id) -> ...
 
 During rollout polyrl serves its rollout engine over the OpenAI-compatible API on 127.0.0.1 (one
 server per engine, started on first use, polyrl/rollout/server) and calls the agent once per
@@ -25,12 +26,16 @@ none of these stops training.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib
+import importlib.util
 import inspect
 import logging
+import sys
 import threading
 import uuid
 import weakref
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from polyrl.agents.config import AgentConfig
@@ -42,10 +47,24 @@ logger = logging.getLogger(__name__)
 
 
 def load_agent(spec: str) -> Callable[..., Any]:
-    """"package.module:function" -> the callable (a config error names the field)."""
-    module_name, _, attr = spec.partition(":")
+    """"package.module:function" or "/path/to/file.py:function" -> the callable (errors name
+    agent.black_box). A file is loaded once per process under a name derived from its path."""
+    target, _, attr = spec.rpartition(":")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
+        if target.endswith(".py") or "/" in target:
+            path = Path(target).expanduser().resolve()
+            name = "polyrl_user_agent_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+            module = sys.modules.get(name)
+            if module is None:
+                module_spec = importlib.util.spec_from_file_location(name, path)
+                if module_spec is None or not path.is_file():
+                    raise ImportError(f"no file {path}")
+                module = importlib.util.module_from_spec(module_spec)
+                module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+                sys.modules[name] = module
+        else:
+            module = importlib.import_module(target)
+        fn = getattr(module, attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"agent.black_box '{spec}': cannot import it ({exc})") from None
     if not callable(fn):

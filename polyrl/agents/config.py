@@ -56,7 +56,8 @@ class AgentConfig(Config):
     """Tool calls running at once across all trajectories of a batch."""
 
     black_box: str | None = None
-    """A black-box agent as "package.module:function": called once per sample as
+    """A black-box agent as "package.module:function" or "/path/to/file.py:function" (importable
+    by every rollout worker): called once per sample as
     `agent(base_url, row, trajectory_id)` (sync or async) while polyrl serves the rollout engine
     over the OpenAI API at `base_url`; it returns None (the reward function scores the last
     turn), a number (the reward) or a string (the final answer to score). The trainer learns from

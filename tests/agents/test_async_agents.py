@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -91,25 +92,6 @@ def calc_run(tmp_path_factory):
     return model, data
 
 
-def black_box_agent(base_url, row, trajectory_id):
-    """A blocking agent with the sync openai client: call, compute, answer; its reward."""
-    import openai
-
-    from polyrl.agents import HermesParser
-    from polyrl.agents.calculator import calculator
-
-    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as llm:
-        messages = list(row.raw_prompt)
-        for _ in range(3):
-            reply = llm.chat.completions.create(model="policy", messages=messages)
-            text = reply.choices[0].message.content
-            messages.append({"role": "assistant", "content": text})
-            calls = HermesParser().parse(text).calls
-            if not calls:
-                return 1.0 if text == ANSWER else 0.0
-            messages += [{"role": "tool", "content": calculator(**c.arguments)} for c in calls]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("agent", ["tools", "black_box"])
 def test_async_training_with_agents(ray_session, calc_run, tmp_path, agent):
@@ -119,7 +101,7 @@ def test_async_training_with_agents(ray_session, calc_run, tmp_path, agent):
 
     model, data = calc_run
     agent_keys = (["agent.tools=[polyrl.agents.calculator:calculator]", "agent.tools_in_prompt=false"]
-                  if agent == "tools" else [f"agent.black_box={__name__}:black_box_agent"])
+                  if agent == "tools" else [f"agent.black_box={Path(__file__).parent / 'calc_agent.py'}:solve"])
     out = tmp_path / "out"
     cfg = load_config(JobConfig, overrides=[
         f"model.path={model}", f"data.train_files=[{data}]", f"data.val_files=[{data}]",
