@@ -149,24 +149,18 @@ def generate_resumable(engine: Any, gate: WeightGate, prompts: Sequence[Sequence
     while True:
         fresh, partial = [], []  # (prompt i) never started / (prompt i, sample j) to continue
         for i, outs in enumerate(outputs):
-            if all(o.stop_reason == "aborted" and not o.token_ids for o in outs):
+            again, rest = continue_aborted(outs, prompts[i], params[i])
+            if again:
                 fresh.append(i)
-            else:
-                partial += [(i, j) for j, o in enumerate(outs) if o.stop_reason == "aborted"]
+            partial += [(i, j, p, sp) for j, p, sp in rest]
         if not fresh and not partial:
             return outputs
-        requests = [(list(prompts[i]), params[i]) for i in fresh]
-        for i, j in partial:
-            done = outputs[i][j]
-            sp = params[i]
-            requests.append((list(prompts[i]) + list(done.token_ids), replace(
-                sp, n=1, max_tokens=sp.max_tokens - len(done.token_ids),
-                seed=continuation_seed(sp.seed, j, len(done.token_ids)))))
+        requests = [(list(prompts[i]), params[i]) for i in fresh] + [(p, sp) for _, _, p, sp in partial]
         with gate.generating():
             results = engine.generate_batch([p for p, _ in requests], [sp for _, sp in requests])
         for i, res in zip(fresh, results):
             outputs[i] = list(res)
-        for (i, j), res in zip(partial, results[len(fresh):]):
+        for (i, j, _, _), res in zip(partial, results[len(fresh):]):
             outputs[i][j] = merge(outputs[i][j], res[0])
 
 
