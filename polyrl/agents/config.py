@@ -3,6 +3,7 @@ limits of a multi-turn trajectory (each limit counted in the agent metrics when 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field, model_validator
@@ -80,8 +81,12 @@ class AgentConfig(Config):
             if ":" not in spec:
                 raise ValueError(f"tool '{spec}' must look like package.module:function")
         if self.black_box is not None:
-            if ":" not in self.black_box:
-                raise ValueError(f"agent.black_box '{self.black_box}' must look like package.module:function")
+            target = self.black_box.rpartition(":")[0]
+            if not target:
+                raise ValueError(f"agent.black_box '{self.black_box}' must look like package.module:function "
+                                 "or /path/to/file.py:function")
+            if (target.endswith(".py") or "/" in target) and not Path(target).expanduser().is_file():
+                raise ValueError(f"agent.black_box: file {target} does not exist")
             if self.tools or self.environment is not None or self.per_row_environments:
                 raise ValueError("agent.black_box runs its own agent loop: unset agent.tools, agent.environment "
                                  "and agent.per_row_environments (the agent calls its tools itself)")

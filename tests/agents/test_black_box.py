@@ -251,3 +251,16 @@ def test_a_late_request_is_refused_after_the_agent_returned(tokenizer, scripted_
     with pytest.raises(openai.BadRequestError, match="not an open trajectory"):
         openai.OpenAI(base_url=urls[0], api_key="x", max_retries=0).chat.completions.create(
             model="policy", messages=USER)
+
+
+def test_config_errors_name_the_field(tmp_path):
+    with pytest.raises(ValueError, match="agent.black_box 'solve' must look like package.module:function"):
+        AgentConfig(black_box="solve")
+    with pytest.raises(ValueError, match="agent.black_box: file .*missing.py does not exist"):
+        AgentConfig(black_box=f"{tmp_path}/missing.py:solve")
+    with pytest.raises(ValueError, match="unset agent.tools"):
+        AgentConfig(black_box="pkg.mod:solve", tools=["pkg.mod:add"])
+    from polyrl.agents.black_box import load_agent
+
+    with pytest.raises(ValueError, match="agent.black_box 'polyrl.agents:nope': cannot import it"):
+        load_agent("polyrl.agents:nope")

@@ -6,6 +6,8 @@ router over several replicas. See docs/serving.md.
 - `build_app(engine, model_name)` + `HTTPServer(app, host, port)`: /v1/completions,
   /v1/chat/completions, /v1/models, /health and the token-level /generate.
 - `Router(replicas)`: least-in-flight, sticky sessions, failover with retries and `metrics()`.
+- `TrajectoryRecorder` (trajectories.py): with `build_app(..., recorder=...)`, black-box agent
+  trajectories under /trajectories/<id>/v1, each request's prompt and sampled ids recorded.
 """
 
 from polyrl.rollout.server.actor import RolloutServer, start_rollout_server, start_rollout_servers
@@ -13,6 +15,7 @@ from polyrl.rollout.server.app import build_app
 from polyrl.rollout.server.http import HTTPServer
 from polyrl.rollout.server.replicas import HTTPReplica, RayReplica, ReplicaDown
 from polyrl.rollout.server.router import NoHealthyReplica, Router
+from polyrl.rollout.server.trajectories import TrajectoryLimit, TrajectoryRecorder
 
 __all__ = [
     "HTTPReplica",
@@ -22,6 +25,8 @@ __all__ = [
     "ReplicaDown",
     "RolloutServer",
     "Router",
+    "TrajectoryLimit",
+    "TrajectoryRecorder",
     "build_app",
     "start_rollout_server",
     "start_rollout_servers",
