@@ -63,12 +63,28 @@ def _tokenizer_source(checkpoint: Path, policy: Path) -> str:
 
 
 def _tensors(policy: Path):
+    """The checkpoint's tensors as a weight stream: specs from the safetensors headers, each
+    tensor read when the writer asks for it."""
     from safetensors import safe_open
 
-    for file in sorted(policy.glob("*.safetensors")):
+    from polyrl.training.checkpoint_io import SAFETENSORS_DTYPES
+    from polyrl.weights.base import WeightStream
+
+    files = sorted(policy.glob("*.safetensors"))
+    dtypes = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+    specs = []
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                piece = f.get_slice(name)
+                specs.append((name, tuple(piece.get_shape()), dtypes[piece.get_dtype()]))
+
+    def read():
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+    return WeightStream(specs, read())
 
 
 def export(checkpoint: Path, output: Path, dtype: str | None = None) -> Path:

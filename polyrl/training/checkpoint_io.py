@@ -15,7 +15,8 @@ which the sharded engine also reads, so a DDP run can resume sharded.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import struct
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -25,10 +26,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
+from polyrl.weights.base import TensorSpec, WeightStream, as_stream
+
 DCP_DIR = "dcp"
 ENGINE_FILE = "engine.pt"
 SHARD_BYTES = 2 * 2**30
-"""Largest safetensors file of a written Hugging Face directory: also what rank 0 buffers."""
+"""Largest safetensors file of a written Hugging Face directory (written tensor by tensor)."""
 
 
 # --- sharded state (torch.distributed.checkpoint) ------------------------------------------------
@@ -134,47 +137,44 @@ def _tied_source(model: torch.nn.Module, name: str) -> str | None:
 
 
 # --- Hugging Face directories ------------------------------------------------------------------
-def write_hf_dir(out: Path, named: Iterable[tuple[str, torch.Tensor]], config, generation_config=None, *,
-                 write: bool = True, dtype: torch.dtype | None = None, shard_bytes: int = SHARD_BYTES) -> None:
-    """A Hugging Face model directory from `named` (full tensors, consumed one at a time):
-    safetensors files of at most `shard_bytes` (with an index when there are several), config and
-    generation config; `dtype` casts floating-point tensors. `write=False` only consumes the
-    stream (the other ranks of a gather)."""
-    from safetensors.torch import save_file
-
+def write_hf_dir(out: Path, named: Iterable[tuple[str, torch.Tensor]] | WeightStream, config,
+                 generation_config=None, *, write: bool = True, dtype: torch.dtype | None = None,
+                 shard_bytes: int = SHARD_BYTES) -> None:
+    """A Hugging Face model directory from `named`: safetensors files of at most `shard_bytes`
+    (with an index when there are several), config and generation config; `dtype` casts
+    floating-point tensors. Given a WeightStream (specs up front, tensors gathered or merged one
+    at a time), each file's header is written from the specs and every tensor goes to disk as
+    it arrives, so the writer holds one tensor, never a file's worth. `write=False` only
+    consumes the stream (the other ranks of a gather)."""
+    stream = as_stream(named)
     if not write:
-        for _ in named:
+        for _ in stream:
             pass
         return
     out.mkdir(parents=True, exist_ok=True)
-    parts: list[tuple[Path, list[str]]] = []
-    bucket: dict[str, torch.Tensor] = {}
-    size = total = 0
-
-    def flush() -> None:
-        nonlocal bucket, size
-        if bucket:
-            path = out / f".part-{len(parts):05d}.safetensors"
-            save_file(bucket, str(path), metadata={"format": "pt"})
-            parts.append((path, list(bucket)))
-        bucket, size = {}, 0
-
-    for name, t in named:
-        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        t = t.detach().to("cpu", cast).contiguous()
-        if size and size + t.nbytes > shard_bytes:
-            flush()
-        bucket[name] = t
-        size += t.nbytes
-        total += t.nbytes
-    flush()
-    n = len(parts)
+    specs = [TensorSpec(s.name, s.shape, dtype if dtype is not None and s.dtype.is_floating_point else s.dtype)
+             for s in stream.specs]
+    files: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if files[-1] and size + spec.nbytes > shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(spec)
+        size += spec.nbytes
+    n = len(files)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    for (path, _), final in zip(parts, names):
-        path.rename(out / final)
+    tensors = iter(stream)
+    parts = []
+    for i, file_specs in enumerate(files):
+        part = out / f".part-{i:05d}.safetensors"
+        write_safetensors(part, file_specs, tensors)
+        parts.append(part)
+    for part, final in zip(parts, names):
+        part.rename(out / final)
     if n > 1:
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {k: final for (_, keys), final in zip(parts, names) for k in keys}}
+        index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
+                 "weight_map": {s.name: final for file_specs, final in zip(files, names) for s in file_specs}}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
     if dtype is not None:
         config = type(config).from_dict(config.to_dict())
@@ -184,10 +184,52 @@ def write_hf_dir(out: Path, named: Iterable[tuple[str, torch.Tensor]], config, g
         generation_config.save_pretrained(str(out))
 
 
-def model_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]):
-    """`named` (the gathered parameters) followed by the model's persistent buffers."""
-    yield from named
-    yield from _persistent_buffers(model)
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+                      torch.float8_e5m2: "F8_E5M2"}
+
+
+def write_safetensors(path: Path, specs: list[TensorSpec], tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """One safetensors file of `specs`, its tensors taken from `tensors` one at a time (cast to
+    the spec's dtype) and written as they come. The `safetensors` package writes only from a
+    dict of every tensor of the file, so the header (8-byte little-endian length, then JSON:
+    dtype, shape and byte range of each tensor, padded to 8 bytes) is laid out here from the
+    specs, as its format documents; what it writes is read back by `safetensors.safe_open` and
+    transformers (tests/training/test_checkpoint_stream.py)."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for spec in specs:
+        if spec.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"'{spec.name}': safetensors has no {spec.dtype}")
+        header[spec.name] = {"dtype": SAFETENSORS_DTYPES[spec.dtype], "shape": list(spec.shape),
+                             "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for spec in specs:
+            item = next(tensors, None)
+            if item is None or item[0] != spec.name:
+                raise ValueError(f"{path.name}: expected '{spec.name}', the stream gave "
+                                 f"{'nothing' if item is None else repr(item[0])}")
+            t = item[1].detach().to("cpu", spec.dtype).contiguous().reshape(-1)
+            del item
+            f.write(t.view(torch.uint8).numpy().data)
+            del t
+
+
+def model_tensors(model: torch.nn.Module, stream: WeightStream) -> WeightStream:
+    """`stream` (the gathered parameters) followed by the model's persistent buffers."""
+    buffers = _persistent_buffers(model)
+
+    def tensors():
+        yield from stream
+        yield from buffers
+    specs = list(stream.specs) + [TensorSpec(n, tuple(b.shape), b.dtype) for n, b in buffers]
+    return WeightStream(specs, tensors(), device=stream.device)
 
 
 def _persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -23,6 +23,7 @@ from polyrl.training.lora import merged_named_weights
 from polyrl.training.logprobs import response_logprobs
 from polyrl.workers.config import ActorConfig
 from polyrl.training.optim import build_optimizer
+from polyrl.weights.base import WeightStream
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -124,6 +125,17 @@ class DDPEngine:
             yield from merged_named_weights(self.model)
         else:
             yield from self.model.named_parameters()
+
+    def weight_specs(self) -> list[tuple[str, torch.Size, torch.dtype]]:
+        """Name, shape and dtype of every tensor named_weights() yields, known before any is
+        produced (merged LoRA weights included)."""
+        if self.lora:
+            return lora.merged_weight_specs(self.model)
+        return [(name, p.shape, p.dtype) for name, p in self.model.named_parameters()]
+
+    def weight_stream(self) -> WeightStream:
+        """named_weights() with its specs: what a weight transport sends without holding it."""
+        return WeightStream(self.weight_specs(), self.named_weights(), device=self.device)
 
     def save(self, directory: Path) -> None:
         """Rank 0: the model in Hugging Face format (`policy/`); every rank: its optimizer state."""

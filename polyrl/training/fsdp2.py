@@ -239,7 +239,7 @@ class FSDP2Engine(DDPEngine):
         if self.rank == 0 and self.scheduler is not None:
             torch.save({"scheduler": self.scheduler.state_dict(), "nonfinite_in_a_row": self.nonfinite_in_a_row},
                        directory / checkpoint_io.ENGINE_FILE)
-        tensors = checkpoint_io.model_tensors(self.model, self.named_weights())
+        tensors = checkpoint_io.model_tensors(self.model, self.weight_stream())
         checkpoint_io.write_hf_dir(directory / "policy", tensors, self.model.config,
                                    getattr(self.model, "generation_config", None), write=self.rank == 0)
 

@@ -95,12 +95,9 @@ def adapter_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-@torch.no_grad()
-def merged_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, weight) of the base model with the active adapters folded in:
-    W + B @ A x alpha / rank on adapted layers, the plain weight elsewhere. No `base_model.model.`
-    prefix, no lora tensors, tied weights once (as `named_parameters`). One merged tensor is
-    alive at a time; the model itself is not changed."""
+def _merge_plan(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter, Any]]:
+    """(Hugging Face name, base parameter, the LoRA layer to fold in or None) in the order of the
+    base model's `named_parameters`, lora tensors left out."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
@@ -112,7 +109,19 @@ def merged_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Te
         module_name = owner.removesuffix(".base_layer")
         layer = adapted.get(module_name) if owner.endswith(".base_layer") else None
         hf_name = f"{module_name}.{leaf}" if layer is not None else name
-        if layer is None or leaf != "weight" or layer.merged or getattr(layer, "disable_adapters", False):
+        merge = layer is not None and leaf == "weight" and not layer.merged \
+            and not getattr(layer, "disable_adapters", False)
+        yield hf_name, param, layer if merge else None
+
+
+@torch.no_grad()
+def merged_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, weight) of the base model with the active adapters folded in:
+    W + B @ A x alpha / rank on adapted layers, the plain weight elsewhere. No `base_model.model.`
+    prefix, no lora tensors, tied weights once (as `named_parameters`). One merged tensor is
+    alive at a time; the model itself is not changed."""
+    for hf_name, param, layer in _merge_plan(model):
+        if layer is None:
             yield hf_name, param.detach()
             continue
         weight = param.detach()
@@ -120,6 +129,11 @@ def merged_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Te
             if adapter in layer.lora_A:
                 weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
         yield hf_name, weight
+
+
+def merged_weight_specs(model: torch.nn.Module) -> list[tuple[str, torch.Size, torch.dtype]]:
+    """Name, shape and dtype of every tensor `merged_named_weights` yields, without merging."""
+    return [(name, param.shape, param.dtype) for name, param, _ in _merge_plan(model)]
 
 
 @contextlib.contextmanager
@@ -166,12 +180,16 @@ def export(model: torch.nn.Module, directory: str | Path, adapter_only: bool = F
            tokenizer: Any = None) -> Path:
     """`polyrl export`: the merged model as a plain Hugging Face checkpoint (loads without peft),
     or with `adapter_only` the adapter alone."""
+    from polyrl.training.checkpoint_io import write_hf_dir
+    from polyrl.weights.base import WeightStream
+
     directory = Path(directory)
     if adapter_only:
         save_adapter(model, directory)
-    else:
-        state = dict(merged_named_weights(model))
-        model.get_base_model().save_pretrained(str(directory), state_dict=state, safe_serialization=True)
+    else:  # merged one tensor at a time, each written as it is merged
+        base = model.get_base_model()
+        write_hf_dir(directory, WeightStream(merged_weight_specs(model), merged_named_weights(model)),
+                     base.config, getattr(base, "generation_config", None))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory))
     return directory

@@ -2,8 +2,9 @@
 (other hosts, device tensors, or `weights.shared_memory: false`).
 
     manifest   pickled broadcast from the leader
-    buckets    one broadcast per bucket, raw bytes; the sender packs bucket i+1 while bucket i
-               is on the wire and holds at most two scratch buckets
+    buckets    one broadcast per bucket, raw bytes; the sender packs bucket i+1 (pulling its
+               tensors from the weight stream) while bucket i is on the wire, and holds at most
+               two buckets
     commit     [version, buckets, ok]: ok=0 when the sender failed midway, and receivers
                discard what they staged
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from polyrl.distributed.collectives import broadcast_from_leader
 from polyrl.distributed.watchdog import Watch
 from polyrl.weights import bucketing
 from polyrl.weights.base import WeightSyncError
-from polyrl.weights.bucketing import StagedWeights, WeightManifest, as_bytes, flat_staging, staging_views
+from polyrl.weights.bucketing import StagedWeights, WeightManifest, flat_staging, staging_views
 from polyrl.weights.sync_group import SyncGroup
 
 IN_FLIGHT = 2
@@ -30,45 +31,66 @@ IN_FLIGHT = 2
 class BackendBroadcast:
     def __init__(self, config: Any, sync: SyncGroup):
         self.config, self.sync = config, sync
-        self._scratch: list[torch.Tensor] = []
+        self._scratch: list[torch.Tensor | None] = [None] * IN_FLIGHT
+        self._manifest: WeightManifest | None = None
+        self._scratch_bytes = 0
+        self._device: torch.device | None = None
+        """Where the last bucket was (an aborted bucket's stand-in goes there too)."""
         self._staging: torch.Tensor | None = None
 
     # --- sender ------------------------------------------------------------------------------
-    def send(self, manifest: WeightManifest, ordered: list[torch.Tensor], deadline: float):
-        """Deliver one version; returns (where, exception) if packing failed midway (the
-        receivers were told to discard it), else None."""
+    def send(self, manifest: WeightManifest, stream: Iterable[tuple[str, torch.Tensor]], deadline: float):
+        """Deliver one version, packing each bucket from `stream` as its turn comes; returns
+        (where, exception) if packing failed midway (the receivers were told to discard it),
+        else None."""
         sync, phase = self.sync, f"weight sync v{manifest.version}"
         broadcast_from_leader({"manifest": manifest}, sync.group, timeout_s=self.config.timeout_s,
                               phase=f"{phase}: manifest", watchdog=sync.watchdog)
         watch = sync.watchdog.watch(sync.group, phase=f"{phase}: buckets", what="weight broadcast",
                                     timeout_s=max(deadline - time.monotonic(), 0.001))
-        failure = self._send_buckets(manifest, ordered, watch)
+        self._manifest = manifest
+        self._scratch_bytes = max((s.nbytes for s in manifest.buckets if s.num_slots > 1), default=0)
+        failure = self._send_buckets(manifest, stream, watch)
         commit = torch.tensor([manifest.version, len(manifest.buckets), 0 if failure else 1], dtype=torch.int64)
         watch.wait(dist.broadcast(sync.control(commit), src=sync.src, group=sync.group, async_op=True))
         return failure
 
-    def _send_buckets(self, manifest: WeightManifest, ordered: list[torch.Tensor], watch: Watch):
-        need = max((s.nbytes for s in manifest.buckets if s.num_slots > 1), default=0)
-        if not self._scratch or self._scratch[0].numel() < need:  # reused: no page faults
-            device = ordered[0].device if ordered else None
-            self._scratch = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(IN_FLIGHT)]
+    def _send_buckets(self, manifest: WeightManifest, stream: Iterable[tuple[str, torch.Tensor]], watch: Watch):
+        """At most IN_FLIGHT buckets are alive: bucket b is packed (its tensors pulled from the
+        stream) once bucket b - IN_FLIGHT is on the wire, and each bucket, with the tensors it
+        holds, is dropped as soon as its broadcast completes."""
+        buckets = bucketing.iter_buckets(manifest, stream, self._scratch_for)
         inflight: deque = deque()
         failure: tuple[str, BaseException] | None = None
         for b, spec in enumerate(manifest.buckets):
             if len(inflight) >= IN_FLIGHT:  # scratch[b % 2] is free once bucket b-2 is sent
-                watch.wait(inflight.popleft())
+                watch.wait(inflight.popleft()[0])
             flat = None
             if failure is None:
                 try:
-                    flat = as_bytes(bucketing.pack_bucket(manifest, b, ordered, self._scratch[b % IN_FLIGHT]))
+                    _, flat = next(buckets)
                 except Exception as exc:  # keep the collective sequence aligned, then abort
                     failure = (f"bucket {b}", exc)
             if flat is None:
-                flat = torch.empty(spec.nbytes, dtype=torch.uint8, device=self._scratch[0].device)
-            inflight.append(dist.broadcast(flat, src=self.sync.src, group=self.sync.group, async_op=True))
+                flat = torch.empty(spec.nbytes, dtype=torch.uint8, device=self._device)
+            else:
+                self._device = flat.device
+            inflight.append((dist.broadcast(flat, src=self.sync.src, group=self.sync.group, async_op=True), flat))
+            del flat
         while inflight:
-            watch.wait(inflight.popleft())
+            watch.wait(inflight.popleft()[0])
         return failure
+
+    def _scratch_for(self, b: int, device: torch.device) -> torch.Tensor:
+        """Scratch buffer b % IN_FLIGHT, as big as the largest packed bucket and reused across
+        versions (no page faults); a lone non-contiguous tensor bigger than that gets its own."""
+        if self._manifest.buckets[b].nbytes > self._scratch_bytes:
+            return torch.empty(self._manifest.buckets[b].nbytes, dtype=torch.uint8, device=device)
+        i = b % IN_FLIGHT
+        buf = self._scratch[i]
+        if buf is None or buf.device != device or buf.numel() < self._scratch_bytes:
+            buf = self._scratch[i] = torch.empty(self._scratch_bytes, dtype=torch.uint8, device=device)
+        return buf
 
     # --- receivers ---------------------------------------------------------------------------
     def receive(self, engine: Any, deadline: float) -> WeightManifest:
@@ -113,4 +135,4 @@ class BackendBroadcast:
         return self._staging
 
     def close(self) -> None:
-        self._scratch, self._staging = [], None
+        self._scratch, self._staging = [None] * IN_FLIGHT, None

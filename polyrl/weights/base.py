@@ -1,6 +1,10 @@
 """The weight-transport contract: `send(named_tensors, version)` on the trainer, `receive(engine)`
 on each rollout rank, and the registry of transports.
 
+What is sent is best a `WeightStream`: the tensors' specs up front, the tensors themselves one at
+a time (an FSDP2 engine gathers each from its shards as it is asked for it), so the sender plans
+its buckets before the first tensor exists and holds at most the bucket in flight.
+
 Every transfer is version-stamped, and a receiver applies a version all or nothing: tensors are
 staged until every bucket has arrived and the sender has committed, then handed to the engine in
 one `engine.update_weights(named_tensors, version)` call. A transfer that fails midway leaves the
@@ -10,17 +14,108 @@ previous weights serving.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
+from typing import Any, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from polyrl.registry import Registry
 
-NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
-
 
 class WeightSyncError(RuntimeError):
     """A transfer that was not applied; the receiving engine keeps its previous weights."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a tensor of a transfer will be, known before it exists."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * self.dtype.itemsize
+
+
+class WeightStream:
+    """Named tensors produced one at a time (gathered from shards, merged from adapters) whose
+    names, shapes and dtypes are known up front (`specs`). A transport plans its buckets from
+    the specs and consumes the tensors as they come, dropping each once its bucket is sent, so
+    the sender never holds more than a bucket or two of them: what makes a sync from FSDP2
+    shards cost one bucket on top of the shard instead of the whole model.
+
+    Iterating checks every tensor against its spec (a producer that drifts from what it
+    announced is a WeightSyncError, not a corrupted transfer) and can be done once."""
+
+    def __init__(self, specs: Iterable[TensorSpec | tuple], tensors: Iterable[tuple[str, torch.Tensor]],
+                 device: torch.device | str | None = "cpu"):
+        self.device = None if device is None else torch.device(device)
+        """Where the tensors will be (None: on several devices); chooses the data path."""
+        self.specs = tuple(s if isinstance(s, TensorSpec) else TensorSpec(s[0], tuple(s[1]), s[2])
+                           for s in specs)
+        seen: set[str] = set()
+        for spec in self.specs:
+            if spec.name in seen:
+                raise WeightSyncError(f"tensor '{spec.name}' appears twice in one weight transfer")
+            seen.add(spec.name)
+        self._tensors: Iterable[tuple[str, torch.Tensor]] | None = tensors
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._tensors is None:
+            raise WeightSyncError("a weight stream can be consumed once")
+        tensors, self._tensors = iter(self._tensors), None
+        for spec in self.specs:
+            item = next(tensors, None)
+            if item is None:
+                raise WeightSyncError(f"the weight stream ended before '{spec.name}' "
+                                      f"({len(self.specs)} tensors were announced)")
+            name, tensor = item
+            check_tensor(spec, name, tensor)
+            yield name, tensor
+            del item, tensor  # the consumer decides how long a tensor lives
+        if next(tensors, None) is not None:
+            raise WeightSyncError(f"the weight stream yielded more than the {len(self.specs)} "
+                                  "tensors it announced")
+
+
+def check_tensor(spec: TensorSpec, name: str, tensor: Any) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise WeightSyncError(f"'{name}' is a {type(tensor).__name__}, not a tensor")
+    if name != spec.name or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+        raise WeightSyncError(f"the weight stream yielded '{name}' {tuple(tensor.shape)} {tensor.dtype} "
+                              f"where it announced '{spec.name}' {spec.shape} {spec.dtype}")
+
+
+def as_stream(named_tensors: NamedTensors) -> WeightStream:
+    """`named_tensors` as a WeightStream. A Mapping or a list is already in memory (its specs
+    are read from the tensors); a bare iterator is listed first, which holds every tensor it
+    yields: a producer that gathers or merges tensors should pass a WeightStream."""
+    if isinstance(named_tensors, WeightStream):
+        return named_tensors
+    items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+    for name, tensor in items:
+        if not isinstance(tensor, torch.Tensor):
+            raise WeightSyncError(f"'{name}' is a {type(tensor).__name__}, not a tensor")
+    devices = {t.device for _, t in items} or {torch.device("cpu")}
+    return WeightStream([TensorSpec(n, tuple(t.shape), t.dtype) for n, t in items], items,
+                        device=devices.pop() if len(devices) == 1 else None)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | WeightStream
 
 
 @dataclass(frozen=True)
@@ -69,15 +164,3 @@ def build_transport(config: Any, placement: str = "hybrid", **context: Any) -> W
     """
     cls = WEIGHT_TRANSPORTS.get(config.resolve(placement))
     return cls(config, **context)
-
-
-def named_items(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
-    items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-    seen: set[str] = set()
-    for name, tensor in items:
-        if name in seen:
-            raise WeightSyncError(f"tensor '{name}' appears twice in one weight transfer")
-        if not isinstance(tensor, torch.Tensor):
-            raise WeightSyncError(f"'{name}' is a {type(tensor).__name__}, not a tensor")
-        seen.add(name)
-    return items

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from polyrl.distributed.collectives import broadcast_from_leader
 from polyrl.distributed.watchdog import Watchdog
 from polyrl.weights.backend_broadcast import BackendBroadcast
-from polyrl.weights.base import NamedTensors, TransferStats, WeightSyncError, named_items
+from polyrl.weights.base import NamedTensors, TransferStats, WeightSyncError, as_stream
 from polyrl.weights.bucketing import WeightManifest, plan_buckets
 from polyrl.weights.config import WeightSyncConfig
 from polyrl.weights.shm import SenderRing, attach
@@ -56,12 +56,13 @@ class BroadcastTransport:
             raise WeightSyncError(f"send() runs on the weight-sync group's leader (global rank "
                                   f"{sync.src}); this is rank {dist.get_rank()}: call receive()")
         sync.at_version(version)
-        manifest, ordered = plan_buckets(named_items(named_tensors), version, self.config.bucket_bytes)
+        stream = as_stream(named_tensors)
+        manifest = plan_buckets(stream.specs, version, self.config.bucket_bytes)
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.config.timeout_s
         if self.path is None:
-            self.path = self._offer(manifest, ordered, deadline)
-        failure = self.path.send(manifest, ordered, deadline)
+            self.path = self._offer(manifest, stream.device, deadline)
+        failure = self.path.send(manifest, stream, deadline)
         if failure is not None:
             where, exc = failure
             raise WeightSyncError(f"sending version {version} failed at {where} "
@@ -70,10 +71,10 @@ class BroadcastTransport:
         self.last_stats = self._stats(manifest, t0)
         return self.last_stats
 
-    def _offer(self, manifest: WeightManifest, ordered: list[torch.Tensor], deadline: float):
+    def _offer(self, manifest: WeightManifest, device: torch.device | None, deadline: float):
         """Choose the data path with the receivers: offer a shared-memory ring when it may
         work, and take it only if every receiver opened it."""
-        ring = self._new_ring(manifest, ordered)
+        ring = self._new_ring(manifest, device)
         try:
             broadcast_from_leader({"offer": ring and ring.offer()}, self.sync.group,
                                   timeout_s=self.config.timeout_s, phase=CHOOSE_PHASE,
@@ -90,13 +91,13 @@ class BroadcastTransport:
             ring.close()
         return BackendBroadcast(self.config, self.sync)
 
-    def _new_ring(self, manifest: WeightManifest, ordered: list[torch.Tensor]) -> SenderRing | None:
+    def _new_ring(self, manifest: WeightManifest, device: torch.device | None) -> SenderRing | None:
         """A segment for the whole stream (direct staging), else a ring; None where shared
         memory cannot carry these weights (off, device tensors, nobody to send to) or /dev/shm
         is missing or full."""
         cfg = self.config
-        on_cpu = all(t.device.type == "cpu" for t in ordered)
-        if not cfg.shared_memory or not on_cpu or not ordered or not self.sync.receivers:
+        on_cpu = device is not None and device.type == "cpu"
+        if not cfg.shared_memory or not on_cpu or not manifest.slots or not self.sync.receivers:
             return None
         ring_bytes = cfg.shm_slots * cfg.shm_slot_bytes
         total = manifest.stream_layout()[1]
@@ -150,6 +151,16 @@ class BroadcastTransport:
     def _stats(self, manifest: WeightManifest, t0: float) -> TransferStats:
         return TransferStats(self.name, manifest.version, manifest.num_tensors, len(manifest.buckets),
                              manifest.total_bytes, time.perf_counter() - t0)
+
+    def buffer_bytes(self) -> dict[str, int]:
+        """What this transport keeps between transfers: private scratch buckets (the backend
+        path's sender) and the shared-memory segment (the receivers' staging, in /dev/shm)."""
+        path = self.path
+        if isinstance(path, BackendBroadcast):
+            return {"scratch": sum(b.numel() for b in path._scratch if b is not None), "shared": 0}
+        if isinstance(path, SharedMemoryBroadcast) and path.ring is not None:
+            return {"scratch": 0, "shared": path.ring.nbytes}
+        return {"scratch": 0, "shared": 0}
 
     @property
     def uses_shared_memory(self) -> bool:

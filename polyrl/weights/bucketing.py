@@ -1,28 +1,31 @@
-"""Packing named tensors into flat, dtype-homogeneous buckets, and staging them on the receiver.
+"""Planning buckets from tensor specs, packing them from a stream, and staging them on the receiver.
 
 The sender first ships a `WeightManifest` (names, shapes, dtypes, where each tensor sits in which
-bucket, the version); buckets then travel as raw bytes, one message per bucket, so any dtype
-(bf16, fp8) crosses any backend. The receiver allocates every bucket up front (`StagedWeights`),
-fills them, and only when all have arrived and the byte counts match exposes the tensors, as
-views into the buckets (no copy), for one `engine.update_weights` call.
+bucket, the version), planned from the stream's specs before any tensor exists (`plan_buckets`);
+buckets then travel as raw bytes, one message per bucket, so any dtype (bf16, fp8) crosses any
+backend. The receiver allocates every bucket up front (`StagedWeights`), fills them, and only when
+all have arrived and the byte counts match exposes the tensors, as views into the buckets (no
+copy), for one `engine.update_weights` call.
 
-Buckets hold one dtype each so a tensor's view into its bucket is always aligned. A tensor bigger
-than the budget gets a bucket of its own and is sent without packing (zero copy).
+Buckets follow the stream's order (a sender consuming tensors as they are gathered cannot
+reorder them without holding them) and are byte buffers: each tensor starts at an ALIGN-byte
+offset, so its typed view is aligned whatever dtypes share the bucket. A tensor bigger than the
+budget gets a bucket of its own and is sent without packing (zero copy).
 
-The shared-memory path sees the buckets as one byte stream (`stream_layout`): bucket b starts
-at an aligned offset of one flat staging buffer, and the stream travels in ring-sized chunks
-(`pack_range` copies any byte range of the tensors straight into a ring slot).
+`iter_buckets` packs bucket after bucket from the stream, pulling each tensor only when its bucket
+is being filled; a caller that sends a bucket before asking for the next holds one bucket of
+tensors (plus its scratch). The shared-memory path sees the buckets as one byte stream
+(`stream_layout`): bucket b starts at an aligned offset of one flat staging buffer.
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from polyrl.weights.base import WeightSyncError
+from polyrl.weights.base import TensorSpec, WeightSyncError, check_tensor
 
 
 @dataclass(frozen=True)
@@ -32,31 +35,30 @@ class TensorSlot:
     dtype: str
     bucket: int
     offset: int
-    """Element offset inside the bucket."""
-    numel: int
-
-
-@dataclass(frozen=True)
-class BucketSpec:
-    dtype: str
-    numel: int
-    first_slot: int
-    num_slots: int
+    """Byte offset inside the bucket (a multiple of ALIGN)."""
+    nbytes: int
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return dtype_from_name(self.dtype)
 
     @property
-    def nbytes(self) -> int:
-        return self.numel * self.torch_dtype.itemsize
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.name, self.shape, self.torch_dtype)
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    nbytes: int
+    first_slot: int
+    num_slots: int
 
 
 @dataclass(frozen=True)
 class WeightManifest:
     version: int
     slots: tuple[TensorSlot, ...]
-    """In bucket order: bucket b holds slots[first_slot : first_slot + num_slots]."""
+    """In stream order: bucket b holds slots[first_slot : first_slot + num_slots]."""
     buckets: tuple[BucketSpec, ...]
 
     @property
@@ -65,7 +67,8 @@ class WeightManifest:
 
     @property
     def total_bytes(self) -> int:
-        return sum(b.nbytes for b in self.buckets)
+        """Bytes of the tensors themselves (without alignment padding)."""
+        return sum(s.nbytes for s in self.slots)
 
     def bucket_slots(self, b: int) -> tuple[TensorSlot, ...]:
         spec = self.buckets[b]
@@ -76,12 +79,16 @@ class WeightManifest:
         starts, end = [], 0
         for spec in self.buckets:
             starts.append(end)
-            end = -(-(end + spec.nbytes) // ALIGN) * ALIGN
+            end = _align(end + spec.nbytes)
         return starts, end
 
 
 ALIGN = 64
-"""Bucket alignment in the flat staging buffer: every dtype's view of its bucket is aligned."""
+"""Alignment of every tensor inside its bucket and of every bucket in the flat staging buffer."""
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -95,78 +102,81 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def plan_buckets(items: list[tuple[str, torch.Tensor]], version: int, bucket_bytes: int
-                 ) -> tuple[WeightManifest, list[torch.Tensor]]:
-    """The manifest, and the tensors reordered to match its slots (grouped by dtype, then in
-    the caller's order; a new bucket starts when the next tensor would pass the budget)."""
-    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
-    for name, tensor in items:
-        by_dtype.setdefault(tensor.dtype, []).append((name, tensor))
+def plan_buckets(specs: Iterable[TensorSpec], version: int, bucket_bytes: int) -> WeightManifest:
+    """The manifest of a stream with these specs: tensors in stream order, a new bucket when the
+    next tensor would pass the budget (a tensor bigger than the budget is alone in its bucket)."""
     slots: list[TensorSlot] = []
-    ordered: list[torch.Tensor] = []
     buckets: list[BucketSpec] = []
-    for dtype, group in by_dtype.items():
-        budget = max(bucket_bytes // dtype.itemsize, 1)
-        start, fill = len(slots), 0
-        for name, tensor in group:
-            n = tensor.numel()
-            if fill and fill + n > budget:
-                buckets.append(BucketSpec(dtype_name(dtype), fill, start, len(slots) - start))
-                start, fill = len(slots), 0
-            slots.append(TensorSlot(name, tuple(tensor.shape), dtype_name(dtype), len(buckets), fill, n))
-            ordered.append(tensor)
-            fill += n
-        if len(slots) > start:
-            buckets.append(BucketSpec(dtype_name(dtype), fill, start, len(slots) - start))
-    return WeightManifest(version, tuple(slots), tuple(buckets)), ordered
+    start, fill = 0, 0
+    for spec in specs:
+        n = spec.nbytes
+        offset = _align(fill)
+        if len(slots) > start and offset + n > bucket_bytes:
+            buckets.append(BucketSpec(fill, start, len(slots) - start))
+            start, offset = len(slots), 0
+        slots.append(TensorSlot(spec.name, tuple(spec.shape), dtype_name(spec.dtype), len(buckets), offset, n))
+        fill = offset + n
+    if len(slots) > start:
+        buckets.append(BucketSpec(fill, start, len(slots) - start))
+    return WeightManifest(version, tuple(slots), tuple(buckets))
 
 
-def pack_bucket(manifest: WeightManifest, b: int, ordered: list[torch.Tensor],
-                scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """Bucket `b` as one flat tensor of its dtype. A bucket of one contiguous tensor is that
-    tensor's storage (no copy); otherwise the tensors are copied into `scratch` (uint8, at
-    least the bucket's bytes) or a new buffer."""
-    spec = manifest.buckets[b]
-    tensors = ordered[spec.first_slot: spec.first_slot + spec.num_slots]
-    if len(tensors) == 1 and tensors[0].is_contiguous():
-        return tensors[0].detach().reshape(-1)
-    if scratch is None:
-        scratch = torch.empty(spec.nbytes, dtype=torch.uint8, device=tensors[0].device)
-    return pack_into(manifest, b, ordered, scratch)
+def checked(manifest: WeightManifest, stream: Iterable[tuple[str, torch.Tensor]]
+            ) -> Iterator[tuple[TensorSlot, torch.Tensor]]:
+    """(slot, tensor) pairs of `stream`, each checked against its slot, in manifest order."""
+    tensors = iter(stream)
+    for slot in manifest.slots:
+        item = next(tensors, None)
+        if item is None:
+            raise WeightSyncError(f"version {manifest.version}: the weights ended before "
+                                  f"'{slot.name}' ({manifest.num_tensors} tensors were planned)")
+        check_tensor(slot.spec, *item)
+        yield slot, item[1]
+        del item
 
 
-def pack_into(manifest: WeightManifest, b: int, ordered: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """Copy bucket `b`'s tensors into `out` (uint8, at least the bucket's bytes); returns the
-    flat bucket as a view of `out` in the bucket's dtype."""
-    spec = manifest.buckets[b]
-    flat = out[: spec.nbytes].view(spec.torch_dtype)
-    tensors = ordered[spec.first_slot: spec.first_slot + spec.num_slots]
-    for slot, tensor in zip(manifest.bucket_slots(b), tensors):
-        flat[slot.offset: slot.offset + slot.numel].copy_(tensor.detach().reshape(-1))
-    return flat
+Scratch = Callable[[int, torch.device], torch.Tensor]
+"""scratch(b, device): a uint8 buffer of at least bucket b's bytes on `device`."""
 
 
-def stream_pieces(manifest: WeightManifest, ordered: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
-    """(offset in the flat stream, raw bytes) of every tensor, in stream order."""
-    starts, _ = manifest.stream_layout()
-    pieces = []
-    for slot, tensor in zip(manifest.slots, ordered):
-        offset = starts[slot.bucket] + slot.offset * tensor.element_size()
-        pieces.append((offset, as_bytes(tensor.detach().reshape(-1))))
-    return pieces
+def iter_buckets(manifest: WeightManifest, stream: Iterable[tuple[str, torch.Tensor]], scratch: Scratch,
+                 zero_copy: bool = True) -> Iterator[tuple[int, torch.Tensor]]:
+    """(b, bucket b as uint8 bytes), packed from `stream` as it arrives: a bucket's tensors are
+    pulled only when that bucket is packed, and dropped once copied. With `zero_copy`, a bucket
+    of one contiguous tensor is that tensor's own bytes."""
+    pairs = checked(manifest, stream)
+    for b, spec in enumerate(manifest.buckets):
+        if zero_copy and spec.num_slots == 1:
+            _, tensor = next(pairs)
+            if tensor.is_contiguous():
+                yield b, as_bytes(tensor.detach().reshape(-1))
+                continue
+            out = scratch(b, tensor.device)[: spec.nbytes]
+            copy_into(out, manifest.slots[spec.first_slot], tensor)
+            del tensor
+            yield b, out
+            continue
+        out = None
+        for _ in range(spec.num_slots):
+            slot, tensor = next(pairs)
+            if out is None:
+                out = scratch(b, tensor.device)[: spec.nbytes]
+            copy_into(out, slot, tensor)
+            del tensor
+        yield b, out
+    if next(pairs, None) is not None:  # raises if the stream holds more than was planned
+        raise WeightSyncError(f"version {manifest.version}: more tensors than the manifest holds")
 
 
-def pack_range(pieces: list[tuple[int, torch.Tensor]], start: int, out: torch.Tensor) -> None:
-    """Copy bytes [start, start + len(out)) of the stream into `out` (uint8); gaps between
-    buckets are left as they are."""
-    end = start + out.numel()
-    first = max(bisect.bisect_right(pieces, start, key=lambda p: p[0]) - 1, 0)
-    for offset, raw in pieces[first:]:
-        if offset >= end:
-            break
-        lo, hi = max(start, offset), min(end, offset + raw.numel())
-        if lo < hi:
-            out[lo - start: hi - start].copy_(raw[lo - offset: hi - offset])
+def copy_into(bucket: torch.Tensor, slot: TensorSlot, tensor: torch.Tensor) -> None:
+    """Copy `tensor` into its slot of `bucket` (uint8)."""
+    copy_tensor(bucket[slot.offset: slot.offset + slot.nbytes], tensor)
+
+
+def copy_tensor(region: torch.Tensor, tensor: torch.Tensor) -> None:
+    """Copy `tensor` into `region` (uint8 bytes, aligned for its dtype), typed: a strided or
+    device tensor needs no flat temporary. Every byte a sender writes goes through here."""
+    region.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
 
 
 def flat_staging(manifest: WeightManifest, device: torch.device | None = None) -> torch.Tensor:
@@ -184,6 +194,8 @@ def staging_views(manifest: WeightManifest, flat: torch.Tensor) -> list[torch.Te
 
 def as_bytes(flat: torch.Tensor) -> torch.Tensor:
     """The raw bytes of a flat contiguous tensor, as a uint8 view (what travels)."""
+    if flat.dim() == 0:
+        flat = flat.reshape(1)
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
@@ -225,13 +237,13 @@ class StagedWeights:
             raise WeightSyncError(f"version {self.manifest.version} is incomplete: buckets {missing} "
                                   "never arrived; the previous weights stay in service")
         out: dict[str, torch.Tensor] = {}
-        for b, spec in enumerate(self.manifest.buckets):
-            flat = self.buffers[b].view(spec.torch_dtype)
-            for slot in self.manifest.bucket_slots(b):
-                out[slot.name] = flat[slot.offset: slot.offset + slot.numel].view(slot.shape)
+        for slot in self.manifest.slots:
+            raw = self.buffers[slot.bucket][slot.offset: slot.offset + slot.nbytes]
+            out[slot.name] = raw.view(slot.torch_dtype).view(slot.shape)
         return out
 
     def apply(self, engine: Any) -> int:
         """One all-or-nothing `engine.update_weights` call; returns the version applied."""
         engine.update_weights(self.tensors(), self.manifest.version)
         return self.manifest.version
+

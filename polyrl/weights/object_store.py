@@ -28,8 +28,8 @@ import ray
 import torch
 
 from polyrl.distributed.waits import RemoteTimeout, gather
-from polyrl.weights.base import NamedTensors, TransferStats, WeightSyncError, named_items
-from polyrl.weights.bucketing import StagedWeights, WeightManifest, as_bytes, pack_bucket, pack_into, plan_buckets
+from polyrl.weights.base import NamedTensors, TransferStats, WeightSyncError, as_stream
+from polyrl.weights.bucketing import StagedWeights, WeightManifest, iter_buckets, plan_buckets
 from polyrl.weights.config import WeightSyncConfig
 
 
@@ -92,28 +92,33 @@ class ObjectStoreTransport:
 
     def send(self, named_tensors: NamedTensors, version: int) -> TransferStats:
         self.flush()  # one publication in flight at a time; raises the previous one's error
-        items = named_items(named_tensors)
-        manifest, ordered = plan_buckets(items, version, self.config.bucket_bytes)
+        stream = as_stream(named_tensors)
+        manifest = plan_buckets(stream.specs, version, self.config.bucket_bytes)
         t0 = time.perf_counter()
         if self.config.background_publish:
             # a snapshot the trainer's next step cannot change: one host copy per bucket, in
-            # buffers reused from version to version (the previous publication has finished)
+            # buffers reused from version to version (the previous publication has finished),
+            # filled from the stream tensor by tensor
             sizes = [spec.nbytes for spec in manifest.buckets]
             if [b.numel() for b in self._snapshot] != sizes:
                 self._snapshot = [torch.empty(n, dtype=torch.uint8) for n in sizes]
-            snapshot = [pack_into(manifest, b, ordered, self._snapshot[b]) for b in range(len(sizes))]
+            for _ in iter_buckets(manifest, stream, lambda b, _device: self._snapshot[b], zero_copy=False):
+                pass
             if self._publisher is None:
                 self._publisher = ThreadPoolExecutor(1, thread_name_prefix="weight-publish")
             self._pending = self._publisher.submit(self._put_and_publish, version, manifest,
-                                                   [as_bytes(f).numpy() for f in snapshot])
+                                                   [b.numpy() for b in self._snapshot])
         else:
-            need = max((s.nbytes for s in manifest.buckets if s.num_slots > 1), default=0)
-            if self._scratch is None or self._scratch.numel() < need:
-                self._scratch = torch.empty(need, dtype=torch.uint8)
-            # copied into the store one bucket at a time; scratch is free again after each put
+            # packed and put in the store one bucket at a time: a bucket and its tensors are
+            # dropped once put (the store holds the copy)
+            def scratch(b: int, device: torch.device) -> torch.Tensor:  # one, reused bucket after bucket
+                need = manifest.buckets[b].nbytes
+                if self._scratch is None or self._scratch.device != device or self._scratch.numel() < need:
+                    self._scratch = torch.empty(need, dtype=torch.uint8, device=device)
+                return self._scratch
+
             self._put_and_publish(version, manifest, (
-                as_bytes(pack_bucket(manifest, b, ordered, self._scratch)).cpu().numpy()
-                for b in range(len(manifest.buckets))))
+                flat.cpu().numpy() for _, flat in iter_buckets(manifest, stream, scratch)))
         stats = TransferStats(self.name, version, manifest.num_tensors, len(manifest.buckets),
                               manifest.total_bytes, time.perf_counter() - t0)
         self.last_stats = stats

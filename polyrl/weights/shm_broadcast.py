@@ -3,9 +3,11 @@ transfer (the ring and its FIFO signals are in `shm.py`).
 
 The manifest goes down each receiver's FIFO, the bytes through the segment, and an abort signal
 replaces the backend path's commit. Direct staging (default, when the weights fit): the sender
-packs the whole stream into the segment once and receivers hand views of it to the engine,
-releasing it after the engine loaded them (one copy in total). Otherwise a ring of slot-sized
-chunks: the sender packs chunk n+1 while receivers copy chunk n into their own staging buffer.
+copies each tensor of the weight stream into the segment as it arrives (holding none of them
+after), and receivers hand views of the segment to the engine, releasing it after the engine
+loaded them (one copy in total; the segment is the receivers' staging, shared by all of them).
+Otherwise a ring of slot-sized chunks: the sender fills chunk n+1 while receivers copy chunk n
+into their own staging buffer.
 A peer that dies is seen at once (its FIFO end closes); one that stalls, at the deadline. Either
 way the ring is out of step and closed, like a group after a failed collective: later transfers
 fail at once with the same cause.
@@ -14,7 +16,7 @@ fail at once with the same cause.
 from __future__ import annotations
 
 import pickle
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -34,13 +36,11 @@ class SharedMemoryBroadcast:
         self._views: tuple[tuple, dict[str, torch.Tensor]] | None = None
 
     # --- sender ------------------------------------------------------------------------------
-    def send(self, manifest: WeightManifest, ordered: list[torch.Tensor], deadline: float):
-        """Deliver one version; returns (where, exception) if packing failed midway (the
-        receivers got an abort and keep their weights), else None."""
+    def send(self, manifest: WeightManifest, stream: Iterable[tuple[str, torch.Tensor]], deadline: float):
+        """Deliver one version, copying each tensor of `stream` into the segment as it arrives;
+        returns (where, exception) if that failed midway (the receivers got an abort and keep
+        their weights), else None."""
         ring = self._open_ring()
-        if any(t.device.type != "cpu" for t in ordered):
-            raise WeightSyncError("the shared-memory weight path carries CPU tensors only; this "
-                                  "version is on a device: set weights.shared_memory=false")
         phase = f"weight sync v{manifest.version}"
         total = manifest.stream_layout()[1]
         geometry = self._geometry(ring, total)
@@ -48,29 +48,29 @@ class SharedMemoryBroadcast:
         payload = pickle.dumps({"manifest": manifest, "ring": geometry})
         self._guard(lambda: ring.message(payload, deadline), phase)
         self.sync.watchdog.beat(f"{phase}: shared memory")
-        return self._guard(lambda: self._stream(ring, manifest, ordered, geometry, deadline), phase)
+        return self._guard(lambda: self._stream(ring, manifest, stream, geometry, deadline), phase)
 
-    def _stream(self, ring: SenderRing, manifest: WeightManifest, ordered: list[torch.Tensor],
+    def _stream(self, ring: SenderRing, manifest: WeightManifest, stream: Iterable[tuple[str, torch.Tensor]],
                 geometry: tuple[int, int, bool], deadline: float):
         ring.geometry(*geometry[:2])
         if geometry[2]:
             ring.hold()  # until every receiver is inside receive()
+        writer = ChunkWriter(ring, manifest.stream_layout()[1], deadline)
+        starts = manifest.stream_layout()[0]
         failure: tuple[str, BaseException] | None = None
-        size, total = ring.slot_bytes, manifest.stream_layout()[1]
+        written = 0
         try:
-            pieces = bucketing.stream_pieces(manifest, ordered)
+            writer.start()
+            for slot, tensor in bucketing.checked(manifest, stream):
+                writer.write(starts[slot.bucket] + slot.offset, tensor)
+                del tensor
+                written += 1
+            writer.finish()
+        except PeerLost:
+            raise
         except Exception as exc:
-            pieces, failure = [], ("chunk 0", exc)
-        for n in range(chunks(total, size) if failure is None else 0):
-            slot = ring.claim_slot(deadline)  # every receiver is done with what it held
-            lo, hi = n * size, min(total, (n + 1) * size)
-            try:
-                bucketing.pack_range(pieces, lo, slot[: hi - lo])
-            except Exception as exc:
-                failure = (f"chunk {n} (stream bytes {lo}..{hi})", exc)
-                break
-            ring.publish(deadline)
-        if failure is not None:
+            where = f" ('{manifest.slots[written].name}')" if written < manifest.num_tensors else ""
+            failure = (f"chunk {writer.chunk}{where}", exc)
             ring.publish(deadline, ABORT)
         ring.drain(deadline)  # every receiver has copied (or, direct: applied) every chunk
         return failure
@@ -186,6 +186,50 @@ class SharedMemoryBroadcast:
         if self.ring is not None:
             self.ring.close()
             self.ring, self._lost = None, why
+
+
+class ChunkWriter:
+    """Writes the stream into the ring at stream offsets, tensor by tensor: the slot of chunk n
+    is claimed (every receiver is done with what it held there) before the first byte of chunk n
+    is written, and published once its last byte is; chunks that fall in alignment gaps are
+    published as they are. Direct staging is one chunk the size of the stream."""
+
+    def __init__(self, ring: SenderRing, total: int, deadline: float):
+        self.ring, self.total, self.deadline = ring, total, deadline
+        self.size = ring.slot_bytes
+        self.last = chunks(total, self.size) - 1
+        self.chunk = 0
+        self.slot: torch.Tensor | None = None
+
+    def start(self) -> None:
+        self.slot = self.ring.claim_slot(self.deadline)
+
+    def write(self, offset: int, tensor: torch.Tensor) -> None:
+        n = tensor.numel() * tensor.element_size()
+        if offset // self.size == (offset + n - 1) // self.size or n == 0:  # inside one chunk: typed copy
+            self._advance(offset // self.size)
+            lo = offset - self.chunk * self.size
+            region = self.slot[lo: lo + n]
+            bucketing.copy_tensor(region, tensor)
+            return
+        raw = bucketing.as_bytes(tensor.detach().contiguous().reshape(-1))
+        done = 0
+        while done < n:
+            self._advance((offset + done) // self.size)
+            lo = offset + done - self.chunk * self.size
+            take = min(n - done, self.size - lo)
+            bucketing.copy_tensor(self.slot[lo: lo + take], raw[done: done + take])
+            done += take
+
+    def finish(self) -> None:
+        self._advance(self.last)
+        self.ring.publish(self.deadline)
+
+    def _advance(self, chunk: int) -> None:
+        while self.chunk < chunk:
+            self.ring.publish(self.deadline)
+            self.chunk += 1
+            self.slot = self.ring.claim_slot(self.deadline)
 
 
 def chunks(total: int, slot_bytes: int) -> int:

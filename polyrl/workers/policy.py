@@ -192,8 +192,8 @@ class PolicyWorker:
                 for _ in self.engine.named_weights():
                     pass
             return {}
-        with torch.no_grad():
-            metrics = self.transport.send(self.engine.named_weights(), self.version).metrics()
+        with torch.no_grad():  # a stream: each tensor is gathered / merged as the transport needs it
+            metrics = self.transport.send(self.engine.weight_stream(), self.version).metrics()
         publish_s = getattr(self.transport, "publish_s", None)  # object store: off the path
         if publish_s is not None:
             metrics["weight_sync/publish_s"] = publish_s

@@ -1,7 +1,7 @@
 """Bucketed broadcast weight sync on real gloo processes: 1 trainer rank + 2 replicas x 1 rank.
 
-Versions go through in order; a sender that fails midway (v2) or dies midway (v4) leaves every
-receiver serving the previous version, bit for bit.
+Versions go through in order; a sender whose weight stream fails midway (v2: a gather raises)
+or dies midway (v4) leaves every receiver serving the previous version, bit for bit.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from gloo_world import DictEngine, model_weights, run_world, same_weights
 from polyrl.distributed.layout import RankLayout, build_groups
 from polyrl.platform import get_platform
 from polyrl.weights import WeightSyncConfig, WeightSyncError, build_transport
-from polyrl.weights import bucketing
+from polyrl.weights.base import WeightStream
 
 LAYOUT = RankLayout(num_replicas=2, tensor_parallel_size=1, trainer_world_size=1)
 
@@ -30,31 +30,21 @@ def config(mode: str) -> WeightSyncConfig:
                             shared_memory=shared_memory, shm_direct=direct)
 
 
-def first_failing_pack(mode: str) -> int:
-    return 0 if mode == "direct" else 1  # direct staging packs a version in one go
+FAILING = "model.layers.0.mlp.up_proj.weight"
+"""The tensor whose gather fails (or kills the sender): the second of the stream, in bucket 1."""
 
 
-def fail_at_pack(k: int, die: bool) -> None:
-    """The k-th pack of the next transfer (bucket k on the backend path, ring chunk k on the
-    shared-memory path) fails, or kills this process."""
-    calls = [0]
-    for name in ("pack_bucket", "pack_range"):
-        real = getattr(REAL, name)
-
-        def pack(*args, _real=real):
-            calls[0] += 1
-            if calls[0] == k + 1:
+def failing_stream(weights: dict, die: bool) -> WeightStream:
+    """`weights` as a weight stream whose FAILING tensor cannot be produced: what a gather from
+    shards looks like when it raises (or the trainer process dies in it)."""
+    def produce():
+        for name, tensor in weights.items():
+            if name == FAILING:
                 if die:
                     os._exit(3)  # the trainer process dies mid-transfer
                 raise OSError("gathering a shard failed")
-            return _real(*args)
-
-        setattr(bucketing, name, pack)
-
-
-class REAL:
-    pack_bucket = staticmethod(bucketing.pack_bucket)
-    pack_range = staticmethod(bucketing.pack_range)
+            yield name, tensor
+    return WeightStream([(n, tuple(t.shape), t.dtype) for n, t in weights.items()], produce())
 
 
 def world(rank: int, world_size: int, out_dir: str, mode: str) -> dict:
@@ -62,17 +52,14 @@ def world(rank: int, world_size: int, out_dir: str, mode: str) -> dict:
     transport = build_transport(config(mode), "standalone", group=groups.group("weight_sync"))
     if groups.info.role == "trainer":
         stats = [transport.send(model_weights(seed=1), version=1)]
-        fail_at_pack(first_failing_pack(mode), die=False)
         try:
-            transport.send(model_weights(seed=2), version=2)
+            transport.send(failing_stream(model_weights(seed=2), die=False), version=2)
         except WeightSyncError as exc:
             stats.append(str(exc))
-        bucketing.pack_bucket, bucketing.pack_range = REAL.pack_bucket, REAL.pack_range
         stats.append(transport.send(model_weights(seed=3), version=3))
         stats.append(transport.uses_shared_memory)
         Path(out_dir, "sender-stats.pkl").write_bytes(pickle.dumps(stats))
-        fail_at_pack(0 if mode == "direct" else 2, die=True)
-        transport.send(model_weights(seed=4), version=4)
+        transport.send(failing_stream(model_weights(seed=4), die=True), version=4)
         return stats
     engine = DictEngine(model_weights(seed=0))
     out: dict = {"applied": []}
@@ -117,8 +104,11 @@ def test_sender_reports_bytes_seconds_and_rate(results):
         assert stats.version == version and stats.transport == "broadcast"
         assert stats.bytes == nbytes and stats.num_tensors == 6 and stats.num_buckets > 3
         assert stats.seconds > 0 and stats.bytes_per_s == pytest.approx(stats.bytes / stats.seconds)
-    where = {"direct": "chunk 0", "ring": "chunk 1", "backend-only": "bucket 1"}[results["mode"]]
-    assert f"failed at {where}" in failure and "keep their previous weights" in failure
+    # direct staging is one chunk; 1 KB ring slots: the 2 KB table fills chunks 0-1
+    where = {"direct": f"chunk 0 ('{FAILING}')", "ring": f"chunk 1 ('{FAILING}')",
+             "backend-only": "bucket 1"}[results["mode"]]
+    assert f"failed at {where}" in failure and "gathering a shard failed" in failure, failure
+    assert "keep their previous weights" in failure
 
 
 def test_a_sender_failing_midway_leaves_the_previous_version_serving(results):

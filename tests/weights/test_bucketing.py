@@ -1,40 +1,54 @@
-"""Bucket planning, packing and all-or-nothing staging, in one process."""
+"""Bucket planning from specs, packing from a stream, and all-or-nothing staging, in one process."""
 
 from __future__ import annotations
+
+import weakref
 
 import pytest
 import torch
 
 from gloo_world import DictEngine, model_weights, same_weights
 from polyrl.weights import WeightSyncError
-from polyrl.weights.bucketing import (ALIGN, StagedWeights, as_bytes, flat_staging, pack_bucket,
-                                      pack_range, plan_buckets, staging_views, stream_pieces)
+from polyrl.weights.base import TensorSpec, WeightStream, as_stream
+from polyrl.weights.bucketing import (ALIGN, StagedWeights, flat_staging, iter_buckets, plan_buckets,
+                                      staging_views)
 
 
-def test_buckets_hold_one_dtype_and_respect_the_budget():
-    items = [("a", torch.zeros(10)), ("b", torch.zeros(10, dtype=torch.bfloat16)),
-             ("c", torch.zeros(20)), ("d", torch.zeros(100)), ("e", torch.zeros(5))]
-    manifest, ordered = plan_buckets(items, version=3, bucket_bytes=30 * 4)
+def scratch_pool():
+    pool: dict[int, torch.Tensor] = {}
+
+    def scratch(b: int, device: torch.device) -> torch.Tensor:
+        return pool.setdefault(b % 2, torch.empty(1 << 16, dtype=torch.uint8, device=device))
+    return scratch
+
+
+def test_buckets_follow_the_stream_and_respect_the_budget():
+    specs = [TensorSpec("a", (10,), torch.float32), TensorSpec("b", (10,), torch.bfloat16),
+             TensorSpec("c", (20,), torch.float32), TensorSpec("d", (100,), torch.float32),
+             TensorSpec("e", (5,), torch.float32)]
+    manifest = plan_buckets(specs, version=3, bucket_bytes=160)
     assert manifest.version == 3 and manifest.num_tensors == 5
-    # fp32: [a, c] = 30 elements fill the budget; d (100) is bigger than it: alone; then e.
-    layout = [(b.dtype, [s.name for s in manifest.bucket_slots(i)]) for i, b in enumerate(manifest.buckets)]
-    assert layout == [("float32", ["a", "c"]), ("float32", ["d"]), ("float32", ["e"]),
-                      ("bfloat16", ["b"])]
+    # a at 0 (40 B), b at 64 (20 B), c would end at 128 + 80 > 160: new bucket; d (400 B) is
+    # bigger than the budget: alone; then e. Stream order is kept across dtypes.
+    layout = [[(s.name, s.offset) for s in manifest.bucket_slots(i)] for i in range(len(manifest.buckets))]
+    assert layout == [[("a", 0), ("b", 64)], [("c", 0)], [("d", 0)], [("e", 0)]]
+    assert all(s.offset % ALIGN == 0 for s in manifest.slots)
     assert manifest.total_bytes == 135 * 4 + 10 * 2
-    assert [t.numel() for t in ordered] == [10, 20, 100, 5, 10]
 
 
 def test_pack_and_stage_round_trip_with_mixed_dtypes():
     weights = model_weights(seed=1)
     weights["scalar"] = torch.tensor(2.5)
-    weights["transposed"] = torch.randn(4, 6).t()  # not contiguous: packed by copy
-    manifest, ordered = plan_buckets(list(weights.items()), version=7, bucket_bytes=1024)
+    weights["transposed"] = torch.randn(4, 6).t()  # not contiguous: packed by a typed copy
+    weights["mask"] = torch.tensor([True, False, True])
+    stream = as_stream(weights)
+    manifest = plan_buckets(stream.specs, version=7, bucket_bytes=1024)
     staged = StagedWeights(manifest)
-    for b in range(len(manifest.buckets)):
-        staged.buffer(b).copy_(as_bytes(pack_bucket(manifest, b, ordered)))
+    for b, flat in iter_buckets(manifest, stream, scratch_pool()):
+        staged.buffer(b).copy_(flat)
         staged.mark(b)
-    engine = DictEngine(model_weights(seed=0) | {"scalar": torch.tensor(0.0),
-                                                 "transposed": torch.zeros(6, 4)})
+    engine = DictEngine(model_weights(seed=0) | {"scalar": torch.tensor(0.0), "transposed": torch.zeros(6, 4),
+                                                 "mask": torch.zeros(3, dtype=torch.bool)})
     assert staged.apply(engine) == 7
     assert engine.weight_version == 7 and engine.calls == 1
     assert same_weights(engine.weights, weights)
@@ -42,13 +56,68 @@ def test_pack_and_stage_round_trip_with_mixed_dtypes():
 
 def test_single_tensor_bucket_is_sent_without_a_copy():
     big = torch.randn(1000)
-    manifest, ordered = plan_buckets([("big", big), ("small", torch.randn(3))], 1, bucket_bytes=100)
-    assert pack_bucket(manifest, 0, ordered).data_ptr() == big.data_ptr()
+    stream = as_stream([("big", big), ("small", torch.randn(3))])
+    manifest = plan_buckets(stream.specs, 1, bucket_bytes=100)
+    b, flat = next(iter_buckets(manifest, stream, scratch_pool()))
+    assert b == 0 and flat.data_ptr() == big.data_ptr()
+
+
+def gathered_stream(weights: dict[str, torch.Tensor], live: list):
+    """A stream that makes a fresh tensor for each entry (as a gather from shards does) and
+    records, at each production, the bytes of produced tensors still alive anywhere."""
+    refs: list = []
+
+    def produce():
+        for name, t in weights.items():
+            fresh = t.clone()
+            refs.append(weakref.ref(fresh))
+            live.append(sum(r().nbytes for r in refs if r() is not None))
+            yield name, fresh
+            del fresh
+    return WeightStream([(n, tuple(t.shape), t.dtype) for n, t in weights.items()], produce())
+
+
+def test_packing_holds_at_most_one_bucket_of_the_stream():
+    """Each tensor is pulled when its bucket is packed and released once copied: the bytes of
+    produced tensors alive at any time stay within one bucket (plus the tensor being produced)."""
+    g = torch.Generator().manual_seed(0)
+    weights = {f"layer{i}.weight": torch.randn(32, 32, generator=g) for i in range(16)}  # 4 KiB each
+    live: list[int] = []
+    stream = gathered_stream(weights, live)
+    manifest = plan_buckets(stream.specs, 1, bucket_bytes=8 * 1024)
+    staged = StagedWeights(manifest)
+    for b, flat in iter_buckets(manifest, stream, scratch_pool()):
+        staged.buffer(b).copy_(flat)
+        staged.mark(b)
+    assert len(live) == 16 and max(live) <= 4096 * 2, live
+    assert same_weights(staged.tensors(), weights)  # bit-identical
+    # the same accounting catches a sender that lists the stream first
+    live_listed: list[int] = []
+    held = list(gathered_stream(weights, live_listed))
+    assert max(live_listed) == 16 * 4096 and len(held) == 16
+
+
+def test_a_stream_that_drifts_from_its_specs_is_refused():
+    weights = model_weights(seed=1)
+    specs = [(n, tuple(t.shape), t.dtype) for n, t in weights.items()]
+    wrong = [(n, t.t() if 'up_proj' in n else t) for n, t in weights.items()]
+    manifest = plan_buckets(WeightStream(specs, []).specs, 1, 1 << 20)
+    with pytest.raises(WeightSyncError, match="yielded 'model.layers.0.mlp.up_proj.weight' \\(16, 48\\)"):
+        list(iter_buckets(manifest, WeightStream(specs, wrong), scratch_pool()))
+    short = list(weights.items())[:2]
+    with pytest.raises(WeightSyncError, match="ended before"):
+        list(WeightStream(specs, short))
+    with pytest.raises(WeightSyncError, match="appears twice"):
+        WeightStream(specs + specs[:1], [])
+    stream = WeightStream(specs, weights.items())
+    list(stream)
+    with pytest.raises(WeightSyncError, match="consumed once"):
+        list(stream)
 
 
 def test_incomplete_or_wrong_sized_versions_are_never_applied():
     weights = model_weights(seed=2)
-    manifest, _ = plan_buckets(list(weights.items()), version=2, bucket_bytes=256)
+    manifest = plan_buckets(as_stream(weights).specs, version=2, bucket_bytes=256)
     assert len(manifest.buckets) > 2
     engine = DictEngine(model_weights(seed=0))
     staged = StagedWeights(manifest)
@@ -65,24 +134,19 @@ def test_incomplete_or_wrong_sized_versions_are_never_applied():
         StagedWeights({"version": 1})
 
 
-@pytest.mark.parametrize("chunk", [3, 64, 1000, 1 << 20])
-def test_any_chunking_of_the_stream_stages_every_tensor_exactly(chunk):
+def test_flat_staging_aligns_every_bucket():
     weights = model_weights(seed=4)
     weights["mask"] = torch.tensor([True, False, True])  # 3 bytes: the next bucket is realigned
     weights["scalar"] = torch.tensor(2.5, dtype=torch.float64)
-    weights["transposed"] = torch.randn(4, 6).t()
-    manifest, ordered = plan_buckets(list(weights.items()), version=5, bucket_bytes=256)
+    stream = as_stream(weights)
+    manifest = plan_buckets(stream.specs, version=5, bucket_bytes=256)
     starts, total = manifest.stream_layout()
     assert all(s % ALIGN == 0 for s in starts) and total % ALIGN == 0
-    assert total >= manifest.total_bytes
-    pieces = stream_pieces(manifest, ordered)
     flat = flat_staging(manifest).fill_(0xAB)
-    for lo in range(0, total, chunk):  # what the ring does: pack a chunk, copy it out
-        slot = torch.empty(min(chunk, total - lo), dtype=torch.uint8)
-        pack_range(pieces, lo, slot)
-        flat[lo: lo + slot.numel()].copy_(slot)
-    staged = StagedWeights(manifest, staging_views(manifest, flat))
-    for b in range(len(manifest.buckets)):
+    views = staging_views(manifest, flat)
+    staged = StagedWeights(manifest, views)
+    for b, packed in iter_buckets(manifest, stream, scratch_pool()):
+        views[b].copy_(packed)
         staged.mark(b)
     engine = DictEngine({k: torch.zeros_like(v) for k, v in weights.items()})
     staged.apply(engine)
@@ -90,6 +154,6 @@ def test_any_chunking_of_the_stream_stages_every_tensor_exactly(chunk):
 
 
 def test_staging_of_the_wrong_size_is_refused():
-    manifest, _ = plan_buckets(list(model_weights(seed=1).items()), version=1, bucket_bytes=256)
+    manifest = plan_buckets(as_stream(model_weights(seed=1)).specs, version=1, bucket_bytes=256)
     with pytest.raises(WeightSyncError, match="staging holds"):
         staging_views(manifest, torch.empty(3, dtype=torch.uint8))

@@ -32,16 +32,15 @@ def sender_actor(ray, mailbox):
 
             import polyrl.weights.object_store as object_store
 
-            def dying(real):
-                def pack(manifest, b, ordered, out=None):
+            real = object_store.iter_buckets
+
+            def dying(*args, **kwargs):  # background snapshots and foreground puts both pack here
+                for b, flat in real(*args, **kwargs):
                     if b == at_bucket:
                         os._exit(3)
-                    return real(manifest, b, ordered, out)
-                return pack
+                    yield b, flat
 
-            # background publish snapshots through pack_into, foreground packs with pack_bucket
-            object_store.pack_bucket = dying(object_store.pack_bucket)
-            object_store.pack_into = dying(object_store.pack_into)
+            object_store.iter_buckets = dying
             return self.transport.send(named_tensors, version)
 
     return Sender.remote(mailbox, CONFIG)
@@ -157,9 +156,10 @@ def test_sender_dying_midway_keeps_the_previous_version(ray_session, mailbox):
 def test_lost_buckets_are_not_applied(monkeypatch):
     """Published but unfetchable (its owner died): nothing is applied."""
     import polyrl.weights.object_store as object_store
+    from polyrl.weights.base import as_stream
     from polyrl.weights.bucketing import plan_buckets
 
-    manifest, _ = plan_buckets(list(model_weights(seed=3).items()), 3, 256)
+    manifest = plan_buckets(as_stream(model_weights(seed=3)).specs, 3, 256)
     answers = iter([[(3, manifest, ["ref"] * len(manifest.buckets))]])
 
     def fake_gather(refs, names, *, phase, timeout_s):

@@ -118,17 +118,19 @@ class VLLMEngine(AsyncEngineAdapter):
         if not isinstance(version, int):
             raise WeightUpdateError(f"version must be an int, got {type(version).__name__}")
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        named = [(n, t) for n, t in items]
-        for name, tensor in named:
-            if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
-                raise WeightUpdateError(f"parameter '{name}': expected a floating-point tensor")
+
+        def named():  # consumed bucket by bucket: a weight stream is never held whole
+            for name, tensor in items:
+                if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                    raise WeightUpdateError(f"parameter '{name}': expected a floating-point tensor")
+                yield name, tensor
 
         async def push() -> int:
             if "weights" in self._asleep:
                 await self.engine.wake_up(tags=["weights"])
                 self._asleep.discard("weights")
             await self.engine.collective_rpc("polyrl_begin_update", args=(self.fp8,))
-            for piece in iter_flushes(named, self.bucket_bytes):
+            for piece in iter_flushes(named(), self.bucket_bytes):
                 host = [(n, t.detach().cpu().contiguous()) for n, t in piece]
                 await self.engine.collective_rpc("polyrl_load_bucket", args=(host,))
             loaded = await self.engine.collective_rpc("polyrl_finish_update", args=(version,))

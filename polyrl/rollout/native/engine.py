@@ -37,6 +37,7 @@ from polyrl.rollout.native.model import DecoderModel
 from polyrl.rollout.native.scheduler import Request, Scheduler
 from polyrl.rollout.native.streaming import StreamUpdate, TokenStream, post_to_loop
 from polyrl.rollout.native.weights import ModelWeights
+from polyrl.weights.base import WeightStream
 
 _resolve_dtype = torch_dtype  # the dtype names every layer shares (polyrl/modeling.py)
 
@@ -138,6 +139,8 @@ class NativeEngine:
         self._control_pending = 0  # control ops waiting for the lock; steps let them in first
         self._pending_lock = threading.Lock()
         self._sleeping = False
+        self._torn: str | None = None
+        """Why the weights are incomplete (a streamed update broke off), or None."""
         self._loop_task: asyncio.Task | None = None
 
     # -- generation -----------------------------------------------------------------------------
@@ -191,7 +194,17 @@ class NativeEngine:
         self._submit(req, loop)
         return stream
 
+    def _check_whole(self) -> None:
+        if self._torn is not None:
+            raise WeightUpdateError(f"native engine: {self._torn}; it serves nothing until a "
+                                    "complete weight update")
+
+    def _still_torn(self, torn: str | None, names: Iterable[str]) -> str | None:
+        """After a torn update, only one that writes every weight makes the engine whole."""
+        return torn if torn is not None and not self._weights.required_names() <= set(names) else None
+
     def _submit(self, req: Request, loop: asyncio.AbstractEventLoop) -> None:
+        self._check_whole()
         with self._lock:
             self._sched.add(req)
         if self._loop_task is None or self._loop_task.done() or self._loop_task.get_loop() is not loop:
@@ -248,6 +261,7 @@ class NativeEngine:
         checked = [self._sched.check(p, s) for p, s in zip(prompts, samplings)]
         ids = list(request_ids) if request_ids is not None else [uuid.uuid4().hex for _ in prompts]
         reqs = [Request(i, p, s) for i, p, s in zip(ids, checked, samplings)]
+        self._check_whole()
         with self._lock:
             if self._sleeping:
                 raise RuntimeError("engine is sleeping; call wake_up() before generate_batch()")
@@ -267,13 +281,25 @@ class NativeEngine:
     def update_weights(
         self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int
     ) -> None:
-        """All or nothing: every name and shape is checked before the first byte is written."""
-        named = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        """All or nothing: every name and shape is checked before the first byte is written. A
+        `WeightStream` (what a trainer syncs in place) is checked against its specs, then loaded
+        one tensor at a time as it is produced; if it breaks after that, the engine refuses to
+        generate until a complete update arrives (it never serves a mix of versions)."""
         if not isinstance(version, int):
             raise WeightUpdateError(f"version must be an int, got {type(version).__name__}")
+        if isinstance(named_tensors, WeightStream):
+            with self._control(), torch.inference_mode():
+                dests = self._weights.plan_stream(named_tensors.specs)
+                torn, self._torn = self._torn, f"the update to version {version} broke off midway"
+                self._weights.load_stream(dests, named_tensors)
+                self._sched.set_weight_version(version)
+                self._torn = self._still_torn(torn, dests)
+            return
+        named = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         with self._control(), torch.inference_mode():
             plan = self._weights.validate(named)
             self._weights.apply(plan)
+            self._torn = self._still_torn(self._torn, named)
             self._sched.set_weight_version(version)
 
     def sleep(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -163,6 +164,31 @@ class ModelWeights:
     def apply(self, plan: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for view, tensor in plan:
             view.copy_(tensor)
+        self._repack()
+
+    def plan_stream(self, specs: Any) -> dict[str, torch.Tensor]:
+        """Where each tensor of a `WeightStream` (polyrl/weights/base.py) goes, from its specs:
+        every name and shape is checked before the first tensor is produced."""
+        dests = {}
+        for spec in specs:
+            plan = self.validate({spec.name: torch.empty(spec.shape, dtype=spec.dtype, device="meta")})
+            if plan:
+                dests[spec.name] = plan[0][0]
+        return dests
+
+    @torch.no_grad()
+    def load_stream(self, dests: dict[str, torch.Tensor], stream: Any) -> None:
+        """Copy each tensor as it arrives and drop it, so the sender never holds more than one.
+        A stream that fails midway has overwritten part of the weights: the caller must not
+        serve them."""
+        for name, tensor in stream:
+            dest = dests.get(name)
+            if dest is not None:
+                dest.copy_(tensor)
+            del tensor  # before the next one is produced
+        self._repack()
+
+    def _repack(self) -> None:
         if self.matmul.packs:
             try:
                 compute = self._compute_weights()
