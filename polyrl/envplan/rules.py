@@ -99,6 +99,17 @@ RULES: tuple[EnvRule, ...] = (
         roles=frozenset({"trainer", "rollout"}),
         backends=frozenset({"sglang"}),
     ),
+    EnvRule(
+        id="cpu-malloc-keep-heap",
+        variables={"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(16 * 2**30)},
+        reason="glibc maps every allocation above 32 MiB afresh and unmaps it on free, so a CPU "
+        "training step faults its [batch, response, vocab] logits and gradients in again every "
+        "step (benchmarks/allocator.py: ~125k minor faults per 30M update); kept in the heap, "
+        "freed memory is reused. Cost: a process keeps its peak heap",
+        link="https://man7.org/linux/man-pages/man3/mallopt.3.html",
+        roles=frozenset({"trainer", "rollout"}),
+        platforms=frozenset({"cpu"}),
+    ),
 )
 
 # Defaults polyrl itself needs everywhere, independent of hardware.

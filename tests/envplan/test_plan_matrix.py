@@ -52,6 +52,10 @@ def expected(hw: str, role: str, backend: str, opt_in: bool, placement: str = "h
         if backend in ENGINES and hands_devices:
             for var in NOSET[p.name]:
                 out[f"RAY_EXPERIMENTAL_NOSET_{var}"] = ("1", "platform-default")
+    # CPU training and decoding keep freed large tensors in the heap (issue 17, allocator churn)
+    if p.name == "cpu" and role in ("trainer", "rollout"):
+        out["MALLOC_MMAP_MAX_"] = ("0", "rule:cpu-malloc-keep-heap")
+        out["MALLOC_TRIM_THRESHOLD_"] = (str(16 * 2**30), "rule:cpu-malloc-keep-heap")
     # the engine's environment follows the engine: a hybrid engine lives in the trainer (issue 15)
     engine_here = role == "rollout" or (role == "trainer" and placement == "hybrid")
     if engine_here and p.name == "rocm" and backend == "sglang":
@@ -182,3 +186,10 @@ def test_runtime_env_renders_values():
     assert env["env_vars"]["KEEP"] == "1"
     assert env["env_vars"]["RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES"] == "1"
     assert env["env_vars"]["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] == "0"
+
+
+def test_a_users_malloc_setting_wins_over_the_cpu_rule():
+    plan = build_plan(PlanContext(platform_of("cpu"), "trainer"), {"MALLOC_MMAP_MAX_": "65536"}, {})
+    assert plan.entries["MALLOC_MMAP_MAX_"].value == "65536"
+    assert plan.entries["MALLOC_MMAP_MAX_"].source == "user-env"
+    assert plan.entries["MALLOC_TRIM_THRESHOLD_"].source == "rule:cpu-malloc-keep-heap"

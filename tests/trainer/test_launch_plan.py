@@ -183,7 +183,9 @@ def test_cpu_native_standalone_and_ray_init():
     cfg = job("rollout.placement=standalone", "rollout.num_replicas=2")
     plan = plan_launch(cfg, machine("cpu"))
     assert [a.resources for a in plan.actors] == [{"num_cpus": 1}] * 3
-    assert all(env_of(a.env) == {"TOKENIZERS_PARALLELISM": TOK} for a in plan.actors)
+    malloc = {"MALLOC_MMAP_MAX_": ("0", "rule:cpu-malloc-keep-heap"),  # the CPU allocator rule
+              "MALLOC_TRIM_THRESHOLD_": (str(16 * 2**30), "rule:cpu-malloc-keep-heap")}
+    assert all(env_of(a.env) == {"TOKENIZERS_PARALLELISM": TOK, **malloc} for a in plan.actors)
     assert plan.actors[0].engine is None
     assert plan.actors[1].engine.args["max_model_len"] == 64
     assert plan.job.ray_init == {"num_cpus": max(os.cpu_count() or 1, 3), "namespace": "polyrl"}
