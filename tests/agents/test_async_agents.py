@@ -21,6 +21,7 @@ from polyrl.rollout.base import SamplingParams
 from polyrl.workers.partial_rollout import GatedEngine, WeightGate
 
 
+@pytest.mark.parametrize("tokenizer", ["byte_level"], indirect=True)  # ids only: one tokenizer
 @pytest.mark.parametrize("policy", ["abort", "wait"])
 def test_a_weight_update_mid_turn_keeps_the_trajectory_exact(tokenizer, random_dir, policy):
     from transformers import AutoModelForCausalLM

@@ -6,7 +6,9 @@ server are counted and get no loss; limits reach the agent as a 400 and are coun
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 
 import openai
 import pytest
@@ -16,9 +18,11 @@ from polyrl.agents import AgentConfig, HermesParser, run_trajectories_sync
 from polyrl.agents.black_box import stop_servers
 from polyrl.agents.chat import ChatDelta
 from polyrl.data import PromptSample
-from polyrl.rollout.base import SamplingParams
+from polyrl.rollout.base import RolloutInputError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, n=1)
+ONE_TOKENIZER = pytest.mark.parametrize("tokenizer", ["byte_level"], indirect=True)
+"""For what does not depend on tokenization (errors, limits, refusals): one tokenizer is enough."""
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=6, n=2)
 
 
@@ -127,6 +131,7 @@ async def token_agent(base_url, row, trajectory_id):
     return 0.25
 
 
+@ONE_TOKENIZER
 def test_completions_on_token_ids_and_a_returned_reward(tokenizer, random_dir):
     engine = native(random_dir, tokenizer)
     rollout = run(engine, tokenizer, token_agent)
@@ -162,6 +167,7 @@ def idle_agent(base_url, row, trajectory_id):  # a blocking agent that never cal
     return None
 
 
+@ONE_TOKENIZER
 def test_an_agent_that_raises_or_never_calls_is_counted_not_fatal(tokenizer, scripted_dirs):
     rollout = run(native(scripted_dirs[CALL], tokenizer), tokenizer, failing_agent)
     assert rollout.trajectories[0].stats.env_errors == 1 and rollout.batch.loss_mask.row(0).sum() == 0
@@ -179,6 +185,7 @@ def hanging_agent(base_url, row, trajectory_id):
     _release.wait()
 
 
+@ONE_TOKENIZER
 def test_an_agent_past_its_timeout_is_abandoned(tokenizer, scripted_dirs):
     try:
         rollout = run(native(scripted_dirs[CALL], tokenizer), tokenizer, hanging_agent, black_box_timeout_s=0.05)
@@ -196,6 +203,7 @@ async def greedy_agent(base_url, row, trajectory_id):
                      {"role": "user", "content": "again"}]
 
 
+@ONE_TOKENIZER
 def test_limits_reach_the_agent_and_are_counted_as_limits(tokenizer, scripted_dirs):
     engine = native(scripted_dirs[CALL], tokenizer)
     rollout = run(engine, tokenizer, greedy_agent, max_turns=2)
@@ -230,6 +238,7 @@ async def probing_agent(base_url, row, trajectory_id):
 PROBED: dict = {}
 
 
+@ONE_TOKENIZER
 def test_refused_fields_unknown_ids_and_streaming(tokenizer, scripted_dirs):
     engine = native(scripted_dirs[CALL], tokenizer)
     rollout = run(engine, tokenizer, probing_agent)
@@ -239,6 +248,7 @@ def test_refused_fields_unknown_ids_and_streaming(tokenizer, scripted_dirs):
     assert_exact(engine, rollout, turns=1)  # refused requests record nothing
 
 
+@ONE_TOKENIZER
 def test_a_late_request_is_refused_after_the_agent_returned(tokenizer, scripted_dirs):
     urls = []
 
@@ -264,3 +274,38 @@ def test_config_errors_name_the_field(tmp_path):
 
     with pytest.raises(ValueError, match="agent.black_box 'polyrl.agents:nope': cannot import it"):
         load_agent("polyrl.agents:nope")
+
+
+@ONE_TOKENIZER
+def test_closing_cancels_the_engine_call_in_flight(tokenizer, random_dir):
+    """An abandoned agent's request: closing its trajectory cancels the engine call (its slots free
+    at once, nothing is recorded, the request is refused naming `trajectory`)."""
+    from polyrl.rollout.native.engine import NativeEngine
+    from polyrl.rollout.server.trajectories import TrajectoryRecorder, TurnRequest
+
+    engine = NativeEngine(random_dir, tokenizer=tokenizer, max_model_len=1024)
+    recorder = TrajectoryRecorder()
+    recorder.open("t", SamplingParams(temperature=1.0, max_tokens=900, seed=0, ignore_eos=True),
+                  seeds=lambda turn: 0, max_turns=2, max_response_tokens=1000)
+    result: dict = {}
+
+    def serve() -> None:
+        try:
+            asyncio.run(recorder.completion_turn("t", engine, [1, 2, 3], None, TurnRequest()))
+        except Exception as exc:  # noqa: BLE001 - inspected below
+            result["error"] = exc
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while engine.health()["running"] == 0:  # wait until the request is decoding
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.001)
+    record = recorder.close("t")
+    assert record.idle.wait(60)
+    thread.join(60)
+    assert isinstance(result["error"], RolloutInputError) and result["error"].field == "trajectory"
+    assert record.turns == [] and engine.health()["running"] == 0
+    assert engine.stats["decode_tokens"] < 899  # cut short, not run to its max_tokens
+    with pytest.raises(RolloutInputError, match="not an open trajectory"):
+        recorder.get("t")
