@@ -1,11 +1,15 @@
-"""`polyrl export CHECKPOINT --output DIR [--dtype bfloat16]`: a Hugging Face model directory from
-a training checkpoint.
+"""`polyrl export CHECKPOINT --output DIR [--dtype bfloat16] [--adapter-only]`: a Hugging Face model
+directory from a training checkpoint, or with `--adapter-only` the LoRA adapter alone.
 
 Every checkpoint carries the policy in Hugging Face format under `policy/` (DDP: rank 0's
 save_pretrained; FSDP2: gathered tensor by tensor, training/checkpoint_io.py), so export reads
 that, never the sharded optimizer files: tensors are streamed one at a time (optionally cast),
 written as safetensors files of at most 2 GiB, with config, generation config and tokenizer. The
 result loads in transformers and serves with `polyrl serve --model DIR`.
+
+A LoRA run's checkpoint also holds its adapter in peft's format (`policy_adapter/`:
+adapter_config.json + adapter_model.safetensors); `--adapter-only` writes that directory, which
+`peft.PeftModel.from_pretrained(base_model, DIR)` loads onto the base model (`model.path`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="new directory to write")
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="cast floating-point weights (default: keep the checkpoint's dtype)")
+    p.add_argument("--adapter-only", action="store_true",
+                   help="write only the LoRA adapter (peft format: adapter_config.json + "
+                   "adapter_model.safetensors) of a checkpoint trained with model.lora_rank > 0")
     p.set_defaults(func=run)
 
 
@@ -87,37 +94,75 @@ def _tensors(policy: Path):
     return WeightStream(specs, read())
 
 
-def export(checkpoint: Path, output: Path, dtype: str | None = None) -> Path:
+def adapter_dir(checkpoint: Path) -> Path:
+    """The peft adapter directory inside `checkpoint` (or `checkpoint` itself if it is one)."""
+    from polyrl.training.lora import ADAPTER_DIR, ADAPTER_FILE
+
+    if not checkpoint.is_dir():
+        raise CLIError(f"CHECKPOINT: {checkpoint} is not a directory; give a run's "
+                       "checkpoints/step_NNNNNN directory")
+    for candidate in (checkpoint / ADAPTER_DIR, checkpoint):
+        if (candidate / "adapter_config.json").is_file() and (candidate / ADAPTER_FILE).is_file():
+            return candidate
+    raise CLIError(f"--adapter-only: {checkpoint} holds no LoRA adapter ({ADAPTER_DIR}/adapter_config.json "
+                   f"+ {ADAPTER_FILE}); it was not trained with model.lora_rank > 0. Drop --adapter-only "
+                   "to export the model")
+
+
+def export(checkpoint: Path, output: Path, dtype: str | None = None, adapter_only: bool = False) -> Path:
     import torch
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from polyrl.training.checkpoint_io import write_hf_dir
 
-    policy = policy_dir(checkpoint)
+    source = adapter_dir(checkpoint) if adapter_only else policy_dir(checkpoint)
     if output.exists() and any(output.iterdir()):
         raise CLIError(f"--output: {output} exists and is not empty; choose a new directory")
-    tokenizer = AutoTokenizer.from_pretrained(_tokenizer_source(checkpoint, policy))
-    config = AutoConfig.from_pretrained(str(policy))
-    try:
-        generation = GenerationConfig.from_pretrained(str(policy))
-    except OSError:  # a checkpoint without one: what transformers derives from the config
-        generation = GenerationConfig.from_model_config(config)
     # written beside the target and renamed: an interrupted export leaves no half directory
     tmp = output.parent / f".{output.name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
-    write_hf_dir(tmp, _tensors(policy), config, generation,
-                 dtype=getattr(torch, dtype) if dtype else None)
-    tokenizer.save_pretrained(str(tmp))
+    if adapter_only:
+        _write_adapter(source, tmp, getattr(torch, dtype) if dtype else None)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(_tokenizer_source(checkpoint, source))
+        config = AutoConfig.from_pretrained(str(source))
+        try:
+            generation = GenerationConfig.from_pretrained(str(source))
+        except OSError:  # a checkpoint without one: what transformers derives from the config
+            generation = GenerationConfig.from_model_config(config)
+        write_hf_dir(tmp, _tensors(source), config, generation,
+                     dtype=getattr(torch, dtype) if dtype else None)
+        tokenizer.save_pretrained(str(tmp))
     if output.exists():
         output.rmdir()
     tmp.rename(output)
     return output
 
 
+def _write_adapter(source: Path, out: Path, dtype) -> None:
+    """peft's adapter files as the checkpoint holds them (cast with `dtype`)."""
+    from safetensors.torch import load_file, save_file
+
+    from polyrl.training.lora import ADAPTER_FILE
+
+    out.mkdir(parents=True)
+    shutil.copy2(source / "adapter_config.json", out / "adapter_config.json")
+    if dtype is None:
+        shutil.copy2(source / ADAPTER_FILE, out / ADAPTER_FILE)
+        return
+    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(str(source / ADAPTER_FILE)).items()}
+    save_file(tensors, str(out / ADAPTER_FILE), metadata={"format": "pt"})
+
+
 def run(args: argparse.Namespace) -> int:
+    adapter_only = getattr(args, "adapter_only", False)
     try:
-        out = export(Path(args.checkpoint).expanduser(), Path(args.output).expanduser(), args.dtype)
+        out = export(Path(args.checkpoint).expanduser(), Path(args.output).expanduser(), args.dtype,
+                     adapter_only)
     except OSError as exc:
         raise CLIError(f"export failed: {exc}") from None
-    print(f"wrote {out} (load with transformers, or `polyrl serve --model {out}`)", flush=True)
+    if adapter_only:
+        print(f"wrote {out} (a LoRA adapter: peft.PeftModel.from_pretrained(base_model, '{out}'))", flush=True)
+    else:
+        print(f"wrote {out} (load with transformers, or `polyrl serve --model {out}`)", flush=True)
     return 0

@@ -141,7 +141,7 @@ class DDPEngine:
         """Rank 0: the model in Hugging Face format (`policy/`); every rank: its optimizer state."""
         if self.rank == 0 and self.lora:  # the merged model (usable as model.path) + the adapter
             lora.export(self.model, directory / "policy")
-            lora.save_adapter(self.model, directory / "policy_adapter")
+            lora.save_adapter(self.model, directory / lora.ADAPTER_DIR)
         elif self.rank == 0:
             self.model.save_pretrained(str(directory / "policy"), safe_serialization=True)
         if self.optimizer is not None:
@@ -152,7 +152,7 @@ class DDPEngine:
         from safetensors.torch import load_file
 
         if self.lora:
-            lora.load_adapter(self.model, directory / "policy_adapter")
+            lora.load_adapter(self.model, directory / lora.ADAPTER_DIR)
             self._load_optimizer(directory)
             return
         state = {}

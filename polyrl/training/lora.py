@@ -23,6 +23,8 @@ import torch
 from polyrl.training.lora_config import LoraConfig
 
 ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_DIR = "policy_adapter"
+"""Where a training checkpoint keeps the adapter (beside the merged `policy/`)."""
 
 
 class LoraError(ValueError):
