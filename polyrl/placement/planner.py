@@ -132,7 +132,12 @@ def _too_big(plan: PlacementPlan, needed_nodes: int, nodes: int) -> str:
             f"({_breakdown(plan.gangs)}), but the cluster has {nodes} node(s), {nodes * per} "
             f"devices: use {needed_nodes} nodes (--nodes {needed_nodes}, or a Ray cluster that "
             f"large) or shrink the job by {plan.devices_needed - nodes * per} device(s) at least "
-            "(actor.world_size, rollout.num_replicas, rollout.tensor_parallel_size)")
+            f"({', '.join(_size_fields(plan.gangs))})")
+
+
+def _size_fields(gangs: Sequence[Gang]) -> list[str]:
+    fields = ["actor.world_size", "rollout.num_replicas", "rollout.tensor_parallel_size"]
+    return fields + sorted({g.size_field for g in gangs if g.devices and g.size_field and g.size_field not in fields})
 
 
 def _breakdown(gangs: Sequence[Gang]) -> str:

@@ -123,6 +123,17 @@ class RewardModelWorker:
         return self.runner.score(pairs)
 
 
+_planned_options: dict[str, Any] | None = None
+
+
+def use_planned_options(options: dict[str, Any] | None) -> None:
+    """The `.options(...)` the run's launch planned for the reward worker (its resources, runtime
+    env and, with devices, its placement-group bundle: polyrl/topology/launch_plan.py); the
+    worker is started with them. None: back to `reward_worker_options` alone."""
+    global _planned_options
+    _planned_options = options
+
+
 def reward_worker_options(cfg: ModelRewardConfig, platform: "Platform") -> dict[str, Any] | None:
     """The Ray actor options (resources) of the reward worker; None when none is started
     (in_process). The launch plan and the placement planner add these to the job's needs."""
@@ -162,7 +173,7 @@ class ModelScorer:
             if not ray.is_initialized():
                 raise RuntimeError("reward.model needs Ray running (the trainer starts it); "
                                    "outside a run set reward.model.in_process=true")
-            options = reward_worker_options(self.cfg, get_platform(self.platform_name))
+            options = _planned_options or reward_worker_options(self.cfg, get_platform(self.platform_name))
             actor_cls = ray.remote(RewardModelWorker)
             self._actor = actor_cls.options(name=None, **options).remote(
                 self.cfg.model_dump(), self.platform_name)

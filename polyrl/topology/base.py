@@ -26,7 +26,8 @@ from polyrl.batch import RolloutBatch
 from polyrl.distributed.waits import gather
 from polyrl.platform import Platform
 from polyrl.rollout.base import SamplingParams
-from polyrl.topology.launch_plan import ActorPlan, plan_launch
+from polyrl.rewards.reward_model import use_planned_options
+from polyrl.topology.launch_plan import REWARD_ACTOR, ActorPlan, plan_launch
 from polyrl.topology.worker_group import PolicyGroup, Waiter
 from polyrl.workers.policy import PolicyWorker
 
@@ -121,6 +122,7 @@ class Launch:
         return [a for a in self.actors if a.role == role]
 
     def release(self) -> None:
+        use_planned_options(None)
         if self.placement is not None:
             self.placement.remove()
             self.placement = None
@@ -132,12 +134,15 @@ def plan(ctx: TopologyContext) -> Launch:
         raise TrainingError(launch_plan.placement_error)
     options = {a.name: a.ray_options() for a in launch_plan.actors}
     placed = [a for a in launch_plan.actors if a.devices]
-    if not placed:
-        return Launch(launch_plan.actors, options)
-    from polyrl.placement import create_placement, options_for
+    live = None
+    if placed:
+        from polyrl.placement import create_placement, options_for
 
-    live = create_placement(launch_plan.placement, placed)
-    return Launch(launch_plan.actors, {**options, **options_for(live, placed)}, live)
+        live = create_placement(launch_plan.placement, placed)
+        options.update(options_for(live, placed))
+    # the reward worker (reward.model) starts on first use, with its planned share
+    use_planned_options(options.get(REWARD_ACTOR))
+    return Launch(launch_plan.actors, options, live)
 
 
 def _device_nodes(platform: Platform) -> int | None:

@@ -2,7 +2,9 @@
 replicas on their own actors and devices. Trainer ranks and every replica rank share one
 torch.distributed world (`RankLayout`); each new version travels from the weight-sync leader over
 the run's transport (weights/broadcast.py; same host: shared memory) while every replica
-receives, all under one deadline that names the missing."""
+receives, all under one deadline that names the missing. A replica of several ranks
+(rollout.tensor_parallel_size > 1) generates on its leader, which hosts its one engine; every rank
+receives each version and hands it to that engine through the leader (workers/rollout_worker.py)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,9 @@ class DisaggregatedTopology(SyncTopology):
         self.rollout = WorkerGroup([cls.options(**self.launch.options[a.name]).remote(cfg, a.rank, a.num_threads)
                                     for a in planned], [a.name for a in planned], cfg.ray.timeout_s,
                                    helpers=[mailbox] if mailbox is not None else [])
+        leaders = [i for i, a in enumerate(planned) if a.engine is not None]
+        self.replicas = WorkerGroup([self.rollout.workers[i] for i in leaders],
+                                    [self.rollout.names[i] for i in leaders], cfg.ray.timeout_s)
         address = rendezvous(self.policy, True)
         setup_all(self.policy, self.policy.refs("setup", address, mailbox)
                   + self.rollout.refs("setup", address, mailbox), self.rollout.names)
@@ -37,7 +42,8 @@ class DisaggregatedTopology(SyncTopology):
 
     @property
     def engines(self) -> WorkerGroup:
-        return self.rollout
+        """The replica leaders (killed with `self.rollout`, which holds every rank)."""
+        return self.replicas
 
     def publish(self, bump: bool = True) -> dict[str, float]:
         refs = self.policy.refs("sync_weights", bump) + self.rollout.refs("receive_weights")

@@ -29,6 +29,7 @@ from polyrl.placement import Devices, Gang, Member, PlacementError, PlacementPla
 from polyrl.platform import Platform
 from polyrl.rollout.factory import EXTRAS
 from polyrl.rollout.launch_args import engine_launch_args
+from polyrl.rewards.reward_model import reward_worker_options
 from polyrl.topology.resources import cpus_needed
 from polyrl.job import JobConfig
 
@@ -223,13 +224,38 @@ def plan_actors(cfg: JobConfig, platform: Platform, engine_version: str | None =
                             tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                             trainer_world_size=cfg.actor.world_size)
         for r in layout.rollout_ranks():
-            replica = layout.rank_info(r).replica
-            actors.append(ActorPlan(f"rollout replica {replica} (rank {r})", "rollout", r, replica,
-                                    dict(resources), per_actor, rollout_env, engine))
+            info = layout.rank_info(r)  # one engine per replica, on its leader (rollout_worker.py)
+            actors.append(ActorPlan(f"rollout replica {info.replica} (rank {r})", "rollout", r,
+                                    info.replica, dict(resources), per_actor, rollout_env,
+                                    engine if info.is_replica_leader else None))
     if cfg.weight_transport == "object_store":  # weights/object_store.py:create_mailbox
         actors.append(ActorPlan("weight mailbox", "mailbox", None, None, {"num_cpus": 0}, 0,
                                 plan_for_role(platform, "job", **env_kw), max_concurrency=64))
-    return actors
+    reward = reward_actor(cfg, platform, env_kw)
+    return actors + ([reward] if reward else [])
+
+
+REWARD_ACTOR = "reward model worker"
+
+
+def reward_actor(cfg: JobConfig, platform: Platform, env_kw: dict[str, Any]) -> ActorPlan | None:
+    """The Ray reward worker of `reward.model` (polyrl/rewards/reward_model.py), on its own CPU
+    and device share; None when there is none (no reward model, or reward.model.in_process)."""
+    model = cfg.reward.model
+    options = reward_worker_options(model, platform) if model is not None else None
+    if options is None:
+        return None
+    return ActorPlan(REWARD_ACTOR, "reward", None, None, _whole(options),
+                     max(1, math.ceil(model.num_cpus)), plan_for_role(platform, "job", **env_kw))
+
+
+def _whole(options: dict[str, Any]) -> dict[str, Any]:
+    """2.0 CPUs shown (and reserved) as 2."""
+    def whole(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: whole(x) for k, x in v.items()}
+        return int(v) if isinstance(v, float) and v.is_integer() else v
+    return whole(options)
 
 
 def job_gangs(cfg: JobConfig, actors: list[ActorPlan]) -> list[Gang]:
@@ -255,6 +281,13 @@ def job_gangs(cfg: JobConfig, actors: list[ActorPlan]) -> list[Gang]:
         names = [a.name for a in rollout if a.replica == replica]
         gangs.append(Gang(f"rollout replica {replica}", tuple(member[n] for n in names),
                           "rollout.tensor_parallel_size"))
+    for a in actors:
+        if a.role == "reward":
+            devices = devices_reserved(a.resources)
+            if devices != int(devices):
+                raise PlacementError(f"reward.model.num_devices={devices:g}: the placement planner "
+                                     "places whole devices; set it to an integer (or 0 for CPU)")
+            gangs.append(Gang(a.name, (member[a.name],), "reward.model.num_devices"))
     return gangs
 
 

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 from polyrl.job import JobConfig
 
 
 def cpus_needed(cfg: JobConfig) -> tuple[int, int]:
-    """(CPUs each actor reserves, CPUs all actors reserve together)."""
+    """(CPUs each rank actor reserves, CPUs all actors reserve together: the ranks plus the
+    reward-model worker's reward.model.num_cpus)."""
     ranks = cfg.actor.world_size + num_rollout_ranks(cfg)
     per = cfg.actor.num_cpus_per_worker or default_threads(ranks)
-    return per, per * ranks
+    return per, per * ranks + reward_worker_cpus(cfg)
+
+
+def reward_worker_cpus(cfg: JobConfig) -> int:
+    """CPUs of the Ray reward worker (`reward.model`, not in_process), rounded up."""
+    model = cfg.reward.model
+    if model is None or model.in_process:
+        return 0
+    return math.ceil(model.num_cpus)
 
 
 def num_rollout_ranks(cfg: JobConfig) -> int:

@@ -4,17 +4,29 @@ version over the weight transport (disaggregated, "standalone" placement).
 All processes of a standalone run share one torch.distributed world: the trainer ranks first,
 then every replica's ranks (`RankLayout`). Weights travel inside the "weight_sync" group from its
 leader — the group's local rank 0 mapped to a global rank, never a hard-coded rank 0 (R5).
+
+A replica of k > 1 ranks (rollout.tensor_parallel_size) has one engine, on its replica leader
+(local rank 0 of the "replica" group). Every rank receives each version over the transport as a
+one-rank replica does, then hands it to that engine through the leader
+(`ReplicaPush.update_weights`): TensorRT-LLM takes each rank's device IPC handles
+(`trtllm.push_rank_weights`); the other engines get every tensor once, from the rank that owns
+it (`weight_flush.push_shares`). Vision-language models first ask the leader's engine whether it
+loads in parts (`negotiate_partial_loading`). On a device platform the leader is the replica's
+engine host: it reserves no device through Ray and sees all k devices of its replica (its
+planned visible-devices variable), so its engine's TP workers run on exactly those.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from polyrl.distributed.layout import RankLayout, build_groups
+from polyrl.rollout.engines.weight_flush import PushResult, push_shares
 from polyrl.platform import get_platform
 from polyrl.rollout.factory import build_standalone_engine
 from polyrl.weights import build_transport
@@ -37,6 +49,44 @@ def transport_context(cfg: JobConfig, group: Any, mailbox: Any) -> dict:
     return {"group": group}
 
 
+class ReplicaPush:
+    """What a rank of a k-rank replica gives its transport as "the engine": `update_weights`
+    pushes the received version into the replica's engine through the replica leader
+    (collective over the replica group; every rank of the replica receives at once)."""
+
+    def __init__(self, cfg: JobConfig, engine: Any, group: Any, share: tuple[int, int]):
+        self.cfg, self.engine, self.group, self.share = cfg, engine, group, share
+        self.hf_config = read_hf_config(cfg.model.path)
+        self.weight_version = engine.weight_version if engine is not None else 0
+        self.last: PushResult | None = None
+
+    def update_weights(self, named_tensors: Any, version: int) -> None:
+        items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
+        rollout = self.cfg.rollout
+        budget = rollout.update_bucket_mb * 2**20
+        if rollout.backend == "trtllm":  # IPC handles of each rank's device (weight_flush docs)
+            from polyrl.rollout.engines.trtllm import push_rank_weights
+
+            self.last = push_rank_weights(items, version, engine=self.engine, group=self.group,
+                                          fp8=rollout.quantization == "fp8", budget_bytes=budget,
+                                          hf_config=self.hf_config, timeout_s=self.cfg.ray.timeout_s)
+        else:
+            self.last = push_shares(items, version, engine=self.engine, group=self.group,
+                                    share=self.share, hf_config=self.hf_config, budget_bytes=budget,
+                                    timeout_s=self.cfg.ray.timeout_s)
+        self.weight_version = version
+
+
+def read_hf_config(model_path: str) -> dict | None:
+    """The model's config.json (None when absent): decides the partial-loading negotiation."""
+    import json
+
+    from polyrl.builtin import resolve
+
+    path = Path(resolve(model_path)) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 class RolloutWorker:
     def __init__(self, cfg: JobConfig, global_rank: int, num_threads: int):
         self.cfg, self.rank = cfg, global_rank
@@ -52,28 +102,50 @@ class RolloutWorker:
         dist.init_process_group(backend, init_method=dist_init, rank=self.rank,
                                 world_size=layout.world_size, timeout=timedelta(seconds=cfg.ray.timeout_s))
         groups = build_groups(layout, self.rank, backend=backend, timeout_s=cfg.ray.timeout_s)
-        self.replica = groups.info.replica
-        self.engine = build_standalone_engine(cfg.rollout, cfg.model.path, self.device,
-                                              seed=cfg.trainer.seed + 1000 * self.rank,
-                                              platform=self.platform,
-                                              trust_remote_code=cfg.model.trust_remote_code,
-                                              tokenizer_path=cfg.model.tokenizer_path)
-        self.tokenizer = self.engine.tokenizer
+        info = groups.info
+        self.replica, self.leader = info.replica, info.is_replica_leader
+        self.engine = None
+        if self.leader:  # one engine per replica, on its leader
+            self.engine = build_standalone_engine(cfg.rollout, cfg.model.path, self.device,
+                                                  seed=cfg.trainer.seed + 1000 * self.rank,
+                                                  platform=self.platform,
+                                                  trust_remote_code=cfg.model.trust_remote_code,
+                                                  tokenizer_path=cfg.model.tokenizer_path)
+            self.tokenizer = self.engine.tokenizer
+        self.sink: Any = self.engine
+        if layout.ranks_per_replica > 1:
+            self.sink = ReplicaPush(cfg, self.engine, groups.group("replica"),
+                                    (info.local_rank, layout.ranks_per_replica))
         self.transport = build_transport(cfg.resolved_weights, "standalone",
                                          **transport_context(cfg, groups.group("weight_sync"), mailbox))
-        return self.engine.weight_version
+        return self.sink.weight_version
 
     def generate(self, rows: list[Any], sampling: SamplingParams, seeds: list[int] | None = None,
                  group_offset: int = 0) -> RolloutBatch:
         """Samples for data rows (`PromptSample`), single- or multi-turn (generation.py)."""
+        self._require_engine("generate")
         return rollout_rows(self.engine, self.tokenizer, rows, sampling, seeds, group_offset, self.cfg.agent)
 
     def receive_weights(self) -> int:
         """Apply the next version the trainer sends (all or nothing); returns the version."""
-        return self.transport.receive(self.engine)
+        return self.transport.receive(self.sink)
+
+    def push_stats(self) -> dict | None:
+        """How the last version went through the replica leader (None: a one-rank replica)."""
+        last = getattr(self.sink, "last", None)
+        return None if last is None else {"rounds": last.rounds, "tensors": last.tensors,
+                                          "bytes": last.bytes, "partial": last.partial}
 
     def health(self) -> dict:
+        if self.engine is None:
+            return {"rank": self.rank, "replica": self.replica, "engine": "on the replica leader",
+                    "weight_version": self.sink.weight_version}
         return {"rank": self.rank, **self.engine.health()}
+
+    def _require_engine(self, call: str) -> None:
+        if self.engine is None:
+            raise RuntimeError(f"rollout rank {self.rank} is not its replica's leader and hosts no "
+                               f"engine; send {call} to the replica leaders")
 
     def shutdown(self) -> None:
         if dist.is_initialized():

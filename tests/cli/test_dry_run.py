@@ -152,3 +152,21 @@ def test_engine_version_reaches_the_builder(capsys):
     assert main([*args, "--engine-version", "0.5.12"]) == 0
     assert json.loads(capsys.readouterr().out)["actors"][0]["engine"]["args"][
         "attention_backend"] == "flashinfer"
+
+
+def test_the_reward_model_worker_is_planned_and_shown(capsys):
+    args = ["train", "--dry-run", "--platform", "h100", "--nodes", "1", "actor.world_size=2",
+            "actor.num_cpus_per_worker=1", "rollout.max_model_len=64", "reward.model.path=/models/rm",
+            "reward.model.num_devices=1", "reward.model.num_cpus=2"]
+    assert main([*args, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    reward = plan["actors"][-1]
+    assert (reward["name"], reward["role"], reward["rank"]) == ("reward model worker", "reward", None)
+    assert reward["resources"] == {"num_cpus": 2, "num_gpus": 1}
+    assert reward["devices"] == {"node": 0, "ids": [2]}  # after policy ranks 0 and 1
+    assert {"name": "reward model worker", "node": 0, "ids": [2]} in plan["devices"]["gangs"]
+    assert plan["devices"]["needed"] == 3
+    assert main(args) == 0  # the readable tree lists it with its devices
+    out = capsys.readouterr().out
+    assert "reward model worker: num_cpus=2, num_gpus=1;" in out.replace("\n", " ")
+    assert "reward model worker -> node 0 [2]" in out

@@ -148,3 +148,31 @@ def push_to_replica(
 def _ask(engine: Any) -> bool:
     ask = getattr(engine, "supports_partial_loading", None)
     return bool(ask()) if ask is not None else False
+
+
+def push_shares(named: Iterable[Named], version: int, *, engine: Any, group: Any, share: tuple[int, int],
+                hf_config: Any, budget_bytes: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> PushResult:
+    """The replica-leader path for engines that load whole named tensors in one process (the
+    built-in engine, vLLM, SGLang): rank `share = (i, k)` of the replica sends every k-th tensor
+    from the i-th, so the leader's engine gets each tensor exactly once, in pieces of
+    `budget_bytes` (or one piece for a vision-language model whose engine cannot load in parts),
+    and applies them in one all-or-nothing `update_weights(..., version)` after the last round.
+    `engine` is the leader's engine (None elsewhere). Tensors cross the group as host copies of
+    their own (a view into a shared staging segment would pickle the whole segment)."""
+    index, size = share
+    mine = (item for i, item in enumerate(named) if i % size == index)
+    arrived: list[Named] = []
+
+    def payload(piece: list[Named]) -> dict[str, Any]:
+        return {f"replica rank {index}": [(n, t.detach().to("cpu").clone()) for n, t in piece]}
+
+    def collect(merged: dict[str, Any]) -> None:
+        for handles in merged.values():
+            arrived.extend(handles)
+
+    leader = engine is not None
+    result = push_to_replica(mine, make_payload=payload, apply=collect if leader else None,
+                             finish=(lambda: engine.update_weights(arrived, version)) if leader else None,
+                             budget_bytes=budget_bytes, group=group, hf_config=hf_config,
+                             engine=engine, timeout_s=timeout_s)
+    return result
