@@ -1,4 +1,6 @@
-"""Bundled assets addressed as `builtin:NAME`: the tiny model and the synthetic task's data."""
+"""Bundled assets addressed as `builtin:NAME`: the tiny models and the synthetic tasks' data
+(scripts/build_tiny_model.py builds tiny-arith and the arithmetic files,
+scripts/build_tiny_tools_model.py tiny-calc and the calculator files)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ BUILTINS = {
     "arithmetic_val": ASSETS / "data" / "arithmetic_val.parquet",
     "arithmetic_chat_train": ASSETS / "data" / "arithmetic_chat_train.parquet",
     "arithmetic_chat_val": ASSETS / "data" / "arithmetic_chat_val.parquet",
+    "tiny-calc": ASSETS / "tiny-calc",
+    "calculator_train": ASSETS / "data" / "calculator_train.parquet",
+    "calculator_val": ASSETS / "data" / "calculator_val.parquet",
 }
 
 
