@@ -101,6 +101,14 @@ def render(cfg: JobConfig, plan: LaunchPlan, engine_version: str | None, console
                 branch.add(Text(f"{title}: ERROR {actor.engine.error}", style="bold red"))
             else:
                 branch.add(args_table(actor.engine.args or {}, title))
+    if plan.world is not None:
+        w = plan.world
+        groups = tree.add(Text(f"process groups: one torch.distributed world of {w.size} ranks, "
+                               f"backend {w.backend} ({w.library})", style="bold"))
+        for g in w.groups:
+            nodes = f" on node(s) {', '.join(map(str, sorted(set(g.nodes))))}" if g.nodes else ""
+            groups.add(Text(f"{g.kind}: ranks {ranks_text(g.ranks)} (leader {g.leader}){nodes}, "
+                            f"{g.backend} ({g.library}): {g.purpose}"))
     for note in plan.notes:
         tree.add(Text(f"note: {note}", style="yellow"))
     for error in plan.errors:
@@ -124,6 +132,17 @@ def group_identical(actors: list[ActorPlan]) -> list[tuple[list[tuple[str, Actor
 def _devices_text(name: str, actor: ActorPlan) -> str:
     d = actor.devices
     return f"{name} -> node {d.node} [{', '.join(map(str, d.ids))}]" if d else f"{name} -> none"
+
+
+def ranks_text(ranks: tuple[int, ...]) -> str:
+    """0-7, 9, 12-15: consecutive runs as ranges."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs)
 
 
 def resources_text(resources: dict[str, Any]) -> str:

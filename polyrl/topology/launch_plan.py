@@ -30,6 +30,7 @@ from polyrl.platform import Platform
 from polyrl.rollout.factory import EXTRAS
 from polyrl.rollout.launch_args import engine_launch_args
 from polyrl.rewards.reward_model import reward_worker_options
+from polyrl.topology.process_groups import WorldPlan, plan_world
 from polyrl.topology.resources import cpus_needed
 from polyrl.job import JobConfig
 
@@ -116,6 +117,8 @@ class LaunchPlan:
     """Nodes and device ids of the actors (None on a platform without devices, or when the
     layout cannot exist: then `placement_error` says why and what fits)."""
     placement_error: str | None = None
+    world: WorldPlan | None = None
+    """The torch.distributed world and its groups (None: none forms)."""
 
     @property
     def errors(self) -> list[str]:
@@ -150,10 +153,19 @@ class LaunchPlan:
                         "nodes_available": self.placement.nodes_available if self.placement else None,
                         "gangs": self.placement.as_dict()["gangs"] if self.placement else []},
             "job": self.job.as_dict(),
-            "actors": [a.as_dict() for a in self.actors],
+            "process_groups": self.world.as_dict() if self.world else None,
+            "actors": [self._actor_dict(a) for a in self.actors],
             "errors": self.errors,
             "notes": self.notes,
         }
+
+
+    def _actor_dict(self, actor: ActorPlan) -> dict[str, Any]:
+        """The actor plus the process groups its rank joins (kind, ranks, backend)."""
+        groups = self.world.of_rank(actor.rank) if self.world and actor.rank is not None else []
+        return {**actor.as_dict(), "process_groups": [
+            {"kind": g.kind, "ranks": list(g.ranks), "leader": g.leader, "backend": g.backend}
+            for g in groups]}
 
 
 def devices_reserved(resources: dict[str, Any]) -> float:
@@ -305,6 +317,7 @@ def plan_launch(cfg: JobConfig, platform: Platform, engine_version: str | None =
         else:
             where = plan.placement.assignments
             plan.actors = [dataclasses.replace(a, devices=where.get(a.name)) for a in plan.actors]
+    plan.world = plan_world(cfg, platform, plan.actors)
     plan.notes.extend(_notes(cfg, platform, plan))
     return plan
 

@@ -170,3 +170,39 @@ def test_the_reward_model_worker_is_planned_and_shown(capsys):
     out = capsys.readouterr().out
     assert "reward model worker: num_cpus=2, num_gpus=1;" in out.replace("\n", " ")
     assert "reward model worker -> node 0 [2]" in out
+
+
+def test_the_sharding_of_a_two_node_fsdp2_job_is_shown(capsys):
+    """issue 16: which ranks share the FSDP2 shard group, over which backend, on which nodes."""
+    base = ["train", "--dry-run", "--json", "--nodes", "2"]
+    common = ["actor.strategy=fsdp2", "actor.num_cpus_per_worker=1", "rollout.max_model_len=64"]
+    assert main([*base, "--platform", "h100", *common, "actor.world_size=16",
+                 "data.train_batch_size=32"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    world = plan["process_groups"]
+    assert (world["world_size"], world["backend"], world["library"]) == (16, "nccl", "NCCL")
+    shard, control = world["groups"]
+    assert (shard["kind"], shard["ranks"], shard["leader"]) == ("trainer", list(range(16)), 0)
+    assert shard["nodes"] == [0] * 8 + [1] * 8 and "FSDP2 shard group" in shard["purpose"]
+    assert (control["kind"], control["backend"]) == ("fsdp2_control", "gloo")
+    assert plan["actors"][9]["process_groups"][0] == {"kind": "trainer", "ranks": list(range(16)),
+                                                      "leader": 0, "backend": "nccl"}
+
+    # standalone: 8 policy ranks + 2 TP-4 replicas on 2 nodes, on ROCm and Ascend
+    standalone = [*common, "actor.world_size=8", "rollout.placement=standalone", "rollout.backend=vllm",
+                  "rollout.num_replicas=2", "rollout.tensor_parallel_size=4"]
+    for platform, backend, library in (("mi300x", "nccl", "RCCL"), ("ascend910", "hccl", "HCCL")):
+        assert main([*base, "--platform", platform, *standalone]) == 0
+        world = json.loads(capsys.readouterr().out)["process_groups"]
+        assert (world["world_size"], world["backend"], world["library"]) == (16, backend, library)
+        kinds = {(g["kind"], tuple(g["ranks"])): g for g in world["groups"]}
+        assert kinds[("trainer", tuple(range(8)))]["nodes"] == [0] * 8
+        assert kinds[("replica", (8, 9, 10, 11))]["leader"] == 8
+        assert kinds[("replica", (12, 13, 14, 15))]["leader"] == 12  # never rank 0 (R5)
+        assert kinds[("replica", (12, 13, 14, 15))]["nodes"] == [1] * 4
+        assert kinds[("weight_sync", (0, *range(8, 16)))]["leader"] == 0
+    assert main(["train", "--dry-run", "--json", "actor.world_size=2", "actor.strategy=fsdp2"]) == 0
+    world = json.loads(capsys.readouterr().out)["process_groups"]  # CPU: gloo, no control group
+    assert [(g["kind"], g["backend"]) for g in world["groups"]] == [("trainer", "gloo")]
+    assert main(["train", "--dry-run", "--json"]) == 0  # one rank: no process group
+    assert json.loads(capsys.readouterr().out)["process_groups"] is None

@@ -1,0 +1,120 @@
+"""The torch.distributed groups a run forms, planned without starting anything (for the dry run).
+
+Mirrors what the processes build: `PolicyWorker._join_process_groups` (polyrl/workers/policy.py)
+and `RolloutWorker.setup` (polyrl/workers/rollout_worker.py) join one world; in standalone sync
+placement it holds the trainer ranks and every rollout rank (`RankLayout`) and `build_groups`
+creates every group of the layout; otherwise the world is the policy ranks alone. The training
+engine works on the trainer group: FSDP2 (polyrl/training/fsdp2.py) shards every parameter,
+gradient and optimizer state over it as a 1-D `DeviceMesh.from_group` (no replication across
+nodes), DDP (polyrl/training/ddp.py) all-reduces its gradients over it. FSDP2 on a device adds a
+host (gloo) group over the same ranks for its announce / drain handshake.
+
+Groups of one member are left out: they carry no traffic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from polyrl.distributed.layout import RankLayout
+from polyrl.platform import Platform
+
+LIBRARY = {"cuda": "NCCL", "rocm": "RCCL", "npu": "HCCL", "cpu": "Gloo"}
+"""The communication library behind torch's backend name per platform (ROCm's is "nccl" in torch)."""
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    kind: str
+    """trainer, fsdp2_control, replica, tp, pp, dp, weight_sync (`RankLayout.all_groups` kinds)."""
+    ranks: tuple[int, ...]
+    backend: str
+    """torch.distributed backend name (nccl, hccl, gloo)."""
+    library: str
+    purpose: str
+    nodes: tuple[int, ...] = ()
+    """Planned nodes of the members, in order (empty without devices)."""
+
+    @property
+    def leader(self) -> int:
+        """The group's local rank 0 as a global rank (R5: never a literal rank 0)."""
+        return self.ranks[0]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "ranks": list(self.ranks), "leader": self.leader,
+                "backend": self.backend, "library": self.library, "nodes": list(self.nodes),
+                "purpose": self.purpose}
+
+
+@dataclass(frozen=True)
+class WorldPlan:
+    size: int
+    backend: str
+    library: str
+    groups: list[GroupPlan]
+
+    def of_rank(self, rank: int) -> list[GroupPlan]:
+        return [g for g in self.groups if rank in g.ranks]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"world_size": self.size, "backend": self.backend, "library": self.library,
+                "rendezvous": "policy rank 0's address (torch.distributed init_method)",
+                "groups": [g.as_dict() for g in self.groups]}
+
+
+def plan_world(cfg: Any, platform: Platform, actors: Sequence[Any]) -> WorldPlan | None:
+    """The run's world and groups (None: no process group forms: one policy rank and no
+    standalone sync replicas). `actors`: the launch plan's, for each rank's planned node."""
+    device = bool(platform.ray_resource)
+    backend = platform.dist_backend() if device else platform.cpu_dist_backend()
+    library = LIBRARY.get(platform.name, backend) if device else "Gloo"
+    node_of = {a.rank: a.devices.node for a in actors if a.rank is not None and a.devices}
+    standalone_sync = cfg.rollout.placement == "standalone" and cfg.trainer.mode == "sync"
+    if standalone_sync:
+        layout = RankLayout(num_replicas=cfg.rollout.num_replicas,
+                            tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+                            trainer_world_size=cfg.actor.world_size)
+        kinds, size = layout.all_groups(), layout.world_size
+    else:
+        size = cfg.actor.world_size
+        kinds = [("trainer", tuple(range(size)))]
+    if size < 2:
+        return None
+
+    def group(kind: str, ranks: tuple[int, ...], purpose: str, on_host: bool = False) -> GroupPlan:
+        return GroupPlan(kind, ranks, "gloo" if on_host else backend, "Gloo" if on_host else library,
+                         purpose, tuple(node_of[r] for r in ranks if r in node_of))
+
+    groups: list[GroupPlan] = []
+    for kind, ranks in kinds:
+        if len(ranks) < 2:
+            continue
+        groups.append(group(kind, ranks, _purpose(kind, cfg, ranks)))
+        if kind == "trainer" and cfg.actor.strategy == "fsdp2" and device:
+            groups.append(group("fsdp2_control", ranks, "FSDP2's announce / drain handshake before "
+                                "each forward, on the host: no device sync per micro-batch",
+                                on_host=True))
+    return WorldPlan(size, backend, library, groups)
+
+
+def _purpose(kind: str, cfg: Any, ranks: tuple[int, ...]) -> str:
+    n = len(ranks)
+    if kind == "trainer":
+        if cfg.actor.strategy == "fsdp2":
+            return (f"FSDP2 shard group: a 1-D DeviceMesh over the {n} policy ranks; each holds 1/{n} "
+                    "of every parameter, gradient and optimizer state; all-gather per layer in "
+                    "forward and backward, reduce-scatter of gradients; the reference policy is "
+                    "sharded the same way")
+        return (f"DDP over the {n} policy ranks: a full model copy each, one flat all-reduce of "
+                "the gradients per optimizer step")
+    return {
+        "replica": f"one rollout replica ({n} ranks): each version reaches its one engine through "
+                   f"the replica leader, rank {ranks[0]}",
+        "tp": "one tensor-parallel group of a replica",
+        "pp": "one pipeline of a replica",
+        "dp": "the same position in every replica",
+        "weight_sync": f"the trainer's weight-sync leader (rank {ranks[0]}) broadcasts each "
+                       f"version to the {n - 1} rollout ranks (shared memory on one host, else "
+                       "this backend)",
+    }[kind]
