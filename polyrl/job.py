@@ -169,9 +169,6 @@ class JobConfig(Config):
     def _check(self) -> "JobConfig":
         check_rollout(self.algorithm, n=self.rollout.n, response_length=self.rollout.response_length)
         check_critic(self.algorithm, self.critic.enable)
-        if self.model.enabled and self.actor.strategy == "fsdp2":
-            raise ValueError("model.lora_rank > 0 with actor.strategy=fsdp2 is not supported yet "
-                             "(LoRA runs on ddp); set actor.strategy=ddp")
         mini = self.actor.mini_batch_size
         if mini is not None and self.data.train_batch_size % mini:
             raise ValueError(

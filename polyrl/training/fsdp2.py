@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from polyrl.batch import MicroBatch, Ragged, RolloutBatch, collate, plan_micro_batches, scatter_rows
 from polyrl.platform import Platform
-from polyrl.training import checkpoint_io
+from polyrl.training import checkpoint_io, lora
 from polyrl.training.ddp import _OPS, DDPEngine
 from polyrl.training.logprobs import response_logprobs
 from polyrl.workers.config import ActorConfig
@@ -93,12 +93,16 @@ class FSDP2Engine(DDPEngine):
                  horizon: int | None = None, head: Callable = response_logprobs):
         self.head = head
         self.model, self.cfg, self.platform, self.device = model, cfg, platform, device
+        # LoRA (training/lora.py): peft's wrapper around the adapted model; the layers to shard,
+        # the root unit and the head are the adapted model's own (as ddp.py)
+        self.lora = lora.is_lora(model)
+        self.module = model.get_base_model() if self.lora else model
         self.rank, self.world_size = rank, world_size
         self.num_params = sum(p.numel() for p in model.parameters())
         self.nonfinite_in_a_row = 0
         self.optimizer = self.scheduler = None
         self._dummy: MicroBatch | None = None
-        layers = decoder_layers(model)  # before anything is changed: a bad model fails cleanly
+        layers = decoder_layers(self.module)  # before anything is changed: a bad model fails cleanly
         self.group = group if group is not None else _default_group(platform, device, world_size)
         self.compute_dtype = _DTYPES[cfg.compute_dtype]
         if horizon is None:
@@ -108,7 +112,7 @@ class FSDP2Engine(DDPEngine):
         # gradient checkpointing (PolicyWorker enables it before this): transformers checkpoints
         # each layer non-reentrantly by default, under which FSDP2 re-gathers a layer for its
         # recomputation (tests/training/test_fsdp2.py trains with it)
-        self.root = _HeadRoot(model, head)
+        self.root = _HeadRoot(self.module, head)
         param_dtype = _DTYPES[cfg.param_dtype]
         # reduce in fp32 whatever the compute dtype; all-gather in the compute dtype
         mp = MixedPrecisionPolicy(param_dtype=None if self.compute_dtype == param_dtype else self.compute_dtype,
@@ -219,15 +223,21 @@ class FSDP2Engine(DDPEngine):
     @torch.no_grad()
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors, gathered one parameter at a time (a collective: every rank iterates);
-        nothing is kept, so a rank holds its shards plus the tensors its consumer keeps."""
+        nothing is kept, so a rank holds its shards plus the tensors its consumer keeps. LoRA:
+        the merged weights under their Hugging Face names, each from its gathered W, A and B."""
         self._drain()
         self.root.reshard()
+        if self.lora:
+            yield from lora.merged_named_weights(self.model, full=_full)
+            return
         for name, p in self.model.named_parameters():
-            yield name, p.full_tensor() if isinstance(p, DTensor) else p
+            yield name, _full(p)
 
     def weight_specs(self) -> list[tuple[str, torch.Size, torch.dtype]]:
         """Name, full shape and dtype of every tensor named_weights() yields, known without
         gathering: what a transport needs to plan its buckets before the tensors arrive."""
+        if self.lora:
+            return lora.merged_weight_specs(self.model)
         return [(name, p.shape, p.dtype) for name, p in self.model.named_parameters()]
 
     def save(self, directory: Path) -> None:
@@ -239,12 +249,20 @@ class FSDP2Engine(DDPEngine):
         if self.rank == 0 and self.scheduler is not None:
             torch.save({"scheduler": self.scheduler.state_dict(), "nonfinite_in_a_row": self.nonfinite_in_a_row},
                        directory / checkpoint_io.ENGINE_FILE)
-        tensors = checkpoint_io.model_tensors(self.model, self.weight_stream())
-        checkpoint_io.write_hf_dir(directory / "policy", tensors, self.model.config,
-                                   getattr(self.model, "generation_config", None), write=self.rank == 0)
+        tensors = checkpoint_io.model_tensors(self.module, self.weight_stream())
+        checkpoint_io.write_hf_dir(directory / "policy", tensors, self.module.config,
+                                   getattr(self.module, "generation_config", None), write=self.rank == 0)
+        if self.lora:  # the adapter alone in peft's format, for `polyrl export --adapter-only`
+            adapter = {name: _full(p.detach()) for name, p in self.model.named_parameters() if p.requires_grad}
+            if self.rank == 0:
+                lora.save_adapter(self.model, directory / lora.ADAPTER_DIR, state_dict=adapter)
 
     def load(self, directory: Path) -> None:
         """From this engine's own checkpoints (any world size) or a DDP checkpoint."""
+        if self.lora and not (directory / checkpoint_io.DCP_DIR).is_dir():
+            raise ValueError(f"checkpoint {directory} has no {checkpoint_io.DCP_DIR}/ (written by actor.strategy=ddp): "
+                             "a LoRA run resumes under actor.strategy=fsdp2 from an fsdp2 checkpoint only; "
+                             "resume it with actor.strategy=ddp")
         self._drain()
         self.root.reshard()
         checkpoint_io.load_sharded(directory, self.model, self.optimizer, self.group)
@@ -256,6 +274,11 @@ class FSDP2Engine(DDPEngine):
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer state (its shards)."""
         return checkpoint_io.local_state_bytes(self.model, self.optimizer)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A parameter whole: gathered from the shards (a collective) if it is a DTensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _one_token_micro_batch(device: torch.device) -> MicroBatch:

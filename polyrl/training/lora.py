@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from polyrl.training.lora_config import LoraConfig
@@ -117,20 +117,33 @@ def _merge_plan(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Paramete
 
 
 @torch.no_grad()
-def merged_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_named_weights(model: torch.nn.Module, full: Callable[[torch.Tensor], torch.Tensor] | None = None
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, weight) of the base model with the active adapters folded in:
     W + B @ A x alpha / rank on adapted layers, the plain weight elsewhere. No `base_model.model.`
     prefix, no lora tensors, tied weights once (as `named_parameters`). One merged tensor is
-    alive at a time; the model itself is not changed."""
+    alive at a time; the model itself is not changed.
+
+    `full(t)` makes a sharded tensor whole (FSDP2: `DTensor.full_tensor`, a collective every
+    rank must run in this same order: W, then each adapter's A and B); by default tensors are
+    whole already and peft computes the delta."""
     for hf_name, param, layer in _merge_plan(model):
-        if layer is None:
-            yield hf_name, param.detach()
-            continue
-        weight = param.detach()
-        for adapter in layer.active_adapters:
-            if adapter in layer.lora_A:
-                weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
+        weight = param.detach() if full is None else full(param.detach())
+        if layer is not None:
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A:
+                    delta = layer.get_delta_weight(adapter) if full is None else _full_delta(layer, adapter, full)
+                    weight = weight + delta.to(weight.dtype)
         yield hf_name, weight
+
+
+def _full_delta(layer: Any, adapter: str, full: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """peft's `get_delta_weight` of a linear LoRA layer (B @ A, transposed for fan_in_fan_out,
+    times the scaling) from gathered A and B."""
+    a = full(layer.lora_A[adapter].weight.detach())
+    b = full(layer.lora_B[adapter].weight.detach())
+    delta = b @ a
+    return (delta.T if layer.fan_in_fan_out else delta) * layer.scaling[adapter]
 
 
 def merged_weight_specs(model: torch.nn.Module) -> list[tuple[str, torch.Size, torch.dtype]]:
@@ -147,11 +160,13 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         yield model
 
 
-def save_adapter(model: torch.nn.Module, directory: str | Path) -> Path:
+def save_adapter(model: torch.nn.Module, directory: str | Path, state_dict: dict | None = None) -> Path:
     """The adapter weights and peft's adapter_config.json in `directory` (Hugging Face / peft
-    format: `PeftModel.from_pretrained(base, directory)` loads it elsewhere)."""
+    format: `PeftModel.from_pretrained(base, directory)` loads it elsewhere). `state_dict`: the
+    adapter tensors under the model's parameter names, when the model's own are shards."""
     directory = Path(directory)
-    model.save_pretrained(str(directory), safe_serialization=True)
+    extra = {} if state_dict is None else {"state_dict": state_dict}
+    model.save_pretrained(str(directory), safe_serialization=True, **extra)
     return directory
 
 
