@@ -169,6 +169,13 @@ class JobConfig(Config):
     def _check(self) -> "JobConfig":
         check_rollout(self.algorithm, n=self.rollout.n, response_length=self.rollout.response_length)
         check_critic(self.algorithm, self.critic.enable)
+        if self.rollout.lora_mode == "adapter":
+            if not self.model.enabled:
+                raise ValueError("rollout.lora_mode=adapter sends LoRA adapters: it needs model.lora_rank > 0")
+            most = (self.rollout.engine_kwargs.get("vllm") or {}).get("max_lora_rank", 16)
+            if self.model.lora_rank > most:
+                raise ValueError(f"model.lora_rank={self.model.lora_rank} is larger than vLLM's max_lora_rank "
+                                 f"({most}): set rollout.engine_kwargs.vllm.max_lora_rank={self.model.lora_rank}")
         mini = self.actor.mini_batch_size
         if mini is not None and self.data.train_batch_size % mini:
             raise ValueError(

@@ -57,6 +57,12 @@ class RolloutConfig(Config):
     allocates random weights that the first weight sync overwrites. Unset: "dummy" in hybrid
     placement or with quantization=fp8, else "auto". Outside hybrid placement "dummy" is turned
     into "auto" unless quantization=fp8 (nothing else would ever fill the weights)."""
+    lora_mode: Literal["merged", "adapter"] = "merged"
+    """How a LoRA policy (model.lora_rank > 0) reaches the engines. merged: every sync sends the
+    full weights with the adapters folded in (works with every engine). adapter (vLLM only): the
+    engine reads the base model from model.path once and every sync sends only the adapter
+    tensors, which vLLM loads as a LoRA adapter that every request then uses (its LoRA kernels;
+    max rank rollout.engine_kwargs.vllm.max_lora_rank, vLLM's default 16)."""
     update_bucket_mb: int = Field(512, ge=1)
     """Byte budget (MiB) of one piece of a weight update pushed into a GPU engine: a vLLM
     `load_weights` bucket, an SGLang tensor batch, a TRT-LLM IPC-handle flush."""
@@ -86,6 +92,13 @@ class RolloutConfig(Config):
                 f"engine_kwargs has unknown engine(s) {sorted(unknown)}; "
                 f"use {', '.join(backend_names())}"
             )
+        if self.lora_mode == "adapter":
+            if self.backend != "vllm":
+                raise ValueError(f"rollout.lora_mode=adapter needs rollout.backend=vllm (vLLM's LoRA "
+                                 f"adapter path); {self.backend} takes merged weights: unset rollout.lora_mode")
+            if self.quantization is not None or self.load_format == "dummy":
+                raise ValueError("rollout.lora_mode=adapter reads the base model from model.path and "
+                                 "only adapters travel: unset rollout.quantization / rollout.load_format=dummy")
         if self.quantization == "fp8":
             if self.backend not in ENGINE_PROCESS_BACKENDS:
                 raise ValueError("rollout.quantization=fp8 needs a GPU engine: set rollout.backend to "
