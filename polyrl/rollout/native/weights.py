@@ -181,7 +181,16 @@ class ModelWeights:
         """Copy each tensor as it arrives and drop it, so the sender never holds more than one.
         A stream that fails midway has overwritten part of the weights: the caller must not
         serve them."""
-        for name, tensor in stream:
+        tensors = iter(stream)
+        while True:
+            # the producer (an FSDP2 gather, a LoRA merge) runs in the trainer's autograd mode,
+            # not in the inference mode the engine's own tensors need
+            with torch.inference_mode(False):
+                item = next(tensors, None)
+            if item is None:
+                break
+            name, tensor = item
+            del item
             dest = dests.get(name)
             if dest is not None:
                 dest.copy_(tensor)
