@@ -72,7 +72,14 @@ class WeightGate:
     async def generating_async(self) -> AsyncIterator[None]:
         """`generating` for a coroutine: the wait for an update runs on a thread, so the event
         loop keeps delivering the aborted outputs the update is waiting for."""
-        await asyncio.to_thread(self._enter)
+        entering = asyncio.ensure_future(asyncio.to_thread(self._enter))
+        try:
+            await asyncio.shield(entering)
+        except asyncio.CancelledError:
+            # the thread still enters once the update is over; leave for the cancelled caller
+            # then, or the gate counts it as generating for ever (the next update would hang)
+            entering.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or self._leave())
+            raise
         try:
             yield
         finally:

@@ -127,3 +127,45 @@ def test_training_with_agents(ray_session, calc_run, tmp_path, agent, mode):
             assert r["agent/tool_calls_mean"] == 1.0 and r["agent/tool_errors"] == 0
         else:
             assert r["agent/env_reward_mean"] == 1.0
+
+
+@pytest.mark.parametrize("tokenizer", ["byte_level"], indirect=True)
+def test_a_turn_cancelled_while_an_update_holds_the_gate_does_not_hold_it(tokenizer, random_dir):
+    """A turn waiting at the gate while an update runs is cancelled (its trajectory closed, its
+    client gone): once the update is over the gate must not count it as generating, or the next
+    update would wait for it forever."""
+    import asyncio
+
+    engine = native(random_dir, tokenizer)
+    gate = WeightGate(engine, "wait")
+    entering, entered = threading.Event(), threading.Event()
+    enter = gate._enter
+
+    def observed_enter():  # the thread a coroutine waits on at the gate
+        entering.set()
+        enter()
+        entered.set()
+
+    gate._enter = observed_enter
+    with gate._cond:  # an update is being applied
+        gate._paused = True
+
+    async def scenario() -> bool:
+        turn = asyncio.ensure_future(GatedEngine(engine, gate).generate([1, 2, 3], SamplingParams(max_tokens=2)))
+        await asyncio.to_thread(entering.wait, 60)  # the turn waits at the gate
+        turn.cancel()
+        with gate._cond:  # the update is over
+            gate._paused = False
+            gate._cond.notify_all()
+        await asyncio.to_thread(entered.wait, 60)
+        with pytest.raises(asyncio.CancelledError):
+            await turn
+        # the next update must find nobody generating (without the fix: active stays 1)
+        return await asyncio.to_thread(_nobody_generating, gate)
+
+    assert asyncio.run(scenario()) and engine.calls == []
+
+
+def _nobody_generating(gate) -> bool:
+    with gate._cond:
+        return gate._cond.wait_for(lambda: gate._active == 0, timeout=30)
