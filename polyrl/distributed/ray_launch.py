@@ -29,11 +29,13 @@ def plan_for_role(
     config_env: Mapping[str, str] | None = None,
     backend_version: str | None = None,
     hands_devices: bool = False,
+    visible_devices: tuple[int, ...] = (),
 ) -> EnvPlan:
     """The environment of an actor of `role`; `hands_devices`: it reserves no devices through
-    Ray and gives its engine processes the devices of its placement itself (`PlanContext`)."""
+    Ray and gives its engine processes the devices of its placement (`visible_devices`) itself
+    (`PlanContext`)."""
     ctx = PlanContext(platform, role, backend, placement, mode, backend_version,  # type: ignore[arg-type]
-                      hands_devices)
+                      hands_devices, tuple(visible_devices))
     return build_plan(ctx, user_env=os.environ, config_env=config_env or {})
 
 

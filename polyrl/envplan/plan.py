@@ -62,6 +62,9 @@ class PlanContext:
     """The actor reserves no devices through Ray and hands its engine processes the devices of
     its placement itself; only such an actor gets RAY_EXPERIMENTAL_NOSET_* (an actor reserving
     num_gpus must keep the visibility Ray gives it, or it sees every device of its node)."""
+    visible_devices: tuple[int, ...] = ()
+    """With hands_devices: the device ids of its placement (a TP-k replica's k ids on its node),
+    set as its visible-devices variable (`handoff_variable`), which its engine processes inherit."""
 
     def __post_init__(self):
         for name, value, valid in (("role", self.role, ROLES), ("backend", self.backend, BACKENDS),
@@ -165,7 +168,26 @@ def build_plan(
         if name.startswith(FORWARDED_PREFIXES) and name not in entries:
             entries[name] = EnvEntry(user_env[name], "user-env",
                                      "set in your environment; forwarded to every polyrl process")
+    if context.hands_devices and context.visible_devices:
+        # the placement decides, not the launching shell: a CUDA_VISIBLE_DEVICES there describes
+        # that machine, and any other value would put two replicas on one device
+        entries[handoff_variable(context.platform)] = EnvEntry(
+            ",".join(map(str, context.visible_devices)), "placement",
+            "the devices of this engine host's placement (its replica's tensor-parallel devices "
+            "on this node); its engine processes inherit them, and RAY_EXPERIMENTAL_NOSET_* keeps "
+            "Ray from rewriting them")
     return EnvPlan(context, entries)
+
+
+def handoff_variable(platform: Platform) -> str:
+    """The visible-devices variable an engine host sets for its engine processes: the one Ray's
+    accelerator manager of the platform sets (HIP_VISIBLE_DEVICES on ROCm, whose physical ids it
+    takes when ROCR_VISIBLE_DEVICES is unset)."""
+    if platform.name == "rocm":
+        return "HIP_VISIBLE_DEVICES"
+    if not platform.visible_devices_vars:
+        raise ValueError(f"platform {platform.name} has no visible-devices variable to hand devices with")
+    return platform.visible_devices_vars[0]
 
 
 def _from_config(name: str, value: str, user_env: Mapping[str, str], reason: str, link: str) -> EnvEntry:

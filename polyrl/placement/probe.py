@@ -38,9 +38,12 @@ class DeviceProbe:
                 "env": {n: os.environ.get(n) for n in env_names},
                 "noset": sorted(k for k in os.environ if k.startswith("RAY_EXPERIMENTAL_NOSET_")),
                 "device_name": None}
-        if not p.probe.simulated and seen["index"]:
-            p.set_device(seen["index"][0])
-            seen["device_name"] = p.device_module().get_device_name(seen["index"][0])
+        seen["device_count"] = None
+        if not p.probe.simulated:
+            seen["device_count"] = p.device_module().device_count()  # an engine host: its k
+            if seen["index"]:
+                p.set_device(seen["index"][0])
+                seen["device_name"] = p.device_module().get_device_name(seen["index"][0])
         return seen
 
 
@@ -67,17 +70,23 @@ def problems(plan: Any, node_ids: list[str], seen: dict[str, dict[str, Any]]) ->
     out: dict[str, list[str]] = {}
     for a in (a for a in plan.actors if a.devices is not None):
         got, ids, bad = seen[a.name], [str(i) for i in a.devices.ids], []
+        host = getattr(a, "hands", None) is not None  # an engine host: asks Ray for no device
+        sees = [str(i) for i in a.hands] if host else ids
         if got["node"] != node_ids[a.devices.node]:
             bad.append(f"on Ray node {got['node'][:8]}, planned node {a.devices.node}")
-        if got["assigned"] != ids:
-            bad.append(f"Ray assigned ids {got['assigned']}, planned {ids}")
+        if got["assigned"] != ([] if host else ids):
+            bad.append(f"Ray assigned ids {got['assigned']}, planned {[] if host else ids}")
         visible = next((v for v in got["visible"].values() if v), None)
-        if visible != ",".join(ids):
-            bad.append(f"sees devices {visible!r}, planned {','.join(ids)!r}")
-        if got["index"] != list(range(len(ids))):
+        if visible != ",".join(sees):
+            bad.append(f"sees devices {visible!r}, planned {','.join(sees)!r}")
+        if got["index"] != ([] if host else list(range(len(ids)))):
             bad.append(f"device index {got['index']}, expected {list(range(len(ids)))}")
-        if got["noset"]:
+        if got["noset"] and not host:
             bad.append(f"has {', '.join(got['noset'])} although it reserves devices")
+        if host and got.get("device_count") not in (None, len(sees)):
+            bad.append(f"torch sees {got['device_count']} devices, its replica has {len(sees)}")
+        if host and not got["noset"]:
+            bad.append("an engine host without RAY_EXPERIMENTAL_NOSET_*: Ray may rewrite what it sees")
         if got["env"] != a.env.values():
             bad.append("environment differs from the plan")
         out[a.name] = bad
@@ -106,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     failed = 0
     for name, bad in problems(plan, node_ids, seen).items():
-        d, s = next(a.devices for a in plan.actors if a.name == name), seen[name]
+        a, s = next(a for a in plan.actors if a.name == name), seen[name]
+        d = a.devices
         where = f"node {d.node} ids {list(d.ids)} -> {s['device_name'] or 'device'} index {s['index']}"
+        if a.hands is not None:
+            where = f"node {d.node} engine host, hands its engine ids {list(a.hands)} -> sees {s['visible']}"
         print(f"{'FAIL' if bad else 'PASS'} device {name}: {where}" + (f" ({'; '.join(bad)})" if bad else ""))
         failed += bool(bad)
     return 1 if failed else 0

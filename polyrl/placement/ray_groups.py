@@ -59,8 +59,9 @@ class LivePlacement:
 
 def create_placement(plan: PlacementPlan, actors: Iterable[Any], timeout_s: float = 300) -> LivePlacement:
     """Reserve `plan` on the live Ray cluster. `actors` are the job's actors (anything with
-    `.name` and `.resources`, the Ray options they reserve: `ActorPlan`)."""
-    resources = {a.name: a.resources for a in actors}
+    `.name` and `.resources`, the Ray options they reserve: `ActorPlan`; an engine host's
+    `.bundle_resources` keep the device it asks none of reserved in its bundle)."""
+    resources = {a.name: getattr(a, "bundle_resources", a.resources) for a in actors}
     missing = sorted(set(plan.assignments) - set(resources))
     if missing:
         raise PlacementError(f"the placement plan has actors the job does not: {', '.join(missing)}")

@@ -25,6 +25,7 @@ from polyrl.builtin import resolve
 from polyrl.distributed.layout import RankLayout
 from polyrl.distributed.ray_launch import actor_options, plan_for_role
 from polyrl.envplan import EnvPlan
+from polyrl.envplan.rules import ENGINE_BACKENDS
 from polyrl.placement import Devices, Gang, Member, PlacementError, PlacementPlan, plan_placement
 from polyrl.platform import Platform
 from polyrl.rollout.factory import EXTRAS
@@ -75,7 +76,18 @@ class ActorPlan:
     max_concurrency: int | None = None
     """Ray calls the actor serves at once (async replicas generate while a weight update runs)."""
     devices: Devices | None = None
-    """Planned node and device ids (`plan_launch`; None: no devices, or not planned yet)."""
+    """Planned node and device ids (`plan_launch`; None: no devices, or not planned yet). An
+    engine host's are the one device its bundle reserves (the first of its replica)."""
+    hands: tuple[int, ...] | None = None
+    """An engine host's (a TP-k standalone replica's leader): the k device ids of its replica on
+    its node, which it sees (and its engine's TP workers use) while asking Ray for none."""
+    bundle: dict[str, Any] | None = None
+    """Resources of its placement-group bundle when they differ from `resources` (an engine
+    host's bundle keeps its device reserved in Ray's accounting)."""
+
+    @property
+    def bundle_resources(self) -> dict[str, Any]:
+        return self.bundle if self.bundle is not None else self.resources
 
     def ray_options(self) -> dict[str, Any]:
         """The `.options(...)` the actor is started with: resources plus its runtime env."""
@@ -89,6 +101,7 @@ class ActorPlan:
                 "rank": self.rank, "replica": self.replica, "resources": self.resources,
                 "num_threads": self.num_threads, "max_concurrency": self.max_concurrency,
                 "devices": self.devices.as_dict() if self.devices else None,
+                "hands": list(self.hands) if self.hands is not None else None,
                 "env": self.env.to_json(),
                 "engine": self.engine.as_dict() if self.engine else None}
 
@@ -128,7 +141,7 @@ class LaunchPlan:
 
     @property
     def devices_needed(self) -> int:
-        return sum(devices_reserved(a.resources) for a in self.actors)
+        return sum(devices_reserved(a.bundle_resources) for a in self.actors)
 
     @property
     def devices_per_node(self) -> int:
@@ -235,11 +248,20 @@ def plan_actors(cfg: JobConfig, platform: Platform, engine_version: str | None =
         layout = RankLayout(num_replicas=cfg.rollout.num_replicas,
                             tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                             trainer_world_size=cfg.actor.world_size)
+        hosts = engine_hosts(cfg, platform)
         for r in layout.rollout_ranks():
             info = layout.rank_info(r)  # one engine per replica, on its leader (rollout_worker.py)
-            actors.append(ActorPlan(f"rollout replica {info.replica} (rank {r})", "rollout", r,
-                                    info.replica, dict(resources), per_actor, rollout_env,
-                                    engine if info.is_replica_leader else None))
+            name = f"rollout replica {info.replica} (rank {r})"
+            if hosts and info.is_replica_leader:
+                # the engine host: its bundle keeps its own device reserved, the actor asks for
+                # none and sees every device of its replica (plan_launch fills `hands`)
+                actors.append(ActorPlan(name, "rollout", r, info.replica, _no_devices(resources),
+                                        per_actor, plan_for_role(platform, "rollout", hands_devices=True,
+                                                                 **env_kw),
+                                        engine, hands=(), bundle=dict(resources)))
+            else:
+                actors.append(ActorPlan(name, "rollout", r, info.replica, dict(resources), per_actor,
+                                        rollout_env, engine if info.is_replica_leader else None))
     if cfg.weight_transport == "object_store":  # weights/object_store.py:create_mailbox
         actors.append(ActorPlan("weight mailbox", "mailbox", None, None, {"num_cpus": 0}, 0,
                                 plan_for_role(platform, "job", **env_kw), max_concurrency=64))
@@ -270,12 +292,28 @@ def _whole(options: dict[str, Any]) -> dict[str, Any]:
     return whole(options)
 
 
+def engine_hosts(cfg: JobConfig, platform: Platform) -> bool:
+    """Whether standalone sync replicas have an engine host: a GPU engine with
+    rollout.tensor_parallel_size > 1 on a device platform. The replica leader then hosts the
+    replica's one TP-k engine, whose workers must see all k devices of the replica."""
+    return (cfg.rollout.tensor_parallel_size > 1 and bool(platform.ray_resource)
+            and cfg.rollout.backend in ENGINE_BACKENDS)
+
+
+def _no_devices(resources: dict[str, Any]) -> dict[str, Any]:
+    """`resources` without accelerators: num_gpus=0 (a custom resource such as NPU is dropped)."""
+    out = {k: v for k, v in resources.items() if k != "resources"}
+    if "num_gpus" in out:
+        out["num_gpus"] = 0
+    return out
+
+
 def job_gangs(cfg: JobConfig, actors: list[ActorPlan]) -> list[Gang]:
     """The actors that must share a node: a rollout replica's ranks (standalone) and, in hybrid
     placement, each group of tensor_parallel_size policy ranks whose colocated engines form one
     TP engine. Everyone else is a gang of one."""
     tp = cfg.rollout.tensor_parallel_size
-    member = {a.name: Member(a.name, int(devices_reserved(a.resources))) for a in actors}
+    member = {a.name: Member(a.name, int(devices_reserved(a.bundle_resources))) for a in actors}
     policy = [a.name for a in actors if a.role == "policy"]
     gangs: list[Gang] = []
     if cfg.rollout.placement == "hybrid" and tp > 1:
@@ -317,9 +355,22 @@ def plan_launch(cfg: JobConfig, platform: Platform, engine_version: str | None =
         else:
             where = plan.placement.assignments
             plan.actors = [dataclasses.replace(a, devices=where.get(a.name)) for a in plan.actors]
+            plan.actors = [_hand_devices(cfg, platform, a, plan.actors, engine_version)
+                           if a.hands is not None else a for a in plan.actors]
     plan.world = plan_world(cfg, platform, plan.actors)
     plan.notes.extend(_notes(cfg, platform, plan))
     return plan
+
+
+def _hand_devices(cfg: JobConfig, platform: Platform, host: ActorPlan, actors: list[ActorPlan],
+                  engine_version: str | None) -> ActorPlan:
+    """An engine host with the device ids of its whole replica: in `hands` and as its planned
+    visible-devices variable (polyrl/envplan/plan.py:handoff_variable)."""
+    ids = tuple(i for a in actors if a.role == "rollout" and a.replica == host.replica and a.devices
+                for i in a.devices.ids)
+    env = plan_for_role(platform, ENV_ROLE["rollout"], hands_devices=True, visible_devices=ids,
+                        **_env_kwargs(cfg, engine_version))
+    return dataclasses.replace(host, hands=ids, env=env)
 
 
 def _notes(cfg: JobConfig, platform: Platform, plan: LaunchPlan) -> list[str]:

@@ -20,8 +20,14 @@ from typing import Any, Sequence
 from polyrl.distributed.layout import RankLayout
 from polyrl.platform import Platform
 
-LIBRARY = {"cuda": "NCCL", "rocm": "RCCL", "npu": "HCCL", "cpu": "Gloo"}
-"""The communication library behind torch's backend name per platform (ROCm's is "nccl" in torch)."""
+
+
+def library_of(platform: Platform, backend: str) -> str:
+    """The communication library behind torch's backend name: RCCL on ROCm (reached through
+    torch's NCCL backend name), else the backend itself (NCCL, HCCL, GLOO)."""
+    if backend == platform.dist_backend() and platform.name == "rocm":
+        return "RCCL"
+    return backend.upper()
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,7 @@ def plan_world(cfg: Any, platform: Platform, actors: Sequence[Any]) -> WorldPlan
     standalone sync replicas). `actors`: the launch plan's, for each rank's planned node."""
     device = bool(platform.ray_resource)
     backend = platform.dist_backend() if device else platform.cpu_dist_backend()
-    library = LIBRARY.get(platform.name, backend) if device else "Gloo"
+    library = library_of(platform, backend)
     node_of = {a.rank: a.devices.node for a in actors if a.rank is not None and a.devices}
     standalone_sync = cfg.rollout.placement == "standalone" and cfg.trainer.mode == "sync"
     if standalone_sync:
@@ -83,7 +89,8 @@ def plan_world(cfg: Any, platform: Platform, actors: Sequence[Any]) -> WorldPlan
         return None
 
     def group(kind: str, ranks: tuple[int, ...], purpose: str, on_host: bool = False) -> GroupPlan:
-        return GroupPlan(kind, ranks, "gloo" if on_host else backend, "Gloo" if on_host else library,
+        host = platform.cpu_dist_backend()
+        return GroupPlan(kind, ranks, host if on_host else backend, host.upper() if on_host else library,
                          purpose, tuple(node_of[r] for r in ranks if r in node_of))
 
     groups: list[GroupPlan] = []

@@ -184,7 +184,7 @@ def test_the_sharding_of_a_two_node_fsdp2_job_is_shown(capsys):
     shard, control = world["groups"]
     assert (shard["kind"], shard["ranks"], shard["leader"]) == ("trainer", list(range(16)), 0)
     assert shard["nodes"] == [0] * 8 + [1] * 8 and "FSDP2 shard group" in shard["purpose"]
-    assert (control["kind"], control["backend"]) == ("fsdp2_control", "gloo")
+    assert (control["kind"], control["backend"], control["library"]) == ("fsdp2_control", "gloo", "GLOO")
     assert plan["actors"][9]["process_groups"][0] == {"kind": "trainer", "ranks": list(range(16)),
                                                       "leader": 0, "backend": "nccl"}
 

@@ -21,6 +21,7 @@ import os
 import pytest
 
 from polyrl.config import load_config
+from polyrl.envplan.plan import handoff_variable
 from polyrl.envplan.rules import FORWARDED_PREFIXES
 from polyrl.placement import create_placement, options_for
 from polyrl.platform import SIMULATED_PROBES, get_platform
@@ -130,17 +131,33 @@ def run_probes(platform_name: str, cfg: JobConfig, nodes: int) -> tuple[object, 
 
 def check_map(platform_name: str, plan, live, seen: dict) -> None:
     """Every probe sits on its planned node, holds exactly its planned ids, sees exactly them, and
-    computes on its own device."""
+    computes on its own device. A TP-k standalone replica's engine host (its leader) asks Ray for
+    no device, keeps Ray off its visibility (NOSET) and sees exactly its replica's k ids; no
+    device is seen by two replicas, or by a replica and a policy rank."""
     assert len(set(live.node_ids)) == len(live.node_ids), "two planned nodes on one Ray node"
     var = VISIBLE[platform_name]
+    handoff = handoff_variable(get_platform(platform_name, SIMULATED_PROBES[HARDWARE[platform_name]]))
+    owners: dict[tuple[str, str], str] = {}
     for actor in (a for a in plan.actors if a.devices is not None):
         got, ids = seen[actor.name], [str(i) for i in actor.devices.ids]
         assert got["node"] == live.node_ids[actor.devices.node], actor.name
-        assert got["assigned"] == ids, actor.name
-        assert got["visible"][var] == ",".join(ids), actor.name
-        assert got["index"] == list(range(len(ids))), actor.name
-        assert got["noset"] == [], actor.name  # Ray's visibility, never NOSET (issue 15)
         assert got["env"] == actor.env.values(), actor.name
+        if actor.hands is not None:  # the engine host
+            replica = [a for a in plan.actors if a.replica == actor.replica and a.devices]
+            assert list(actor.hands) == [i for a in replica for i in a.devices.ids], actor.name
+            assert got["assigned"] == [] and got["index"] == [], actor.name
+            assert got["visible"][handoff] == ",".join(map(str, actor.hands)), actor.name
+            assert got["noset"], actor.name
+            sees = got["visible"][handoff].split(",")
+        else:
+            assert got["assigned"] == ids, actor.name
+            assert got["visible"][var] == ",".join(ids), actor.name
+            assert got["index"] == list(range(len(ids))), actor.name
+            assert got["noset"] == [], actor.name  # Ray's visibility, never NOSET (issue 15)
+            sees = got["assigned"]
+        owner = f"replica {actor.replica}" if actor.role == "rollout" else actor.name
+        for i in sees:
+            assert owners.setdefault((got["node"], i), owner) == owner, (actor.name, i, owners)
 
 
 LAYOUTS = [(layout, tp, nodes) for layout in ("hybrid", "standalone", "async")
@@ -158,15 +175,18 @@ def test_cuda_actor_device_map(cluster, layout, tp, nodes):
 
 
 def test_standalone_tp2_two_nodes_exact_map(cluster):
-    """Written out once: 1 policy rank + 4 TP-2 replicas on two 8-GPU nodes."""
+    """Written out once: 1 policy rank + 4 TP-2 replicas on two 8-GPU nodes. Each replica's
+    leader hosts its TP-2 engine and sees both devices of its replica; its other rank holds the
+    second device (where it receives each weight version)."""
     plan, live, seen = run_probes("cuda", job("standalone", 2, 2), 2)
-    where = {name: (live.node_ids.index(s["node"]), s["visible"]["CUDA_VISIBLE_DEVICES"])
-             for name, s in seen.items()}
-    assert where == {"policy rank 0": (0, "0"),
-                     "rollout replica 0 (rank 1)": (0, "1"), "rollout replica 0 (rank 2)": (0, "2"),
-                     "rollout replica 1 (rank 3)": (0, "3"), "rollout replica 1 (rank 4)": (0, "4"),
-                     "rollout replica 2 (rank 5)": (0, "5"), "rollout replica 2 (rank 6)": (0, "6"),
-                     "rollout replica 3 (rank 7)": (1, "0"), "rollout replica 3 (rank 8)": (1, "1")}
+    check_map("cuda", plan, live, seen)
+    where = {name: (live.node_ids.index(s["node"]), s["visible"]["CUDA_VISIBLE_DEVICES"],
+                    s["assigned"]) for name, s in seen.items()}
+    assert where == {"policy rank 0": (0, "0", ["0"]),
+                     "rollout replica 0 (rank 1)": (0, "1,2", []), "rollout replica 0 (rank 2)": (0, "2", ["2"]),
+                     "rollout replica 1 (rank 3)": (0, "3,4", []), "rollout replica 1 (rank 4)": (0, "4", ["4"]),
+                     "rollout replica 2 (rank 5)": (0, "5,6", []), "rollout replica 2 (rank 6)": (0, "6", ["6"]),
+                     "rollout replica 3 (rank 7)": (1, "0,1", []), "rollout replica 3 (rank 8)": (1, "1", ["1"])}
 
 
 @pytest.mark.parametrize("platform_name,layout,tp", [
@@ -178,7 +198,7 @@ def test_rocm_and_npu_actor_device_map(cluster, platform_name, layout, tp):
     plan, live, seen = run_probes(platform_name, job(layout, tp, 2), 2)
     check_map(platform_name, plan, live, seen)
     if platform_name == "npu":
-        assert all(a.resources.get("resources", {}).get("NPU") for a in plan.actors if a.devices)
+        assert all(a.bundle_resources.get("resources", {}).get("NPU") for a in plan.actors if a.devices)
 
 
 def test_gpu_check_probe_module_agrees_and_names_a_misplaced_actor(cluster):
@@ -193,7 +213,10 @@ def test_gpu_check_probe_module_agrees_and_names_a_misplaced_actor(cluster):
     plan = plan_launch(job("standalone", 2, 1), platform, "0.11.0", nodes=1)
     node_ids, seen = probe_plan(plan, timeout_s=120)
     assert all(bad == [] for bad in problems(plan, node_ids, seen).values())
-    wrong = dataclasses.replace(plan.actors[1], devices=Devices(0, (5,)))
-    plan.actors[1] = wrong
+    wrong = dataclasses.replace(plan.actors[2], devices=Devices(0, (5,)))
+    plan.actors[2] = wrong
     assert problems(plan, node_ids, seen)[wrong.name] == [
-        "Ray assigned ids ['1'], planned ['5']", "sees devices '1', planned '5'"]
+        "Ray assigned ids ['2'], planned ['5']", "sees devices '2', planned '5'"]
+    host = dataclasses.replace(plan.actors[1], hands=(5, 6))  # replica 0's engine host
+    plan.actors[1] = host
+    assert problems(plan, node_ids, seen)[host.name] == ["sees devices '1,2', planned '5,6'"]
