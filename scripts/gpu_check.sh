@@ -140,5 +140,23 @@ for engine in $ENGINES; do
     grpo "$engine-grpo-fp8" "$engine" rollout.quantization=fp8
   fi
 done
+# Standalone TP-2: the replica leader is the engine host (num_gpus=0, RAY_EXPERIMENTAL_NOSET_*,
+# CUDA_VISIBLE_DEVICES = its replica's 2 ids); the probe checks torch there sees exactly 2 devices
+# and the other rank holds the second; then 2 GRPO steps whose weights go through the replica
+# leader (docs/gpu_engines.md, "Standalone tensor parallelism")
+TP2="rollout.placement=standalone rollout.num_replicas=1 rollout.tensor_parallel_size=2"
+for engine in $ENGINES; do
+  if ! python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('${MODULE[$engine]}') is None)"; then
+    continue  # reported above
+  fi
+  if [ "$GPUS" -ge 3 ]; then
+    # shellcheck disable=SC2086  # TP2 is three overrides
+    devices "$engine-devices-standalone-tp2" "$engine" $TP2
+    # shellcheck disable=SC2086
+    grpo "$engine-grpo-standalone-tp2" "$engine" $TP2
+  else
+    echo "SKIP $engine-standalone-tp2: needs 3 GPUs (a policy rank and a TP-2 replica), found $GPUS"
+  fi
+done
 echo "done: $failures failed check(s); logs in $work"
 [ "$failures" -eq 0 ]
