@@ -140,6 +140,13 @@ for engine in $ENGINES; do
     grpo "$engine-grpo-fp8" "$engine" rollout.quantization=fp8
   fi
 done
+# LoRA through vLLM's adapter path (rollout.lora_mode=adapter): the base is read from disk once,
+# every sync sends only the adapter and vLLM serves it as a LoRA adapter (docs/training.md, LoRA)
+if [[ " $ENGINES " == *" vllm "* ]] && python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('vllm') is None)"; then
+  grpo "vllm-grpo-lora-adapter" vllm model.lora_rank=8 rollout.lora_mode=adapter
+else
+  echo "SKIP vllm-grpo-lora-adapter: vllm is not installed or not in ENGINES"
+fi
 # Standalone TP-2: the replica leader is the engine host (num_gpus=0, RAY_EXPERIMENTAL_NOSET_*,
 # CUDA_VISIBLE_DEVICES = its replica's 2 ids); the probe checks torch there sees exactly 2 devices
 # and the other rank holds the second; then 2 GRPO steps whose weights go through the replica

@@ -139,7 +139,9 @@ def vllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
         "max_num_seqs": rollout.max_num_seqs,
         "enable_prefix_caching": rollout.enable_prefix_caching,
         "enforce_eager": rollout.enforce_eager,
-        "load_format": resolve_load_format(rollout),
+        # rollout.lora_mode=adapter: the base comes from disk, adapters through vLLM's LoRA API
+        "load_format": "auto" if rollout.lora_mode == "adapter" else resolve_load_format(rollout),
+        "enable_lora": rollout.lora_mode == "adapter" or None,
         # hybrid: the trainer needs the memory back between rollouts (sleep level 1 keeps weights
         # in host memory, level 2 drops them; see the adapter)
         "enable_sleep_mode": rollout.placement == "hybrid" or None,
@@ -198,7 +200,9 @@ def sglang_args(rollout: RolloutConfig, model_path: str, platform: Platform,
         "disable_cuda_graph": rollout.enforce_eager,
         "attention_backend": sglang_attention_backend(platform, engine_version,
                                                       model_uses_mla(model_path)),
-        "load_format": resolve_load_format(rollout),
+        # rollout.lora_mode=adapter: the base comes from disk, adapters through vLLM's LoRA API
+        "load_format": "auto" if rollout.lora_mode == "adapter" else resolve_load_format(rollout),
+        "enable_lora": rollout.lora_mode == "adapter" or None,
         # release/resume_memory_occupation need the memory saver (hybrid: sleep between rollouts)
         "enable_memory_saver": rollout.placement == "hybrid" or None,
         "log_level": "error",
@@ -232,7 +236,9 @@ def trtllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
         "max_seq_len": rollout.max_model_len,
         "max_batch_size": rollout.max_num_seqs,
         "kv_cache_config": kv_cache_config,
-        "load_format": resolve_load_format(rollout),
+        # rollout.lora_mode=adapter: the base comes from disk, adapters through vLLM's LoRA API
+        "load_format": "auto" if rollout.lora_mode == "adapter" else resolve_load_format(rollout),
+        "enable_lora": rollout.lora_mode == "adapter" or None,
         # hybrid: release()/resume() of weights and KV cache between rollouts need a SleepConfig
         # (a dict here, `SleepConfig(**d)` in the adapter)
         "sleep_config": {} if rollout.placement == "hybrid" else None,

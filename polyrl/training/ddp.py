@@ -137,6 +137,16 @@ class DDPEngine:
         """named_weights() with its specs: what a weight transport sends without holding it."""
         return WeightStream(self.weight_specs(), self.named_weights(), device=self.device)
 
+    def adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA: the adapter tensors alone (lora.adapter_named_tensors), for an engine that
+        applies the adapter itself (rollout.lora_mode=adapter)."""
+        if not self.lora:
+            raise ValueError("rollout.lora_mode=adapter needs a LoRA policy (model.lora_rank > 0)")
+        yield from lora.adapter_named_tensors(self.model)
+
+    def adapter_stream(self) -> WeightStream:
+        return WeightStream(lora.adapter_specs(self.model), self.adapter_tensors(), device=self.device)
+
     def save(self, directory: Path) -> None:
         """Rank 0: the model in Hugging Face format (`policy/`); every rank: its optimizer state."""
         if self.rank == 0 and self.lora:  # the merged model (usable as model.path) + the adapter

@@ -233,6 +233,15 @@ class FSDP2Engine(DDPEngine):
         for name, p in self.model.named_parameters():
             yield name, _full(p)
 
+    @torch.no_grad()
+    def adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA: the adapter tensors alone, each gathered (every rank iterates, as named_weights)."""
+        if not self.lora:
+            raise ValueError("rollout.lora_mode=adapter needs a LoRA policy (model.lora_rank > 0)")
+        self._drain()
+        self.root.reshard()
+        yield from lora.adapter_named_tensors(self.model, full=_full)
+
     def weight_specs(self) -> list[tuple[str, torch.Size, torch.dtype]]:
         """Name, full shape and dtype of every tensor named_weights() yields, known without
         gathering: what a transport needs to plan its buckets before the tensors arrive."""

@@ -151,6 +151,43 @@ def merged_weight_specs(model: torch.nn.Module) -> list[tuple[str, torch.Size, t
     return [(name, param.shape, param.dtype) for name, param, _ in _merge_plan(model)]
 
 
+def _adapter_plan(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter, float]]:
+    """(peft's saved name, lora parameter, factor) of every active adapter tensor, in the order
+    of `named_parameters`: the name `save_pretrained` writes (adapter name dropped), and the
+    scaling alpha / rank folded into B (factor 1 for A)."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    for name, param in model.named_parameters():
+        for part in (".lora_A.", ".lora_B."):
+            if part not in name:
+                continue
+            owner, _, rest = name.partition(part)
+            adapter, _, leaf = rest.partition(".")
+            layer = layers.get(owner)
+            if layer is None or adapter not in layer.active_adapters:
+                continue
+            factor = layer.scaling[adapter] if part == ".lora_B." else 1.0
+            yield f"{owner}{part}{leaf}", param, factor
+
+
+@torch.no_grad()
+def adapter_named_tensors(model: torch.nn.Module, full: Callable[[torch.Tensor], torch.Tensor] | None = None
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The adapter alone, for an engine that applies LoRA itself (rollout.lora_mode=adapter):
+    peft's saved names (`base_model.model.<module>.lora_A.weight` / `.lora_B.weight`), with B
+    already multiplied by alpha / rank, so that an adapter config with lora_alpha = r (scaling 1)
+    describes it whatever the run's alpha. `full` as in `merged_named_weights`."""
+    for name, param, factor in _adapter_plan(model):
+        t = param.detach() if full is None else full(param.detach())
+        yield name, t * factor if factor != 1.0 else t
+
+
+def adapter_specs(model: torch.nn.Module) -> list[tuple[str, torch.Size, torch.dtype]]:
+    """Name, shape and dtype of every tensor `adapter_named_tensors` yields."""
+    return [(name, param.shape, param.dtype) for name, param, _ in _adapter_plan(model)]
+
+
 @contextlib.contextmanager
 def adapters_disabled(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """The base model for the duration: the reference policy without a second copy."""

@@ -187,13 +187,16 @@ class PolicyWorker:
         """Hand the updated policy to the engines: in place (hybrid) or, from the weight-sync
         leader, over the transport to every standalone replica (which call receive_weights)."""
         self.version += int(bump)
+        # rollout.lora_mode=adapter: only the adapter travels (vLLM applies it); else full weights
+        adapter = self.cfg.model.enabled and self.cfg.rollout.lora_mode == "adapter"
         if self.transport is None:
             if getattr(self.engine, "gathers_weights", False):  # FSDP2: every rank joins each gather
-                for _ in self.engine.named_weights():
+                for _ in (self.engine.adapter_tensors() if adapter else self.engine.named_weights()):
                     pass
             return {}
         with torch.no_grad():  # a stream: each tensor is gathered / merged as the transport needs it
-            metrics = self.transport.send(self.engine.weight_stream(), self.version).metrics()
+            stream = self.engine.adapter_stream() if adapter else self.engine.weight_stream()
+            metrics = self.transport.send(stream, self.version).metrics()
         publish_s = getattr(self.transport, "publish_s", None)  # object store: off the path
         if publish_s is not None:
             metrics["weight_sync/publish_s"] = publish_s

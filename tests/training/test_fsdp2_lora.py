@@ -54,6 +54,13 @@ def lora_run(rank: int, world_size: int, model_path: str, strategy: str, ckpt: s
     out["optimizer_params"] = sorted(n for n, p in engine.model.named_parameters()
                                      if any(p is q for g in engine.optimizer.param_groups for q in g["params"]))
     out["weights"] = engine_ranks.full_weights(engine)  # merged, Hugging Face names
+    out["adapter"] = {k: v.clone() for k, v in engine.adapter_stream()}  # rollout.lora_mode=adapter
+    from polyrl.rollout.native.engine import NativeEngine  # hybrid: merged weights synced in place
+    from polyrl.weights import WeightSyncConfig, build_transport
+
+    native = NativeEngine(model_path, max_model_len=32)
+    build_transport(WeightSyncConfig(), "hybrid", engine=native).send(engine.weight_stream(), 1)
+    out["native"] = {n: v.clone() for n, (v, _) in native._weights.targets.items()}
     with adapters_disabled(engine.model):
         out["reference"] = engine.logprobs(shard(engine_ranks.make_batch(5, 5), world_size)[rank]).values
     resumed, resumed_actor = build(model_path, strategy, rank, world_size)
@@ -87,6 +94,11 @@ def test_two_fsdp2_ranks_train_lora_as_one_ddp_rank(runs, tiny_model):
     for k, v in ddp["weights"].items():
         torch.testing.assert_close(merged[k], v, rtol=RTOL, atol=1e-5, msg=k)
     assert all(torch.equal(merged[k], fsdp2[1]["weights"][k]) for k in merged)
+    for r in (*fsdp2.values(), ddp):  # the colocated engine got the merged weights in place
+        assert all(torch.equal(r["native"][k], r["weights"][k]) for k in r["native"] if k in r["weights"])
+    assert sorted(fsdp2[0]["adapter"]) == sorted(ddp["adapter"]) and ddp["adapter"]
+    for k, v in ddp["adapter"].items():  # the adapter alone, gathered whole from the shards
+        torch.testing.assert_close(fsdp2[0]["adapter"][k], v, rtol=RTOL, atol=1e-6, msg=k)
     base = dict(load_causal_lm(tiny_model).named_parameters())
     assert max((merged[k] - base[k]).abs().max().item() for k in merged) > 1e-4  # the adapters moved
 

@@ -14,6 +14,14 @@ weights). With `quantization=fp8` the workers quantize each bucket (receiving si
 `polyrl.weights.fp8.quantize_named_tensors`. Buckets travel as host tensors: vLLM's RPC
 serializer copies tensors through host memory, so a GPU tensor would be copied anyway.
 
+LoRA adapter path (`rollout.lora_mode=adapter`; the launch arguments carry `enable_lora`): the
+engine reads the base model from disk once, and an update made only of adapter tensors
+(`polyrl.training.lora.adapter_named_tensors`: peft's names, B pre-scaled by alpha / rank) is
+written as a peft adapter directory (`adapter_files`) and loaded with vLLM's public LoRA API,
+`add_lora(LoRARequest(name, id, path))`; the previous adapter is removed (`remove_lora`) and
+every generation request then carries the new one (`lora_request=`). A new id per version: vLLM
+caches adapters by id.
+
 Sleep (hybrid placement): level 1 offloads the weights to host memory and drops the KV cache. A
 weight update while asleep wakes the weights only; `wake_up()` then restores the KV cache.
 """
@@ -53,6 +61,53 @@ def vllm_sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
+LORA_PARTS = (".lora_A.", ".lora_B.")
+
+
+def is_adapter_update(names: Iterable[str]) -> bool:
+    """Whether an update is LoRA adapter tensors (all of them) rather than model weights; a mix
+    is an error: the adapter path and the weight path cannot be applied together."""
+    names = list(names)
+    adapter = [n for n in names if any(p in n for p in LORA_PARTS)]
+    if adapter and len(adapter) != len(names):
+        other = next(n for n in names if not any(p in n for p in LORA_PARTS))
+        raise WeightUpdateError(f"an update mixes LoRA adapter tensors ({adapter[0]}) with model "
+                                f"weights ({other}); send one or the other")
+    return bool(names) and bool(adapter)
+
+
+def adapter_files(named: Iterable[tuple[str, torch.Tensor]], base_model: str) -> tuple[dict, dict]:
+    """(adapter_config.json, adapter_model.safetensors tensors) of a peft LoRA adapter directory
+    from adapter tensors whose B already carries alpha / rank (lora_alpha = r: scaling 1).
+    The rank is lora_A's first dimension, the target modules the adapted modules' own names."""
+    tensors: dict[str, torch.Tensor] = {}
+    ranks, targets = set(), set()
+    for name, tensor in named:
+        if not (name.endswith(".lora_A.weight") or name.endswith(".lora_B.weight")):
+            raise WeightUpdateError(f"'{name}' is not a LoRA adapter tensor (.lora_A.weight / .lora_B.weight)")
+        module = name.rsplit(".lora_", 1)[0]
+        targets.add(module.rsplit(".", 1)[-1])
+        if ".lora_A." in name:
+            ranks.add(int(tensor.shape[0]))
+        tensors[name] = tensor.detach().cpu().contiguous()
+    if len(ranks) != 1:
+        raise WeightUpdateError(f"LoRA adapter tensors of ranks {sorted(ranks)}: expected one rank")
+    r = ranks.pop()
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+              "r": r, "lora_alpha": r, "target_modules": sorted(targets), "lora_dropout": 0.0,
+              "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+              "modules_to_save": None}
+    return config, tensors
+
+
+def lora_request_kwargs(lora_id: int, version: int, path: str) -> dict[str, Any]:
+    """`vllm.lora.request.LoRARequest(**kwargs)` for the adapter of `version` at `path`; ids
+    start at 1 (vLLM reserves 0 for no adapter)."""
+    if lora_id < 1:
+        raise ValueError(f"vLLM LoRA ids start at 1, got {lora_id}")
+    return {"lora_name": f"polyrl-v{version}", "lora_int_id": lora_id, "lora_path": path}
+
+
 def _sampled(record: Mapping[int, Any], token: int) -> float:
     if token not in record:
         raise RuntimeError(f"vLLM returned no log-prob for the sampled token {token}")
@@ -80,6 +135,11 @@ class VLLMEngine(AsyncEngineAdapter):
 
         self._init_adapter(launch_args, "model", tokenizer, seed, update_bucket_mb, control_timeout_s)
         self.fp8 = self.launch_args.get("quantization") == "fp8"
+        self.lora_adapters = bool(self.launch_args.get("enable_lora"))
+        """rollout.lora_mode=adapter: updates of adapter tensors load as a vLLM LoRA adapter."""
+        self._lora_request: Any = None
+        self._lora_ids = 0
+        self._lora_root: str | None = None
 
         async def start():
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**self.launch_args))
@@ -97,7 +157,8 @@ class VLLMEngine(AsyncEngineAdapter):
         params = VLLMSamplingParams(**vllm_sampling_kwargs(sampling),
                                     output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
-        async for out in self.engine.generate({"prompt_token_ids": prompt}, params, request_id):
+        lora = {"lora_request": self._lora_request} if self._lora_request is not None else {}
+        async for out in self.engine.generate({"prompt_token_ids": prompt}, params, request_id, **lora):
             final = out
         if final is None:
             raise RuntimeError(f"vLLM returned nothing for request {request_id}")
@@ -118,6 +179,11 @@ class VLLMEngine(AsyncEngineAdapter):
         if not isinstance(version, int):
             raise WeightUpdateError(f"version must be an int, got {type(version).__name__}")
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        if self.lora_adapters:  # adapters are small: look at the whole update first
+            items = list(items)
+            if is_adapter_update(n for n, _ in items):
+                self._load_adapter(items, version)
+                return
 
         def named():  # consumed bucket by bucket: a weight stream is never held whole
             for name, tensor in items:
@@ -145,6 +211,47 @@ class VLLMEngine(AsyncEngineAdapter):
                                     "next successful update") from exc
         self._version = version
 
+    def _load_adapter(self, items: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """Write the adapter as a peft directory and swap it in through vLLM's LoRA API."""
+        import json
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        config, tensors = adapter_files(items, self.launch_args["model"])
+        if self._lora_root is None:
+            self._lora_root = tempfile.mkdtemp(prefix="polyrl-lora-")
+        self._lora_ids += 1
+        directory = Path(self._lora_root) / f"{self._lora_ids}"
+        directory.mkdir()
+        (directory / "adapter_config.json").write_text(json.dumps(config))
+        save_file(tensors, str(directory / "adapter_model.safetensors"))
+        request = LoRARequest(**lora_request_kwargs(self._lora_ids, version, str(directory)))
+        previous = self._lora_request
+
+        async def swap() -> None:
+            if "weights" in self._asleep:
+                await self.engine.wake_up(tags=["weights"])
+                self._asleep.discard("weights")
+            await self.engine.add_lora(request)
+            if previous is not None:
+                await self.engine.remove_lora(previous.lora_int_id)
+            await self.engine.reset_prefix_cache()  # its KV came from the old adapter
+
+        try:
+            self._control(swap(), f"load the LoRA adapter of version {version}")
+        except Exception as exc:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise WeightUpdateError(f"vLLM could not load the LoRA adapter of version {version} ({exc}); "
+                                    "the previous adapter keeps serving") from exc
+        self._lora_request = request
+        if previous is not None:
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        self._version = version
+
     def sleep(self) -> None:
         if not self.launch_args.get("enable_sleep_mode"):
             raise RuntimeError("vLLM was started without enable_sleep_mode (standalone placement); "
@@ -170,4 +277,8 @@ class VLLMEngine(AsyncEngineAdapter):
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        if self._lora_root is not None:
+            import shutil
+
+            shutil.rmtree(self._lora_root, ignore_errors=True)
         super().shutdown()

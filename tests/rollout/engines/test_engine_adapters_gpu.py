@@ -75,3 +75,49 @@ def test_weight_update_round_trips_and_stamps_the_version(engine, tiny_model):
 def test_abort_all_when_idle(engine):
     assert engine.abort_all() == 0
     assert engine.health()["ok"] is True
+
+
+@pytest.fixture(scope="module")
+def vllm_lora_engine(tiny_model):
+    pytest.importorskip("vllm")
+    platform = current_platform()
+    if platform.capability is None and platform.name != "rocm":
+        pytest.skip("needs a GPU")
+    cfg = RolloutConfig(backend="vllm", placement="standalone", dtype="bfloat16", lora_mode="adapter",
+                        gpu_memory_utilization=0.25, max_model_len=128, max_num_seqs=16, enforce_eager=True)
+    eng = build_standalone_engine(cfg, tiny_model, platform.torch_device(0), seed=0)
+    yield eng
+    eng.shutdown()
+
+
+def test_vllm_lora_adapter_path(vllm_lora_engine, tiny_model):
+    """rollout.lora_mode=adapter: an update of adapter tensors loads as a vLLM LoRA adapter that
+    every request then uses; its log-probs are the merged model's (transformers, fp32) within
+    bf16 precision, and the next version's adapter replaces it."""
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.training.lora import LoraConfig, adapter_named_tensors, apply_lora, merged_named_weights
+
+    engine = vllm_lora_engine
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    base = engine.generate_batch([PROMPT], greedy)[0][0]
+    outs = {}
+    for version, seed in ((1, 1), (2, 2)):
+        torch.manual_seed(seed)
+        policy = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model), LoraConfig(lora_rank=8))
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn_like(p) * 0.2)
+        engine.update_weights(list(adapter_named_tensors(policy)), version)
+        out = engine.generate_batch([PROMPT], greedy)[0][0]
+        assert engine.weight_version == version and out.weight_version == version
+        merged = AutoModelForCausalLM.from_pretrained(tiny_model)
+        merged.load_state_dict(dict(merged_named_weights(policy)), strict=False)
+        ids = torch.tensor([PROMPT + out.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(merged(ids).logits[0, len(PROMPT) - 1:-1].float(), -1)
+        want = logp.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(out.logprobs), want, atol=0.1, rtol=0.05)
+        outs[version] = out
+    assert outs[1].logprobs != base.logprobs and outs[2].logprobs != outs[1].logprobs
