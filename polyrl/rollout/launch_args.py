@@ -200,9 +200,7 @@ def sglang_args(rollout: RolloutConfig, model_path: str, platform: Platform,
         "disable_cuda_graph": rollout.enforce_eager,
         "attention_backend": sglang_attention_backend(platform, engine_version,
                                                       model_uses_mla(model_path)),
-        # rollout.lora_mode=adapter: the base comes from disk, adapters through vLLM's LoRA API
-        "load_format": "auto" if rollout.lora_mode == "adapter" else resolve_load_format(rollout),
-        "enable_lora": rollout.lora_mode == "adapter" or None,
+        "load_format": resolve_load_format(rollout),
         # release/resume_memory_occupation need the memory saver (hybrid: sleep between rollouts)
         "enable_memory_saver": rollout.placement == "hybrid" or None,
         "log_level": "error",
@@ -236,9 +234,7 @@ def trtllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
         "max_seq_len": rollout.max_model_len,
         "max_batch_size": rollout.max_num_seqs,
         "kv_cache_config": kv_cache_config,
-        # rollout.lora_mode=adapter: the base comes from disk, adapters through vLLM's LoRA API
-        "load_format": "auto" if rollout.lora_mode == "adapter" else resolve_load_format(rollout),
-        "enable_lora": rollout.lora_mode == "adapter" or None,
+        "load_format": resolve_load_format(rollout),
         # hybrid: release()/resume() of weights and KV cache between rollouts need a SleepConfig
         # (a dict here, `SleepConfig(**d)` in the adapter)
         "sleep_config": {} if rollout.placement == "hybrid" else None,
