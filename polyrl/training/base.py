@@ -8,6 +8,9 @@ optimizer and schedule, however they are sharded) and offers what an algorithm n
     optimizer_step(loss_value)  reduce gradients over the ranks, clip, step (or skip a NaN step)
     logprobs(batch)             no-grad log-probs of a whole batch, in the batch's layout
     named_weights()             full tensors, one at a time, for weight sync and export
+    weight_stream()             the same with every name, shape and dtype up front (a
+                                WeightStream, polyrl/weights/base.py): what a transport sends
+                                without holding more than a bucket of it
     save(dir) / load(dir)       checkpoint state of this rank
     all_reduce(tensor, op)      a collective over the engine's data-parallel group
 
@@ -26,6 +29,7 @@ from typing import Protocol
 import torch
 
 from polyrl.batch import MicroBatch, Ragged, RolloutBatch
+from polyrl.weights.base import WeightStream
 
 
 @dataclass
@@ -54,6 +58,8 @@ class TrainingEngine(Protocol):
     def logprobs(self, batch: RolloutBatch) -> Ragged: ...
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def weight_stream(self) -> WeightStream: ...
 
     def save(self, directory: Path) -> None: ...
 
