@@ -131,6 +131,9 @@ def group_identical(actors: list[ActorPlan]) -> list[tuple[list[tuple[str, Actor
 
 def _devices_text(name: str, actor: ActorPlan) -> str:
     d = actor.devices
+    if d and actor.hands is not None:  # an engine host: asks Ray for none, sees its replica's
+        return (f"{name} -> node {d.node} [{', '.join(map(str, d.ids))}] held in its bundle; "
+                f"engine host, sees [{', '.join(map(str, actor.hands))}]")
     return f"{name} -> node {d.node} [{', '.join(map(str, d.ids))}]" if d else f"{name} -> none"
 
 
