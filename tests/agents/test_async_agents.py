@@ -169,3 +169,60 @@ def test_a_turn_cancelled_while_an_update_holds_the_gate_does_not_hold_it(tokeni
 def _nobody_generating(gate) -> bool:
     with gate._cond:
         return gate._cond.wait_for(lambda: gate._active == 0, timeout=30)
+
+
+async def two_turn_chat_agent(base_url, row, trajectory_id):
+    """An ordinary chat loop: echo the reply as the server returned it, add a message, ask again."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as llm:
+        messages = list(row.raw_prompt)
+        for turn in range(2):
+            reply = await llm.chat.completions.create(model="policy", messages=messages)
+            messages += [reply.choices[0].message.model_dump(), {"role": "user", "content": f"more {turn}"}]
+
+
+@pytest.mark.parametrize("tokenizer", ["byte_level"], indirect=True)
+def test_a_black_box_turn_continued_across_an_update_still_chains(tokenizer, random_dir):
+    """A weight update aborts the agent's first turn mid-way; the turn is continued (its text is the
+    decode of both pieces) and the agent's next request, which echoes that text, still extends it:
+    the trajectory is token-exact, not a prefix mismatch."""
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.agents.black_box import stop_servers
+
+    engine = native(random_dir, tokenizer)
+    gate = WeightGate(engine, "abort")
+    weights = {k: v for k, v in AutoModelForCausalLM.from_pretrained(random_dir).state_dict().items()
+               if k != "lm_head.weight"}
+    inner, updated = engine.engine, threading.Event()
+    step = inner._step
+
+    def step_then_update():  # 3 decode steps into turn 1, publish version 1 from the engine's step thread
+        if inner.stats["decode_steps"] >= 3 and not updated.is_set():
+            updated.set()
+            gate.update_weights(weights, 1)  # aborts the turn; the gate lets its continuation in after
+        step()
+
+    inner._step = step_then_update
+    setattr(sys.modules[__name__], "two_turn_chat_agent", two_turn_chat_agent)
+    row = PromptSample(0, "arithmetic", ChatDelta(tokenizer).prompt_ids(USER), "", USER, "5", {})
+    cfg = AgentConfig(black_box=f"{__name__}:two_turn_chat_agent", max_turns=2, max_response_tokens=200)
+    try:
+        rollout = run_trajectories_sync(GatedEngine(engine, gate), tokenizer, [row],
+                                        SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True), cfg, seeds=[3])
+    finally:
+        stop_servers()
+    traj, batch = rollout.trajectories[0], rollout.batch
+    assert updated.is_set() and len(engine.calls) == 3  # turn 1 in two pieces, turn 2 in one
+    assert traj.stats.prefix_mismatch == 0 and traj.stats.env_errors == 0 and traj.stats.turns == 2
+    assert (int(batch.min_version[0]), int(batch.max_version[0])) == (0, 1)
+    response = traj.response_ids
+    for prompt, out in engine.calls:  # each piece continued exactly the ids before it
+        start = len(prompt) - len(traj.prompt_ids)
+        assert prompt == traj.prompt_ids + response[:start]
+        assert response[start:start + len(out.token_ids)] == out.token_ids
+    assert [end - start for start, end in traj.turn_spans] == [12, 12]
+    assert batch.loss_mask.row(0).sum() == 24 and len(response) > 24  # the user message is masked

@@ -291,7 +291,7 @@ def test_closing_cancels_the_engine_call_in_flight(tokenizer, random_dir):
 
     def serve() -> None:
         try:
-            asyncio.run(recorder.completion_turn("t", engine, [1, 2, 3], None, TurnRequest()))
+            asyncio.run(recorder.completion_turn("t", engine, [1, 2, 3], None, TurnRequest(), text=str))
         except Exception as exc:  # noqa: BLE001 - inspected below
             result["error"] = exc
 
@@ -309,3 +309,26 @@ def test_closing_cancels_the_engine_call_in_flight(tokenizer, random_dir):
     assert engine.stats["decode_tokens"] < 899  # cut short, not run to its max_tokens
     with pytest.raises(RolloutInputError, match="not an open trajectory"):
         recorder.get("t")
+
+
+async def streaming_stop_agent(base_url, row, trajectory_id):
+    """Streams a turn cut by its own stop string, echoes the streamed text, asks again."""
+    llm, messages = client(base_url), list(row.raw_prompt)
+    stream = await llm.chat.completions.create(model="policy", messages=messages, stream=True, stop=['"add"'])
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    STREAMED.append(text)
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "go on"}]
+    await llm.chat.completions.create(model="policy", messages=messages)
+
+
+STREAMED: list = []
+
+
+def test_a_streamed_turn_cut_by_a_stop_string_still_chains(tokenizer, scripted_dirs):
+    """The streamed text is the reply's text (cut before the stop string, like the non-streamed
+    one), so echoing it extends the turn; the stop string's tokens stay in the trajectory as sampled."""
+    STREAMED.clear()
+    engine = native(scripted_dirs[CALL], tokenizer)
+    rollout = run(engine, tokenizer, streaming_stop_agent)
+    assert STREAMED == [CALL[:CALL.index('"add"')]]
+    assert_exact(engine, rollout, turns=2)

@@ -118,10 +118,10 @@ class OpenAIService:
         top = (req.top_logprobs or 0) if req.logprobs else 0
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if trajectory is not None:
-            prompt, out = await self.recorder_or_fail().chat_turn(
+            prompt, out, sampling = await self.recorder_or_fail().chat_turn(
                 trajectory, self.engine, [m.as_template_input() for m in req.messages], self._render_messages,
-                TurnRequest.of(req, max_tokens, top))
-            outs, sampling = [out], SamplingParams(n=1)
+                TurnRequest.of(req, max_tokens, top), text=self.text.text)
+            outs = [out]
         else:
             prompt = self._render_messages([m.as_template_input() for m in req.messages])
             if max_tokens is None:  # OpenAI's chat default: as long as the context allows
@@ -181,9 +181,9 @@ class OpenAIService:
         if len(prompts) != 1:
             raise RolloutInputError("prompt", "a trajectory request carries one prompt (one path per trajectory)")
         ask = TurnRequest.of(req, req.max_tokens, req.logprobs or 0)  # None: the trainer's per-turn cap
-        prompt, out = await self.recorder_or_fail().completion_turn(trajectory, self.engine, prompts[0],
-                                                                    self._encode, ask)
-        return [prompt], [[out]], SamplingParams(n=1)
+        prompt, out, sampling = await self.recorder_or_fail().completion_turn(
+            trajectory, self.engine, prompts[0], self._encode, ask, text=self.text.text)
+        return [prompt], [[out]], sampling  # its stop strings cut a streamed reply too
 
     def _check_messages(self, req: ChatCompletionRequest) -> None:
         if not req.messages:

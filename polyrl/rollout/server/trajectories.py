@@ -146,8 +146,11 @@ class TrajectoryRecorder:
     # -- one request ------------------------------------------------------------------------------
 
     async def chat_turn(self, trajectory_id: str, engine: Any, messages: list[dict],
-                        render: Callable[[list[dict]], list[int]], ask: TurnRequest) -> tuple[list[int], TokenOutput]:
-        """Generate and record one chat turn; returns (prompt ids, output)."""
+                        render: Callable[[list[dict]], list[int]], ask: TurnRequest, *,
+                        text: Callable[[TokenOutput], str]) -> tuple[list[int], TokenOutput, SamplingParams]:
+        """Generate and record one chat turn; returns (prompt ids, output, the sampling it ran
+        with: its stop strings cut a streamed reply like `text`). `text` is the server's
+        text of an output: the reply the agent gets, and so the one it echoes back."""
         messages = [normalize_message(m) for m in messages]
 
         def prompt_of(record: TrajectoryRecord) -> tuple[list[int], list[dict], bool]:
@@ -165,11 +168,12 @@ class TrajectoryRecorder:
             record.messages = messages + [{"role": "assistant", "content": out.text or ""}]
             record.text = None
 
-        return await self._turn(trajectory_id, engine, prompt_of, remember, ask, "messages")
+        return await self._turn(trajectory_id, engine, prompt_of, remember, ask, text, "messages")
 
     async def completion_turn(self, trajectory_id: str, engine: Any, prompt: str | list[int],
-                              encode: Callable[[str], list[int]], ask: TurnRequest) -> tuple[list[int], TokenOutput]:
-        """Generate and record one completion turn; returns (prompt ids, output)."""
+                              encode: Callable[[str], list[int]], ask: TurnRequest, *,
+                              text: Callable[[TokenOutput], str]) -> tuple[list[int], TokenOutput, SamplingParams]:
+        """Generate and record one completion turn; returns what `chat_turn` does."""
         def prompt_of(record: TrajectoryRecord) -> tuple[list[int], list[dict], bool]:
             if not isinstance(prompt, str):
                 return list(prompt), [], False
@@ -183,10 +187,11 @@ class TrajectoryRecorder:
             record.text = prompt + (out.text or "") if isinstance(prompt, str) else None
             record.messages = None
 
-        return await self._turn(trajectory_id, engine, prompt_of, remember, ask, "prompt")
+        return await self._turn(trajectory_id, engine, prompt_of, remember, ask, text, "prompt")
 
     async def _turn(self, trajectory_id: str, engine: Any, prompt_of: Callable, remember: Callable,
-                    ask: TurnRequest, field_name: str) -> tuple[list[int], TokenOutput]:
+                    ask: TurnRequest, text: Callable[[TokenOutput], str],
+                    field_name: str) -> tuple[list[int], TokenOutput, SamplingParams]:
         record = self.get(trajectory_id)
         if record.lock is None:  # created on the server's loop; turns of one trajectory take turns
             record.lock = asyncio.Lock()
@@ -211,6 +216,10 @@ class TrajectoryRecorder:
                 top_logprobs=ask.top_logprobs, stop=tuple(record.sampling.stop) + tuple(ask.stop),
                 stop_token_ids=tuple(record.sampling.stop_token_ids) + tuple(ask.stop_token_ids)).validate()
             out = await self._generate(record, engine, prompt, sp, f"{trajectory_id}/{turn}")
+            # the text the agent is sent and will echo back; an output without one (a turn that a
+            # weight update aborted and that was continued) would otherwise be remembered as ""
+            # and the echo would no longer extend the turn
+            out = dataclasses.replace(out, text=text(out))
             if out.stop_reason == "length" and len(out.token_ids) >= budget and budget < asked:
                 record.limit = "response_tokens" if left <= budget else "context"
             eos = set(getattr(engine, "eos_token_ids", ()) or ()) | set(sp.stop_token_ids)
@@ -222,7 +231,7 @@ class TrajectoryRecorder:
                 record.context = list(prompt) + list(out.token_ids)
                 record.last_token = out.token_ids[-1] if out.token_ids and out.token_ids[-1] in eos else None
                 remember(record, out)
-            return list(prompt), out
+            return list(prompt), out, sp
 
 
     async def _generate(self, record: TrajectoryRecord, engine: Any, prompt: list[int], sp: SamplingParams,
