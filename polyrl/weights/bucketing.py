@@ -133,6 +133,8 @@ def checked(manifest: WeightManifest, stream: Iterable[tuple[str, torch.Tensor]]
         check_tensor(slot.spec, *item)
         yield slot, item[1]
         del item
+    if next(tensors, None) is not None:
+        raise WeightSyncError(f"version {manifest.version}: more tensors than the {manifest.num_tensors} planned")
 
 
 Scratch = Callable[[int, torch.device], torch.Tensor]
@@ -164,8 +166,8 @@ def iter_buckets(manifest: WeightManifest, stream: Iterable[tuple[str, torch.Ten
             copy_into(out, slot, tensor)
             del tensor
         yield b, out
-    if next(pairs, None) is not None:  # raises if the stream holds more than was planned
-        raise WeightSyncError(f"version {manifest.version}: more tensors than the manifest holds")
+    for _ in pairs:  # the stream must end here (`checked` raises if it holds more)
+        pass
 
 
 def copy_into(bucket: torch.Tensor, slot: TensorSlot, tensor: torch.Tensor) -> None:

@@ -104,6 +104,8 @@ def test_a_stream_that_drifts_from_its_specs_is_refused():
     manifest = plan_buckets(WeightStream(specs, []).specs, 1, 1 << 20)
     with pytest.raises(WeightSyncError, match="yielded 'model.layers.0.mlp.up_proj.weight' \\(16, 48\\)"):
         list(iter_buckets(manifest, WeightStream(specs, wrong), scratch_pool()))
+    with pytest.raises(WeightSyncError, match="more tensors than the 6 planned"):
+        list(iter_buckets(manifest, list(weights.items()) + [("extra", torch.zeros(1))], scratch_pool()))
     short = list(weights.items())[:2]
     with pytest.raises(WeightSyncError, match="ended before"):
         list(WeightStream(specs, short))
