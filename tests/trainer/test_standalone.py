@@ -76,3 +76,33 @@ def test_sync_standalone_over_the_object_store(ray_session, tiny_model, arith_fi
     steps = [r for r in read(tmp_path / "store") if "actor/loss" in r]
     assert [r["weight_sync/version"] for r in steps] == [1, 2]
     assert all(r["weight_sync/bytes"] > 0 for r in steps)
+
+
+@pytest.mark.slow
+def test_a_two_rank_replica_generates_on_its_leader_and_takes_weights_through_it(
+        ray_session, tiny_model, arith_files, tmp_path):
+    """The production launch of a TP-2 standalone replica (DisaggregatedTopology, real Ray actors,
+    the built-in engine standing in for a TP engine, which `polyrl train` refuses for it): only the
+    replica leader generates, and a published version reaches its engine from both ranks."""
+    from polyrl.data.dataset import PromptSample
+    from polyrl.platform import get_platform
+    from polyrl.rollout.base import SamplingParams
+    from polyrl.topology import TopologyContext, build_topology
+
+    cfg = job(tiny_model, arith_files, tmp_path / "o", tmp_path, "rollout.placement=standalone",
+              "rollout.tensor_parallel_size=2", "rollout.max_model_len=64")
+    topology = build_topology(TopologyContext(cfg, get_platform(cfg.platform), 1, None, None, None))
+    try:
+        topology.start()
+        assert topology.engines.names == ["rollout replica 0 (rank 1)"]
+        assert topology.rollout.names == ["rollout replica 0 (rank 1)", "rollout replica 0 (rank 2)"]
+        topology.publish(bump=True)
+        leader, other = topology.rollout.call("push_stats", phase="stats")
+        assert leader["rounds"] >= 1 and other["rounds"] == 0 and leader["partial"]
+        assert leader["tensors"] > 0 and other["tensors"] > 0  # each rank sends its share
+        rows = [PromptSample(i, "arith", [5, 6, 7 + i], "x", "x", "1") for i in range(2)]
+        batch = topology.generate(rows, SamplingParams(temperature=0.0, max_tokens=3), [0, 1], "validate")
+        assert batch.weight_version.tolist() == [1, 1]
+        assert topology.rollout.call("health", phase="health")[1]["weight_version"] == 1
+    finally:
+        topology.shutdown()
