@@ -68,11 +68,11 @@ def clean_env(monkeypatch):
             monkeypatch.delenv(name)
 
 
-def job(layout: str, tp: int, nodes: int) -> JobConfig:
+def job(layout: str, tp: int, nodes: int, *extra: str) -> JobConfig:
     """A job that fills `nodes` nodes: hybrid = TP-grouped policy ranks; standalone / async = 1
     policy rank + replicas, with one replica more than fits on the first node when nodes=2."""
     overrides = ["actor.num_cpus_per_worker=1", "rollout.max_model_len=64", "rollout.backend=vllm",
-                 f"rollout.tensor_parallel_size={tp}"]
+                 f"rollout.tensor_parallel_size={tp}", *extra]
     if layout == "hybrid":  # two nodes: one TP group more than the first node holds
         world = 8 + tp if nodes == 2 else 2 * tp
         overrides += [f"actor.world_size={world}", f"data.train_batch_size={world * 2}"]
@@ -195,8 +195,13 @@ def test_standalone_tp2_two_nodes_exact_map(cluster):
       for p, layout, tp in [("rocm", "async", 4), ("rocm", "standalone", 2), ("rocm", "hybrid", 2),
                             ("npu", "standalone", 2), ("npu", "hybrid", 2)]]])
 def test_rocm_and_npu_actor_device_map(cluster, platform_name, layout, tp):
-    plan, live, seen = run_probes(platform_name, job(layout, tp, 2), 2)
+    # the NPU async case also runs a reward-model worker on a device of its own (issue 21)
+    reward = (["reward.model.path=/models/rm", "reward.model.num_devices=1"]
+              if (platform_name, layout) == ("npu", "async") else [])
+    plan, live, seen = run_probes(platform_name, job(layout, tp, 2, *reward), 2)
     check_map(platform_name, plan, live, seen)
+    if reward:
+        assert plan.actors[-1].name == "reward model worker" and plan.actors[-1].devices.ids == (5,)
     if platform_name == "npu":
         assert all(a.bundle_resources.get("resources", {}).get("NPU") for a in plan.actors if a.devices)
 
