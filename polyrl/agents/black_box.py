@@ -177,11 +177,12 @@ class BlackBoxRunner:
         return traj
 
     async def _call(self, base_url: str, row: Any, trajectory_id: str) -> Any:
+        kwargs = {"base_url": base_url, "row": row, "trajectory_id": trajectory_id}
         if inspect.iscoroutinefunction(self.agent):
-            return await self.agent(base_url, row, trajectory_id)
+            return await _on_own_loop(self.agent, kwargs)
         # a blocking agent runs on its own thread (abandoned, not killed, on a timeout)
-        result = await _in_thread(self.agent, {"base_url": base_url, "row": row, "trajectory_id": trajectory_id})
-        return await result if inspect.isawaitable(result) else result
+        result = await _in_thread(self.agent, kwargs)
+        return await _on_own_loop(lambda: result, {}) if inspect.isawaitable(result) else result
 
     @staticmethod
     def _apply_result(traj: Trajectory, result: Any) -> str | None:
@@ -204,6 +205,35 @@ class BlackBoxRunner:
             self._logged_error = True
             logger.warning("black-box agent %s: trajectory %s %s (counted in agent/env_errors; "
                            "the trajectory gets no loss)", self.cfg.black_box, trajectory_id, error)
+
+
+async def _on_own_loop(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    """`await fn(**kwargs)` on an event loop of its own, in a thread of its own. An async agent that
+    blocks its loop (a synchronous client or time.sleep inside `async def`) then cannot hold up the
+    other agents or keep the rollout past `agent.black_box_timeout_s`: on the timeout its task is
+    cancelled, and if it does not end, its thread is abandoned like a blocking agent's."""
+    state: dict[str, Any] = {"cancelled": False}
+    lock = threading.Lock()
+
+    async def main() -> Any:
+        with lock:
+            if state["cancelled"]:
+                raise asyncio.CancelledError
+            state["loop"], state["task"] = asyncio.get_running_loop(), asyncio.current_task()
+        return await fn(**kwargs)
+
+    try:
+        return await _in_thread(lambda: asyncio.run(main()), {})
+    except asyncio.CancelledError:
+        with lock:
+            state["cancelled"] = True
+            loop, task = state.get("loop"), state.get("task")
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:  # its loop already ended
+                pass
+        raise
 
 
 def assemble(turns: Sequence[Any], row: Any, group: int, tokenizer: Any) -> Trajectory:

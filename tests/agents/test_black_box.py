@@ -194,6 +194,28 @@ def test_an_agent_past_its_timeout_is_abandoned(tokenizer, scripted_dirs):
     assert rollout.trajectories[0].stats.env_errors == 1
 
 
+_unblock, _unblocked = threading.Event(), threading.Event()
+
+
+async def blocking_async_agent(base_url, row, trajectory_id):
+    """`async def` around a blocking call (a synchronous client, time.sleep): it holds its event loop."""
+    _unblock.wait(60)
+    _unblocked.set()
+
+
+@ONE_TOKENIZER
+def test_an_async_agent_that_blocks_its_loop_is_abandoned_at_its_timeout(tokenizer, scripted_dirs):
+    """It runs on a loop of its own, so the rollout's loop keeps time: the run ends at the timeout
+    while the agent is still blocked (before: the rollout waited for the blocking call)."""
+    try:
+        rollout = run(native(scripted_dirs[CALL], tokenizer), tokenizer, blocking_async_agent,
+                      black_box_timeout_s=0.05)
+        still_blocked = not _unblocked.is_set()
+    finally:
+        _unblock.set()
+    assert still_blocked and rollout.trajectories[0].stats.env_errors == 1
+
+
 async def greedy_agent(base_url, row, trajectory_id):
     """Keeps asking until the server says no more."""
     llm, messages = client(base_url), list(row.raw_prompt)
