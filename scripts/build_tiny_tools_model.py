@@ -1,6 +1,7 @@
 """Build the bundled tiny tool-calling model ``builtin:tiny-calc`` and the calculator task's data.
 
-Exact command (from the repository root; one torch thread, no downloads)::
+Exact command (from the repository root; one torch thread, no downloads; 950 SFT steps of 64
+conversations, 9 minutes wall / 4.3 minutes CPU measured on a heavily shared 2-core machine)::
 
     python scripts/build_tiny_tools_model.py
 
@@ -31,7 +32,7 @@ The warm start (``docs/tools_calculator.md``) is two ``polyrl.sft`` runs (the li
    leading digits, the rest wrong; 150 steps of 64).
 
 The model can use the tool but usually does not: sampled, it calls on ~10% of held-out problems
-(and is then almost always right); greedy, it mostly writes a wrong number. Held-out accuracy starts
+(and is then almost always right); greedy, it never calls on them. Held-out accuracy starts
 low, and the verifiable reward has one shared direction to push (call the calculator), which GRPO
 finds in a few dozen steps. The habit is the common failure of tool-using LLMs: answering
 from memory instead of calling the tool they know.
