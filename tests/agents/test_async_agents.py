@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -21,39 +20,56 @@ from polyrl.rollout.base import SamplingParams
 from polyrl.workers.partial_rollout import GatedEngine, WeightGate
 
 
+def publish_mid_turn(engine, gate, weights, after_decode_steps):
+    """Publish version 1 (the same tensors, a new version) through `gate` once the engine has made
+    `after_decode_steps` decode steps: the engine's next step waits until the update has paused the
+    gate (and, with abort, aborted the turn), so it lands mid-turn however fast or busy the machine.
+    Returns the publishing thread (joined by the caller) and an event set once the update applied."""
+    inner, applied, paused = engine.engine, threading.Event(), threading.Event()
+
+    class ObservedCondition(threading.Condition):
+        def wait_for(self, predicate, timeout=None):  # the publisher waits: the gate is paused
+            if threading.current_thread() is publisher:
+                paused.set()
+            return super().wait_for(predicate, timeout)
+
+    def publish():
+        gate.update_weights(weights, 1)
+        applied.set()
+
+    publisher = threading.Thread(target=publish, name="publisher")
+    gate._cond = ObservedCondition()
+    step = inner._step
+
+    def step_after_publishing():
+        if inner.stats["decode_steps"] >= after_decode_steps and not publisher.is_alive() and not applied.is_set():
+            publisher.start()
+            assert paused.wait(60)
+        step()
+
+    inner._step = step_after_publishing
+    return publisher, applied
+
+
+def policy_weights(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return {k: v for k, v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()
+            if k != "lm_head.weight"}  # tied to the embedding
+
+
 @pytest.mark.parametrize("tokenizer", ["byte_level"], indirect=True)  # ids only: one tokenizer
 @pytest.mark.parametrize("policy", ["abort", "wait"])
 def test_a_weight_update_mid_turn_keeps_the_trajectory_exact(tokenizer, random_dir, policy):
-    from transformers import AutoModelForCausalLM
-
     engine = native(random_dir, tokenizer)
-    step = engine.engine._step
-
-    def paced_step():  # >= 1 ms a decode step: the update lands mid-turn however busy the machine
-        time.sleep(0.001)
-        step()
-
-    engine.engine._step = paced_step
     gate = WeightGate(engine, policy)
-    weights = {k: v for k, v in AutoModelForCausalLM.from_pretrained(random_dir).state_dict().items()
-               if k != "lm_head.weight"}  # tied to the embedding
+    publisher, updated = publish_mid_turn(engine, gate, policy_weights(random_dir), after_decode_steps=5)
     row = PromptSample(0, "arithmetic", ChatDelta(tokenizer).prompt_ids(USER), "", USER, "5", {})
     sampling = SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True)
     cfg = AgentConfig(environment="tools", max_turns=2, max_response_tokens=500)
-    updated = threading.Event()
-
-    def update():  # 5 decode steps into turn 1, publish version 1 (the same tensors, a new version)
-        deadline = time.monotonic() + 120
-        while engine.stats["decode_steps"] < 5 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        gate.update_weights(weights, 1)
-        updated.set()
-
-    thread = threading.Thread(target=update)
-    thread.start()
     rollout = run_trajectories_sync(GatedEngine(engine, gate), tokenizer, [row], sampling, cfg, seeds=[3])
-    thread.join(120)
-    assert updated.is_set()
+    publisher.join(120)
+    assert updated.is_set() and engine.weight_version == 1
     traj, batch = rollout.trajectories[0], rollout.batch
     # the turn ran to its max_tokens whatever the update did (a length stop ends the episode)
     assert traj.stats.turns == 1 and traj.turn_spans == [(0, 200)]
@@ -189,24 +205,11 @@ def test_a_black_box_turn_continued_across_an_update_still_chains(tokenizer, ran
     the trajectory is token-exact, not a prefix mismatch."""
     import sys
 
-    from transformers import AutoModelForCausalLM
-
     from polyrl.agents.black_box import stop_servers
 
     engine = native(random_dir, tokenizer)
     gate = WeightGate(engine, "abort")
-    weights = {k: v for k, v in AutoModelForCausalLM.from_pretrained(random_dir).state_dict().items()
-               if k != "lm_head.weight"}
-    inner, updated = engine.engine, threading.Event()
-    step = inner._step
-
-    def step_then_update():  # 3 decode steps into turn 1, publish version 1 from the engine's step thread
-        if inner.stats["decode_steps"] >= 3 and not updated.is_set():
-            updated.set()
-            gate.update_weights(weights, 1)  # aborts the turn; the gate lets its continuation in after
-        step()
-
-    inner._step = step_then_update
+    publisher, updated = publish_mid_turn(engine, gate, policy_weights(random_dir), after_decode_steps=3)
     setattr(sys.modules[__name__], "two_turn_chat_agent", two_turn_chat_agent)
     row = PromptSample(0, "arithmetic", ChatDelta(tokenizer).prompt_ids(USER), "", USER, "5", {})
     cfg = AgentConfig(black_box=f"{__name__}:two_turn_chat_agent", max_turns=2, max_response_tokens=200)
@@ -215,6 +218,7 @@ def test_a_black_box_turn_continued_across_an_update_still_chains(tokenizer, ran
                                         SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True), cfg, seeds=[3])
     finally:
         stop_servers()
+    publisher.join(120)
     traj, batch = rollout.trajectories[0], rollout.batch
     assert updated.is_set() and len(engine.calls) == 3  # turn 1 in two pieces, turn 2 in one
     assert traj.stats.prefix_mismatch == 0 and traj.stats.env_errors == 0 and traj.stats.turns == 2
