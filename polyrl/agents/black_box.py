@@ -31,6 +31,7 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import math
 import sys
 import threading
 import uuid
@@ -191,6 +192,8 @@ class BlackBoxRunner:
         if result is None:
             return None
         if isinstance(result, (bool, int, float)):
+            if not math.isfinite(result):  # an inf would turn its group's advantages into NaN
+                return f"returned the reward {result!r}; a reward must be a finite number"
             traj.stats.reward = float(result)
             return None
         if isinstance(result, str):

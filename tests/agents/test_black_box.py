@@ -140,6 +140,23 @@ def test_completions_on_token_ids_and_a_returned_reward(tokenizer, random_dir):
     assert rollout.env_rewards.tolist() == [0.25]
 
 
+async def text_agent(base_url, row, trajectory_id):
+    """Completions on text: the agent appends the returned text and its own, and asks again."""
+    llm, prompt = client(base_url), "Q: what is 2+3?\nA:"
+    for turn in range(3):
+        reply = await llm.completions.create(model="policy", prompt=prompt, max_tokens=5)
+        prompt += reply.choices[0].text + f" ok {turn}. A:"
+
+
+def test_text_completions_extend_the_previous_turn(tokenizer, random_dir):
+    """A random model's text does not re-encode to its ids; the trajectory keeps the ids and
+    encodes only what the agent appended, as a continuation."""
+    engine = native(random_dir, tokenizer)
+    rollout = run(engine, tokenizer, text_agent, SAMPLED)
+    assert_exact(engine, rollout, turns=3)
+    assert [m["content"] for m in rollout.trajectories[0].messages if m["role"] == "text"] == [" ok 0. A:", " ok 1. A:"]
+
+
 async def editing_agent(base_url, row, trajectory_id):
     """Rewrites the first user message before its second turn: the chain breaks."""
     llm = client(base_url)
@@ -163,6 +180,11 @@ async def failing_agent(base_url, row, trajectory_id):
     raise RuntimeError("the agent broke")
 
 
+async def infinite_reward_agent(base_url, row, trajectory_id):
+    await client(base_url).chat.completions.create(model="policy", messages=row.raw_prompt)
+    return float("inf")
+
+
 def idle_agent(base_url, row, trajectory_id):  # a blocking agent that never calls the server
     return None
 
@@ -172,6 +194,8 @@ def test_an_agent_that_raises_or_never_calls_is_counted_not_fatal(tokenizer, scr
     rollout = run(native(scripted_dirs[CALL], tokenizer), tokenizer, failing_agent)
     assert rollout.trajectories[0].stats.env_errors == 1 and rollout.batch.loss_mask.row(0).sum() == 0
     assert rollout.trajectories[0].stats.turns == 1
+    infinite = run(native(scripted_dirs[CALL], tokenizer), tokenizer, infinite_reward_agent)
+    assert infinite.metrics()["agent/env_errors"] == 1.0 and infinite.env_rewards.isnan().all()
     idle = run(native(scripted_dirs[CALL], tokenizer), tokenizer, idle_agent, count=2)
     assert idle.metrics()["agent/env_errors"] == 2.0
     assert idle.batch.response_ids.lengths.tolist() == [0, 0]
