@@ -15,7 +15,8 @@ BUILTIN_MODEL = "builtin:tiny-arith"
 class ModelConfig(LoraConfig):
     path: str = BUILTIN_MODEL
     """Local Hugging Face model directory (config.json, safetensors, tokenizer files), or
-    builtin:tiny-arith for the bundled tiny model. Nothing is downloaded."""
+    builtin:tiny-arith for the bundled tiny model (builtin:tiny-calc: its tool-calling sibling,
+    docs/tools_calculator.md). Nothing is downloaded."""
     tokenizer_path: str | None = None
     """Tokenizer directory if it differs from `path`."""
     trust_remote_code: bool = False
