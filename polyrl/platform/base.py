@@ -7,9 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
     from polyrl.platform.detect import HardwareProbe
 
 
@@ -62,9 +61,13 @@ class Platform:
     # --- devices in this process -----------------------------------------------------------
     def device_module(self) -> Any:
         """The torch module for this device type (torch.cuda, torch.npu, torch.cpu)."""
+        import torch
+
         return getattr(torch, self.device_type)
 
     def torch_device(self, index: int | None = 0) -> torch.device:
+        import torch
+
         if index is None:
             return torch.device(self.device_type)
         return torch.device(self.device_type, index)

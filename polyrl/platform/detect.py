@@ -15,8 +15,6 @@ import subprocess
 from dataclasses import dataclass, replace
 from importlib.metadata import entry_points
 
-import torch
-
 from polyrl.platform.base import Platform, PlatformError
 from polyrl.registry import Registry
 
@@ -100,6 +98,8 @@ def _smi_count(tool: str) -> int:
 
 def probe_hardware() -> HardwareProbe:
     """Look at the real machine (no side effects beyond running the smi tools, if present)."""
+    import torch  # here, not at import: planning with a simulated probe needs no torch
+
     torch_cuda = getattr(torch.version, "cuda", None)
     torch_hip = getattr(torch.version, "hip", None)
     has_npu = importlib.util.find_spec("torch_npu") is not None

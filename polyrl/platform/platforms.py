@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from polyrl.platform.base import EnvDefault, Platform
+
+if TYPE_CHECKING:
+    import torch
 
 VERL_6664 = "https://github.com/verl-project/verl/pull/6664"
 
@@ -35,9 +38,13 @@ class CPUPlatform(Platform):
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
     def torch_device(self, index: int | None = 0) -> torch.device:
+        import torch
+
         return torch.device("cpu")
 
     def training_attention(self, dtype: torch.dtype):
+        import torch
+
         # SDPA's CPU flash-attention backward is ~5x slower than the math kernel in bf16
         # (123 vs 26 ms per layer at 30M params, docs/benchmarks.md); in fp32 they are equal.
         if dtype == torch.bfloat16:
@@ -55,6 +62,8 @@ class CUDAPlatform(Platform):
     ray_resource = "GPU"
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
+        import torch
+
         if dtype == torch.bfloat16 and self.capability is not None:
             return self.capability >= (8, 0)
         return True
@@ -100,6 +109,7 @@ class NPUPlatform(Platform):
     ray_resource = "NPU"
 
     def device_module(self):
+        import torch
         import torch_npu  # noqa: F401  (registers torch.npu)
 
         return torch.npu  # type: ignore[attr-defined]

@@ -109,3 +109,17 @@ def test_reserved_device_not_visible_is_an_error():
     with pytest.raises(PlatformError, match="Ray assigned device.s. 2 but this process sees only '0,1'"):
         platform.local_device_indices(["2"], {"CUDA_VISIBLE_DEVICES": "0,1"})
     assert get_platform(None, SIMULATED_PROBES["cpu"]).reserved_devices() == []
+
+
+def test_planning_imports_no_torch():
+    """Planning (dry run, placement, env plans, the simulated cluster's probe actors) runs without
+    importing torch: every probe actor would otherwise pay seconds of import on start-up."""
+    import subprocess
+    import sys
+
+    code = ("import sys, polyrl.platform, polyrl.envplan, polyrl.placement\n"
+            "from polyrl.platform import SIMULATED_PROBES, get_platform\n"
+            "get_platform('rocm', SIMULATED_PROBES['mi300x']).reserved_devices()\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
