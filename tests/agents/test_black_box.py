@@ -378,3 +378,33 @@ def test_a_streamed_turn_cut_by_a_stop_string_still_chains(tokenizer, scripted_d
     rollout = run(engine, tokenizer, streaming_stop_agent)
     assert STREAMED == [CALL[:CALL.index('"add"')]]
     assert_exact(engine, rollout, turns=2)
+
+
+@ONE_TOKENIZER
+def test_a_request_queued_behind_a_turn_when_its_trajectory_closes_sets_no_limit(tokenizer, random_dir):
+    """A request that waits for its trajectory's running turn and gets in after the trajectory was
+    closed (the agent timed out) is refused as closed: it must not record a limit, which would
+    excuse the timeout (an agent ending on a limit is not an error and keeps its loss)."""
+    from polyrl.rollout.native.engine import NativeEngine
+    from polyrl.rollout.server.trajectories import TrajectoryRecorder, TurnRequest
+
+    engine = NativeEngine(random_dir, tokenizer=tokenizer, max_model_len=64)
+    recorder = TrajectoryRecorder()
+    recorder.open("t", SamplingParams(max_tokens=1, seed=0), seeds=lambda turn: 0, max_turns=1,
+                  max_response_tokens=8)
+
+    async def scenario():
+        await recorder.completion_turn("t", engine, [1, 2, 3], None, TurnRequest(), text=str)
+        record = recorder.get("t")
+        async with record.lock:  # a turn of this trajectory is running
+            queued = asyncio.ensure_future(recorder.completion_turn("t", engine, [1, 2, 3, 4], None,
+                                                                    TurnRequest(), text=str))
+            while not record.lock._waiters:  # the request waits for the lock (asyncio-internal, no sleep)
+                await asyncio.sleep(0)
+            recorder.close("t")
+        with pytest.raises(RolloutInputError) as refused:
+            await queued
+        return record, refused.value
+
+    record, error = asyncio.run(scenario())
+    assert error.field == "trajectory" and record.limit is None and len(record.turns) == 1

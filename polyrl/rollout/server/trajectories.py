@@ -196,6 +196,8 @@ class TrajectoryRecorder:
         if record.lock is None:  # created on the server's loop; turns of one trajectory take turns
             record.lock = asyncio.Lock()
         async with record.lock:
+            if record.closed:  # closed while this request waited for the previous turn: refuse it
+                raise self._closed_error(trajectory_id)  # before it records a limit (that excuses a timeout)
             turn = len(record.turns)
             if turn >= record.max_turns:
                 record.limit = "turns"
@@ -225,8 +227,7 @@ class TrajectoryRecorder:
             eos = set(getattr(engine, "eos_token_ids", ()) or ()) | set(sp.stop_token_ids)
             with self._mutex:
                 if record.closed:
-                    raise RolloutInputError("trajectory", f"'{trajectory_id}' was closed while this request "
-                                                          "ran (the agent had returned); nothing was recorded")
+                    raise self._closed_error(trajectory_id)
                 record.turns.append(RecordedTurn(list(prompt), out, added, extended))
                 record.context = list(prompt) + list(out.token_ids)
                 record.last_token = out.token_ids[-1] if out.token_ids and out.token_ids[-1] in eos else None
@@ -247,14 +248,19 @@ class TrajectoryRecorder:
             return (await task)[0]
         except asyncio.CancelledError:
             if record.closed and not asyncio.current_task().cancelling():  # closed, not a client leaving
-                raise RolloutInputError("trajectory", f"'{record.id}' was closed while this request ran (the "
-                                                      "agent had returned or timed out); nothing was recorded") from None
+                raise self._closed_error(record.id) from None
             raise
         finally:
             with self._mutex:
                 record.inflight.pop(task, None)
                 if not record.inflight:
                     record.idle.set()
+
+
+    @staticmethod
+    def _closed_error(trajectory_id: str) -> RolloutInputError:
+        return RolloutInputError("trajectory", f"'{trajectory_id}' was closed while this request ran (the "
+                                               "agent had returned or timed out); nothing was recorded")
 
 
 @dataclass
