@@ -196,11 +196,9 @@ class TrajectoryRecorder:
         if record.lock is None:  # created on the server's loop; turns of one trajectory take turns
             record.lock = asyncio.Lock()
         async with record.lock:
-            if record.closed:  # closed while this request waited for the previous turn: refuse it
-                raise self._closed_error(trajectory_id)  # before it records a limit (that excuses a timeout)
             turn = len(record.turns)
             if turn >= record.max_turns:
-                record.limit = "turns"
+                self._hit(record, "turns")
                 raise TrajectoryLimit(field_name, f"trajectory '{trajectory_id}' has used its "
                                                   f"agent.max_turns={record.max_turns} turns")
             prompt, added, extended = prompt_of(record)
@@ -208,7 +206,7 @@ class TrajectoryRecorder:
             left = record.max_response_tokens - record.response_tokens(prompt)
             budget = min(left, max_len - len(prompt))
             if budget <= 0:
-                record.limit = "response_tokens" if left <= 0 else "context"
+                self._hit(record, "response_tokens" if left <= 0 else "context")
                 raise TrajectoryLimit(field_name, f"trajectory '{trajectory_id}' has no "
                                                   f"{'response tokens' if left <= 0 else 'context'} left "
                                                   f"(agent.max_response_tokens={record.max_response_tokens})")
@@ -222,12 +220,12 @@ class TrajectoryRecorder:
             # weight update aborted and that was continued) would otherwise be remembered as ""
             # and the echo would no longer extend the turn
             out = dataclasses.replace(out, text=text(out))
-            if out.stop_reason == "length" and len(out.token_ids) >= budget and budget < asked:
-                record.limit = "response_tokens" if left <= budget else "context"
             eos = set(getattr(engine, "eos_token_ids", ()) or ()) | set(sp.stop_token_ids)
             with self._mutex:
                 if record.closed:
                     raise self._closed_error(trajectory_id)
+                if out.stop_reason == "length" and len(out.token_ids) >= budget and budget < asked:
+                    record.limit = "response_tokens" if left <= budget else "context"
                 record.turns.append(RecordedTurn(list(prompt), out, added, extended))
                 record.context = list(prompt) + list(out.token_ids)
                 record.last_token = out.token_ids[-1] if out.token_ids and out.token_ids[-1] in eos else None
@@ -256,6 +254,14 @@ class TrajectoryRecorder:
                 if not record.inflight:
                     record.idle.set()
 
+
+    def _hit(self, record: TrajectoryRecord, limit: str) -> None:
+        """Record the limit a request hit, unless the trajectory is closed (a request that waited
+        for the previous turn while its agent timed out): a limit excuses a timeout."""
+        with self._mutex:
+            if record.closed:
+                raise self._closed_error(record.id)
+            record.limit = limit
 
     @staticmethod
     def _closed_error(trajectory_id: str) -> RolloutInputError:
