@@ -69,7 +69,8 @@ class AgentConfig(Config):
     agent/env_errors (its trajectory gets no loss)."""
 
     max_parallel_agents: int = Field(64, ge=1)
-    """Black-box agent runs at once per rollout worker."""
+    """Black-box agent runs at once per rollout call (a rollout worker's batch; an async replica
+    serving several calls at once runs up to this many per call)."""
 
     @model_validator(mode="after")
     def _check(self) -> "AgentConfig":
