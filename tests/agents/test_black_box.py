@@ -408,3 +408,32 @@ def test_a_request_queued_behind_a_turn_when_its_trajectory_closes_sets_no_limit
 
     record, error = asyncio.run(scenario())
     assert error.field == "trajectory" and record.limit is None and len(record.turns) == 1
+
+
+async def doubled_user_agent(base_url, row, trajectory_id):
+    """Sends two user messages in a row after the reply, which its model's template refuses."""
+    llm, messages = client(base_url), list(row.raw_prompt)
+    reply = await llm.chat.completions.create(model="policy", messages=messages)
+    messages += [reply.choices[0].message.model_dump(), {"role": "user", "content": "a"},
+                 {"role": "user", "content": "b"}]
+    try:
+        await llm.chat.completions.create(model="policy", messages=messages)
+    except openai.APIStatusError as exc:
+        PROBED.update(status=exc.status_code, param=(exc.body or {}).get("param"))
+    return "5"
+
+
+@ONE_TOKENIZER
+def test_a_template_that_refuses_the_new_messages_is_a_400_naming_messages(tokenizer, scripted_dirs):
+    """Extending the turn renders the new messages with the template; a template that raises there
+    gets the same answer as a fresh render (HTTP 400 naming `messages`), not a server error."""
+    import copy
+
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = (
+        "{%- for m in messages %}{%- if not loop.first and m.role == 'user' and "
+        "messages[loop.index0 - 1].role == 'user' %}{{ raise_exception('two user messages in a row') }}"
+        "{%- endif %}{%- endfor %}" + tokenizer.chat_template)
+    PROBED.clear()
+    rollout = run(native(scripted_dirs[CALL], strict), strict, doubled_user_agent)
+    assert PROBED == {"status": 400, "param": "messages"} and rollout.trajectories[0].stats.turns == 1

@@ -160,8 +160,8 @@ class TrajectoryRecorder:
                 new = messages[len(prev):]
                 try:
                     return record.context + self.continuation.delta_ids(new, record.last_token), new, True
-                except ValueError:  # a template that cannot be extended turn by turn: render it all
-                    pass
+                except Exception:  # noqa: BLE001 - a template that cannot be extended turn by turn, or
+                    pass  # that rejects the new messages (jinja raise): rendering it all says which
             return render(messages), messages, False
 
         def remember(record: TrajectoryRecord, out: TokenOutput) -> None:
