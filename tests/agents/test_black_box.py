@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import openai
 import pytest
@@ -334,6 +333,14 @@ def test_closing_cancels_the_engine_call_in_flight(tokenizer, random_dir):
     recorder.open("t", SamplingParams(temperature=1.0, max_tokens=900, seed=0, ignore_eos=True),
                   seeds=lambda turn: 0, max_turns=2, max_response_tokens=1000)
     result: dict = {}
+    decoding, step = threading.Event(), engine._step
+
+    def observed_step():  # the engine's step thread says when the request is decoding
+        step()
+        if engine.stats["decode_steps"]:
+            decoding.set()
+
+    engine._step = observed_step
 
     def serve() -> None:
         try:
@@ -343,10 +350,7 @@ def test_closing_cancels_the_engine_call_in_flight(tokenizer, random_dir):
 
     thread = threading.Thread(target=serve)
     thread.start()
-    deadline = time.monotonic() + 60
-    while engine.health()["running"] == 0:  # wait until the request is decoding
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.001)
+    assert decoding.wait(60)
     record = recorder.close("t")
     assert record.idle.wait(60)
     thread.join(60)
