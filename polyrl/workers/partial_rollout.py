@@ -70,20 +70,44 @@ class WeightGate:
 
     @asynccontextmanager
     async def generating_async(self) -> AsyncIterator[None]:
-        """`generating` for a coroutine: the wait for an update runs on a thread, so the event
-        loop keeps delivering the aborted outputs the update is waiting for."""
-        entering = asyncio.ensure_future(asyncio.to_thread(self._enter))
-        try:
-            await asyncio.shield(entering)
-        except asyncio.CancelledError:
-            # the thread still enters once the update is over; leave for the cancelled caller
-            # then, or the gate counts it as generating for ever (the next update would hang)
-            entering.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or self._leave())
-            raise
+        """`generating` for a coroutine. While an update is applied, the wait runs on a thread of
+        its own, so the event loop keeps delivering the aborted outputs the update is waiting for,
+        and the loop's executor threads stay free for the engine's steps (with `wait` the update
+        waits for running turns, which step there: waiting turns holding those threads would
+        deadlock it)."""
+        if not self._try_enter():
+            await self._enter_on_own_thread()
         try:
             yield
         finally:
             self._leave()
+
+    def _try_enter(self) -> bool:
+        with self._cond:
+            if self._paused:
+                return False
+            self._active += 1
+            return True
+
+    async def _enter_on_own_thread(self) -> None:
+        loop = asyncio.get_running_loop()
+        entered: asyncio.Future = loop.create_future()
+
+        def deliver() -> None:
+            if entered.cancelled():  # the caller went away while it waited: it will not leave
+                self._leave()
+            else:
+                entered.set_result(None)
+
+        def wait() -> None:
+            self._enter()
+            try:
+                loop.call_soon_threadsafe(deliver)
+            except RuntimeError:  # the caller's loop is gone
+                self._leave()
+
+        threading.Thread(target=wait, name="polyrl-gate-wait", daemon=True).start()
+        await entered
 
     def _enter(self) -> None:
         with self._cond:

@@ -24,7 +24,8 @@ def publish_mid_turn(engine, gate, weights, after_decode_steps):
     """Publish version 1 (the same tensors, a new version) through `gate` once the engine has made
     `after_decode_steps` decode steps: the engine's next step waits until the update has paused the
     gate (and, with abort, aborted the turn), so it lands mid-turn however fast or busy the machine.
-    Returns the publishing thread (joined by the caller) and an event set once the update applied."""
+    Returns the publishing thread (joined by the caller), an event set once the update applied and
+    one set once it paused the gate."""
     inner, applied, paused = engine.engine, threading.Event(), threading.Event()
 
     class ObservedCondition(threading.Condition):
@@ -48,7 +49,7 @@ def publish_mid_turn(engine, gate, weights, after_decode_steps):
         step()
 
     inner._step = step_after_publishing
-    return publisher, applied
+    return publisher, applied, paused
 
 
 def policy_weights(model_dir):
@@ -63,7 +64,7 @@ def policy_weights(model_dir):
 def test_a_weight_update_mid_turn_keeps_the_trajectory_exact(tokenizer, random_dir, policy):
     engine = native(random_dir, tokenizer)
     gate = WeightGate(engine, policy)
-    publisher, updated = publish_mid_turn(engine, gate, policy_weights(random_dir), after_decode_steps=5)
+    publisher, updated, _ = publish_mid_turn(engine, gate, policy_weights(random_dir), after_decode_steps=5)
     row = PromptSample(0, "arithmetic", ChatDelta(tokenizer).prompt_ids(USER), "", USER, "5", {})
     sampling = SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True)
     cfg = AgentConfig(environment="tools", max_turns=2, max_response_tokens=500)
@@ -209,7 +210,7 @@ def test_a_black_box_turn_continued_across_an_update_still_chains(tokenizer, ran
 
     engine = native(random_dir, tokenizer)
     gate = WeightGate(engine, "abort")
-    publisher, updated = publish_mid_turn(engine, gate, policy_weights(random_dir), after_decode_steps=3)
+    publisher, updated, _ = publish_mid_turn(engine, gate, policy_weights(random_dir), after_decode_steps=3)
     setattr(sys.modules[__name__], "two_turn_chat_agent", two_turn_chat_agent)
     row = PromptSample(0, "arithmetic", ChatDelta(tokenizer).prompt_ids(USER), "", USER, "5", {})
     cfg = AgentConfig(black_box=f"{__name__}:two_turn_chat_agent", max_turns=2, max_response_tokens=200)
@@ -230,3 +231,35 @@ def test_a_black_box_turn_continued_across_an_update_still_chains(tokenizer, ran
         assert response[start:start + len(out.token_ids)] == out.token_ids
     assert [end - start for start, end in traj.turn_spans] == [12, 12]
     assert batch.loss_mask.row(0).sum() == 24 and len(response) > 24  # the user message is masked
+
+
+@pytest.mark.parametrize("tokenizer", ["byte_level"], indirect=True)
+def test_turns_waiting_at_the_gate_leave_the_engine_its_threads(tokenizer, random_dir):
+    """wait mode: an update waits for the running turn while more turns wait at the gate. The
+    waiting turns must not hold the event loop's executor threads, which the engine steps on: with
+    more waiting turns than threads the running turn could never finish (a deadlock)."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = native(random_dir, tokenizer)
+    gate = WeightGate(engine, "wait")
+    publisher, updated, paused = publish_mid_turn(engine, gate, policy_weights(random_dir), after_decode_steps=3)
+    gated, prompt = GatedEngine(engine, gate), [1, 2, 3]
+
+    async def scenario():
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=2))
+        running = asyncio.ensure_future(gated.generate(prompt, SamplingParams(max_tokens=30, ignore_eos=True)))
+        await asyncio.get_running_loop().run_in_executor(None, paused.wait, 60)  # the update waits for it
+        waiting = [asyncio.ensure_future(gated.generate(prompt, SamplingParams(max_tokens=2, ignore_eos=True)))
+                   for _ in range(3)]
+        return await running, await asyncio.gather(*waiting)
+
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(out=asyncio.run(scenario())), daemon=True)
+    thread.start()
+    thread.join(120)
+    publisher.join(120)
+    assert not thread.is_alive() and updated.is_set(), "the update and the turns waited for each other"
+    first, rest = box["out"]
+    assert first[0].weight_version == 0 and len(first[0].token_ids) == 30  # the update waited for it
+    assert [outs[0].weight_version for outs in rest] == [1, 1, 1]  # the waiting turns ran after it
