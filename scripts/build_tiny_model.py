@@ -79,7 +79,9 @@ def byte_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
-def build_tokenizer():
+def build_tokenizer(chat_template: str = CHAT_TEMPLATE, max_length: int = 64, added_tokens: tuple[str, ...] = ()):
+    """Byte-level BPE without merges (one token per byte), the special tokens first; `added_tokens`
+    become non-special added tokens (scripts/build_tiny_tools_model.py: the tool tags)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -97,13 +99,15 @@ def build_tokenizer():
     ])
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    if added_tokens:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS,
         pad_token=PAD,
         unk_token=UNK,
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=64,
+        chat_template=chat_template,
+        model_max_length=max_length,
         clean_up_tokenization_spaces=False,
     )
 

@@ -57,10 +57,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import torch  # noqa: E402
 
-from build_tiny_model import PRETOKENIZE_REGEX, byte_to_unicode  # noqa: E402
+from build_tiny_model import EOS, PAD, SPECIAL_TOKENS, UNK  # noqa: E402,F401
+from build_tiny_model import build_tokenizer as build_byte_tokenizer  # noqa: E402
 
-SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
-PAD, EOS, UNK = SPECIAL_TOKENS
 CALL_PREFIX, CALL_SUFFIX = '{"name": "calculator", "arguments": {"expression": "', '"}}'
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", CALL_PREFIX, CALL_SUFFIX]
 MAX_POSITIONS = 256
@@ -91,27 +90,7 @@ MAX_TURN_TOKENS = 16  # the longest turn: <tool_call> \n PREFIX 9999*9999 SUFFIX
 def build_tokenizer():
     """tiny-arith's byte-level BPE without merges (scripts/build_tiny_model.py), plus the tool tags
     and the call's constant JSON as non-special added tokens."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    b2u = byte_to_unicode()
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-    for b in range(256):
-        vocab[b2u[b]] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], dropout=None, unk_token=None,
-                               continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
-                               byte_fallback=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token=UNK,
-                                   chat_template=CHAT_TEMPLATE, model_max_length=MAX_POSITIONS,
-                                   clean_up_tokenization_spaces=False)
+    return build_byte_tokenizer(CHAT_TEMPLATE, MAX_POSITIONS, tuple(TOOL_TOKENS))
 
 
 def save_tokenizer(tokenizer, model_dir: Path) -> None:
