@@ -204,14 +204,11 @@ def test_a_black_box_turn_continued_across_an_update_still_chains(tokenizer, ran
     """A weight update aborts the agent's first turn mid-way; the turn is continued (its text is the
     decode of both pieces) and the agent's next request, which echoes that text, still extends it:
     the trajectory is token-exact, not a prefix mismatch."""
-    import sys
-
     from polyrl.agents.black_box import stop_servers
 
     engine = native(random_dir, tokenizer)
     gate = WeightGate(engine, "abort")
     publisher, updated, _ = publish_mid_turn(engine, gate, policy_weights(random_dir), after_decode_steps=3)
-    setattr(sys.modules[__name__], "two_turn_chat_agent", two_turn_chat_agent)
     row = PromptSample(0, "arithmetic", ChatDelta(tokenizer).prompt_ids(USER), "", USER, "5", {})
     cfg = AgentConfig(black_box=f"{__name__}:two_turn_chat_agent", max_turns=2, max_response_tokens=200)
     try:
