@@ -253,7 +253,10 @@ def assemble(turns: Sequence[Any], row: Any, group: int, tokenizer: Any) -> Traj
             if turn.prompt_ids[:len(context)] != context:
                 stats.prefix_mismatch = 1
                 break
-            traj.add_observation(turn.prompt_ids[len(context):], turn.added)
+            added = turn.prompt_ids[len(context):]
+            # a token-id prompt names no messages: the samples log shows what its ids read
+            messages = turn.added or ([{"role": "text", "content": tokenizer.decode(added)}] if added else [])
+            traj.add_observation(added, messages)
         traj.add_turn(turn.output, tokenizer)
         stats.turns += 1
     return traj

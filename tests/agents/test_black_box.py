@@ -137,6 +137,7 @@ def test_completions_on_token_ids_and_a_returned_reward(tokenizer, random_dir):
     assert_exact(engine, rollout, turns=2)
     assert rollout.batch.response_ids.row(0).tolist()[len(engine.calls[0][1].token_ids):][:2] == [5, 6]
     assert rollout.env_rewards.tolist() == [0.25]
+    assert rollout.transcripts[0][1] == {"role": "text", "content": tokenizer.decode([5, 6])}  # the agent's ids
 
 
 async def text_agent(base_url, row, trajectory_id):
