@@ -232,7 +232,6 @@ class TrajectoryRecorder:
                 remember(record, out)
             return list(prompt), out, sp
 
-
     async def _generate(self, record: TrajectoryRecord, engine: Any, prompt: list[int], sp: SamplingParams,
                         request_id: str) -> TokenOutput:
         """One engine call, cancelled if the trajectory is closed meanwhile (its slots free at once)."""
@@ -253,7 +252,6 @@ class TrajectoryRecorder:
                 record.inflight.pop(task, None)
                 if not record.inflight:
                     record.idle.set()
-
 
     def _hit(self, record: TrajectoryRecord, limit: str) -> None:
         """Record the limit a request hit, unless the trajectory is closed (a request that waited
