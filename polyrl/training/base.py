@@ -38,6 +38,8 @@ class StepResult:
     skipped: bool
     """True when the loss or gradient was NaN/inf and the update was dropped."""
     lr: float
+    compile_s: float | None = None
+    """Seconds spent compiling for this step (actor.compile), None when nothing was compiled."""
 
 
 class NonFiniteUpdate(RuntimeError):

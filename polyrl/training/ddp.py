@@ -18,7 +18,7 @@ import torch.distributed as dist
 from polyrl.batch import Ragged, RolloutBatch, collate, plan_micro_batches, scatter_rows
 from polyrl.platform import Platform
 from polyrl.training.base import MicroBatch, NonFiniteUpdate, StepResult
-from polyrl.training import lora
+from polyrl.training import compiled, lora
 from polyrl.training.lora import merged_named_weights
 from polyrl.training.logprobs import response_logprobs
 from polyrl.workers.config import ActorConfig
@@ -51,6 +51,12 @@ class DDPEngine:
             model.train()
             self.optimizer, self.scheduler = build_optimizer(model.parameters(), cfg, horizon)
         self.compute_dtype = torch.bfloat16 if cfg.compute_dtype == "bfloat16" else torch.float32
+        # actor.compile (training/compiled.py): the head traced through the model, backward included
+        self.compiled = compiled.should_compile(cfg.compile, device=device, compute_dtype=self.compute_dtype,
+                                                horizon=horizon, lora=self.lora,
+                                                gradient_checkpointing=cfg.gradient_checkpointing)
+        self._run_head = compiled.compile_head(head) if self.compiled else head
+        self._compile_clock = compiled.compile_seconds() if self.compiled else 0.0
 
     # --- forward / backward -----------------------------------------------------------------------
     def forward(self, mb: MicroBatch, with_entropy: bool = False,
@@ -58,7 +64,7 @@ class DDPEngine:
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                   enabled=self.compute_dtype == torch.bfloat16)
         with autocast, self.platform.training_attention(self.compute_dtype):
-            return self.head(self.module, mb, with_entropy=with_entropy, entropy_grad=entropy_grad)
+            return self._run_head(self.module, mb, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -82,6 +88,7 @@ class DDPEngine:
         update (counted; `actor.max_nonfinite_steps` in a row stop the run)."""
         grad_norm = self._reduce_and_clip()
         lr = self.scheduler.get_last_lr()[0]
+        compile_s = self._compile_time_since_last_step()
         if not math.isfinite(grad_norm) or not math.isfinite(loss_value):
             self.optimizer.zero_grad(set_to_none=True)
             self.nonfinite_in_a_row += 1
@@ -90,12 +97,21 @@ class DDPEngine:
                     f"{self.nonfinite_in_a_row} updates in a row had a NaN/inf loss or gradient "
                     f"(each was skipped); stopping. Lower actor.lr, enable actor.grad_clip, or "
                     f"check the rewards. Last loss={loss_value}, grad_norm={grad_norm}")
-            return StepResult(grad_norm, True, lr)
+            return StepResult(grad_norm, True, lr, compile_s)
         self.nonfinite_in_a_row = 0
         self.optimizer.step()
         self.scheduler.step()  # a skipped update is not a step of the schedule
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(grad_norm, False, lr)
+        return StepResult(grad_norm, False, lr, compile_s)
+
+    def _compile_time_since_last_step(self) -> float | None:
+        """Seconds spent compiling since the previous optimizer step (this step's forwards and
+        backwards, and the log-probs computed before them), None when nothing compiled."""
+        if not self.compiled:
+            return None
+        now = compiled.compile_seconds()
+        spent, self._compile_clock = now - self._compile_clock, now
+        return spent if spent > 0 else None
 
     def _reduce_and_clip(self) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]

@@ -105,6 +105,7 @@ class FSDP2Engine(DDPEngine):
         layers = decoder_layers(self.module)  # before anything is changed: a bad model fails cleanly
         self.group = group if group is not None else _default_group(platform, device, world_size)
         self.compute_dtype = _DTYPES[cfg.compute_dtype]
+        self.compiled = False  # actor.compile compiles ddp only (on is refused for fsdp2 in config)
         if horizon is None:
             model.eval().requires_grad_(False)
         else:

@@ -84,6 +84,8 @@ class PPOActor:
         step = engine.optimizer_step(sums["actor/loss"])
         sums.update({"actor/grad_norm": step.grad_norm, "actor/lr": step.lr,
                      "actor/nonfinite_skipped": float(step.skipped)})
+        if step.compile_s is not None:  # actor.compile: the steps that compiled
+            sums["perf/compile_s"] = step.compile_s
         return sums
 
     def _reduce(self, sums: dict[str, float], maxima: dict[str, float]) -> dict[str, float]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from polyrl.config import Config
 from polyrl.training.lora_config import LoraConfig
@@ -75,11 +75,30 @@ class ActorConfig(Config):
     """Trade compute for memory in the policy forward."""
     max_nonfinite_steps: int = Field(3, ge=1)
     """Stop after this many consecutive updates with NaN/inf loss or gradients (each skipped)."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """torch.compile the training forward + backward (strategy=ddp): on, off, or auto = on only
+    where measured to pay after its compile time (minutes on a CPU): a CPU platform,
+    compute_dtype=bfloat16, no LoRA, no gradient checkpointing and a run of at least
+    polyrl/training/compiled.py AUTO_MIN_STEPS optimizer steps (docs/benchmarks.md, "Compiled step
+    and weight casts"). Compile seconds are logged as perf/compile_s."""
 
     @model_validator(mode="after")
     def _offload_needs_shards(self) -> "ActorConfig":
         if self.offload and self.strategy != "fsdp2":
             raise ValueError(f"actor.offload=true needs actor.strategy=fsdp2 ({self.strategy} keeps the "
                              "whole model on the device); set actor.strategy=fsdp2 or actor.offload=false")
+        return self
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_from_yaml_bool(cls, value):
+        # YAML reads a bare on / off (in a file or as actor.compile=on) as a boolean
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _compile_needs_ddp(self) -> "ActorConfig":
+        if self.compile == "on" and self.strategy != "ddp":
+            raise ValueError(f"actor.compile=on needs actor.strategy=ddp ({self.strategy} is not compiled); "
+                             "set actor.compile=auto or off, or actor.strategy=ddp")
         return self
 
