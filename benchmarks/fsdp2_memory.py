@@ -188,35 +188,27 @@ def _sync_rank(rank: int, world: int, model_dir: str, store: str, out: str) -> N
     dist.destroy_process_group()
 
 
-def measure_sync(model_dir: str, tmp: Path, trainers: int = 2) -> dict:
+def run_ranks(label: str, run: Path, world: int, target, *args) -> list[dict]:
+    """`target(rank, world, *args, store, out)` in `world` spawned processes; each rank's JSON."""
     ctx = mp.get_context("spawn")
-    run = tmp / "sync"
     run.mkdir()
-    world = trainers + 1
-    procs = [ctx.Process(target=_sync_rank, args=(r, world, model_dir, str(run / "store"),
-                                                  str(run / f"rank{r}.json"))) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, *args, str(run / "store"), str(run / f"rank{r}.json")))
+             for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
         p.join()
         if p.exitcode != 0:
-            raise RuntimeError(f"sync: a rank exited with {p.exitcode}")
-    return json.loads((run / "rank0.json").read_text())
+            raise RuntimeError(f"{label}: a rank exited with {p.exitcode}")
+    return [json.loads((run / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def measure_sync(model_dir: str, tmp: Path, trainers: int = 2) -> dict:
+    return run_ranks("sync", tmp / "sync", trainers + 1, _sync_rank, model_dir)[0]
 
 
 def measure(strategy: str, world: int, model_dir: str, tmp: Path) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    run = tmp / f"{strategy}-{world}"
-    run.mkdir()
-    procs = [ctx.Process(target=_rank, args=(r, world, strategy, model_dir, str(run / "store"),
-                                             str(run / f"rank{r}.json"))) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-        if p.exitcode != 0:
-            raise RuntimeError(f"{strategy} x{world}: a rank exited with {p.exitcode}")
-    return [json.loads((run / f"rank{r}.json").read_text()) for r in range(world)]
+    return run_ranks(f"{strategy} x{world}", tmp / f"{strategy}-{world}", world, _rank, strategy, model_dir)
 
 
 def cpu_flags() -> str:
