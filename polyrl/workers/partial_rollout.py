@@ -159,6 +159,9 @@ def merge(first: TokenOutput, rest: TokenOutput) -> TokenOutput:
         rest,
         token_ids=list(first.token_ids) + list(rest.token_ids),
         logprobs=list(first.logprobs) + list(rest.logprobs),
+        # one set of alternatives per token, when they were asked for
+        top_logprobs=(list(first.top_logprobs) + list(rest.top_logprobs)
+                      if first.top_logprobs is not None and rest.top_logprobs is not None else None),
         text=None,
         prompt_tokens=first.prompt_tokens,
         extra={**rest.extra, "min_weight_version": lo, "max_weight_version": hi,

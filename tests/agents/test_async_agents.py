@@ -260,3 +260,20 @@ def test_turns_waiting_at_the_gate_leave_the_engine_its_threads(tokenizer, rando
     first, rest = box["out"]
     assert first[0].weight_version == 0 and len(first[0].token_ids) == 30  # the update waited for it
     assert [outs[0].weight_version for outs in rest] == [1, 1, 1]  # the waiting turns ran after it
+
+
+@pytest.mark.parametrize("tokenizer", ["byte_level"], indirect=True)
+def test_a_continued_turn_keeps_one_set_of_top_logprobs_per_token(tokenizer, random_dir):
+    """The pieces of a turn that a weight update aborted are merged with their top log-probs too,
+    so each token keeps its own alternatives (a server formats them token by token)."""
+    import asyncio
+
+    engine = native(random_dir, tokenizer)
+    gate = WeightGate(engine, "abort")
+    publisher, updated, _ = publish_mid_turn(engine, gate, policy_weights(random_dir), after_decode_steps=3)
+    sampling = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=5, top_logprobs=2)
+    [out] = asyncio.run(GatedEngine(engine, gate).generate([1, 2, 3], sampling))
+    publisher.join(120)
+    assert updated.is_set() and len(engine.calls) == 2  # the turn came in two pieces
+    first, rest = (o for _, o in engine.calls)
+    assert out.top_logprobs == first.top_logprobs + rest.top_logprobs and len(out.top_logprobs) == 12
