@@ -151,11 +151,14 @@ def continuation_seed(seed: int | None, index: int, done: int) -> int | None:
     return zlib.crc32(f"{seed}/{index}/{done}".encode()) & 0x7FFFFFFF
 
 
-def merge(first: TokenOutput, rest: TokenOutput) -> TokenOutput:
-    """`first` (aborted) followed by its continuation `rest`."""
+def merge(first: TokenOutput, rest: TokenOutput, sp: SamplingParams | None = None,
+          tokenizer: Any = None) -> TokenOutput:
+    """`first` (aborted) followed by its continuation `rest`; with the request's `sp` and the
+    engine's tokenizer, cut where a stop string that straddles the two pieces ends (the engine
+    checked each piece alone)."""
     lo = min(_versions(first)[0], _versions(rest)[0])
     hi = max(_versions(first)[1], _versions(rest)[1])
-    return replace(
+    merged = replace(
         rest,
         token_ids=list(first.token_ids) + list(rest.token_ids),
         logprobs=list(first.logprobs) + list(rest.logprobs),
@@ -167,6 +170,30 @@ def merge(first: TokenOutput, rest: TokenOutput) -> TokenOutput:
         extra={**rest.extra, "min_weight_version": lo, "max_weight_version": hi,
                "continuations": first.extra.get("continuations", 0) + 1},
     )
+    return _cut_at_straddling_stop(merged, len(first.token_ids), sp, tokenizer)
+
+
+def _cut_at_straddling_stop(out: TokenOutput, boundary: int, sp: SamplingParams | None, tokenizer: Any) -> TokenOutput:
+    """`out` as the uninterrupted request would have ended it: after the token that completes a
+    stop string begun before `boundary` (the engine's rule, polyrl/rollout/native/scheduler.py:
+    the ids keep that token, the text ends before the stop string). Such a string ends within
+    its length (+ a few tokens of slack for multi-byte characters) after the boundary."""
+    if sp is None or not sp.stop or tokenizer is None or boundary == 0:
+        return out
+    ids = list(out.token_ids)
+    for k in range(boundary + 1, min(len(ids), boundary + max(len(s) for s in sp.stop) + 4) + 1):
+        text = tokenizer.decode(ids[:k], skip_special_tokens=True)
+        hits = [i for i in (text.find(stop) for stop in sp.stop) if i >= 0]
+        if hits:
+            return replace(out, token_ids=ids[:k], logprobs=list(out.logprobs[:k]),
+                           top_logprobs=None if out.top_logprobs is None else list(out.top_logprobs[:k]),
+                           text=text[:min(hits)], stop_reason="stop")
+    if out.stop_reason == "stop":  # the continuation stopped on one: the text ends before it
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        hits = [i for i in (text.find(stop) for stop in sp.stop) if i >= 0]
+        if hits:
+            return replace(out, text=text[:min(hits)])
+    return out
 
 
 def _versions(out: TokenOutput) -> tuple[int, int]:
@@ -195,7 +222,7 @@ def generate_resumable(engine: Any, gate: WeightGate, prompts: Sequence[Sequence
         for i, res in zip(fresh, results):
             outputs[i] = list(res)
         for (i, j, _, _), res in zip(partial, results[len(fresh):]):
-            outputs[i][j] = merge(outputs[i][j], res[0])
+            outputs[i][j] = merge(outputs[i][j], res[0], params[i], getattr(engine, "tokenizer", None))
 
 
 def continue_aborted(outs: Sequence[TokenOutput], prompt: Sequence[int], sp: SamplingParams
@@ -240,4 +267,4 @@ class GatedEngine:
             async with self.gate.generating_async():
                 rests = await asyncio.gather(*(self.engine.generate(p, sp) for _, p, sp in partial))
             for (j, _, _), rest in zip(partial, rests):
-                outs[j] = merge(outs[j], rest[0])
+                outs[j] = merge(outs[j], rest[0], sampling, getattr(self.engine, "tokenizer", None))

@@ -277,3 +277,38 @@ def test_a_continued_turn_keeps_one_set_of_top_logprobs_per_token(tokenizer, ran
     assert updated.is_set() and len(engine.calls) == 2  # the turn came in two pieces
     first, rest = (o for _, o in engine.calls)
     assert out.top_logprobs == first.top_logprobs + rest.top_logprobs and len(out.top_logprobs) == 12
+
+
+@pytest.mark.parametrize("tokenizer", ["byte_level"], indirect=True)
+def test_a_stop_string_across_the_abort_point_ends_the_turn(tokenizer, random_dir):
+    """A stop string whose first characters were sampled before a weight update aborted the turn
+    and whose last ones after it: each piece alone does not hold it, the uninterrupted turn would
+    have stopped there, so the continued turn stops there too (ids up to the token completing it,
+    text before it)."""
+    import asyncio
+
+    def turn(stop=()):
+        engine = native(random_dir, tokenizer)
+        gate = WeightGate(engine, "abort")
+        publisher, updated, _ = publish_mid_turn(engine, gate, policy_weights(random_dir), after_decode_steps=3)
+        sampling = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=5, stop=stop)
+        [out] = asyncio.run(GatedEngine(engine, gate).generate([1, 2, 3], sampling))
+        publisher.join(120)
+        assert updated.is_set()
+        return out, [o.token_ids for _, o in engine.calls]
+
+    _, (before, after) = turn()  # the pieces without a stop string
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    head = decode(before)
+    # the first token after the abort that completes a character, and a stop string made of the
+    # last two characters before the abort and the first one after it
+    m = next(m for m in range(1, len(after) + 1) if len(decode(before + after[:m]).rstrip("\ufffd")) > len(head))
+    joined = decode(before + after[:m])
+    stop = joined[len(head) - 2:len(head) + 1]
+    assert joined.startswith(head) and len(stop) == 3 and "\ufffd" not in stop
+    assert stop not in head and stop not in decode(after)  # neither piece holds it alone
+
+    out, pieces = turn((stop,))
+    assert pieces[0] == before and pieces[1][:m] == after[:m]  # the same turn, now with the stop string
+    assert out.token_ids == before + after[:m] and out.stop_reason == "stop"
+    assert out.text == head[:-2] and len(out.logprobs) == len(out.token_ids)
