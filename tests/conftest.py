@@ -11,7 +11,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # test helpers (tiny_models)
 
 # The slow tier: end-to-end training runs, CLI subprocess runs, Ray clusters and benchmarks.
 # `python -m pytest -m "not slow"` skips them (the unit and component tests, a few minutes on 2
-# cores); plain `python -m pytest` (.ci/run) runs everything. Keys are node-id prefixes (a
+# cores); `python -m pytest -n 2 --dist loadfile` (.ci/run, the README) runs everything, each
+# xdist worker with its own local Ray. Keys are node-id prefixes (a
 # module, a test, or a test with all its parameters); the numbers are seconds measured on the
 # 2-core machine with `--durations`, under load from other work (setup included where it is the
 # cost). A test file may also mark itself with @pytest.mark.slow.
