@@ -18,38 +18,7 @@ from polyrl.agents.chat import ChatDelta
 from polyrl.data import PromptSample
 from polyrl.rollout.base import SamplingParams
 from polyrl.workers.partial_rollout import GatedEngine, WeightGate
-
-
-def publish_mid_turn(engine, gate, weights, after_decode_steps):
-    """Publish version 1 (the same tensors, a new version) through `gate` once the engine has made
-    `after_decode_steps` decode steps: the engine's next step waits until the update has paused the
-    gate (and, with abort, aborted the turn), so it lands mid-turn however fast or busy the machine.
-    Returns the publishing thread (joined by the caller), an event set once the update applied and
-    one set once it paused the gate."""
-    inner, applied, paused = engine.engine, threading.Event(), threading.Event()
-
-    class ObservedCondition(threading.Condition):
-        def wait_for(self, predicate, timeout=None):  # the publisher waits: the gate is paused
-            if threading.current_thread() is publisher:
-                paused.set()
-            return super().wait_for(predicate, timeout)
-
-    def publish():
-        gate.update_weights(weights, 1)
-        applied.set()
-
-    publisher = threading.Thread(target=publish, name="publisher")
-    gate._cond = ObservedCondition()
-    step = inner._step
-
-    def step_after_publishing():
-        if inner.stats["decode_steps"] >= after_decode_steps and not publisher.is_alive() and not applied.is_set():
-            publisher.start()
-            assert paused.wait(60)
-        step()
-
-    inner._step = step_after_publishing
-    return publisher, applied, paused
+from weight_gate_hooks import publish_mid_turn
 
 
 def policy_weights(model_dir):
@@ -64,7 +33,7 @@ def policy_weights(model_dir):
 def test_a_weight_update_mid_turn_keeps_the_trajectory_exact(tokenizer, random_dir, policy):
     engine = native(random_dir, tokenizer)
     gate = WeightGate(engine, policy)
-    publisher, updated, _ = publish_mid_turn(engine, gate, policy_weights(random_dir), after_decode_steps=5)
+    publisher, updated, _ = publish_mid_turn(engine.engine, gate, policy_weights(random_dir), after_decode_steps=5)
     row = PromptSample(0, "arithmetic", ChatDelta(tokenizer).prompt_ids(USER), "", USER, "5", {})
     sampling = SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True)
     cfg = AgentConfig(environment="tools", max_turns=2, max_response_tokens=500)
@@ -208,7 +177,7 @@ def test_a_black_box_turn_continued_across_an_update_still_chains(tokenizer, ran
 
     engine = native(random_dir, tokenizer)
     gate = WeightGate(engine, "abort")
-    publisher, updated, _ = publish_mid_turn(engine, gate, policy_weights(random_dir), after_decode_steps=3)
+    publisher, updated, _ = publish_mid_turn(engine.engine, gate, policy_weights(random_dir), after_decode_steps=3)
     row = PromptSample(0, "arithmetic", ChatDelta(tokenizer).prompt_ids(USER), "", USER, "5", {})
     cfg = AgentConfig(black_box=f"{__name__}:two_turn_chat_agent", max_turns=2, max_response_tokens=200)
     try:
@@ -240,7 +209,7 @@ def test_turns_waiting_at_the_gate_leave_the_engine_its_threads(tokenizer, rando
 
     engine = native(random_dir, tokenizer)
     gate = WeightGate(engine, "wait")
-    publisher, updated, paused = publish_mid_turn(engine, gate, policy_weights(random_dir), after_decode_steps=3)
+    publisher, updated, paused = publish_mid_turn(engine.engine, gate, policy_weights(random_dir), after_decode_steps=3)
     gated, prompt = GatedEngine(engine, gate), [1, 2, 3]
 
     async def scenario():
@@ -270,7 +239,7 @@ def test_a_continued_turn_keeps_one_set_of_top_logprobs_per_token(tokenizer, ran
 
     engine = native(random_dir, tokenizer)
     gate = WeightGate(engine, "abort")
-    publisher, updated, _ = publish_mid_turn(engine, gate, policy_weights(random_dir), after_decode_steps=3)
+    publisher, updated, _ = publish_mid_turn(engine.engine, gate, policy_weights(random_dir), after_decode_steps=3)
     sampling = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=5, top_logprobs=2)
     [out] = asyncio.run(GatedEngine(engine, gate).generate([1, 2, 3], sampling))
     publisher.join(120)
@@ -290,7 +259,7 @@ def test_a_stop_string_across_the_abort_point_ends_the_turn(tokenizer, random_di
     def turn(stop=()):
         engine = native(random_dir, tokenizer)
         gate = WeightGate(engine, "abort")
-        publisher, updated, _ = publish_mid_turn(engine, gate, policy_weights(random_dir), after_decode_steps=3)
+        publisher, updated, _ = publish_mid_turn(engine.engine, gate, policy_weights(random_dir), after_decode_steps=3)
         sampling = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=5, stop=stop)
         [out] = asyncio.run(GatedEngine(engine, gate).generate([1, 2, 3], sampling))
         publisher.join(120)

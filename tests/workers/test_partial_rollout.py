@@ -3,9 +3,6 @@ weight update arrives from another, through the WeightGate (no mocks)."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 import torch
 
@@ -15,6 +12,7 @@ from polyrl.workers.partial_rollout import (
     continuation_seed,
     generate_resumable,
 )
+from weight_gate_hooks import publish_mid_turn
 
 MAX_TOKENS = 120  # far more decode steps than the 5 before the update: the update lands mid-request
 
@@ -22,15 +20,7 @@ MAX_TOKENS = 120  # far more decode steps than the 5 before the update: the upda
 @pytest.fixture(scope="module")
 def engine(tiny_model):
     torch.set_num_threads(1)
-    engine = ROLLOUT_ENGINES.get("native")(tiny_model, max_model_len=128)
-    step = engine._step
-
-    def paced_step():  # >= 1 ms a decode step: the update lands mid-request however busy the
-        time.sleep(0.001)  # machine (a tiny-model step takes ~0.2 ms, 120 of them ~25 ms)
-        step()
-
-    engine._step = paced_step
-    return engine
+    return ROLLOUT_ENGINES.get("native")(tiny_model, max_model_len=128)
 
 
 @pytest.fixture(scope="module")
@@ -50,18 +40,18 @@ def params(n=2, seed=7):
 
 
 def run_with_update(engine, gate, weights, version, after_steps=5):
-    """Generate two prompts in a thread; apply `weights` once `after_steps` decode steps ran."""
-    out = {}
-    start = engine.stats["decode_steps"]
-    worker = threading.Thread(target=lambda: out.setdefault(
-        "r", generate_resumable(engine, gate, [[5, 6, 7], [8, 9]], params())))
-    worker.start()
-    while engine.stats["decode_steps"] - start < after_steps and worker.is_alive():
-        time.sleep(0.001)
-    gate.update_weights(weights, version)
-    worker.join(timeout=60)
-    assert not worker.is_alive()
-    return out["r"]
+    """Generate two prompts; `weights` arrive through the gate once `after_steps` decode steps ran
+    (the engine's step waits for the update to pause the gate: tests/weight_gate_hooks.py)."""
+    step = engine._step
+    try:
+        publisher, applied, _ = publish_mid_turn(engine, gate, weights, engine.stats["decode_steps"] + after_steps,
+                                                 version=version)
+        out = generate_resumable(engine, gate, [[5, 6, 7], [8, 9]], params())
+        publisher.join(timeout=60)
+        assert applied.is_set()
+    finally:
+        engine._step = step
+    return out
 
 
 def test_abort_continues_from_the_tokens_so_far(engine, weights):
