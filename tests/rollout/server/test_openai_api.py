@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
 
 import httpx
 import openai
@@ -183,16 +182,22 @@ def test_aborted_request_finishes_with_abort(client, engine):
     """A request queued while the engine sleeps, then aborted (as before a weight sync)."""
     engine.sleep()
     result: list = []
+    queued, submit = threading.Event(), engine._submit
+
+    def submit_and_tell(*args, **kwargs):  # the request is in the scheduler's queue
+        submit(*args, **kwargs)
+        queued.set()
+
+    engine._submit = submit_and_tell
     try:
         worker = threading.Thread(target=lambda: result.append(
             client.completions.create(model=MODEL, prompt="1+1=", max_tokens=8)))
         worker.start()
-        deadline = time.monotonic() + 30
-        while engine.health()["waiting"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert queued.wait(30)
         assert engine.abort_all() == 1
         worker.join(30)
     finally:
+        engine._submit = submit
         engine.wake_up()
     (choice,) = result[0].choices
     assert choice.finish_reason == "abort" and choice.text == ""
