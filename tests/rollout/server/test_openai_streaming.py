@@ -5,6 +5,7 @@ disconnects mid-stream gets its request cancelled in the engine."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import time
@@ -32,10 +33,12 @@ def client(engine):
 
 
 def _wait_idle(engine, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while engine.health()["running"] or engine.health()["waiting"]:
-        assert time.monotonic() < deadline, f"engine still busy: {engine.health()}"
-        time.sleep(0.01)
+    """Until the engine's serving loop (a task on the server's event loop) has run out of work."""
+    task = engine._loop_task
+    if task is not None and not task.done():
+        asyncio.run_coroutine_threadsafe(asyncio.wait([task]), task.get_loop()).result(timeout_s)
+    health = engine.health()
+    assert not health["running"] and not health["waiting"], f"engine still busy: {health}"
 
 
 def test_chunks_arrive_while_the_request_is_generating(client, engine):
