@@ -182,12 +182,10 @@ def build_plan(
 def handoff_variable(platform: Platform) -> str:
     """The visible-devices variable an engine host sets for its engine processes: the one Ray's
     accelerator manager of the platform sets (HIP_VISIBLE_DEVICES on ROCm, whose physical ids it
-    takes when ROCR_VISIBLE_DEVICES is unset)."""
-    if platform.name == "rocm":
-        return "HIP_VISIBLE_DEVICES"
-    if not platform.visible_devices_vars:
+    takes when ROCR_VISIBLE_DEVICES is unset): `Platform.handoff_devices_var`."""
+    if platform.handoff_devices_var is None:
         raise ValueError(f"platform {platform.name} has no visible-devices variable to hand devices with")
-    return platform.visible_devices_vars[0]
+    return platform.handoff_devices_var
 
 
 def _from_config(name: str, value: str, user_env: Mapping[str, str], reason: str, link: str) -> EnvEntry:

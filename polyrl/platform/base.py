@@ -34,6 +34,12 @@ class Platform:
     """torch.distributed backend for device tensors."""
     visible_devices_vars: tuple[str, ...] = ()
     """Variables that restrict which devices a process sees."""
+
+    @property
+    def handoff_devices_var(self) -> str | None:
+        """The variable an engine host sets to hand its engine processes their devices: the one
+        Ray's accelerator manager sets for this platform (None: no devices to hand)."""
+        return self.visible_devices_vars[0] if self.visible_devices_vars else None
     ray_resource: str | None = None
     """Ray resource that counts this platform's devices (None: CPU only)."""
 

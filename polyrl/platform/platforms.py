@@ -75,6 +75,7 @@ class ROCmPlatform(Platform):
     comm_backend = "nccl"  # RCCL, reached through torch's "nccl" backend name
     # Ray and the ROCm runtime honour all three; an empty HIP_VISIBLE_DEVICES hides every GPU.
     visible_devices_vars = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+    handoff_devices_var = "HIP_VISIBLE_DEVICES"  # Ray's AMD manager sets it (physical ids when ROCR_* is unset)
     ray_resource = "GPU"
 
     def job_env_defaults(self) -> list[EnvDefault]:

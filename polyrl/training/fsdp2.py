@@ -243,13 +243,6 @@ class FSDP2Engine(DDPEngine):
         self.root.reshard()
         yield from lora.adapter_named_tensors(self.model, full=_full)
 
-    def weight_specs(self) -> list[tuple[str, torch.Size, torch.dtype]]:
-        """Name, full shape and dtype of every tensor named_weights() yields, known without
-        gathering: what a transport needs to plan its buckets before the tensors arrive."""
-        if self.lora:
-            return lora.merged_weight_specs(self.model)
-        return [(name, p.shape, p.dtype) for name, p in self.model.named_parameters()]
-
     def save(self, directory: Path) -> None:
         """`dcp/`: model and optimizer shards (torch.distributed.checkpoint); `engine.pt` (rank 0):
         schedule and counters; `policy/` (rank 0): the model in Hugging Face format."""

@@ -55,8 +55,8 @@ class SharedMemoryBroadcast:
         ring.geometry(*geometry[:2])
         if geometry[2]:
             ring.hold()  # until every receiver is inside receive()
-        writer = ChunkWriter(ring, manifest.stream_layout()[1], deadline)
-        starts = manifest.stream_layout()[0]
+        starts, total = manifest.stream_layout()
+        writer = ChunkWriter(ring, total, deadline)
         failure: tuple[str, BaseException] | None = None
         written = 0
         try:

@@ -192,9 +192,7 @@ class VLLMEngine(AsyncEngineAdapter):
                 yield name, tensor
 
         async def push() -> int:
-            if "weights" in self._asleep:
-                await self.engine.wake_up(tags=["weights"])
-                self._asleep.discard("weights")
+            await self._wake_weights()
             await self.engine.collective_rpc("polyrl_begin_update", args=(self.fp8,))
             for piece in iter_flushes(named(), self.bucket_bytes):
                 host = [(n, t.detach().cpu().contiguous()) for n, t in piece]
@@ -233,9 +231,7 @@ class VLLMEngine(AsyncEngineAdapter):
         previous = self._lora_request
 
         async def swap() -> None:
-            if "weights" in self._asleep:
-                await self.engine.wake_up(tags=["weights"])
-                self._asleep.discard("weights")
+            await self._wake_weights()
             await self.engine.add_lora(request)
             if previous is not None:
                 await self.engine.remove_lora(previous.lora_int_id)
@@ -251,6 +247,12 @@ class VLLMEngine(AsyncEngineAdapter):
         if previous is not None:
             shutil.rmtree(previous.lora_path, ignore_errors=True)
         self._version = version
+
+    async def _wake_weights(self) -> None:
+        """Weights must be resident before new ones are loaded into them (sleep frees them)."""
+        if "weights" in self._asleep:
+            await self.engine.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
 
     def sleep(self) -> None:
         if not self.launch_args.get("enable_sleep_mode"):
