@@ -7,7 +7,12 @@ entries (heavy engines) are registered by dotted path and imported only when fir
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Callable, Generic, Iterator, TypeVar
 
 T = TypeVar("T")
@@ -76,3 +81,32 @@ def lazy(factory: Callable[[], T]) -> Callable[[], T]:
         return cache[0]
 
     return get
+
+
+def is_file_target(target: str) -> bool:
+    """"/path/to/file.py" (a user's file) rather than "package.module"."""
+    return target.endswith(".py") or "/" in target or "\\" in target
+
+
+def import_target(target: str, prefix: str) -> ModuleType:
+    """The module of a user's "package.module" or "/path/to/file.py" (the part before ":" of a
+    reward.custom_function or agent.black_box). A file is loaded once per process, as
+    `prefix` + a hash of its path, so two files called reward.py do not collide; one that fails
+    to load is not kept. Raises FileNotFoundError for a missing file, else what the import raises."""
+    if not is_file_target(target):
+        return importlib.import_module(target)
+    path = Path(target).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(str(path))
+    name = prefix + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)  # type: ignore[union-attr]
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return module

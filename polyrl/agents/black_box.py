@@ -26,22 +26,18 @@ none of these stops training.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import logging
 import math
-import sys
 import threading
 import uuid
 import weakref
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from polyrl.agents.config import AgentConfig
 from polyrl.agents.executor import _in_thread
 from polyrl.agents.stats import AgentRollout, Trajectory, TrajectoryStats, to_rollout_batch
+from polyrl.registry import import_target
 from polyrl.rollout.base import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -52,21 +48,9 @@ def load_agent(spec: str) -> Callable[..., Any]:
     agent.black_box). A file is loaded once per process under a name derived from its path."""
     target, _, attr = spec.rpartition(":")
     try:
-        if target.endswith(".py") or "/" in target:
-            path = Path(target).expanduser().resolve()
-            name = "polyrl_user_agent_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-            module = sys.modules.get(name)
-            if module is None:
-                module_spec = importlib.util.spec_from_file_location(name, path)
-                if module_spec is None or not path.is_file():
-                    raise ImportError(f"no file {path}")
-                module = importlib.util.module_from_spec(module_spec)
-                module_spec.loader.exec_module(module)  # type: ignore[union-attr]
-                sys.modules[name] = module
-        else:
-            module = importlib.import_module(target)
+        module = import_target(target, "polyrl_user_agent_")
         fn = getattr(module, attr)
-    except (ImportError, AttributeError) as exc:
+    except (ImportError, AttributeError, FileNotFoundError) as exc:
         raise ValueError(f"agent.black_box '{spec}': cannot import it ({exc})") from None
     if not callable(fn):
         raise ValueError(f"agent.black_box '{spec}' is not callable")

@@ -10,14 +10,9 @@ ground_truth, extra_info) is recognised by its first parameter's name.
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any, Callable
 
-from polyrl.registry import Registry
+from polyrl.registry import Registry, import_target, is_file_target
 
 RewardFn = Callable[..., "float | dict[str, Any]"]
 
@@ -53,27 +48,14 @@ def load_function(spec: str) -> RewardFn:
     target, _, name = spec.rpartition(":")  # rpartition: a Windows path may hold "C:"
     if not target or not name:
         raise ValueError(f"reward.custom_function '{spec}' must look like module:function")
-    if target.endswith(".py") or "/" in target or "\\" in target:
-        path = Path(target).expanduser().resolve()
-        if not path.is_file():
-            raise ValueError(f"reward.custom_function: file {path} does not exist")
-        # a unique, stable module name so two files called reward.py do not collide
-        module_name = "polyrl_user_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-        module = sys.modules.get(module_name)
-        if module is None:
-            module_spec = importlib.util.spec_from_file_location(module_name, path)
-            module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
-            sys.modules[module_name] = module
-            try:
-                module_spec.loader.exec_module(module)  # type: ignore[union-attr]
-            except BaseException:
-                del sys.modules[module_name]
-                raise
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as exc:
-            raise ValueError(f"reward.custom_function: cannot import module '{target}': {exc}") from exc
+    try:
+        module = import_target(target, "polyrl_user_reward_")
+    except FileNotFoundError as exc:
+        raise ValueError(f"reward.custom_function: file {exc} does not exist") from None
+    except ImportError as exc:
+        if is_file_target(target):
+            raise
+        raise ValueError(f"reward.custom_function: cannot import module '{target}': {exc}") from exc
     fn = getattr(module, name, None)
     if not callable(fn):
         public = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
