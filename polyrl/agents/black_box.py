@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 
 from polyrl.agents.config import AgentConfig
 from polyrl.agents.executor import _in_thread
+from polyrl.agents.runner import eos_ids
 from polyrl.agents.stats import AgentRollout, Trajectory, TrajectoryStats, to_rollout_batch
 from polyrl.registry import import_target
 from polyrl.rollout.base import SamplingParams
@@ -108,8 +109,7 @@ class BlackBoxRunner:
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
         self.agent = agent if agent is not None else load_agent(cfg.black_box)
         self.server = server_for(engine, tokenizer)
-        self.eos = frozenset(getattr(engine, "eos_token_ids", ()) or
-                             ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []))
+        self.eos = eos_ids(engine, tokenizer)
         self._logged_error = False
 
     async def run(self, rows: Sequence[Any], sampling: SamplingParams, seeds: Sequence[int | None] | None = None,

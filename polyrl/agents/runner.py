@@ -20,7 +20,6 @@ import hashlib
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from polyrl.agents.chat import ChatDelta
@@ -62,6 +61,12 @@ class _EnvAdapter:
         return result
 
 
+def eos_ids(engine: Any, tokenizer: Any) -> frozenset[int]:
+    """The ids that end a turn: the engine's, else the tokenizer's EOS."""
+    return frozenset(getattr(engine, "eos_token_ids", ()) or
+                     ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []))
+
+
 class AgentRunner:
     """Holds what every trajectory of a run shares: engine, tokenizer, tools, parser, template."""
 
@@ -70,8 +75,7 @@ class AgentRunner:
         self.tools = tools if tools is not None else load_tools(cfg.tools)
         self.parser = get_parser(cfg.tool_parser)
         self._chat: ChatDelta | None = None
-        self.eos = frozenset(getattr(engine, "eos_token_ids", ()) or
-                             ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []))
+        self.eos = eos_ids(engine, tokenizer)
 
     @property
     def chat(self) -> ChatDelta:

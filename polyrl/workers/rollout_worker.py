@@ -19,14 +19,14 @@ planned visible-devices variable), so its engine's TP workers run on exactly tho
 from __future__ import annotations
 
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from polyrl.builtin import resolve
 from polyrl.distributed.layout import RankLayout, build_groups
-from polyrl.rollout.engines.weight_flush import PushResult, push_shares
+from polyrl.rollout.engines.weight_flush import PushResult, push_shares, read_hf_config
 from polyrl.platform import get_platform
 from polyrl.rollout.factory import build_standalone_engine
 from polyrl.weights import build_transport
@@ -56,7 +56,7 @@ class ReplicaPush:
 
     def __init__(self, cfg: JobConfig, engine: Any, group: Any, share: tuple[int, int]):
         self.cfg, self.engine, self.group, self.share = cfg, engine, group, share
-        self.hf_config = read_hf_config(cfg.model.path)
+        self.hf_config = read_hf_config(resolve(cfg.model.path))
         self.weight_version = engine.weight_version if engine is not None else 0
         self.last: PushResult | None = None
 
@@ -75,16 +75,6 @@ class ReplicaPush:
                                     share=self.share, hf_config=self.hf_config, budget_bytes=budget,
                                     timeout_s=self.cfg.ray.timeout_s)
         self.weight_version = version
-
-
-def read_hf_config(model_path: str) -> dict | None:
-    """The model's config.json (None when absent): decides the partial-loading negotiation."""
-    import json
-
-    from polyrl.builtin import resolve
-
-    path = Path(resolve(model_path)) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 class RolloutWorker:

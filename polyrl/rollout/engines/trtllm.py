@@ -20,16 +20,14 @@ quantized here (sending side).
 from __future__ import annotations
 
 import base64
-import json
 import pickle
-from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
 
 from polyrl.rollout.base import SamplingParams, TokenOutput, WeightUpdateError
 from polyrl.rollout.engines.common import DEFAULT_CONTROL_TIMEOUT_S, AsyncEngineAdapter, sampled_logprobs
-from polyrl.rollout.engines.weight_flush import PushResult, push_to_replica
+from polyrl.rollout.engines.weight_flush import PushResult, push_to_replica, read_hf_config
 
 WEIGHT_TAGS = ("sampler", "drafter", "guided_decoder", "spec_resource_manager", "model_extra",
                "executor_extra", "model", "draft_model")
@@ -82,11 +80,6 @@ def device_payload(piece: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
 
     index = piece[0][1].device.index or 0
     return {get_device_uuid(index): serialize_handles(piece)}
-
-
-def read_hf_config(model_path: str) -> dict | None:
-    path = Path(model_path) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 

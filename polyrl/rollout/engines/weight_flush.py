@@ -17,7 +17,9 @@ applied the round, so IPC handles never outlive their memory.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -75,6 +77,12 @@ def merge_device_payloads(payloads: Iterable[dict[str, Any] | None]) -> dict[str
             merged[device] = handles
     return merged
 
+
+
+def read_hf_config(model_path: str) -> dict | None:
+    """The model's config.json (None when absent): decides the partial-loading negotiation."""
+    path = Path(model_path) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 @dataclass
 class PushResult:

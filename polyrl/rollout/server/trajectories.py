@@ -59,8 +59,6 @@ class RecordedTurn:
     added: list[dict]
     """The messages this turn's request added after the previous turn's reply (a completion's
     new text as one {"role": "text"} message): the transcript of the non-sampled tokens."""
-    extended: bool
-    """The prompt was built by extending the previous turn (False: rendered / sent afresh)."""
 
 
 @dataclass
@@ -153,16 +151,16 @@ class TrajectoryRecorder:
         text of an output: the reply the agent gets, and so the one it echoes back."""
         messages = [normalize_message(m) for m in messages]
 
-        def prompt_of(record: TrajectoryRecord) -> tuple[list[int], list[dict], bool]:
+        def prompt_of(record: TrajectoryRecord) -> tuple[list[int], list[dict]]:
             prev = record.messages
             if (prev is not None and self.continuation is not None and len(messages) > len(prev)
                     and messages[:len(prev)] == prev):
                 new = messages[len(prev):]
                 try:
-                    return record.context + self.continuation.delta_ids(new, record.last_token), new, True
+                    return record.context + self.continuation.delta_ids(new, record.last_token), new
                 except Exception:  # noqa: BLE001 - a template that cannot be extended turn by turn, or
                     pass  # that rejects the new messages (jinja raise): rendering it all says which
-            return render(messages), messages, False
+            return render(messages), messages
 
         def remember(record: TrajectoryRecord, out: TokenOutput) -> None:
             record.messages = messages + [{"role": "assistant", "content": out.text or ""}]
@@ -174,14 +172,14 @@ class TrajectoryRecorder:
                               encode: Callable[[str], list[int]], ask: TurnRequest, *,
                               text: Callable[[TokenOutput], str]) -> tuple[list[int], TokenOutput, SamplingParams]:
         """Generate and record one completion turn; returns what `chat_turn` does."""
-        def prompt_of(record: TrajectoryRecord) -> tuple[list[int], list[dict], bool]:
+        def prompt_of(record: TrajectoryRecord) -> tuple[list[int], list[dict]]:
             if not isinstance(prompt, str):
-                return list(prompt), [], False
+                return list(prompt), []
             if record.text is not None and self.continuation is not None and prompt.startswith(record.text):
                 rest = prompt[len(record.text):]
                 ids = record.context + self.continuation.encode_continuation(rest)
-                return ids, [{"role": "text", "content": rest}], True
-            return encode(prompt), [{"role": "text", "content": prompt}], False
+                return ids, [{"role": "text", "content": rest}]
+            return encode(prompt), [{"role": "text", "content": prompt}]
 
         def remember(record: TrajectoryRecord, out: TokenOutput) -> None:
             record.text = prompt + (out.text or "") if isinstance(prompt, str) else None
@@ -201,7 +199,7 @@ class TrajectoryRecorder:
                 self._hit(record, "turns")
                 raise TrajectoryLimit(field_name, f"trajectory '{trajectory_id}' has used its "
                                                   f"agent.max_turns={record.max_turns} turns")
-            prompt, added, extended = prompt_of(record)
+            prompt, added = prompt_of(record)
             max_len = getattr(engine, "max_model_len", None) or 1 << 62
             left = record.max_response_tokens - record.response_tokens(prompt)
             budget = min(left, max_len - len(prompt))
@@ -226,7 +224,7 @@ class TrajectoryRecorder:
                     raise self._closed_error(trajectory_id)
                 if out.stop_reason == "length" and len(out.token_ids) >= budget and budget < asked:
                     record.limit = "response_tokens" if left <= budget else "context"
-                record.turns.append(RecordedTurn(list(prompt), out, added, extended))
+                record.turns.append(RecordedTurn(list(prompt), out, added))
                 record.context = list(prompt) + list(out.token_ids)
                 record.last_token = out.token_ids[-1] if out.token_ids and out.token_ids[-1] in eos else None
                 remember(record, out)
