@@ -11,6 +11,7 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Callable, Generic, Iterator, TypeVar
@@ -99,14 +100,18 @@ def import_target(target: str, prefix: str) -> ModuleType:
     if not path.is_file():
         raise FileNotFoundError(str(path))
     name = prefix + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)  # type: ignore[union-attr]
-        except BaseException:
-            del sys.modules[name]
-            raise
+    with _FILE_LOADS:  # concurrent callers (agent threads) must not see a half-executed module
+        module = sys.modules.get(name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+            sys.modules[name] = module  # during exec too: dataclasses in the file look it up
+            try:
+                spec.loader.exec_module(module)  # type: ignore[union-attr]
+            except BaseException:
+                del sys.modules[name]
+                raise
     return module
+
+
+_FILE_LOADS = threading.RLock()
