@@ -1,4 +1,6 @@
-"""glibc's heap defaults against polyrl's CPU allocator rule, on a GRPO-shaped training update.
+"""Process-environment A/B on a GRPO-shaped training update: glibc's heap defaults against
+polyrl's CPU allocator rule (`--compare allocator`, the default), or OpenMP threads left to the
+scheduler against threads bound to cores (`--compare binding`).
 
 glibc serves every allocation above its mmap threshold (at most 32 MiB on 64-bit) with a fresh
 `mmap` and returns it to the kernel on `free`. A training update on CPU allocates tensors that
@@ -14,6 +16,11 @@ minor page faults, system CPU seconds, user CPU seconds and wall seconds, median
 2..N. Page-fault counts do not depend on the machine's load; the seconds do.
 
     python benchmarks/allocator.py [--dtype bfloat16] [--steps 5] [--repeats 2] [--threads 1] [--json]
+
+`--compare binding` (run it with `--threads 2` or more) keeps the allocator rule in both settings
+and adds `OMP_PROC_BIND=close OMP_PLACES=cores` to the second: each of torch's OpenMP threads
+stays on one core instead of migrating, which can shorten the barriers between parallel regions
+on an idle machine and lengthen them when another process wants the same core.
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ from statistics import median
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SETTINGS = ("glibc defaults", "polyrl CPU rule")
+COMPARISONS = {"allocator": ("glibc defaults", "polyrl CPU rule"),
+               "binding": ("threads unbound", "threads bound to cores")}
+BINDING = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
 
 
 def rule_variables() -> dict[str, str]:
@@ -68,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--compare", default="allocator", choices=tuple(COMPARISONS))
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -81,29 +91,35 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.TemporaryDirectory()
     model_dir = str(Path(tmp.name) / "30M")
     build_model(model_dir, MODELS["30M"])
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    envs = {SETTINGS[0]: base_env, SETTINGS[1]: {**base_env, **rule_variables()}}
-    runs: dict[str, list[dict]] = {s: [] for s in SETTINGS}
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "OMP_PROC", "OMP_PLACES"))}
+    settings = COMPARISONS[args.compare]
+    if args.compare == "allocator":
+        envs = {settings[0]: base_env, settings[1]: {**base_env, **rule_variables()}}
+    else:
+        kept = {**base_env, **rule_variables()}
+        envs = {settings[0]: kept, settings[1]: {**kept, **BINDING}}
+    runs: dict[str, list[dict]] = {s: [] for s in settings}
     for _ in range(args.repeats):
-        for setting in SETTINGS:  # alternating, so both see the same machine load
+        for setting in settings:  # alternating, so both see the same machine load
             cmd = [sys.executable, __file__, "--child", model_dir, "--dtype", args.dtype,
                    "--steps", str(args.steps), "--threads", str(args.threads)]
             out = subprocess.run(cmd, env=envs[setting], capture_output=True, text=True, check=True)
             runs[setting].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    result = {"cpu_flags": cpu_flags(), "dtype": args.dtype, "threads": args.threads,
-              "load_average": os.getloadavg()[0], "variables": rule_variables(),
+    result = {"cpu_flags": cpu_flags(), "compare": args.compare, "dtype": args.dtype, "threads": args.threads,
+              "load_average": os.getloadavg()[0],
+              "variables": rule_variables() if args.compare == "allocator" else BINDING,
               "settings": {s: {k: median(r[k] for r in rs) for k in rs[0]} for s, rs in runs.items()}}
-    a, b = (result["settings"][s] for s in SETTINGS)
+    a, b = (result["settings"][s] for s in settings)
     result["update_speedup"] = a["wall_s"] / b["wall_s"]
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
     print(f"30M {args.dtype}, {args.threads} thread(s), CPU flags {' '.join(result['cpu_flags'])}, "
           f"load {result['load_average']:.1f}")
-    print(f"{'setting':<18} {'minor faults':>13} {'sys s':>7} {'user s':>7} {'wall s':>7}")
-    for s in SETTINGS:
+    print(f"{'setting':<24} {'minor faults':>13} {'sys s':>7} {'user s':>7} {'wall s':>7}")
+    for s in settings:
         r = result["settings"][s]
-        print(f"{s:<18} {r['minor_faults']:>13.0f} {r['sys_s']:>7.3f} {r['user_s']:>7.3f} {r['wall_s']:>7.3f}")
+        print(f"{s:<24} {r['minor_faults']:>13.0f} {r['sys_s']:>7.3f} {r['user_s']:>7.3f} {r['wall_s']:>7.3f}")
     print(f"update speedup {result['update_speedup']:.2f}x")
     return 0
 
