@@ -68,15 +68,57 @@ def stale_slow_keys(root: Path) -> list[str]:
     return stale
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def slow_key(nodeid: str) -> str | None:
+    return next((key for key in SLOW_TESTS
+                 if nodeid == key or nodeid.startswith((key + "::", key + "["))), None)
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
+    # before the other implementations (`-m` deselects by marker): mark the slow tier
     stale = stale_slow_keys(Path(__file__).parent.parent)
     if stale:
         raise pytest.UsageError(f"tests/conftest.py SLOW_TESTS names tests that do not exist: {stale}")
     for item in items:
-        if any(item.nodeid == key or item.nodeid.startswith((key + "::", key + "["))
-               for key in SLOW_TESTS):
+        if slow_key(item.nodeid):
             item.add_marker(pytest.mark.slow)
+    yield
+    # after them (deselection, pytest's grouping by fixture scope): the longest files first
+    cost = estimated_seconds(items)
+    # stable: a file's tests keep their order; files of equal cost keep collection order
+    items.sort(key=lambda item: -cost[item.nodeid.split("::")[0]])
+
+
+def estimated_seconds(items) -> dict[str, float]:
+    """Test file -> its estimated run time: the SLOW_TESTS seconds of its tests (a module key
+    counts once), SLOW_DEFAULT for a slow test without a number, FAST_DEFAULT for any other."""
+    cost: dict[str, float] = {}
+    counted: set[str] = set()
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        key = slow_key(item.nodeid)
+        if key is None:
+            seconds = SLOW_DEFAULT if item.get_closest_marker("slow") else FAST_DEFAULT
+        elif key in counted:
+            seconds = 0.0
+        else:
+            counted.add(key)
+            seconds = SLOW_TESTS[key]
+        cost[path] = cost.get(path, 0.0) + seconds
+    return cost
+
+
+SLOW_DEFAULT, FAST_DEFAULT = 8.0, 0.02
+
+
+def pytest_configure(config):
+    # `-n 2 --dist loadfile` hands out whole files, by default the files with the most tests first
+    # (xdist's --loadscope-reorder): a one-test file that trains for a minute came last and ran
+    # alone at the end. pytest_collection_modifyitems above orders the files longest first
+    # instead (longest processing time first: the two workers end together), and xdist keeps
+    # that order.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 @pytest.fixture(scope="session")
