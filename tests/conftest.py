@@ -26,11 +26,10 @@ SLOW_TESTS = {
     "tests/trainer/test_async.py": 93,  # 48 + 25 + 10 + 10
     "tests/trainer/test_standalone.py::test_standalone_embedded_default_learns": 25,
     "tests/trainer/test_standalone.py::test_sync_standalone_over_the_object_store": 20,
-    "tests/trainer/test_standalone.py::test_two_replicas_reproduce_hybrid": 13,
     "tests/trainer/test_launch_plan.py::test_plan_equals_a_real_standalone_launch": 14,
     "tests/trainer/test_train_loop.py::test_two_steps_write_metrics_and_summary": 9,
-    "tests/trainer/test_train_loop.py::test_two_ranks_train_like_one": 9,
     "tests/trainer/test_train_loop.py::test_kl_loss_uses_reference_and_reports_kl": 10,
+    "tests/trainer/test_equivalent_runs.py": 40,  # one 1-rank hybrid run shared by two comparisons
     # the module's `uninterrupted` training run is set up once for these
     "tests/trainer/test_checkpoint_resume.py::test_resume_matches_uninterrupted": 6,
     "tests/trainer/test_checkpoint_resume.py::test_checkpoints_are_pruned_loadable_and_atomic": 1,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from polyrl.config import load_config
 from polyrl.job import JobConfig
@@ -36,25 +35,6 @@ def test_two_steps_write_metrics_and_summary(ray_session, tiny_model, arith_file
                 "timing/sync_weights", "perf/samples_per_s", "val/acc"):
         assert key in step, key
     assert (tmp_path / "config.yaml").is_file()
-
-
-def test_two_ranks_train_like_one(ray_session, tiny_model, arith_files, tmp_path):
-    """gloo, 2 ranks: same rollouts (per-prompt seeds) and a globally normalised loss, so the
-    metrics match a 1-rank run up to float summation order."""
-    reward = length_reward(tmp_path)
-    one = Trainer(job(tiny_model, arith_files, tmp_path / "one", "actor.lr=0.01",
-                      "actor.num_cpus_per_worker=1", reward))
-    one.fit()
-    two = Trainer(job(tiny_model, arith_files, tmp_path / "two", "actor.lr=0.01",
-                      "actor.world_size=2", "actor.num_cpus_per_worker=1", reward))
-    two.fit()
-    read = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
-    for a, b in zip(read(tmp_path / "one"), read(tmp_path / "two")):
-        assert a.get("actor/grad_norm", 1) > 0  # the comparison is not between two no-ops
-        for key in ("reward/score_mean", "response/length_mean", "actor/loss", "actor/grad_norm",
-                    "actor/entropy", "val/acc", "val/response_length"):
-            if key in a:
-                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), key
 
 
 def length_reward(tmp_path):
