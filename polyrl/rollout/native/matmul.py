@@ -13,10 +13,15 @@ packed is decided by a rule over its shape and the CPU's features (`packing_pays
 matrix on an AVX-512 CPU, matrices of 1M+ elements elsewhere; the rest stay plain. The rule is
 deliberately not a timing: the packed and plain products differ in the last bits, and a choice
 that followed timing noise made two runs with the same seed diverge (the engine's log-probs feed
-the PPO ratio). In bf16 the matmuls gain only
-1.2-1.4x, the fused residual add costs part of that back, and the engine measured 0.92-1.06x, so
-bf16 keeps `F.linear` (BLAS already uses the bf16 matrix instructions directly). The packed product
-sums in a different order from BLAS, so results differ in the last bits (~1e-6 relative), not more.
+the PPO ratio). The packed fp32 product sums in a different order from BLAS, so results differ
+in the last bits (~1e-6 relative), not more.
+
+bf16 with the CPU's bf16 instructions runs on oneDNN either way (`F.linear` calls it, re-laying the
+weight out on every call). Packed, the decode matmuls ran 1.17-1.30x faster on an AVX-512 CPU with
+avx512_bf16 and no AMX (AMD Zen 4: the whole 30M decode step 1.10-1.18x, the 4M one unchanged), and
+the products, the fused residual add included, are bit-identical to `F.linear` / `addmm` there.
+With AMX the engine measured 0.92-1.06x, so bf16 is packed only on avx512_bf16 CPUs without
+amx_bf16 (`packing_pays`), and keeps `F.linear` elsewhere.
 
 bf16 and fp16 on an x86 CPU *without* their matrix instructions (no avx512_bf16 / amx_bf16, resp.
 no avx512_fp16 / amx_fp16: AVX2-only machines, for one) are another matter: BLAS and oneDNN
@@ -28,9 +33,10 @@ end); results differ from the emulated kernel only by the summation order, at mo
 the last place of bf16 / fp16. The packed fp32 copy costs twice the matrices' bf16 size in memory
 (and a repack after an update briefly holds two of them).
 
-Packing applies to float32 CPU tensors (and widened bf16 / fp16, above) when this torch build has
-the ops and they give the plain product on a probe; everything else (CUDA, bf16 / fp16 with
-native instructions, builds without oneDNN) uses `F.linear` on the plain weights. The packed copy
+Packing applies to float32 CPU tensors, bf16 ones on the CPUs above, and widened bf16 / fp16
+(above), when this torch build has the ops and they give the plain product on a probe; everything
+else (CUDA, fp16 and bf16 elsewhere with native instructions, builds without oneDNN) uses
+`F.linear` on the plain weights. The packed copy
 is extra memory (one more copy of the matrices).
 """
 
@@ -42,7 +48,7 @@ import platform
 import torch
 import torch.nn.functional as F
 
-PACKED_DTYPES = (torch.float32,)  # where packing measured clearly faster (see above)
+PACKED_DTYPES = (torch.float32, torch.bfloat16)  # where packing measured faster, on some CPUs (see above)
 
 
 class PlainMatmul:
@@ -102,7 +108,10 @@ re-layout), around 1M it was 1.0-1.16x faster, above 1.1-1.6x (docs/benchmarks.m
 timed per shape")."""
 
 AVX512_FLAGS = ("avx512_f", "amx_tile")
-"""CPU features under which packing won at every decode shape (2.3-2.8x, docs/benchmarks.md)."""
+"""CPU features under which fp32 packing won at every decode shape (2.3-2.8x, docs/benchmarks.md)."""
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""bf16 is packed with avx512_bf16 and without amx_bf16 (see the module docstring)."""
 
 
 @functools.cache
@@ -114,7 +123,7 @@ def cpu_features() -> frozenset[str]:
         caps = get_capabilities()
         if caps.get("architecture") != "x86_64":
             return frozenset()
-        return frozenset(flag for flag in AVX512_FLAGS if caps.get(flag))
+        return frozenset(flag for flag in AVX512_FLAGS + BF16_FLAGS if caps.get(flag))
     # an older torch tells only its vector level
     level = torch.backends.cpu.get_cpu_capability()
     return frozenset({"avx512_f"}) if level.startswith("AVX512") else frozenset()
@@ -124,8 +133,11 @@ def packing_pays(shape: tuple[int, int], dtype: torch.dtype, features: frozenset
     """Whether a `shape` weight of `dtype` is packed on a CPU with `features` (`cpu_features()`).
 
     A pure function of its arguments, never a timing: two processes, two runs or a resume on the
-    same machine pack the same matrices and so compute the same log-probs to the last bit. Only
-    float32 is packed (bf16 / fp16 are widened to float32 first, `WidenedMatmul`)."""
+    same machine pack the same matrices and so compute the same log-probs to the last bit. float32
+    is packed by shape, bf16 whole on avx512_bf16 CPUs without AMX, fp16 never (bf16 / fp16
+    without their matrix instructions are widened to float32 first, `WidenedMatmul`)."""
+    if dtype == torch.bfloat16:
+        return "avx512_bf16" in features and "amx_bf16" not in features
     if dtype != torch.float32:
         return False
     if any(flag in features for flag in AVX512_FLAGS):
@@ -182,7 +194,7 @@ def _onednn_works(dtype: torch.dtype) -> bool:
         w, x, r = (torch.randn(*s, generator=gen).to(dtype) for s in ((24, 16), (5, 16), (5, 24)))
         mm = OneDNNPackedMatmul(batch_hint=5, pack_all=True)
         packed = mm.pack(w)
-        tol = 1e-4
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
         return bool(
             torch.allclose(mm.linear(x, packed, None).float(), F.linear(x, w).float(), atol=tol, rtol=tol)
             and torch.allclose(mm.residual_linear(r, x, packed, None).float(), (r + F.linear(x, w)).float(),
@@ -196,8 +208,10 @@ def matmul_for(like: torch.Tensor, batch_hint: int) -> PlainMatmul:
     """The matmul implementation for weights like `like` (its device and dtype decide)."""
     if not like.is_cpu:
         return PlainMatmul()
+    if like.dtype in _NATIVE_FLAGS and not has_matrix_instructions(like.dtype):
+        return WidenedMatmul(batch_hint) if _onednn_works(torch.float32) else PlainMatmul()
+    if like.dtype == torch.bfloat16 and not packing_pays((1, 1), like.dtype, cpu_features()):
+        return PlainMatmul()  # bf16 packs every matrix or none (`packing_pays`)
     if _onednn_works(like.dtype):
         return OneDNNPackedMatmul(batch_hint)
-    if like.dtype in _NATIVE_FLAGS and not has_matrix_instructions(like.dtype) and _onednn_works(torch.float32):
-        return WidenedMatmul(batch_hint)
     return PlainMatmul()

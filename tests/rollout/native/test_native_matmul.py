@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from polyrl.rollout.base import SamplingParams, WeightUpdateError
 import polyrl.rollout.native.matmul as matmul_module
-from polyrl.rollout.native.matmul import (OneDNNPackedMatmul, PlainMatmul, WidenedMatmul,
-                                          has_matrix_instructions, matmul_for)
+from polyrl.rollout.native.matmul import (OneDNNPackedMatmul, PlainMatmul, WidenedMatmul, cpu_features,
+                                          has_matrix_instructions, matmul_for, packing_pays)
 from polyrl.rollout.native.weights import ComputeWeights
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -46,7 +46,11 @@ def test_float32_cpu_packs_other_dtypes_widen_only_without_matrix_instructions()
     for dtype in (torch.bfloat16, torch.float16):
         mm = matmul_for(torch.zeros(1, dtype=dtype), batch_hint=64)
         w = torch.randn(8, 4, dtype=dtype)
-        if has_matrix_instructions(dtype):  # native bf16 / fp16 kernels: plain F.linear
+        if has_matrix_instructions(dtype) and packing_pays((8, 4), dtype, cpu_features()):
+            # bf16 on avx512_bf16 without AMX: every matrix packed, still in bf16
+            assert type(mm) is OneDNNPackedMatmul and mm.packs and dtype == torch.bfloat16
+            assert mm.pack(w).is_mkldnn and mm.pack(w).dtype == dtype
+        elif has_matrix_instructions(dtype):  # other native bf16 / fp16 kernels: plain F.linear
             assert isinstance(mm, PlainMatmul) and not mm.packs
             assert mm.pack(w) is w
         else:
@@ -152,6 +156,24 @@ def _packed_and_plain(engine):
 
 
 @pytest.mark.skipif(not PACKING, reason="this torch build has no oneDNN weight packing")
+def test_packed_bf16_forward_matches_the_plain_one(model_dirs, monkeypatch):
+    """bf16 packed (what avx512_bf16 CPUs without AMX run) against `F.linear` / `addmm` on the plain
+    weights: a prefill and a decode step give the same logits (bit for bit on the CPU it was
+    measured on; within bf16 rounding anywhere), and the same greedy tokens."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("no bf16 oneDNN on this CPU")
+    engine = _engine_with(OneDNNPackedMatmul(batch_hint=4, pack_all=True), model_dirs["qwen2"], "bfloat16",
+                          monkeypatch)  # Qwen2: the qkv bias goes through the packed product too
+    cw = engine._weights.compute
+    assert cw.num_packed == 4 * len(cw.layers) + 1 and cw.layers[0].qkv.dtype == torch.bfloat16
+    for a, b in zip(*_packed_and_plain(engine)):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    plain = _engine_with(PlainMatmul(), model_dirs["qwen2"], "bfloat16", monkeypatch)
+    prompts = [PROMPT, [7, 8, 9, 10, 11]]
+    assert engine.generate_batch(prompts, GREEDY) == plain.generate_batch(prompts, GREEDY)
+
+
+@pytest.mark.skipif(not PACKING, reason="this torch build has no oneDNN weight packing")
 @pytest.mark.parametrize("packed_shapes", ["all", "qkv and lm_head"])  # every matrix, or a mix
 def test_packed_and_plain_forwards_give_the_same_logits(qwen3_dir, packed_shapes, monkeypatch):
     mm = OneDNNPackedMatmul(batch_hint=4, pack_all=packed_shapes == "all")
@@ -217,7 +239,7 @@ def test_a_failed_repack_falls_back_to_plain_kernels_and_says_so(qwen3_dir, monk
 
 def test_packing_choice_is_a_pure_function_of_shape_dtype_and_cpu_features(monkeypatch):
     """Same-seed runs must compute the same log-probs: the choice never reads a clock."""
-    from polyrl.rollout.native.matmul import PACK_NUMEL_WITHOUT_AVX512, packing_pays
+    from polyrl.rollout.native.matmul import PACK_NUMEL_WITHOUT_AVX512
 
     def no_clock():
         raise AssertionError("packing_pays must not time anything")
@@ -230,6 +252,10 @@ def test_packing_choice_is_a_pure_function_of_shape_dtype_and_cpu_features(monke
     assert packing_pays(small, torch.float32, avx512) and packing_pays(large, torch.float32, avx512)
     assert not packing_pays(small, torch.float32, avx2) and packing_pays(large, torch.float32, avx2)
     assert not packing_pays(large, torch.bfloat16, avx512)  # bf16 / fp16 are widened to fp32 first
+    # bf16 with avx512_bf16 packs every matrix, except with AMX; fp16 never packs as fp16
+    zen4, amx = avx512 | {"avx512_bf16"}, avx512 | {"avx512_bf16", "amx_tile", "amx_bf16"}
+    assert packing_pays(small, torch.bfloat16, zen4) and packing_pays(large, torch.bfloat16, zen4)
+    assert not packing_pays(small, torch.bfloat16, amx) and not packing_pays(large, torch.float16, zen4)
     # asked again, in any order, the answer is the same (nothing measured, nothing cached)
     for _ in range(3):
         assert [packing_pays(s, torch.float32, f) for s in (large, small) for f in (avx2, avx512)] == \
@@ -237,9 +263,8 @@ def test_packing_choice_is_a_pure_function_of_shape_dtype_and_cpu_features(monke
 
 
 def test_cpu_features_come_from_the_capabilities(monkeypatch):
-    from polyrl.rollout.native.matmul import cpu_features
-
-    caps = {"architecture": "x86_64", "avx2": True, "avx512_f": False, "amx_tile": False}
+    caps = {"architecture": "x86_64", "avx2": True, "avx512_f": False, "amx_tile": False,
+            "avx512_bf16": False, "amx_bf16": False}
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: dict(caps), raising=False)
     cpu_features.cache_clear()
     try:
@@ -247,6 +272,9 @@ def test_cpu_features_come_from_the_capabilities(monkeypatch):
         caps["avx512_f"] = True
         cpu_features.cache_clear()
         assert cpu_features() == frozenset({"avx512_f"})
+        caps["avx512_bf16"] = True
+        cpu_features.cache_clear()
+        assert cpu_features() == frozenset({"avx512_f", "avx512_bf16"})
         caps["architecture"] = "aarch64"
         cpu_features.cache_clear()
         assert cpu_features() == frozenset()
