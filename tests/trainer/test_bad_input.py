@@ -12,8 +12,25 @@ import pytest
 
 
 def train(*args):
+    """`polyrl train ARGS` as a user runs it, in a process of its own."""
     return subprocess.run([sys.executable, "-m", "polyrl", "train", "trainer.progress_bar=false", *args],
                           capture_output=True, text=True, timeout=300, env=dict(os.environ))
+
+
+@pytest.fixture
+def train_here(capsys, caplog, tmp_path):
+    """`polyrl train ARGS` in this process, through the function `python -m polyrl` exits with
+    (polyrl.cli.main.main): the same code path without a new interpreter importing torch and
+    Ray (~5 s each). Every failure here fails before Ray starts. A traceback either escapes
+    main() (the test errors) or is logged: the log is checked with stderr."""
+    from polyrl.cli.main import main
+
+    def run(*args):
+        code = main(["train", "trainer.progress_bar=false", f"trainer.output_dir={tmp_path / 'out'}", *args])
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out.out, out.err + caplog.text)
+
+    return run
 
 
 def assert_clean_error(out, *needles):
@@ -24,26 +41,28 @@ def assert_clean_error(out, *needles):
 
 
 def test_missing_data_file(tiny_model, tmp_path):
-    out = train(f"model.path={tiny_model}", f"data.train_files=[{tmp_path}/nope.parquet]")
+    # a process of its own: the exit code and stderr a user's shell gets
+    out = train(f"model.path={tiny_model}", f"data.train_files=[{tmp_path}/nope.parquet]",
+                f"trainer.output_dir={tmp_path / 'out'}")
     assert_clean_error(out, "nope.parquet")
 
 
-def test_missing_columns_are_named(tiny_model, tmp_path):
+def test_missing_columns_are_named(train_here, tiny_model, tmp_path):
     path = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"question": ["1+1="]}), path)
-    out = train(f"model.path={tiny_model}", f"data.train_files=[{path}]", "data.val_files=[]")
+    out = train_here(f"model.path={tiny_model}", f"data.train_files=[{path}]", "data.val_files=[]")
     assert_clean_error(out, "prompt", "bad.parquet")
 
 
-def test_corrupt_file(tiny_model, tmp_path):
+def test_corrupt_file(train_here, tiny_model, tmp_path):
     path = tmp_path / "corrupt.parquet"
     path.write_bytes(b"not parquet at all")
-    out = train(f"model.path={tiny_model}", f"data.train_files=[{path}]")
+    out = train_here(f"model.path={tiny_model}", f"data.train_files=[{path}]")
     assert_clean_error(out, "corrupt.parquet")
 
 
-def test_missing_model_path(tmp_path):
-    out = train(f"model.path={tmp_path}/no-model")
+def test_missing_model_path(train_here, tmp_path):
+    out = train_here(f"model.path={tmp_path}/no-model")
     assert_clean_error(out, "model.path", "no-model")
 
 
@@ -53,26 +72,27 @@ def test_missing_model_path(tmp_path):
     ("rollout.backend=vlm", "rollout.backend: 'vlm' is not one of native, vllm, sglang, trtllm"),
     ("actor.mini_batch_size=3", "actor.mini_batch_size=3 must divide data.train_batch_size=16"),
 ])
-def test_contradictory_config(override, needle):
+def test_contradictory_config(train_here, override, needle):
     if needle is None:  # both KL modes on at once
-        out = train(override, "algorithm.use_kl_in_reward=true")
+        out = train_here(override, "algorithm.use_kl_in_reward=true")
         assert_clean_error(out, "penalises KL twice")
     else:
-        assert_clean_error(train(override), needle)
+        assert_clean_error(train_here(override), needle)
 
 
-def test_engine_not_installed_names_the_extra(tiny_model):
-    out = train(f"model.path={tiny_model}", "rollout.backend=vllm")
+def test_engine_not_installed_names_the_extra(train_here, tiny_model):
+    out = train_here(f"model.path={tiny_model}", "rollout.backend=vllm")
     assert_clean_error(out, 'pip install "polyrl[vllm]"')
 
 
-def test_print_config_and_help_config():
-    out = subprocess.run([sys.executable, "-m", "polyrl", "train", "--print-config", "rollout.n=3"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and "n: 3" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "polyrl", "train", "--help-config"],
-                         capture_output=True, text=True, timeout=60)
-    assert "rollout.backend" in out.stdout and "Samples per prompt" in out.stdout
+def test_print_config_and_help_config(capsys):
+    from polyrl.cli.main import main
+
+    assert main(["train", "--print-config", "rollout.n=3"]) == 0
+    assert "n: 3" in capsys.readouterr().out
+    assert main(["train", "--help-config"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout.backend" in out and "Samples per prompt" in out
 
 
 # --- pre-flight checks (polyrl/trainer/preflight.py), called directly ------------------------
