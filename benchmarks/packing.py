@@ -1,15 +1,26 @@
-"""Packed against padded micro-batches on a long-tail length mix, same run.
+"""Padded against packed micro-batches (dense mask and per-sample attention), same run.
 
 One training pass (forward + backward through `response_logprobs`, every micro-batch of the
-batch) of the 4M random-init Qwen2 model of `benchmarks/_tiny.py` over a GRPO batch whose
-response lengths follow a long tail (most responses short, a few near the limit, as RL batches
-are). **padded** = `plan_micro_batches` + `collate` (sorted by length, padded to the longest of
-each micro-batch, `actor.micro_batch_tokens` padded tokens); **packed** = `plan_packed` +
-`collate_packed` (polyrl/batch/packed.py: one row per micro-batch, no padding, block-diagonal
-causal mask) at the same token budget. Interleaved repetitions, medians; `speedup` = padded s /
-packed s; also the tokens each path computes (real + padding).
+batch) of the 4M random-init Qwen2 model of `benchmarks/_tiny.py` over a GRPO batch, for each
+length mix and compute dtype asked for:
 
-    python benchmarks/packing.py [--threads 1] [--reps 5] [--budget 2048] [--json]
+* **padded** = `plan_micro_batches` + `collate` (sorted by length, padded to the longest of each
+  micro-batch, `actor.micro_batch_tokens` padded tokens);
+* **packed-dense** = `plan_packed` + `collate_packed(varlen=False)`: one row per micro-batch, no
+  padding, a dense block-diagonal causal [T, T] mask through SDPA (T^2 scores);
+* **packed-varlen** = `plan_packed` + `collate_packed`: the same rows with segment boundaries,
+  attention per sample (polyrl/training/varlen.py, sum(L_i^2) scores).
+
+Length mixes: **long-tail** (80% of responses 4-24 tokens, the rest up to `--max-response`, as RL
+batches are) and **uniform** (every response within 10% of `--max-response`: little padding, the
+control). bf16 runs under autocast with the CPU platform's training attention kernel choice
+(polyrl/platform/platforms.py), as the training engines do. The three paths are interleaved per
+repetition; medians. Also per path: micro-batches, tokens computed (real + padding), attention
+scores computed per head (sum of rows x L^2, T^2 or L_i^2), and the padding fraction of the padded
+plan (what `actor.packing=auto` reads, polyrl/batch/packed.py).
+
+    python benchmarks/packing.py [--threads 1] [--reps 5] [--budget 2048] [--mix long-tail uniform]
+                                 [--dtype float32 bfloat16] [--json]
 """
 
 from __future__ import annotations
@@ -27,15 +38,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+PATHS = ("padded", "packed-dense", "packed-varlen")
 
-def long_tail_batch(n: int, vocab: int, max_response: int, seed: int = 0):
+
+def length_mix(mix: str, n: int, max_response: int, g: torch.Generator) -> torch.Tensor:
+    if mix == "long-tail":  # Pareto-like: 80% of responses 4-24 tokens, the rest spread up to max_response
+        short = torch.randint(4, 25, (n,), generator=g)
+        long = torch.randint(25, max_response + 1, (n,), generator=g)
+        return torch.where(torch.rand(n, generator=g) < 0.8, short, long)
+    if mix == "uniform":
+        return torch.randint(int(0.9 * max_response), max_response + 1, (n,), generator=g)
+    raise ValueError(f"unknown mix {mix!r}")
+
+
+def make_batch(mix: str, n: int, vocab: int, max_response: int, seed: int = 0):
     from polyrl.batch import Ragged, RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
-    # Pareto-like: 80% of responses 4-24 tokens, the rest spread up to max_response
-    short = torch.randint(4, 25, (n,), generator=g)
-    long = torch.randint(25, max_response + 1, (n,), generator=g)
-    lengths = torch.where(torch.rand(n, generator=g) < 0.8, short, long)
+    lengths = length_mix(mix, n, max_response, g)
     prompts = [torch.randint(2, vocab, (int(k),), generator=g).tolist()
                for k in torch.randint(8, 17, (n,), generator=g)]
     resp = Ragged.from_rows([torch.randint(2, vocab, (int(k),), generator=g).tolist() for k in lengths], torch.long)
@@ -46,14 +66,61 @@ def long_tail_batch(n: int, vocab: int, max_response: int, seed: int = 0):
                         min_version=zeros, max_version=zeros, continuations=zeros)
 
 
+def micro_batches(batch, budget: int) -> dict[str, list]:
+    from polyrl.batch import collate, plan_micro_batches
+    from polyrl.batch.packed import collate_packed, plan_packed
+
+    cpu = torch.device("cpu")
+    packs = plan_packed(batch.lengths, budget)
+    return {"padded": [collate(batch, idx, cpu) for idx in plan_micro_batches(batch.lengths, budget)],
+            "packed-dense": [collate_packed(batch, idx, cpu, varlen=False) for idx in packs],
+            "packed-varlen": [collate_packed(batch, idx, cpu) for idx in packs]}
+
+
+def attention_scores(mb) -> int:
+    """Scores per head and layer the path computes: rows x L^2 padded, T^2 dense, sum L_i^2 varlen."""
+    if getattr(mb, "cu_seq_lens", None) is not None:
+        return int((mb.cu_seq_lens.diff().long() ** 2).sum())
+    return mb.input_ids.shape[0] * mb.input_ids.shape[1] ** 2
+
+
+def measure(model, mbs_by_path: dict[str, list], dtype: str, reps: int) -> dict[str, float]:
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from polyrl.training.logprobs import response_logprobs
+
+    def attention():  # the CPU platform's training kernel choice (polyrl/platform/platforms.py)
+        return sdpa_kernel(SDPBackend.MATH) if dtype == "bfloat16" else nullcontext()
+
+    def run(mbs) -> float:
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        for mb in mbs:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"), attention():
+                lp, _ = response_logprobs(model, mb, with_entropy=True)
+            (lp * mb.response_mask).sum().div(1000.0).backward()
+        return time.perf_counter() - t0
+
+    times: dict[str, list[float]] = {k: [] for k in mbs_by_path}
+    for k, mbs in mbs_by_path.items():
+        run(mbs)  # warm-up
+    for _ in range(reps):
+        for k, mbs in mbs_by_path.items():
+            times[k].append(run(mbs))
+    return {k: median(v) for k, v in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--max-response", type=int, default=200)
-    p.add_argument("--budget", type=int, default=2048, help="tokens per micro-batch (both paths)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--budget", type=int, default=2048, help="tokens per micro-batch (every path)")
+    p.add_argument("--mix", nargs="+", choices=["long-tail", "uniform"], default=["long-tail", "uniform"])
+    p.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -61,56 +128,40 @@ def main(argv: list[str] | None = None) -> int:
 
     from _tiny import MODELS, build_model
     from logprobs import cpu_flags
-    from polyrl.batch import collate, plan_micro_batches
-    from polyrl.batch.packed import collate_packed, plan_packed
-    from polyrl.training.logprobs import response_logprobs
+    from polyrl.batch.packed import padding_fraction
 
     with tempfile.TemporaryDirectory() as tmp:
         build_model(Path(tmp) / "4M", MODELS["4M"], max_positions=512)
-        model = AutoModelForCausalLM.from_pretrained(str(Path(tmp) / "4M"), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(Path(tmp) / "4M"), dtype=torch.float32,
+                                                     attn_implementation="sdpa")
     model.train()
-    batch = long_tail_batch(args.samples, model.config.vocab_size, args.max_response)
-    lengths = batch.lengths
-    cpu = torch.device("cpu")
-    paths = {
-        "padded": [collate(batch, idx, cpu) for idx in plan_micro_batches(lengths, args.budget)],
-        "packed": [collate_packed(batch, idx, cpu) for idx in plan_packed(lengths, args.budget)],
-    }
-    computed = {"padded": sum(mb.input_ids.numel() for mb in paths["padded"]),
-                "packed": sum(mb.input_ids.numel() for mb in paths["packed"])}
-
-    def run(mbs) -> float:
-        model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        for mb in mbs:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
-                lp, _ = response_logprobs(model, mb, with_entropy=True)
-            (lp * mb.response_mask).sum().div(1000.0).backward()
-        return time.perf_counter() - t0
-
-    times = {k: [] for k in paths}
-    for k in paths:
-        run(paths[k])  # warm-up
-    for _ in range(args.reps):
-        for k in paths:
-            times[k].append(run(paths[k]))
-    out = {"cpu_flags": cpu_flags(), "threads": args.threads, "dtype": args.dtype, "budget": args.budget,
-           "samples": args.samples, "real_tokens": int(lengths.sum()),
-           "response_lengths": {"median": float(batch.response_ids.lengths.float().median()),
-                                "max": int(batch.response_ids.lengths.max())},
-           **{f"{k}_s": median(v) for k, v in times.items()},
-           **{f"{k}_micro_batches": len(v) for k, v in paths.items()},
-           **{f"{k}_tokens_computed": v for k, v in computed.items()}}
-    out["speedup"] = out["padded_s"] / out["packed_s"]
-    print(f"CPU flags: {' '.join(out['cpu_flags'])}; {args.threads} thread(s), {args.dtype}; {args.samples} samples, "
-          f"{out['real_tokens']} real tokens (response median {out['response_lengths']['median']:.0f}, max "
-          f"{out['response_lengths']['max']})")
-    for k in paths:
-        print(f"{k}: {out[k + '_s']:.3f} s per pass, {out[k + '_micro_batches']} micro-batches, "
-              f"{out[k + '_tokens_computed']} tokens computed")
-    print(f"speedup (padded / packed): {out['speedup']:.2f}")
+    print(f"CPU flags: {' '.join(cpu_flags())}; {args.threads} thread(s); {args.samples} samples, "
+          f"budget {args.budget}, {args.reps} reps (medians)")
+    results = []
+    for mix in args.mix:
+        batch = make_batch(mix, args.samples, model.config.vocab_size, args.max_response)
+        mbs = micro_batches(batch, args.budget)
+        pad = padding_fraction(batch.lengths, args.budget)
+        for dtype in args.dtype:
+            seconds = measure(model, mbs, dtype, args.reps)
+            row = {"mix": mix, "dtype": dtype, "real_tokens": int(batch.lengths.sum()), "padding_fraction": pad,
+                   "response_median": float(batch.response_ids.lengths.float().median()),
+                   "response_max": int(batch.response_ids.lengths.max())}
+            for k in PATHS:
+                row[k] = {"s": seconds[k], "micro_batches": len(mbs[k]),
+                          "tokens_computed": sum(mb.input_ids.numel() for mb in mbs[k]),
+                          "attention_scores": sum(attention_scores(mb) for mb in mbs[k]),
+                          "speedup_vs_padded": seconds["padded"] / seconds[k]}
+            results.append(row)
+            print(f"\n{mix}, {dtype}: {row['real_tokens']} real tokens (response median {row['response_median']:.0f}, "
+                  f"max {row['response_max']}); padded plan {pad:.0%} padding")
+            for k in PATHS:
+                r = row[k]
+                print(f"  {k:14s} {r['s']:.3f} s  {r['speedup_vs_padded']:.2f}x  {r['micro_batches']} micro-batches  "
+                      f"{r['tokens_computed']} tokens  {r['attention_scores']} scores/head/layer")
     if args.json:
-        print(json.dumps(out))
+        print(json.dumps({"cpu_flags": cpu_flags(), "threads": args.threads, "budget": args.budget,
+                          "samples": args.samples, "results": results}))
     return 0
 
 

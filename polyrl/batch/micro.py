@@ -18,7 +18,7 @@ from polyrl.batch.rollout_batch import RolloutBatch
 @dataclass
 class MicroBatch:
     input_ids: torch.Tensor  # [b, L] right-padded with 0
-    attention_mask: torch.Tensor  # [b, L]
+    attention_mask: torch.Tensor | None  # [b, L]; None for a packed row (polyrl/batch/packed.py)
     gather_index: torch.Tensor  # [b, R] position whose logits predict response token k
     target_ids: torch.Tensor  # [b, R] response tokens
     response_mask: torch.Tensor  # [b, R] float, the loss mask (0 on padding and unsampled tokens)

@@ -15,12 +15,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from polyrl.batch import Ragged, RolloutBatch, collate, plan_micro_batches, scatter_rows
+from polyrl.batch import Ragged, RolloutBatch, scatter_rows
+from polyrl.batch.packed import collate_layout, plan_layout
 from polyrl.platform import Platform
 from polyrl.training.base import MicroBatch, NonFiniteUpdate, StepResult
 from polyrl.training import compiled, lora
 from polyrl.training.lora import merged_named_weights
 from polyrl.training.logprobs import response_logprobs
+from polyrl.training.varlen import setup_packing
 from polyrl.workers.config import ActorConfig
 from polyrl.training.optim import build_optimizer
 from polyrl.weights.base import WeightStream
@@ -57,6 +59,8 @@ class DDPEngine:
                                                 gradient_checkpointing=cfg.gradient_checkpointing)
         self._run_head = compiled.compile_head(head) if self.compiled else head
         self._compile_clock = compiled.compile_seconds() if self.compiled else 0.0
+        self.packing = setup_packing(self.module, cfg.packing, head_reads_packed=head is response_logprobs,
+                                     compiled=self.compiled)
 
     # --- forward / backward -----------------------------------------------------------------------
     def forward(self, mb: MicroBatch, with_entropy: bool = False,
@@ -69,14 +73,20 @@ class DDPEngine:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
+    def micro_batches(self, batch: RolloutBatch) -> Iterator[MicroBatch]:
+        """`batch` cut into micro-batches of `actor.micro_batch_tokens`, padded or packed as
+        `actor.packing` resolved for this engine (polyrl/batch/packed.py)."""
+        packed, plan = plan_layout(batch.lengths, self.cfg.micro_batch_tokens, self.packing)
+        for idx in plan:
+            yield collate_layout(batch, idx, self.device, packed)
+
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch) -> Ragged:
         """The head's output for every response token of `batch` (log-probs; a critic's values)."""
         was_training = self.model.training
         self.model.eval()
         out = Ragged.full_like(batch.response_ids, 0.0, torch.float32)
-        for idx in plan_micro_batches(batch.lengths, self.cfg.micro_batch_tokens):
-            mb = collate(batch, idx, self.device)
+        for mb in self.micro_batches(batch):
             lp, _ = self.forward(mb)
             scatter_rows(out, mb, lp.float().cpu())
         self.model.train(was_training)

@@ -37,11 +37,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from polyrl.batch import MicroBatch, Ragged, RolloutBatch, collate, plan_micro_batches, scatter_rows
+from polyrl.batch import MicroBatch, Ragged, RolloutBatch, collate, scatter_rows
+from polyrl.batch.packed import collate_layout, plan_layout
 from polyrl.platform import Platform
 from polyrl.training import checkpoint_io, lora
 from polyrl.training.ddp import _OPS, DDPEngine
 from polyrl.training.logprobs import response_logprobs
+from polyrl.training.varlen import setup_packing
 from polyrl.workers.config import ActorConfig
 from polyrl.training.optim import build_optimizer
 
@@ -110,6 +112,8 @@ class FSDP2Engine(DDPEngine):
             model.eval().requires_grad_(False)
         else:
             model.train()
+        self.packing = setup_packing(self.module, cfg.packing, head_reads_packed=head is response_logprobs,
+                                     compiled=False)
         # gradient checkpointing (PolicyWorker enables it before this): transformers checkpoints
         # each layer non-reentrantly by default, under which FSDP2 re-gathers a layer for its
         # recomputation (tests/training/test_fsdp2.py trains with it)
@@ -181,11 +185,11 @@ class FSDP2Engine(DDPEngine):
         was_training = self.root.training
         self.root.eval()
         out = Ragged.full_like(batch.response_ids, 0.0, torch.float32)
-        plan = plan_micro_batches(batch.lengths, self.cfg.micro_batch_tokens)
+        packed, plan = plan_layout(batch.lengths, self.cfg.micro_batch_tokens, self.packing)
         count = self.all_reduce(torch.tensor([len(plan)], dtype=torch.int64), "max")
         for i in range(int(count)):
             if i < len(plan):
-                mb = collate(batch, plan[i], self.device)
+                mb = collate_layout(batch, plan[i], self.device, packed)
                 lp, _ = self._forward(mb)
                 scatter_rows(out, mb, lp.float().cpu())
             else:

@@ -20,6 +20,7 @@ import torch
 
 from polyrl.algorithms import entropy_from_logits
 from polyrl.batch import MicroBatch
+from polyrl.training.varlen import packed_forward_kwargs, use_varlen_attention
 
 FUSED_MIN_ELEMENTS = 1 << 28
 """Logits (response rows x vocab) from which a forward that will be differentiated takes the
@@ -43,8 +44,10 @@ def response_logprobs(
     """(logprobs [b, R], entropy [b, R] or None) of `mb`'s response tokens under `model`.
 
     The entropy carries gradient only when `entropy_grad` (an entropy bonus in the loss)."""
-    kwargs = {}
-    if getattr(mb, "position_ids", None) is not None:  # packed (polyrl/batch/packed.py): [1, T]
+    kwargs = packed_forward_kwargs(mb)
+    if kwargs:  # a packed row with segment boundaries (polyrl/batch/packed.py)
+        use_varlen_attention(model)
+    elif getattr(mb, "position_ids", None) is not None:  # packed with a dense block-diagonal mask
         kwargs["position_ids"] = mb.position_ids
     hidden = model.base_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, **kwargs).last_hidden_state
     H = hidden.shape[-1]
@@ -53,10 +56,10 @@ def response_logprobs(
     head = model.get_output_embeddings()
     b, R = mb.target_ids.shape
     vocab = head.weight.shape[0]
+    real = torch.arange(R, device=hidden.device).unsqueeze(0) < mb.response_lengths.to(hidden.device).unsqueeze(1)
     threshold = FUSED_MIN_ELEMENTS if torch.is_grad_enabled() else FUSED_MIN_ELEMENTS_NO_GRAD
     if _fusable(head) and b * R * vocab >= threshold:
         # only real response rows: padding past a row's length gets 0 (masked everywhere anyway)
-        real = torch.arange(R, device=hidden.device).unsqueeze(0) < mb.response_lengths.to(hidden.device).unsqueeze(1)
         rows = (mb.gather_index + row_offset)[real]
         picked = hidden.reshape(-1, H).index_select(0, rows)  # [n, H]
         lp, ent = fused_logprobs(picked, head.weight, mb.target_ids[real],
@@ -68,16 +71,25 @@ def response_logprobs(
                 ent = ent.detach()
             entropy = ent.new_zeros(b, R).masked_scatter(real, ent)
         return logprobs, entropy
-    picked = hidden.reshape(-1, H)[mb.gather_index + row_offset]  # [b, R, H]
-    logits = head(picked).float()  # [b, R, V]
-    logp_all = torch.log_softmax(logits, dim=-1)  # [b, R, V]
-    logprobs = logp_all.gather(-1, mb.target_ids.unsqueeze(-1)).squeeze(-1)
+    # A packed row mixes short and long samples, so most of its [b, R] is padding past each
+    # sample's length: the head runs on its real rows only. A padded micro-batch (length-sorted,
+    # little such padding) keeps [b, R], free of data-dependent shapes for actor.compile.
+    compact = bool(kwargs)
+    index = mb.gather_index + row_offset
+    picked = hidden.reshape(-1, H)[index[real] if compact else index]  # [n, H] or [b, R, H]
+    targets = mb.target_ids[real] if compact else mb.target_ids
+    logits = head(picked).float()  # [..., V]
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if entropy_grad:
         entropy = entropy_from_logits(logits)
     elif with_entropy:
         with torch.no_grad():  # from the log-softmax already computed: no second softmax pass
             entropy = -(logp_all.exp() * logp_all).sum(-1)
+    if compact:
+        logprobs = logprobs.new_zeros(b, R).masked_scatter(real, logprobs)
+        entropy = None if entropy is None else entropy.new_zeros(b, R).masked_scatter(real, entropy)
     return logprobs, entropy
 
 

@@ -14,7 +14,7 @@ import torch
 
 from polyrl.algorithms import AlgorithmConfig, actor_loss
 from polyrl.algorithms.off_policy import OffPolicyConfig
-from polyrl.batch import RolloutBatch, collate, plan_micro_batches, split_evenly
+from polyrl.batch import RolloutBatch, split_evenly
 from polyrl.training.base import TrainingEngine
 from polyrl.workers.config import ActorConfig
 
@@ -63,8 +63,7 @@ class PPOActor:
         local = LOCAL_METRICS | (OFF_POLICY_METRICS if self.off_policy.active else frozenset())
         sums: dict[str, float] = dict.fromkeys(SHARE_METRICS | local, 0.0)
         maxima: dict[str, float] = dict.fromkeys(MAX_METRICS, 0.0) if self.off_policy.active else {}
-        for idx in plan_micro_batches(mini.lengths, self.actor.micro_batch_tokens):
-            mb = collate(mini, idx, self.device)
+        for mb in engine.micro_batches(mini):  # padded or packed: actor.packing
             logprob, entropy = engine.forward(mb, with_entropy=True, entropy_grad=algo.entropy_coeff > 0)
             old = logprob.detach() if detach_as_old else mb.old_logprobs
             loss, m = actor_loss(algo, logprob, old, mb.advantages, mb.response_mask,

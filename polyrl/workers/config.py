@@ -46,10 +46,19 @@ class ActorConfig(Config):
     mini_batch_size: int | None = Field(None, ge=1)
     """Prompts per optimizer step (default: the whole batch, i.e. one step per batch)."""
     micro_batch_tokens: int = Field(8192, ge=64)
-    """Token budget of one forward/backward micro-batch, counted after padding: samples sorted by
-    length are right-padded to the longest in their micro-batch, and a micro-batch holds as many
-    as keep rows x longest row within the budget (a sample longer than the budget gets one of its
-    own). Nothing is packed: CPU attention has no variable-length kernels."""
+    """Token budget of one forward/backward micro-batch (a sample longer than the budget gets one
+    of its own). Padded (see `packing`): samples sorted by length are right-padded to the longest
+    in their micro-batch, and rows x longest row stays within the budget. Packed: samples are
+    concatenated into one row of at most this many real tokens, with no padding."""
+    packing: Literal["auto", "on", "off"] = "auto"
+    """Sequence packing of the policy's micro-batches (the update and the log-prob passes; the
+    critic and `polyrl sft` always pad). on: each micro-batch is one row of whole samples,
+    positions restarting per sample and attention computed per sample
+    (polyrl/training/varlen.py), so no padding is computed; off: right-padded rows. auto: packs
+    a batch whose padded plan would be at least polyrl/batch/packed.py PACK_MIN_PADDING padding,
+    the size rule measured in docs/benchmarks.md "Sequence packing" (packing pays on long-tail
+    length mixes, not on near-uniform ones); off while the forward is compiled (`compile`) or
+    for a model whose attention is not SDPA or uses sliding windows (on: an error naming why)."""
     world_size: int = Field(1, ge=1)
     """Policy ranks (torch.distributed: gloo on CPU, the platform's backend on GPUs)."""
     strategy: Literal["ddp", "fsdp2"] = "ddp"
@@ -93,6 +102,18 @@ class ActorConfig(Config):
     @classmethod
     def _compile_from_yaml_bool(cls, value):
         # YAML reads a bare on / off (in a file or as actor.compile=on) as a boolean
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _packing_not_compiled(self) -> "ActorConfig":
+        if self.packing == "on" and self.compile == "on":
+            raise ValueError("actor.packing=on cannot run under actor.compile=on (the packed attention loops "
+                             "over each row's samples in Python); set one of them to off or auto")
+        return self
+
+    @field_validator("packing", mode="before")
+    @classmethod
+    def _packing_from_yaml_bool(cls, value):
         return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     @model_validator(mode="after")

@@ -146,10 +146,13 @@ def test_size_rule_picks_the_path(monkeypatch):
     assert calls == [1]
 
 
+@pytest.mark.parametrize("varlen", [True, False])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_packed_loss_and_gradients_equal_padded(autocast):
-    """polyrl/batch/packed.py: one row, positions restarting per sample, block-diagonal mask;
-    the same log-probs and parameter gradients as the padded micro-batch."""
+def test_packed_loss_and_gradients_equal_padded(autocast, varlen):
+    """polyrl/batch/packed.py: one row, positions restarting per sample, attention per sample
+    (`varlen`, polyrl/training/varlen.py) or through a dense block-diagonal mask; the same
+    log-probs and parameter gradients as the padded micro-batch (tests/training/test_packing.py
+    covers the packed attention further)."""
     from polyrl.batch.packed import collate_packed, plan_packed
 
     model, _ = _model_and_batch()
@@ -164,7 +167,8 @@ def test_packed_loss_and_gradients_equal_padded(autocast):
                          stop_reason=zeros, finished_with_eos=zeros.bool(), weight_version=zeros,
                          min_version=zeros, max_version=zeros, continuations=zeros)
     idx = list(range(n))
-    padded, packed = collate(batch, idx, torch.device("cpu")), collate_packed(batch, idx, torch.device("cpu"))
+    padded, packed = collate(batch, idx, torch.device("cpu")), collate_packed(batch, idx, torch.device("cpu"), varlen)
+    assert (packed.attention_mask is None) == varlen
     assert packed.input_ids.shape == (1, sum(p + r - 1 for p, r in zip(lengths_p, lengths_r)))
     w = torch.randn(padded.response_mask.shape, generator=g)
     out = []
