@@ -1,10 +1,16 @@
-"""A static per-slot KV cache that grows by doubling and keeps live sequences in slots 0..B-1.
+"""A static per-slot KV cache that grows in small steps and keeps live sequences in slots 0..B-1.
 
 Each running sequence owns one slot (a row of the cache). Keeping the live rows contiguous means a
 decode step reads `k[layer, :B, :, :L]` as a plain view: no gather, no torch.cat growth, one
 batched matmul per layer. When a sequence leaves, the last live row is copied into its hole.
 Capacity grows lazily (a short prompt never pays for max_model_len) and `release()` frees it all
 for `sleep()`.
+
+Capacity grows to a multiple of 32 positions, by an eighth at least, rather than doubling, so it
+stays close to the attended length: oneDNN's bf16 batched GEMMs read only contiguous batches and
+copy a `[:L]` slice of every layer's K and V first, so decode attends over the whole capacity in
+place when little of it is unused (`attends_in_place`; model.py). Growing by an eighth copies the
+cache about eight times per doubling, less than one decode step's attention reads per step.
 """
 
 from __future__ import annotations
@@ -12,6 +18,17 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
+
+GROWTH = 32
+"""Capacity is a multiple of this many positions: oneDNN's bf16 batched GEMMs ran 1.2-1.4x faster
+over 64 / 96 / 160 positions than over 48 / 80 / 144 (docs/benchmarks.md, Rollout engine)."""
+
+_ONEDNN_ATTENTION = (torch.bfloat16, torch.float16)
+"""Cache dtypes whose CPU batched GEMMs copy non-contiguous operands (fp32 reads them in place)."""
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 class KVCache:
@@ -48,7 +65,7 @@ class KVCache:
         return torch.zeros(*shape, dtype=self.dtype, device=self.device)
 
     def reserve(self, slots: int, length: int) -> None:
-        """Make room for `slots` rows of `length` positions, growing geometrically."""
+        """Make room for `slots` rows of `length` positions (growing by an eighth at least)."""
         if slots > self.max_slots or length > self.max_len:
             raise ValueError(f"KV cache request ({slots} slots x {length}) exceeds its limits "
                              f"({self.max_slots} x {self.max_len})")
@@ -57,14 +74,34 @@ class KVCache:
         new_slots = self.slots if slots <= self.slots else min(self.max_slots, max(slots, 2 * self.slots, 8))
         new_cap = self.capacity
         if length > self.capacity:
-            new_cap = min(self.max_len, max(-(-length // 64) * 64, 2 * self.capacity))
+            new_cap = min(self.max_len, _round_up(max(length, self.capacity + self.capacity // 8), GROWTH))
+        self._resize(new_slots, new_cap, self.capacity)
+
+    def fit(self, slots: int, length: int) -> None:
+        """Before a decode step whose live rows hold positions < `length` only: `reserve`, and
+        shrink a capacity that earlier, longer sequences left too large to attend over in place
+        (the positions past `length` are dead, so only `[:length]` is kept)."""
+        self.reserve(slots, length)
+        if self.dtype in _ONEDNN_ATTENTION and self.device.type == "cpu" and not self.attends_in_place(length):
+            self._resize(self.slots, min(self.max_len, _round_up(length, GROWTH)), length)
+
+    def _resize(self, slots: int, capacity: int, keep: int) -> None:
+        """New buffers of `slots` x `capacity`, holding the first `keep` positions of the old ones."""
         layers, kv_heads, head_dim = self._dims
-        k = self._alloc(layers, new_slots, kv_heads, head_dim, new_cap)
-        v = self._alloc(layers, new_slots, kv_heads, new_cap, head_dim)
+        k = self._alloc(layers, slots, kv_heads, head_dim, capacity)
+        v = self._alloc(layers, slots, kv_heads, capacity, head_dim)
         if self.k is not None:
-            k[:, : self.slots, :, :, : self.capacity] = self.k
-            v[:, : self.slots, :, : self.capacity] = self.v
-        self.k, self.v, self.slots, self.capacity = k, v, new_slots, new_cap
+            k[:, : self.slots, :, :, :keep] = self.k[..., :keep]
+            v[:, : self.slots, :, :keep] = self.v[:, :, :, :keep]
+        self.k, self.v, self.slots, self.capacity = k, v, slots, capacity
+
+    def attends_in_place(self, length: int) -> bool:
+        """Whether decode at attended length `length` reads every position of the capacity (masked
+        past each sequence's end) instead of a `[:length]` slice. True for bf16 / fp16 caches on a
+        CPU when at most a quarter (or 32 positions) of it is unused: there a slice costs a copy
+        of K and V per layer (oneDNN reads contiguous batches only), more than the masked tail."""
+        return (self.dtype in _ONEDNN_ATTENTION and self.device.type == "cpu"
+                and self.capacity <= length + max(GROWTH, length // 4))
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy row `src` (its first `length` positions) into row `dst`, across all layers."""

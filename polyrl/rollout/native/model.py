@@ -103,10 +103,13 @@ class DecoderModel:
         """One new token per live sequence: tokens, positions [B] -> float32 logits [B, V].
 
         Sequence b lives in cache slot b; its token is written at `positions[b]` and it attends
-        to positions <= positions[b]. `attend_len` = max(positions) + 1.
+        to positions <= positions[b]. `attend_len` = max(positions) + 1 (<= the cache's capacity).
         """
         s = self.spec
-        B, L = tokens.shape[0], attend_len
+        B = tokens.shape[0]
+        # Attend over the cache's whole capacity where that reads K and V in place (kv_cache.py);
+        # the positions past each sequence's end are masked either way.
+        L = cache.capacity if cache.attends_in_place(attend_len) else attend_len
         nkv, g, hd = s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim
         rows = torch.arange(B, device=tokens.device)
         cos, sin = self.cos[positions, None, :], self.sin[positions, None, :]

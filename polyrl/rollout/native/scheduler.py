@@ -217,7 +217,7 @@ class Scheduler:
         live = self.running
         positions = [s.length - 1 for s in live]
         attend_len = max(positions) + 1
-        self.cache.reserve(len(live), attend_len)
+        self.cache.fit(len(live), attend_len)
         logits = self.model.decode(
             torch.tensor([s.tokens[-1] for s in live], device=device),
             torch.tensor(positions, device=device),
