@@ -14,44 +14,62 @@ sys.path.insert(0, str(Path(__file__).parent))  # test helpers (tiny_models)
 # cores); `python -m pytest -n 2 --dist loadfile` (.ci/run, the README) runs everything, each
 # xdist worker with its own local Ray. Keys are node-id prefixes (a
 # module, a test, or a test with all its parameters); the numbers are seconds measured on the
-# 2-core machine with `--durations`, under load from other work (setup included where it is the
-# cost). A test file may also mark itself with @pytest.mark.slow.
+# 2-core machine with `--durations` / --junitxml in a full `-n 2` run under load from other work
+# (load ~8: about twice the unloaded time; setup included where it is the cost). A test file may
+# also mark itself with @pytest.mark.slow (its numbers, if any, are in SECONDS). The numbers
+# also order the files (pytest_collection_modifyitems).
 SLOW_TESTS = {
-    "tests/placement/test_simulated_cluster.py": 339,  # a simulated multi-node Ray cluster
-    "tests/rollout/server/test_ray_server.py": 327,  # Ray server actors + router
-    "tests/trainer/test_embedded_default.py": 62,
-    "tests/trainer/test_interrupt.py::test_sigterm_checkpoints_and_exits_143": 50,
-    "tests/trainer/test_interrupt.py::test_second_ctrl_c_abandons_the_step_and_exits_130": 47,
-    "tests/trainer/test_interrupt.py::test_sigterm_during_start_up_exits_143_with_a_message": 7,
-    "tests/trainer/test_async.py": 93,  # 48 + 25 + 10 + 10
-    "tests/trainer/test_standalone.py::test_standalone_embedded_default_learns": 25,
-    "tests/trainer/test_standalone.py::test_sync_standalone_over_the_object_store": 20,
-    "tests/trainer/test_launch_plan.py::test_plan_equals_a_real_standalone_launch": 14,
-    "tests/trainer/test_train_loop.py::test_two_steps_write_metrics_and_summary": 9,
-    "tests/trainer/test_train_loop.py::test_kl_loss_uses_reference_and_reports_kl": 10,
-    "tests/trainer/test_equivalent_runs.py": 40,  # one 1-rank hybrid run shared by two comparisons
+    "tests/placement/test_simulated_cluster.py": 235,  # a simulated multi-node Ray cluster
+    "tests/rollout/server/test_ray_server.py": 30,  # Ray server actors + router
+    "tests/trainer/test_embedded_default.py": 114,
+    "tests/trainer/test_interrupt.py::test_sigterm_checkpoints_and_exits_143": 45,
+    "tests/trainer/test_interrupt.py::test_second_ctrl_c_abandons_the_step_and_exits_130": 52,
+    "tests/trainer/test_interrupt.py::test_sigterm_during_start_up_exits_143_with_a_message": 4,
+    "tests/trainer/test_async.py": 146,  # 50 + 35 + 33 + 29
+    "tests/trainer/test_standalone.py::test_standalone_embedded_default_learns": 54,
+    "tests/trainer/test_standalone.py::test_sync_standalone_over_the_object_store": 24,
+    "tests/trainer/test_launch_plan.py::test_plan_equals_a_real_standalone_launch": 69,
+    "tests/trainer/test_train_loop.py::test_two_steps_write_metrics_and_summary": 16,
+    "tests/trainer/test_train_loop.py::test_kl_loss_uses_reference_and_reports_kl": 26,
+    "tests/trainer/test_equivalent_runs.py": 95,  # one 1-rank hybrid run shared by two comparisons
     # the module's `uninterrupted` training run is set up once for these
-    "tests/trainer/test_checkpoint_resume.py::test_resume_matches_uninterrupted": 6,
+    "tests/trainer/test_checkpoint_resume.py::test_resume_matches_uninterrupted": 132,
     "tests/trainer/test_checkpoint_resume.py::test_checkpoints_are_pruned_loadable_and_atomic": 1,
-    "tests/trainer/test_checkpoint_resume.py::test_incompatible_resume_names_the_field": 1,
-    "tests/trainer/test_checkpoint_resume.py::test_harmless_change_is_allowed": 1,
-    "tests/trainer/test_checkpoint_resume.py::test_keep_last_prunes": 5,
-    "tests/trainer/test_plots.py::test_polyrl_plot_cli": 12,
-    "tests/trainer/test_sinks.py::test_wandb_offline_run_without_network": 7,
-    # `polyrl train` subprocesses that fail on bad input (6-14 s each: torch + Ray imports)
-    "tests/trainer/test_bad_input.py::test_missing_data_file": 9,
-    "tests/trainer/test_bad_input.py::test_missing_columns_are_named": 14,
-    "tests/trainer/test_bad_input.py::test_corrupt_file": 11,
-    "tests/trainer/test_bad_input.py::test_missing_model_path": 8,
-    "tests/trainer/test_bad_input.py::test_contradictory_config": 25,  # 4 x ~6
-    "tests/trainer/test_bad_input.py::test_engine_not_installed_names_the_extra": 6,
-    "tests/trainer/test_bad_input.py::test_print_config_and_help_config": 10,
-    "tests/rollout/server/test_serve_cli.py": 7,
-    "tests/cli/test_env_doctor.py::test_env_table_and_bad_flags": 20,
-    "tests/weights/test_bench_weights.py": 22,
-    "tests/weights/test_fp8.py::test_bench_fp8_quick_json": 7,
+    "tests/trainer/test_checkpoint_resume.py::test_incompatible_resume_names_the_field": 12,
+    "tests/trainer/test_checkpoint_resume.py::test_harmless_change_is_allowed": 21,
+    "tests/trainer/test_checkpoint_resume.py::test_keep_last_prunes": 17,
+    "tests/trainer/test_plots.py::test_polyrl_plot_cli": 8,
+    "tests/trainer/test_sinks.py::test_wandb_offline_run_without_network": 5,
+    # a `polyrl train` subprocess that fails on bad input (torch + Ray imports)
+    "tests/trainer/test_bad_input.py::test_missing_data_file": 19,
+    "tests/rollout/server/test_serve_cli.py": 18,
+    "tests/cli/test_env_doctor.py::test_env_table_and_bad_flags": 10,
+    "tests/weights/test_bench_weights.py": 13,
+    "tests/weights/test_fp8.py::test_bench_fp8_quick_json": 10,
     "tests/assets/test_tiny_assets.py::test_warm_start_writes_answer_format": 18,
 }
+
+SECONDS = {
+    "tests/trainer/test_recipes.py": 144,
+    "tests/agents/test_async_agents.py::test_training_with_agents": 71,
+    "tests/sft/test_sft_run.py::test_two_processes_train_like_one": 33,
+    "tests/sft/test_sft_run.py::test_checkpoint_is_a_model_path_for_polyrl_train": 21,
+    "tests/trainer/test_reproducible.py": 56,
+    "tests/training/test_fsdp2_lora.py": 54,
+    "tests/training/test_fsdp2_lora_e2e.py": 43,
+    "tests/distributed/test_replica_weight_path.py": 41,
+    "tests/training/test_fsdp2.py::test_resume_on_one_rank_and_on_two": 22,
+    "tests/training/test_fsdp2.py::test_checkpointing_offload_ddp_resume_and_mismatch": 16,
+    "tests/rewards/test_reward_model.py::test_dead_reward_worker_scores_zero_and_counts": 18,
+    "tests/rewards/test_reward_model.py::test_ray_reward_worker_scores_like_the_runner": 13,
+    "tests/trainer/test_standalone.py::test_a_two_rank_replica_generates_on_its_leader_and_takes_"
+    "weights_through_it": 27,
+    "tests/training/test_compile_step.py::test_compiled_engine_trains_like_eager": 24,
+    "tests/weights/test_fsdp2_sync.py": 20,
+    "tests/agents/test_calculator_recipe.py::test_one_step_of_the_recipe": 19,
+}
+"""Seconds (measured as SLOW_TESTS's) of tests marked slow in their own files, by node-id prefix:
+only used to order the files, so a key that no longer matches is harmless."""
 
 
 def stale_slow_keys(root: Path) -> list[str]:
@@ -89,7 +107,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def estimated_seconds(items) -> dict[str, float]:
-    """Test file -> its estimated run time: the SLOW_TESTS seconds of its tests (a module key
+    """Test file -> its estimated run time: the SLOW_TESTS / SECONDS numbers of its tests (a key
     counts once), SLOW_DEFAULT for a slow test without a number, FAST_DEFAULT for any other."""
     cost: dict[str, float] = {}
     counted: set[str] = set()
@@ -97,12 +115,14 @@ def estimated_seconds(items) -> dict[str, float]:
         path = item.nodeid.split("::")[0]
         key = slow_key(item.nodeid)
         if key is None:
+            key = next((k for k in SECONDS if item.nodeid.startswith(k)), None)
+        if key is None:
             seconds = SLOW_DEFAULT if item.get_closest_marker("slow") else FAST_DEFAULT
         elif key in counted:
             seconds = 0.0
         else:
             counted.add(key)
-            seconds = SLOW_TESTS[key]
+            seconds = SLOW_TESTS.get(key) or SECONDS[key]
         cost[path] = cost.get(path, 0.0) + seconds
     return cost
 
