@@ -76,15 +76,24 @@ def _train_step(engine, mbs):
     return losses, logprobs, grads, result
 
 
-@pytest.mark.slow  # compiling even a 2-layer model takes tens of seconds on a CPU
-def test_compiled_engine_trains_like_eager(tiny_model):
+@pytest.fixture(scope="module")
+def one_layer_model(tmp_path_factory) -> str:
+    """The tiny model with one decoder layer: a second identical layer adds nothing this test
+    checks, but doubles what inductor compiles (forward and backward, for two shapes)."""
+    from tiny_models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("one-layer"), layers=1)
+
+
+@pytest.mark.slow  # compiling even a 1-layer model takes tens of seconds on a CPU
+def test_compiled_engine_trains_like_eager(one_layer_model):
     from polyrl.platform import get_platform
     from polyrl.training.ddp import DDPEngine
     from polyrl.workers.config import ActorConfig
     from polyrl.workers.model_loading import load_causal_lm
 
     torch._dynamo.reset()
-    model = load_causal_lm(tiny_model, "float32", False)
+    model = load_causal_lm(one_layer_model, "float32", False)
     engines = {}
     for mode in ("off", "on"):
         cfg = ActorConfig(compute_dtype="bfloat16", lr=1e-3, compile=mode)
