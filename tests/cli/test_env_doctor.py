@@ -1,5 +1,7 @@
-"""`polyrl env` and `polyrl doctor` as a user runs them (real subprocesses; the bad-flag errors
-in-process through polyrl.cli.main.main)."""
+"""`polyrl env` and `polyrl doctor` as a user runs them: one real subprocess of each (the env
+table, the doctor on this machine); the other runs go in-process through polyrl.cli.main.main,
+the function `python -m polyrl` exits with (the same code path without a new interpreter
+importing torch, ~4 s of CPU each)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from polyrl.cli.doctor import check_environment
 from polyrl.platform import SIMULATED_PROBES, get_platform
@@ -18,8 +22,23 @@ def polyrl(*args, env=None):
                           text=True, env=full_env, timeout=120)
 
 
-def test_env_json_rocm_sglang_keeps_user_value():
-    out = polyrl("env", "--platform", "rocm", "--backend", "sglang", "--json",
+@pytest.fixture
+def polyrl_here(capsys, monkeypatch):
+    """`polyrl ARGS` in this process, with `env` set in os.environ for the call."""
+    from polyrl.cli.main import main
+
+    def run(*args, env=None):
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        code = main(list(args))
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+    return run
+
+
+def test_env_json_rocm_sglang_keeps_user_value(polyrl_here):
+    out = polyrl_here("env", "--platform", "rocm", "--backend", "sglang", "--json",
                  env={"SGLANG_USE_AITER": "0"})
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
@@ -33,26 +52,25 @@ def test_env_json_rocm_sglang_keeps_user_value():
         assert set(entry) >= {"value", "source", "reason"}
 
 
-def test_env_capability_simulation_and_config_env(tmp_path):
+def test_env_capability_simulation_and_config_env(polyrl_here, tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("env:\n  NCCL_NVLS_ENABLE: '1'\n")
-    out = polyrl("env", "--role", "job", "--capability", "10.0", "--json", "-c", str(cfg),
+    out = polyrl_here("env", "--role", "job", "--capability", "10.0", "--json", "-c", str(cfg),
                  env={"TLLM_DISABLE_NVLS_MNNVL": "1"})
     plan = json.loads(out.stdout)
     assert plan["NCCL_NVLS_ENABLE"]["source"] == "config"
     assert plan["NCCL_MNNVL_ENABLE"]["source"] == "rule:blackwell-nvls-mnnvl-off"
 
 
-def test_env_table_and_bad_flags(capsys):
+def test_env_table_and_bad_flags(polyrl_here):
     out = polyrl("env", "--platform", "cuda", "--backend", "vllm")
     assert out.returncode == 0
     assert "NCCL_CUMEM_ENABLE" in out.stdout and "rule:nccl-cumem-off" in out.stdout
-    # the bad flags through the function `python -m polyrl` exits with (no interpreter start each)
-    from polyrl.cli.main import main
 
     def bad(*args) -> str:
-        assert main(["env", *args]) == 2
-        return capsys.readouterr().err
+        out = polyrl_here("env", *args)
+        assert out.returncode == 2
+        return out.stderr
 
     assert "--capability" in bad("--capability", "ten")
     assert "registered platforms: cpu, cuda, rocm, npu" in bad("--platform", "tpu")
@@ -66,8 +84,8 @@ def test_doctor_on_this_machine():
     assert "torch:" in out.stdout
 
 
-def test_doctor_exits_nonzero_on_errors():
-    out = polyrl("doctor", env={"RAY_ADDRESS": "127.0.0.1:1"})
+def test_doctor_exits_nonzero_on_errors(polyrl_here):
+    out = polyrl_here("doctor", env={"RAY_ADDRESS": "127.0.0.1:1"})
     assert out.returncode == 1
     assert "not reachable" in out.stdout
 

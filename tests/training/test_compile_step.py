@@ -79,7 +79,7 @@ def _train_step(engine, mbs):
 @pytest.fixture(scope="module")
 def one_layer_model(tmp_path_factory) -> str:
     """The tiny model with one decoder layer: a second identical layer adds nothing this test
-    checks, but doubles what inductor compiles (forward and backward, for two shapes)."""
+    checks, but inductor compiles it too (forward and backward, for two shapes)."""
     from tiny_models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("one-layer"), layers=1)
