@@ -11,6 +11,7 @@ weights, which run faster than plain `F.linear`, so this is the stricter of the 
     python benchmarks/rollout.py                # ~3 minutes on 2 cores
     python benchmarks/rollout.py --quick --json # < 1 minute; last stdout line is JSON
     python benchmarks/rollout.py --profile 4M:float32 --threads 1   # where a decode step's time goes
+    python benchmarks/rollout.py --breakdown 30M:bfloat16 --threads 1 # the same, timed directly
 """
 
 from __future__ import annotations
@@ -119,7 +120,69 @@ def profile_breakdown(runner: "PolyrlRunner") -> dict[str, float]:
     return shares
 
 
-def matmul_roofline(shape: dict, batch: int, dtype: torch.dtype, reps: int = 10, packed: bool = False) -> float:
+def decode_breakdown(runner: "PolyrlRunner", shape: dict, batch: int = 64, attended: int = 96,
+                     rounds: int = 30) -> dict:
+    """Direct timing of one decode step at `batch` live sequences and `attended` positions: the
+    forward, its weight matmuls and its attention timed alone on the same tensors (min over
+    `rounds`; process CPU time at one thread, so other jobs on the machine count less), the rest
+    (norms, RoPE, SiLU, residuals, KV writes, glue) as the difference, and sampling."""
+    import random
+
+    from polyrl.rollout.native.sampling import RowParams, sample
+
+    engine = runner.engine
+    model, cache, spec = engine._sched.model, engine._sched.cache, engine.spec
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        cache.fit(batch, attended)
+        cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
+        cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
+        tokens = torch.randint(1, spec.vocab_size, (batch,), generator=gen)
+        positions = torch.full((batch,), attended - 1)
+        cw, dtype = model.w.compute, model.w.embed.dtype
+        H, I, q_size = spec.hidden_size, spec.intermediate_size, spec.q_size
+        x, a, h = (torch.randn(batch, n, generator=gen).to(dtype) for n in (H, q_size, I))
+
+        def matmuls():
+            mm = cw.matmul
+            for lw in cw.layers:
+                mm.linear(x, lw.qkv, lw.qkv_bias)
+                mm.residual_linear(x, a, lw.o, lw.o_bias)
+                mm.linear(x, lw.gate_up, lw.gate_up_bias)
+                mm.residual_linear(x, h, lw.down, lw.down_bias)
+            mm.linear(x, cw.lm_head, None)
+
+        nkv, hd = spec.num_kv_heads, spec.head_dim
+        g, L = spec.num_heads // nkv, cache.capacity if cache.attends_in_place(attended) else attended
+        q = torch.randn(batch * nkv, g, hd, generator=gen).to(cache.dtype)
+        bias = torch.zeros(batch * nkv, g, L, dtype=cache.dtype)
+
+        def attention():  # as DecoderModel.decode: in place over the capacity, or a [:L] slice
+            for i in range(spec.num_layers):
+                keys_t = cache.k[i, :batch, :, :, :L].view(batch * nkv, hd, L)
+                values = cache.v[i, :batch, :, :L].view(batch * nkv, L, hd)
+                torch.bmm(torch.softmax(torch.baddbmm(bias, q, keys_t, alpha=model.scale), -1), values)
+
+        logits = model.decode(tokens, positions, cache, attended)
+        rows = [RowParams(1.0, 1.0, 0, 0, random.Random(i)) for i in range(batch)]
+        parts = {"decode forward": lambda: model.decode(tokens, positions, cache, attended),
+                 "weight matmuls": matmuls, "attention": attention, "sampling": lambda: sample(logits, rows)}
+        best = dict.fromkeys(parts, float("inf"))
+        for _ in range(rounds):  # interleaved, so a busy moment hits every part alike
+            for name, fn in parts.items():
+                t0 = clock()
+                fn()
+                best[name] = min(best[name], clock() - t0)
+    best["rest"] = best["decode forward"] - best["weight matmuls"] - best["attention"]
+    limit = 2 * batch * engine._weights.num_matmul_params() / matmul_roofline(shape, batch, dtype, clock=clock)
+    return {"ms": {k: round(v * 1e3, 2) for k, v in best.items()},
+            "matmul limit ms": round(limit * 1e3, 2),
+            "fraction (limit / forward + sampling)": round(limit / (best["decode forward"] + best["sampling"]), 3)}
+
+
+def matmul_roofline(shape: dict, batch: int, dtype: torch.dtype, reps: int = 10, packed: bool = False,
+                    clock=time.perf_counter) -> float:
     """FLOP/s of plain F.linear calls with the model's (unfused) decode shapes at this batch;
     `packed`: the engine's matmul implementation (prepacked weights on a CPU) instead."""
     H, I, V = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
@@ -136,10 +199,10 @@ def matmul_roofline(shape: dict, batch: int, dtype: torch.dtype, reps: int = 10,
     best = float("inf")
     with torch.inference_mode():
         for _ in range(reps):
-            t0 = time.perf_counter()
+            t0 = clock()
             for x, w in pairs:
                 linear(x, w, None)
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, clock() - t0)
     return flops / best
 
 
@@ -151,11 +214,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch intra-op threads for both engines (default: torch's choice)")
     parser.add_argument("--profile", metavar="SIZE:DTYPE", default=None,
                         help="instead of benchmarking, profile the engine on one case, e.g. 30M:bfloat16")
+    parser.add_argument("--breakdown", metavar="SIZE:DTYPE", default=None,
+                        help="instead of benchmarking, time one decode step's parts directly (B=64, L=96)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.profile:
         return _profile(args.profile)
+    if args.breakdown:
+        return _breakdown(args.breakdown)
 
     num_prompts, n, prompt_len = 16, 4, 32
     new_tokens, reps = (32, 1) if args.quick else (128, 2)
@@ -196,11 +263,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _profile(case: str) -> int:
+def _case(case: str, flag: str) -> tuple[str, str]:
     name, _, dtype_name = case.partition(":")
     if name not in MODELS or dtype_name not in DTYPES:
-        raise SystemExit(f"--profile {case!r}: expected SIZE:DTYPE with SIZE in {list(MODELS)} "
+        raise SystemExit(f"{flag} {case!r}: expected SIZE:DTYPE with SIZE in {list(MODELS)} "
                          f"and DTYPE in {list(DTYPES)}")
+    return name, dtype_name
+
+
+def _breakdown(case: str) -> int:
+    name, dtype_name = _case(case, "--breakdown")
+    gen = torch.Generator().manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        build_model(MODELS[name], Path(tmp))
+        prompts = torch.randint(1, MODELS[name]["vocab_size"], (16, 32), generator=gen).tolist()
+        result = decode_breakdown(PolyrlRunner(tmp, dtype_name, prompts, 4, 8), MODELS[name])
+    forward = result["ms"]["decode forward"]
+    for part, ms in result["ms"].items():
+        print(f"{part:>16}: {ms:7.2f} ms ({ms / forward:6.1%} of the forward)")
+    print(f"matmul limit {result['matmul limit ms']} ms; fraction {result['fraction (limit / forward + sampling)']}; "
+          f"torch threads {torch.get_num_threads()}")
+    print(json.dumps(result))
+    return 0
+
+
+def _profile(case: str) -> int:
+    name, dtype_name = _case(case, "--profile")
     gen = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         build_model(MODELS[name], Path(tmp))
