@@ -1,8 +1,8 @@
 """Padded against packed micro-batches (dense mask and per-sample attention), same run.
 
 One training pass (forward + backward through `response_logprobs`, every micro-batch of the
-batch) of the 4M random-init Qwen2 model of `benchmarks/_tiny.py` over a GRPO batch, for each
-length mix and compute dtype asked for:
+batch) of a random-init Qwen2 model of `benchmarks/_tiny.py` (4M by default) over a GRPO batch,
+for each length mix, token budget and compute dtype asked for:
 
 * **padded** = `plan_micro_batches` + `collate` (sorted by length, padded to the longest of each
   micro-batch, `actor.micro_batch_tokens` padded tokens);
@@ -12,15 +12,15 @@ length mix and compute dtype asked for:
   attention per sample (polyrl/training/varlen.py, sum(L_i^2) scores).
 
 Length mixes: **long-tail** (80% of responses 4-24 tokens, the rest up to `--max-response`, as RL
-batches are) and **uniform** (every response within 10% of `--max-response`: little padding, the
-control). bf16 runs under autocast with the CPU platform's training attention kernel choice
+batches are), **spread** (responses uniform over 4..`--max-response`) and **uniform** (every
+response 45-50% of `--max-response`: almost no padding, the control); prompts 8-16 tokens. bf16 runs under autocast with the CPU platform's training attention kernel choice
 (polyrl/platform/platforms.py), as the training engines do. The three paths are interleaved per
 repetition; medians. Also per path: micro-batches, tokens computed (real + padding), attention
 scores computed per head (sum of rows x L^2, T^2 or L_i^2), and the padding fraction of the padded
 plan (what `actor.packing=auto` reads, polyrl/batch/packed.py).
 
-    python benchmarks/packing.py [--threads 1] [--reps 5] [--budget 2048] [--mix long-tail uniform]
-                                 [--dtype float32 bfloat16] [--json]
+    python benchmarks/packing.py [--threads 1] [--reps 5] [--budget 2048 ...] [--model 4M]
+        [--mix long-tail spread uniform] [--dtype float32 bfloat16] [--paths padded ...] [--json]
 """
 
 from __future__ import annotations
@@ -46,8 +46,10 @@ def length_mix(mix: str, n: int, max_response: int, g: torch.Generator) -> torch
         short = torch.randint(4, 25, (n,), generator=g)
         long = torch.randint(25, max_response + 1, (n,), generator=g)
         return torch.where(torch.rand(n, generator=g) < 0.8, short, long)
+    if mix == "spread":
+        return torch.randint(4, max_response + 1, (n,), generator=g)
     if mix == "uniform":
-        return torch.randint(int(0.9 * max_response), max_response + 1, (n,), generator=g)
+        return torch.randint(int(0.45 * max_response), max_response // 2 + 1, (n,), generator=g)
     raise ValueError(f"unknown mix {mix!r}")
 
 
@@ -66,15 +68,16 @@ def make_batch(mix: str, n: int, vocab: int, max_response: int, seed: int = 0):
                         min_version=zeros, max_version=zeros, continuations=zeros)
 
 
-def micro_batches(batch, budget: int) -> dict[str, list]:
+def micro_batches(batch, budget: int, paths=PATHS) -> dict[str, list]:
     from polyrl.batch import collate, plan_micro_batches
     from polyrl.batch.packed import collate_packed, plan_packed
 
     cpu = torch.device("cpu")
     packs = plan_packed(batch.lengths, budget)
-    return {"padded": [collate(batch, idx, cpu) for idx in plan_micro_batches(batch.lengths, budget)],
-            "packed-dense": [collate_packed(batch, idx, cpu, varlen=False) for idx in packs],
-            "packed-varlen": [collate_packed(batch, idx, cpu) for idx in packs]}
+    build = {"padded": lambda: [collate(batch, idx, cpu) for idx in plan_micro_batches(batch.lengths, budget)],
+             "packed-dense": lambda: [collate_packed(batch, idx, cpu, varlen=False) for idx in packs],
+             "packed-varlen": lambda: [collate_packed(batch, idx, cpu) for idx in packs]}
+    return {k: build[k]() for k in paths}
 
 
 def attention_scores(mb) -> int:
@@ -118,9 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--max-response", type=int, default=200)
-    p.add_argument("--budget", type=int, default=2048, help="tokens per micro-batch (every path)")
-    p.add_argument("--mix", nargs="+", choices=["long-tail", "uniform"], default=["long-tail", "uniform"])
+    p.add_argument("--budget", type=int, nargs="+", default=[2048], help="tokens per micro-batch (every path)")
+    p.add_argument("--model", choices=["4M", "30M"], default="4M")
+    p.add_argument("--mix", nargs="+", choices=["long-tail", "spread", "uniform"], default=["long-tail", "uniform"])
     p.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
+    p.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="padded is always measured")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -131,36 +136,38 @@ def main(argv: list[str] | None = None) -> int:
     from polyrl.batch.packed import padding_fraction
 
     with tempfile.TemporaryDirectory() as tmp:
-        build_model(Path(tmp) / "4M", MODELS["4M"], max_positions=512)
-        model = AutoModelForCausalLM.from_pretrained(str(Path(tmp) / "4M"), dtype=torch.float32,
+        build_model(Path(tmp) / args.model, MODELS[args.model], max_positions=512)
+        model = AutoModelForCausalLM.from_pretrained(str(Path(tmp) / args.model), dtype=torch.float32,
                                                      attn_implementation="sdpa")
     model.train()
-    print(f"CPU flags: {' '.join(cpu_flags())}; {args.threads} thread(s); {args.samples} samples, "
-          f"budget {args.budget}, {args.reps} reps (medians)")
+    paths = ["padded", *(k for k in PATHS if k in args.paths and k != "padded")]
+    print(f"CPU flags: {' '.join(cpu_flags())}; {args.threads} thread(s); model {args.model}; {args.samples} samples; "
+          f"{args.reps} reps (medians)")
     results = []
     for mix in args.mix:
         batch = make_batch(mix, args.samples, model.config.vocab_size, args.max_response)
-        mbs = micro_batches(batch, args.budget)
-        pad = padding_fraction(batch.lengths, args.budget)
-        for dtype in args.dtype:
-            seconds = measure(model, mbs, dtype, args.reps)
-            row = {"mix": mix, "dtype": dtype, "real_tokens": int(batch.lengths.sum()), "padding_fraction": pad,
-                   "response_median": float(batch.response_ids.lengths.float().median()),
-                   "response_max": int(batch.response_ids.lengths.max())}
-            for k in PATHS:
-                row[k] = {"s": seconds[k], "micro_batches": len(mbs[k]),
-                          "tokens_computed": sum(mb.input_ids.numel() for mb in mbs[k]),
-                          "attention_scores": sum(attention_scores(mb) for mb in mbs[k]),
-                          "speedup_vs_padded": seconds["padded"] / seconds[k]}
-            results.append(row)
-            print(f"\n{mix}, {dtype}: {row['real_tokens']} real tokens (response median {row['response_median']:.0f}, "
-                  f"max {row['response_max']}); padded plan {pad:.0%} padding")
-            for k in PATHS:
-                r = row[k]
-                print(f"  {k:14s} {r['s']:.3f} s  {r['speedup_vs_padded']:.2f}x  {r['micro_batches']} micro-batches  "
-                      f"{r['tokens_computed']} tokens  {r['attention_scores']} scores/head/layer")
+        for budget in args.budget:
+            mbs = micro_batches(batch, budget, paths)
+            pad = padding_fraction(batch.lengths, budget)
+            for dtype in args.dtype:
+                seconds = measure(model, mbs, dtype, args.reps)
+                row = {"mix": mix, "budget": budget, "dtype": dtype, "real_tokens": int(batch.lengths.sum()),
+                       "padding_fraction": pad, "response_median": float(batch.response_ids.lengths.float().median()),
+                       "response_max": int(batch.response_ids.lengths.max())}
+                for k in paths:
+                    row[k] = {"s": seconds[k], "micro_batches": len(mbs[k]),
+                              "tokens_computed": sum(mb.input_ids.numel() for mb in mbs[k]),
+                              "attention_scores": sum(attention_scores(mb) for mb in mbs[k]),
+                              "speedup_vs_padded": seconds["padded"] / seconds[k]}
+                results.append(row)
+                print(f"\n{mix}, budget {budget}, {dtype}: {row['real_tokens']} real tokens (response median "
+                      f"{row['response_median']:.0f}, max {row['response_max']}); padded plan {pad:.0%} padding")
+                for k in paths:
+                    r = row[k]
+                    print(f"  {k:14s} {r['s']:.3f} s  {r['speedup_vs_padded']:.2f}x  {r['micro_batches']} micro-batches  "
+                          f"{r['tokens_computed']} tokens  {r['attention_scores']} scores/head/layer")
     if args.json:
-        print(json.dumps({"cpu_flags": cpu_flags(), "threads": args.threads, "budget": args.budget,
+        print(json.dumps({"cpu_flags": cpu_flags(), "threads": args.threads, "model": args.model,
                           "samples": args.samples, "results": results}))
     return 0
 
