@@ -85,6 +85,8 @@ def _bucket_plan(bounds: list[int], device: torch.device) -> tuple[torch.Tensor,
     starts, lengths = bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     buckets: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
+        if n == 0:  # an empty sample attends nothing
+            continue
         step = max(8, 1 << max(n.bit_length() - 3, 0))
         buckets.setdefault(-(-n // step) * step, []).append(i)
     gather, scatter, shapes, slot = [], [0] * bounds[-1], [], 0

@@ -229,3 +229,12 @@ def test_fsdp2_two_ranks_packed_train_as_ddp_padded(tiny_model, tmp_path):
             assert a == pytest.approx(b, rel=1e-4, abs=1e-6)
     for k in reference["weights"]:
         torch.testing.assert_close(ranks[0]["weights"][k], reference["weights"][k], rtol=1e-4, atol=1e-4, msg=k)
+
+
+def test_bucket_plan_pads_similar_lengths_together():
+    """Segments of 3 and 7 tokens share an 8-token bucket, an empty one is skipped, a 40-token one
+    rounds up to 40 (a multiple of a quarter of 32); every row position maps to its own slot."""
+    gather, scatter, shapes = varlen._bucket_plan([0, 3, 3, 10, 50], CPU)
+    assert shapes == [(2, 8), (1, 40)]
+    assert gather.tolist()[:8] == [0, 1, 2, 2, 2, 2, 2, 2] and len(gather) == 2 * 8 + 40
+    assert torch.equal(gather[scatter], torch.arange(50))
