@@ -1,5 +1,5 @@
 """The step's data as typed tensors: `RolloutBatch` (columnar, ragged per-token fields) and the
-padded `MicroBatch` a forward pass reads."""
+`MicroBatch` a forward pass reads, padded (micro.py) or packed into one row (packed.py)."""
 
 from polyrl.batch.micro import MicroBatch, collate, plan_micro_batches, scatter_rows
 from polyrl.batch.ragged import Ragged

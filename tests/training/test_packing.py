@@ -238,3 +238,26 @@ def test_bucket_plan_pads_similar_lengths_together():
     assert shapes == [(2, 8), (1, 40)]
     assert gather.tolist()[:8] == [0, 1, 2, 2, 2, 2, 2, 2] and len(gather) == 2 * 8 + 40
     assert torch.equal(gather[scatter], torch.arange(50))
+
+
+@pytest.mark.slow
+def test_training_run_packed_matches_padded(ray_session, tiny_model, arith_files, tmp_path):
+    """Two GRPO steps of the real loop (colocated rollout, reward, update, weight sync) with
+    actor.packing=on log the metrics of actor.packing=off."""
+    from polyrl.config import load_config
+    from polyrl.job import JobConfig
+    from polyrl.trainer.loop import Trainer
+
+    runs = {}
+    for packing in ("off", "on"):
+        out = tmp_path / packing
+        Trainer(load_config(JobConfig, overrides=[
+            f"model.path={tiny_model}", f"data.train_files=[{arith_files['train']}]", "data.val_files=[]",
+            "data.train_batch_size=4", "rollout.n=4", "rollout.response_length=12", "actor.lr=0.01",
+            "trainer.total_steps=2", "trainer.progress_bar=false", "trainer.save_at_end=false",
+            "actor.num_cpus_per_worker=1", f"trainer.output_dir={out}", f"actor.packing={packing}"])).fit()
+        runs[packing] = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(runs["on"]) == len(runs["off"]) == 2
+    for a, b in zip(runs["off"], runs["on"]):
+        for key in ("reward/score_mean", "response/length_mean", "actor/loss", "actor/grad_norm", "actor/entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
