@@ -2,9 +2,9 @@
 
 A packed micro-batch is one row of several samples back to back, with `cu_seq_lens_q/k` (the
 sample boundaries, FlashAttention's varlen convention) and position ids restarting per sample.
-`varlen_attention_forward` runs causal SDPA on each sample's segment of the row, so no score is
-ever computed across samples and attention costs sum(L_i^2) rather than the T^2 of a dense
-block-diagonal mask (which made packing 0.6x of the padded path on CPU, docs/benchmarks.md
+`varlen_attention_forward` runs causal SDPA on each sample's segment of the row (samples of
+similar length right-padded into one batched call), so no score is ever computed across samples
+and attention costs about sum(L_i^2) rather than the T^2 of a dense block-diagonal mask (which made packing 0.6x of the padded path on CPU, docs/benchmarks.md
 "Sequence packing").
 
 It is registered in transformers' attention-function registry under `VARLEN_ATTENTION`, with a
