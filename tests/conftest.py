@@ -29,9 +29,8 @@ SLOW_TESTS = {
     "tests/trainer/test_standalone.py::test_standalone_embedded_default_learns": 54,
     "tests/trainer/test_standalone.py::test_sync_standalone_over_the_object_store": 24,
     "tests/trainer/test_launch_plan.py::test_plan_equals_a_real_standalone_launch": 69,
-    "tests/trainer/test_train_loop.py::test_two_steps_write_metrics_and_summary": 16,
     "tests/trainer/test_train_loop.py::test_kl_loss_uses_reference_and_reports_kl": 26,
-    "tests/trainer/test_equivalent_runs.py": 95,  # one 1-rank hybrid run shared by two comparisons
+    "tests/trainer/test_reference_run.py": 95,  # one 1-rank hybrid run shared by three tests
     # the module's `uninterrupted` training run is set up once for these
     "tests/trainer/test_checkpoint_resume.py::test_resume_matches_uninterrupted": 132,
     "tests/trainer/test_checkpoint_resume.py::test_checkpoints_are_pruned_loadable_and_atomic": 1,

@@ -1,6 +1,6 @@
 """Standalone placement: rollout replicas on their own Ray actors, weights broadcast each step
 from the weight-sync group's leader. (That a standalone run reproduces the hybrid run step by
-step: tests/trainer/test_equivalent_runs.py.)"""
+step: tests/trainer/test_reference_run.py.)"""
 
 from __future__ import annotations
 

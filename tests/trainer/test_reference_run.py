@@ -1,11 +1,14 @@
-"""Layouts that must train exactly like one policy rank in hybrid placement: two gloo ranks, and
-two standalone rollout replicas fed over the weight-sync broadcast. Each is compared step by step
-with one 1-rank hybrid run (`one_rank_hybrid`, trained once for the module): per-prompt seeds
-make the rollouts identical, so only float summation order may differ."""
+"""One 2-step GRPO run with one policy rank in hybrid placement, on real Ray actors with a tiny
+random model, trained once for the module (`one_rank_hybrid`): the metrics, summary and config
+it writes, and the layouts that must train exactly like it, compared step by step (two gloo
+ranks; two standalone rollout replicas fed over the weight-sync broadcast). Per-prompt seeds
+make their rollouts identical, so only float summation order may differ."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -37,19 +40,40 @@ def read(out):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@dataclass
+class Run:
+    out: Path
+    summary: dict
+    rows: list[dict]
+
+
 @pytest.fixture(scope="module")
-def one_rank_hybrid(ray_session, tiny_model, arith_files, tmp_path_factory) -> list[dict]:
+def one_rank_hybrid(ray_session, tiny_model, arith_files, tmp_path_factory) -> Run:
     out = tmp_path_factory.mktemp("one-rank-hybrid") / "out"
-    Trainer(job(tiny_model, arith_files, out)).fit()
-    rows = read(out)
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    assert all(r["actor/grad_norm"] > 0 for r in rows[1:])  # the comparisons are not between no-ops
-    return rows
+    summary = Trainer(job(tiny_model, arith_files, out)).fit()
+    return Run(out, summary, read(out))
 
 
-def assert_same_run(reference: list[dict], other: list[dict], rel: float, abs: float) -> None:
-    assert [r["step"] for r in other] == [r["step"] for r in reference]
-    for a, b in zip(reference, other):
+def test_two_steps_write_metrics_and_summary(one_rank_hybrid):
+    summary, out = one_rank_hybrid.summary, one_rank_hybrid.out
+    assert summary["steps"] == 2
+    assert set(summary) >= {"initial_accuracy", "final_accuracy", "steps", "wall_seconds"}
+    assert json.loads((out / "summary.json").read_text()) == summary
+    records = one_rank_hybrid.rows
+    assert [r["step"] for r in records] == [0, 1, 2]
+    step = records[1]
+    for key in ("reward/score_mean", "reward/acc_mean", "response/length_mean",
+                "response/clip_frac", "actor/grad_norm", "actor/lr", "actor/entropy",
+                "actor/pg_clipfrac", "adv/tied_groups", "timing/generate", "timing/update",
+                "timing/sync_weights", "perf/samples_per_s", "val/acc"):
+        assert key in step, key
+    assert (out / "config.yaml").is_file()
+
+
+def assert_same_run(reference: Run, other: list[dict], rel: float, abs: float) -> None:
+    assert [r["step"] for r in other] == [r["step"] for r in reference.rows] == [0, 1, 2]
+    assert all(r["actor/grad_norm"] > 0 for r in reference.rows[1:])  # not a comparison of no-ops
+    for a, b in zip(reference.rows, other):
         for key in COMPARED:
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=rel, abs=abs), (a["step"], key)
