@@ -10,7 +10,9 @@ from polyrl.distributed.waits import RemoteTimeout
 from polyrl.weights import WeightSyncConfig, WeightSyncError, build_transport
 from polyrl.weights.object_store import create_mailbox
 
-CONFIG = WeightSyncConfig(transport="object_store", bucket_mb=0.001, timeout_s=5)
+# generous: these tests check delivery, not deadlines (a loaded machine can take seconds to start an
+# actor); the deadline tests below use their own short timeouts, once the mailbox is up
+CONFIG = WeightSyncConfig(transport="object_store", bucket_mb=0.001, timeout_s=60)
 
 
 def sender_actor(ray, mailbox):
@@ -49,6 +51,7 @@ def sender_actor(ray, mailbox):
 @pytest.fixture(scope="module")
 def mailbox(ray_session):
     box = create_mailbox()
+    ray_session.get(box.latest_version.remote())  # started, so no test's deadline pays the start-up
     yield box
     ray_session.kill(box)
 
@@ -122,7 +125,7 @@ def test_a_publication_to_a_dead_mailbox_fails_at_flush(ray_session):
 
 
 def test_foreground_publish_is_done_when_send_returns(ray_session, mailbox):
-    config = WeightSyncConfig(transport="object_store", bucket_mb=0.001, timeout_s=5, background_publish=False)
+    config = WeightSyncConfig(transport="object_store", bucket_mb=0.001, timeout_s=60, background_publish=False)
     sender = build_transport(config, "standalone", mailbox=mailbox)
     sender.send(model_weights(seed=7), 4)
     assert ray_session_latest(mailbox) == 4
