@@ -9,8 +9,9 @@ for `sleep()`.
 Capacity grows to a multiple of 32 positions, by an eighth at least, rather than doubling, so it
 stays close to the attended length: oneDNN's bf16 batched GEMMs read only contiguous batches and
 copy a `[:L]` slice of every layer's K and V first, so decode attends over the whole capacity in
-place when little of it is unused (`attends_in_place`; model.py). Growing by an eighth copies the
-cache about eight times per doubling, less than one decode step's attention reads per step.
+place when little of it is unused (`attends_in_place`; model.py). The price is a copy of the cache
+once every capacity/8 decode steps (30M bf16 model, 64 sequences, 160 positions: 8.5 ms every 32
+steps, ~0.3 ms per step against ~6 ms of attention).
 """
 
 from __future__ import annotations

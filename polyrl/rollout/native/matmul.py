@@ -36,8 +36,7 @@ the last place of bf16 / fp16. The packed fp32 copy costs twice the matrices' bf
 Packing applies to float32 CPU tensors, bf16 ones on the CPUs above, and widened bf16 / fp16
 (above), when this torch build has the ops and they give the plain product on a probe; everything
 else (CUDA, fp16 and bf16 elsewhere with native instructions, builds without oneDNN) uses
-`F.linear` on the plain weights. The packed copy
-is extra memory (one more copy of the matrices).
+`F.linear` on the plain weights. The packed copy is extra memory (one more copy of the matrices).
 """
 
 from __future__ import annotations
