@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from polyrl.config import load_config
-from polyrl.trainer.checkpoint import step_dir
+from polyrl.trainer.checkpoint import complete_checkpoints
 from polyrl.job import JobConfig
 from polyrl.trainer.loop import Trainer
 
@@ -136,42 +136,54 @@ def test_trainer_killed_and_resumed(ray_session, tiny_model, arith_files, tmp_pa
                      f"ray.address={ray_session.get_runtime_context().gcs_address}")
     proc = subprocess.Popen([sys.executable, "-m", "polyrl", "-v", "train", *args], text=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    # step 1's checkpoint: batch 2 started (one replica, at most B groups in flight) as batch 1's
-    # groups finished, i.e. before version 1 existed, and finished during update 1
-    ckpt = step_dir(out, 1)
+    # the first checkpoint that owes finished groups generated before its own version: usually
+    # step 1's (batch 2 started as batch 1's groups finished, before version 1 existed, and
+    # finished during update 1); on a loaded machine batch 2 can still be in flight then, so the
+    # run goes on until a later step's checkpoint holds some (keep_last=8 keeps them all)
+    found, checked = None, set()
     try:
         seen = []
-        for line in proc.stderr:  # the run's own log says when the checkpoint is complete
+        for line in proc.stderr:  # the run's own log says when each checkpoint is complete
             seen.append(line)
-            if "checkpoint written" in line:  # the first one is step 1's (save_every=1)
+            if "checkpoint written" not in line:
+                continue
+            for ckpt in complete_checkpoints(out):  # (the log line wraps the path: not parsed)
+                if ckpt in checked:
+                    continue
+                checked.add(ckpt)
+                step = int(ckpt.name.rsplit("_", 1)[1])
+                state = torch.load(ckpt / "driver.pt", weights_only=False)["async"]
+                stale = sum(1 for g in state["ready"] if int(g.samples.min_version.min()) < step)
+                if stale:
+                    found = ckpt, step, state, stale
+                    break
+            if found:
                 break
         else:
-            raise AssertionError("the run ended before writing step 1's checkpoint:\n" + "".join(seen[-40:]))
+            raise AssertionError("no checkpoint held finished stale groups:\n" + "".join(seen[-40:]))
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    ckpt, step, state, stale = found
     # the checkpoint owes exactly the drawn but untrained prompts (data position)
-    state = torch.load(ckpt / "driver.pt", weights_only=False)["async"]
-    assert state["consumed"] == B
-    # (groups finish out of order: batch 1 is the first B to finish, not necessarily gids 0..B-1)
+    assert state["consumed"] == B * step
+    # (groups finish out of order: a batch is the first B to finish, not necessarily consecutive gids)
     owed = [g.gid for g in state["ready"]] + [g.gid for g in state["pending"]]
-    assert len(set(owed)) == len(owed) == state["next_gid"] - B
+    assert len(set(owed)) == len(owed) == state["next_gid"] - B * step
     assert set(owed) <= set(range(state["next_gid"]))
-    stale = sum(1 for g in state["ready"] if int(g.samples.min_version.min()) < 1)
-    assert stale >= 1, "the checkpoint should hold finished groups generated before version 1"
 
     # (the killed driver's actors free their CPUs lazily: Trainer.setup waits for them)
-    # resume with a tighter bound: the saved groups from version 0 are now too stale
+    # resume with a tighter bound: the saved groups from before version `step` are now too stale
     from polyrl.cli.train import (
         EMBEDDED_DEFAULT,  # what `polyrl train` without -c starts from
     )
 
     cfg = load_config(JobConfig, files=[EMBEDDED_DEFAULT], overrides=overrides(
-        tiny_model, arith_files, out, tmp_path, "trainer.total_steps=3", "trainer.save_every=2",
+        tiny_model, arith_files, out, tmp_path, f"trainer.total_steps={step + 2}", "trainer.save_every=2",
         "trainer.val_before_train=false", "trainer.val_every=0", "actor.ppo_epochs=2",
         "async.max_staleness=0", f"trainer.resume={ckpt}"))
     Trainer(cfg).fit()
     rows = [r for r in read(out) if "async/staleness_max" in r]
-    assert [r["step"] for r in rows if r["step"] > 1] == [2, 3]
+    assert [r["step"] for r in rows if r["step"] > step] == [step + 1, step + 2]
     assert rows[-1]["async/discarded_stale_total"] == stale
-    assert all(r["async/staleness_max"] == 0 for r in rows if r["step"] > 1)
+    assert all(r["async/staleness_max"] == 0 for r in rows if r["step"] > step)
