@@ -91,13 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.TemporaryDirectory()
     model_dir = str(Path(tmp.name) / "30M")
     build_model(model_dir, MODELS["30M"])
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "OMP_PROC", "OMP_PLACES"))}
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", *BINDING))}
     settings = COMPARISONS[args.compare]
-    if args.compare == "allocator":
-        envs = {settings[0]: base_env, settings[1]: {**base_env, **rule_variables()}}
-    else:
-        kept = {**base_env, **rule_variables()}
-        envs = {settings[0]: kept, settings[1]: {**kept, **BINDING}}
+    # (variables in both settings, variables the second adds)
+    shared, added = ({}, rule_variables()) if args.compare == "allocator" else (rule_variables(), BINDING)
+    envs = {settings[0]: {**base_env, **shared}, settings[1]: {**base_env, **shared, **added}}
     runs: dict[str, list[dict]] = {s: [] for s in settings}
     for _ in range(args.repeats):
         for setting in settings:  # alternating, so both see the same machine load
@@ -107,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[setting].append(json.loads(out.stdout.strip().splitlines()[-1]))
     result = {"cpu_flags": cpu_flags(), "compare": args.compare, "dtype": args.dtype, "threads": args.threads,
               "load_average": os.getloadavg()[0],
-              "variables": rule_variables() if args.compare == "allocator" else BINDING,
+              "variables": added,
               "settings": {s: {k: median(r[k] for r in rs) for k in rs[0]} for s, rs in runs.items()}}
     a, b = (result["settings"][s] for s in settings)
     result["update_speedup"] = a["wall_s"] / b["wall_s"]

@@ -175,7 +175,7 @@ def decode_breakdown(runner: "PolyrlRunner", shape: dict, batch: int = 64, atten
                 fn()
                 best[name] = min(best[name], clock() - t0)
     best["rest"] = best["decode forward"] - best["weight matmuls"] - best["attention"]
-    limit = 2 * batch * engine._weights.num_matmul_params() / matmul_roofline(shape, batch, dtype, clock=clock)
+    limit = 2 * batch * runner.matmul_params / matmul_roofline(shape, batch, dtype, clock=clock)
     return {"ms": {k: round(v * 1e3, 2) for k, v in best.items()},
             "matmul limit ms": round(limit * 1e3, 2),
             "fraction (limit / forward + sampling)": round(limit / (best["decode forward"] + best["sampling"]), 3)}

@@ -30,7 +30,6 @@ from polyrl.batch.rollout_batch import RolloutBatch
 class PackedMicroBatch(MicroBatch):
     position_ids: torch.Tensor | None = None  # [1, T] restarting at 0 per sample
     cu_seq_lens: torch.Tensor | None = None  # [b + 1] int32 sample boundaries (None: dense-mask layout)
-    max_length: int = 0  # the longest sample's tokens
 
 
 def collate_packed(batch: RolloutBatch, indices: list[int] | torch.Tensor, device: torch.device,
@@ -63,7 +62,7 @@ def collate_packed(batch: RolloutBatch, indices: list[int] | torch.Tensor, devic
         old_logprobs=dev(mb.old_logprobs), rollout_logprobs=dev(mb.rollout_logprobs),
         advantages=dev(mb.advantages), ref_logprobs=dev(mb.ref_logprobs), values=dev(mb.values),
         returns=dev(mb.returns), indices=mb.indices, response_lengths=mb.response_lengths,
-        position_ids=position_ids.to(device), cu_seq_lens=dev(cu_seq_lens), max_length=int(fed.max()))
+        position_ids=position_ids.to(device), cu_seq_lens=dev(cu_seq_lens))
 
 
 def plan_packed(lengths: list[int] | torch.Tensor, token_budget: int) -> list[list[int]]:
@@ -93,8 +92,12 @@ follow its shapes; the value is measured (docs/benchmarks.md, "Sequence packing"
 
 def padding_fraction(lengths: list[int] | torch.Tensor, token_budget: int) -> float:
     """The share of padding in the tokens the padded plan (`plan_micro_batches`) would compute."""
+    return _padding_of(lengths, plan_micro_batches(lengths, token_budget))
+
+
+def _padding_of(lengths: list[int] | torch.Tensor, plan: list[list[int]]) -> float:
     lengths = [int(x) for x in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
-    computed = sum(len(idx) * max(lengths[i] for i in idx) for idx in plan_micro_batches(lengths, token_budget))
+    computed = sum(len(idx) * max(lengths[i] for i in idx) for idx in plan)
     return 1.0 - sum(lengths) / computed if computed else 0.0
 
 
@@ -103,8 +106,13 @@ def plan_layout(lengths: list[int] | torch.Tensor, token_budget: int, packing: s
     padded plan's padding fraction is at least `PACK_MIN_PADDING`."""
     if packing not in ("auto", "on", "off"):
         raise ValueError(f"actor.packing={packing!r}: choose auto, on or off")
-    packed = packing == "on" or (packing == "auto" and padding_fraction(lengths, token_budget) >= PACK_MIN_PADDING)
-    return packed, (plan_packed if packed else plan_micro_batches)(lengths, token_budget)
+    if packing == "off":
+        return False, plan_micro_batches(lengths, token_budget)
+    if packing == "auto":
+        padded = plan_micro_batches(lengths, token_budget)
+        if _padding_of(lengths, padded) < PACK_MIN_PADDING:
+            return False, padded
+    return True, plan_packed(lengths, token_budget)
 
 
 def collate_layout(batch: RolloutBatch, indices: list[int] | torch.Tensor, device: torch.device,

@@ -113,7 +113,7 @@ class FSDP2Engine(DDPEngine):
         else:
             model.train()
         self.packing = setup_packing(self.module, cfg.packing, head_reads_packed=head is response_logprobs,
-                                     compiled=False)
+                                     compiled=self.compiled)
         # gradient checkpointing (PolicyWorker enables it before this): transformers checkpoints
         # each layer non-reentrantly by default, under which FSDP2 re-gathers a layer for its
         # recomputation (tests/training/test_fsdp2.py trains with it)

@@ -41,7 +41,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if cu_seq_lens_q is None and attention_mask is None:
-        cu_seq_lens_q = _boundaries_from_positions(kwargs.get("position_ids"), query.shape[0])
+        cu_seq_lens_q = _remembered(_boundaries_from_positions, kwargs.get("position_ids"), query.shape[0])
         cu_seq_lens_k = cu_seq_lens_q
     if cu_seq_lens_q is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -50,9 +50,9 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if unsupported or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
         raise ValueError(f"packed attention supports one row of full causal self-attention; this layer has "
                          f"{unsupported or 'a batch or a cache'}: set actor.packing=off for this model")
-    if cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_k, cu_seq_lens_q):
+    if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_k, cu_seq_lens_q):
         raise ValueError("packed attention: key and query segments differ (cu_seq_lens_k != cu_seq_lens_q)")
-    gather, scatter, shapes = _bucket_plan(cu_seq_lens_q.tolist(), query.device)
+    gather, scatter, shapes = _remembered(_plan_of, cu_seq_lens_q, query.device)
     gqa = key.shape[1] != query.shape[1]
     # [1, H, T, D] -> [H, P, D]: every bucket's segments right-padded to the bucket's length, P
     # positions in all (index_select: its backward is one scatter-add, not a full-row gradient
@@ -70,6 +70,26 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         outs.append(o.transpose(0, 1).flatten(1, 2))
     out = torch.cat(outs, 1).index_select(1, scatter)  # [Hq, T, D], real positions in row order
     return out.transpose(0, 1).unsqueeze(0).contiguous(), None
+
+
+_last: dict = {}
+"""Per function, its last (argument tensor, other arguments, result): every attention layer of a
+forward (and a checkpointed layer's recomputation) gets the same boundary / position tensor, so
+the plan, which waits for the tensor's values, is made once per micro-batch, not once per layer.
+The tensor itself is the key (held, so its identity cannot be reused)."""
+
+
+def _remembered(fn, tensor: torch.Tensor | None, *args):
+    if tensor is None:
+        return fn(tensor, *args)
+    last = _last.get(fn)
+    if last is None or last[0] is not tensor or last[1] != args:
+        last = _last[fn] = (tensor, args, fn(tensor, *args))
+    return last[2]
+
+
+def _plan_of(cu_seq_lens: torch.Tensor, device: torch.device):
+    return _bucket_plan(cu_seq_lens.tolist(), device)
 
 
 def _bucket_plan(bounds: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
@@ -185,5 +205,4 @@ def packed_forward_kwargs(mb) -> dict:
     of a packed one (transformers passes them down to every attention call), none of a padded one."""
     if getattr(mb, "cu_seq_lens", None) is None:
         return {}
-    return {"position_ids": mb.position_ids, "cu_seq_lens_q": mb.cu_seq_lens, "cu_seq_lens_k": mb.cu_seq_lens,
-            "max_length_q": mb.max_length, "max_length_k": mb.max_length}
+    return {"position_ids": mb.position_ids, "cu_seq_lens_q": mb.cu_seq_lens, "cu_seq_lens_k": mb.cu_seq_lens}

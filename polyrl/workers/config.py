@@ -98,9 +98,9 @@ class ActorConfig(Config):
                              "whole model on the device); set actor.strategy=fsdp2 or actor.offload=false")
         return self
 
-    @field_validator("compile", mode="before")
+    @field_validator("compile", "packing", mode="before")
     @classmethod
-    def _compile_from_yaml_bool(cls, value):
+    def _switch_from_yaml_bool(cls, value):
         # YAML reads a bare on / off (in a file or as actor.compile=on) as a boolean
         return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
@@ -110,11 +110,6 @@ class ActorConfig(Config):
             raise ValueError("actor.packing=on cannot run under actor.compile=on (the packed attention loops "
                              "over each row's samples in Python); set one of them to off or auto")
         return self
-
-    @field_validator("packing", mode="before")
-    @classmethod
-    def _packing_from_yaml_bool(cls, value):
-        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _compile_needs_ddp(self) -> "ActorConfig":

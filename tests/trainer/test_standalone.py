@@ -4,30 +4,17 @@ step: tests/trainer/test_reference_run.py.)"""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
+import len_reward_job
+from len_reward_job import read
 from polyrl.config import load_config
 from polyrl.job import JobConfig
 from polyrl.trainer.loop import Trainer
 
 
-def job(tiny_model, arith_files, out, tmp_path, *overrides):
-    reward = tmp_path / "len_reward.py"
-    reward.write_text("def score(solution_str, ground_truth, extra_info=None):\n"
-                      "    return len(solution_str) / 10\n")
-    return load_config(JobConfig, overrides=[
-        f"model.path={tiny_model}", f"data.train_files=[{arith_files['train']}]",
-        f"data.val_files=[{arith_files['val']}]", "data.train_batch_size=4", "rollout.n=4",
-        "rollout.response_length=6", "actor.lr=0.01", f"reward.custom_function={reward}:score",
-        "trainer.total_steps=3", "trainer.val_every=3", "trainer.progress_bar=false",
-        "trainer.save_at_end=false", "actor.num_cpus_per_worker=1", f"trainer.output_dir={out}",
-        *overrides])
-
-
-def read(out):
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+def job(tiny_model, arith_files, out, *overrides):
+    return len_reward_job.job(tiny_model, arith_files, out, *overrides, steps=3, val_every=3)
 
 
 def test_standalone_embedded_default_learns(ray_session, tmp_path):
@@ -44,13 +31,13 @@ def test_tensor_parallel_native_is_refused(ray_session, tiny_model, arith_files,
     from polyrl.trainer.loop import TrainingError
 
     with pytest.raises(TrainingError, match="tensor_parallel_size > 1 needs a GPU engine"):
-        Trainer(job(tiny_model, arith_files, tmp_path / "o", tmp_path, "rollout.placement=standalone",
+        Trainer(job(tiny_model, arith_files, tmp_path / "o", "rollout.placement=standalone",
                     "rollout.tensor_parallel_size=2")).fit()
 
 
 def test_sync_standalone_over_the_object_store(ray_session, tiny_model, arith_files, tmp_path):
     # the transport async mode uses, in a synchronous run: every replica gets every version
-    Trainer(job(tiny_model, arith_files, tmp_path / "store", tmp_path, "rollout.placement=standalone",
+    Trainer(job(tiny_model, arith_files, tmp_path / "store", "rollout.placement=standalone",
                 "weights.transport=object_store", "trainer.total_steps=2", "data.val_files=[]",
                 "trainer.val_before_train=false")).fit()
     steps = [r for r in read(tmp_path / "store") if "actor/loss" in r]
@@ -69,7 +56,7 @@ def test_a_two_rank_replica_generates_on_its_leader_and_takes_weights_through_it
     from polyrl.rollout.base import SamplingParams
     from polyrl.topology import TopologyContext, build_topology
 
-    cfg = job(tiny_model, arith_files, tmp_path / "o", tmp_path, "rollout.placement=standalone",
+    cfg = job(tiny_model, arith_files, tmp_path / "o", "rollout.placement=standalone",
               "rollout.tensor_parallel_size=2", "rollout.max_model_len=64")
     topology = build_topology(TopologyContext(cfg, get_platform(cfg.platform), 1, None, None, None))
     try:

@@ -47,6 +47,8 @@ class KVCache:
         self._dims = (num_layers, num_kv_heads, head_dim)
         self.max_slots, self.max_len = max_slots, max_len
         self.dtype, self.device = dtype, device
+        self._masked_capacity = dtype in _ONEDNN_ATTENTION and device.type == "cpu"
+        """Whether decode may attend over the whole capacity, masked (`attends_in_place`)."""
         # K is stored transposed so q @ K^T reads it in place (no per-step copy of the keys).
         self.k: torch.Tensor | None = None  # [layers, slots, kv_heads, head_dim, capacity]
         self.v: torch.Tensor | None = None  # [layers, slots, kv_heads, capacity, head_dim]
@@ -83,7 +85,7 @@ class KVCache:
         shrink a capacity that earlier, longer sequences left too large to attend over in place
         (the positions past `length` are dead, so only `[:length]` is kept)."""
         self.reserve(slots, length)
-        if self.dtype in _ONEDNN_ATTENTION and self.device.type == "cpu" and not self.attends_in_place(length):
+        if self._masked_capacity and not self.attends_in_place(length):
             self._resize(self.slots, min(self.max_len, _round_up(length, GROWTH)), length)
 
     def _resize(self, slots: int, capacity: int, keep: int) -> None:
@@ -101,8 +103,7 @@ class KVCache:
         past each sequence's end) instead of a `[:length]` slice. True for bf16 / fp16 caches on a
         CPU when at most a quarter (or 32 positions) of it is unused: there a slice costs a copy
         of K and V per layer (oneDNN reads contiguous batches only), more than the masked tail."""
-        return (self.dtype in _ONEDNN_ATTENTION and self.device.type == "cpu"
-                and self.capacity <= length + max(GROWTH, length // 4))
+        return self._masked_capacity and self.capacity <= length + max(GROWTH, length // 4)
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy row `src` (its first `length` positions) into row `dst`, across all layers."""
