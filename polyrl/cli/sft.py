@@ -66,12 +66,14 @@ def _guarded(cfg, dry_run_json: bool | None) -> int:
     from polyrl.data import DataFileError
     from polyrl.platform import PlatformError
     from polyrl.sft.launch import RankFailed
+    from polyrl.sft.preflight import check_lora
     from polyrl.trainer.checkpoint import CheckpointError
     from polyrl.trainer.sinks import SinkUnavailable
     from polyrl.training.base import NonFiniteUpdate
     from polyrl.workers.model_loading import ModelLoadError
 
     try:
+        check_lora(cfg.model)  # before any rank loads the model (LoraError is a ValueError)
         if dry_run_json is not None:
             return dry_run(cfg, dry_run_json)
         return train(cfg)
@@ -133,6 +135,8 @@ def dry_run(cfg, as_json: bool) -> int:
         "val": val.counts("val") if val else None, "steps": steps,
         "batches_per_epoch": len(loader), "conversations_per_step": cfg.data.train_batch_size,
         "micro_batches_per_rank_first_step": micro,
+        "lora": (f"rank {cfg.model.lora_rank} on {cfg.model.lora_target_modules}" if cfg.model.enabled
+                 else "off (full fine-tune)"),
         "lr": cfg.actor.lr, "lr_schedule": cfg.actor.lr_schedule, "warmup_steps": cfg.actor.warmup_steps,
         "output_dir": cfg.trainer.output_dir,
     }

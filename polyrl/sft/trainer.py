@@ -31,6 +31,7 @@ from polyrl.trainer.checkpoint import (
 )
 from polyrl.trainer.sinks import build_sinks, check_available, close_all, log_all
 from polyrl.training import build_engine
+from polyrl.training.lora import apply_lora
 from polyrl.workers.model_loading import load_causal_lm, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,10 @@ class SFTTrainer:
         seed_everything(cfg.trainer.seed)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
         model = load_causal_lm(cfg.model.path, cfg.actor.param_dtype, cfg.model.trust_remote_code)
+        actor_cfg = cfg.actor
+        if cfg.model.enabled:  # LoRA exactly as a policy rank applies it (workers/policy.py)
+            model = apply_lora(model, cfg.model)
+            actor_cfg = actor_cfg.model_copy(update={"lr": cfg.actor.lr * cfg.model.lora_lr_scale})
         context = getattr(model.config, "max_position_embeddings", None) or cfg.data.max_length
         self.max_length = min(cfg.data.max_length, context)
         self.train_set = load_sft_dataset(cfg.data.train_files, self.tokenizer, cfg.data, self.max_length, "train")
@@ -66,7 +71,7 @@ class SFTTrainer:
         self.total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * len(self.loader)
         if cfg.actor.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        self.engine = build_engine(model.to(self.device), cfg.actor, self.platform, self.device,
+        self.engine = build_engine(model.to(self.device), actor_cfg, self.platform, self.device,
                                    rank=self.rank, world_size=self.world_size, group=self.group,
                                    horizon=self.total_steps)
         self.checkpoints = CheckpointWriter(self.out, cfg.trainer.keep_last)
