@@ -141,6 +141,19 @@ class Platform:
         """Backend for CPU-side control messages (always gloo)."""
         return "gloo"
 
+    def group_backend(self, device_type: str) -> str:
+        """Backend string for a process group of ranks computing on `device_type` devices.
+
+        On an accelerator it maps both device types (`cpu:gloo,cuda:nccl`): device tensors
+        (gradients, weight buckets) go through the platform's library, and CPU tensors (the
+        pickled objects and sizes of `distributed/collectives.py`, manifests, votes) through gloo.
+        A group of the platform's backend alone refuses every CPU tensor, so each standalone weight
+        sync and replica-leader push failed on GPUs (issue #28; verl keeps a CPU group for these).
+        """
+        if device_type == "cpu":
+            return self.cpu_dist_backend()
+        return f"cpu:{self.cpu_dist_backend()},{device_type}:{self.dist_backend()}"
+
     # --- Ray -------------------------------------------------------------------------------
     def ray_actor_options(self, num_devices: float, num_cpus: float = 1) -> dict[str, Any]:
         """Ray actor options that reserve `num_devices` of this platform's devices."""

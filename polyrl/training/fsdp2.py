@@ -305,6 +305,6 @@ def _default_group(platform: Platform, device: torch.device, world_size: int):
     if not dist.is_initialized():
         if world_size != 1:
             raise RuntimeError(f"actor.world_size={world_size} but torch.distributed is not initialized")
-        backend = platform.cpu_dist_backend() if device.type == "cpu" else platform.dist_backend()
+        backend = platform.group_backend(device.type)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return dist.group.WORLD

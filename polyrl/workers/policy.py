@@ -122,8 +122,7 @@ class PolicyWorker:
         whole world). Sets `self.transport` on the rank that sends weights."""
         cfg, rank = self.cfg, self.rank
         self.transport = None
-        backend = (self.platform.cpu_dist_backend() if self.device.type == "cpu"
-                   else self.platform.dist_backend())
+        backend = self.platform.group_backend(self.device.type)
         timeout = timedelta(seconds=cfg.ray.timeout_s)
         if self.standalone and cfg.trainer.mode == "sync":
             # one world: trainer ranks first, then every rollout replica's ranks

@@ -87,8 +87,7 @@ class RolloutWorker:
     def setup(self, dist_init: str, mailbox: Any = None) -> int:
         cfg = self.cfg
         layout = rollout_layout(cfg)
-        backend = (self.platform.cpu_dist_backend() if self.device.type == "cpu"
-                   else self.platform.dist_backend())
+        backend = self.platform.group_backend(self.device.type)
         dist.init_process_group(backend, init_method=dist_init, rank=self.rank,
                                 world_size=layout.world_size, timeout=timedelta(seconds=cfg.ray.timeout_s))
         groups = build_groups(layout, self.rank, backend=backend, timeout_s=cfg.ray.timeout_s)

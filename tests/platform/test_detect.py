@@ -123,3 +123,20 @@ def test_planning_imports_no_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("hw,device_backend", [("h100", "cuda:nccl"), ("mi300x", "cuda:nccl"),
+                                               ("ascend910", "npu:hccl")])
+def test_group_backend_carries_cpu_tensors_on_accelerators(hw, device_backend):
+    """Process groups of accelerator ranks map CPU tensors to gloo: the pickled objects, sizes,
+    manifests and votes of distributed/collectives.py and the weight sync are CPU tensors, which
+    an NCCL / HCCL-only group refuses (issue #28, fix 1). torch parses the string as it will at
+    init_process_group / new_group."""
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    p = get_platform(None, SIMULATED_PROBES[hw])
+    backend = p.group_backend(p.device_type)
+    assert backend == f"cpu:gloo,{device_backend}"
+    mapped = BackendConfig(backend).get_device_backend_map()
+    assert mapped["cpu"] == "gloo" and mapped[p.device_type] == p.dist_backend()
+    assert get_platform("cpu").group_backend("cpu") == "gloo"
