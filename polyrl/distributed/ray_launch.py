@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Mapping
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
 
 import ray
 
@@ -67,21 +70,46 @@ def init_ray(
         kwargs["address"] = address
     else:  # "local": a new instance even when a `ray start` cluster runs on this machine
         kwargs.update(address="local", num_cpus=num_cpus or os.cpu_count())
-    ray.init(**kwargs)
-    _keep_python_signal_handlers()
+    where = f"joining {address}" if address not in (None, "local") else \
+        f"a local instance, {kwargs.get('num_cpus') or os.cpu_count()} CPUs"
+    logger.info("starting Ray (%s)", where)  # the interrupt tests signal on this line
+    with keep_signal_handlers():
+        ray.init(**kwargs)
     return plan
 
 
-def _keep_python_signal_handlers() -> None:
-    """Ray's core worker installs its own SIGTERM handler at `ray.init`, which aborts the driver
-    with a C++ stack dump instead of the clean exit 143 polyrl's handlers give: put Python's
-    handlers back (main thread only: that is where signals are delivered)."""
-    import signal
-    import threading
+@contextmanager
+def keep_signal_handlers() -> Iterator[None]:
+    """Keep the caller's SIGINT / SIGTERM handlers through `ray.init`.
 
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.getsignal(sig))
+    `ray.init` replaces the SIGTERM handler twice (a driver handler that calls `sys.exit(15)`,
+    then the local node's, which drains the node for up to 30 s and calls `sys.exit(1)`), and
+    its core worker installs a C++ handler that prints a stack dump: a SIGTERM during or after
+    start-up then exited 15, 1 or 134 without polyrl's message (docs/training.md promises 143).
+    So Ray's Python-level installer is a no-op for the duration (a SIGTERM inside `ray.init`
+    reaches the caller's handler, which may raise out of it; the node's atexit hook still
+    stops the processes it started), and afterwards the caller's handlers are installed again,
+    which also replaces the C++ handler. Main thread only: that is where signals are delivered."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    ours = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    utils = getattr(getattr(ray, "_private", None), "utils", None)
+    installer = getattr(utils, "set_sigterm_handler", None)
+    if installer is not None:
+        utils.set_sigterm_handler = _ignore_handler
+    try:
+        yield
+    finally:
+        if installer is not None:
+            utils.set_sigterm_handler = installer
+        for sig, handler in ours.items():
+            if handler is not None:  # None: installed outside Python; nothing to put back
+                signal.signal(sig, handler)
+
+
+def _ignore_handler(handler: Any) -> None:
+    """Stands in for Ray's `set_sigterm_handler` while `keep_signal_handlers` holds."""
 
 
 def actor_options(

@@ -105,6 +105,10 @@ class Trainer:
                 update={"max_model_len": longest + response})})
             self.cfg = cfg
 
+        # a checkpoint this run cannot resume (another model, strategy or LoRA setting) fails
+        # now, as one line, not inside an actor after Ray and the model started
+        self.resume_point = read_resume_point(cfg.trainer.resume, self.out, cfg.model_dump(mode="json"))
+
         self.platform = get_platform(cfg.platform)
         import ray
 
@@ -125,9 +129,11 @@ class Trainer:
         if available < needed:
             raise TrainingError(
                 f"the run's actors reserve {needed} CPUs ({per_actor} per rank) but Ray has {available:g} "
-                "free; lower actor.num_cpus_per_worker or rollout.num_replicas, or add CPUs (ray.num_cpus)")
+                "free; lower actor.world_size, actor.num_cpus_per_worker or rollout.num_replicas, or "
+                "add CPUs (ray.num_cpus)")
         self.topology = build_topology(TopologyContext(cfg, self.platform, self.total_steps,
                                                        self.train_loader, self.score, self.timer))
+        logger.info("starting the actors (%s)", self.topology.name)  # the interrupt tests signal on this line
         self.topology.start()
         self.policy = self.topology.policy
         self.use_rollout_logprobs = self._use_rollout_logprobs()
@@ -258,7 +264,7 @@ class Trainer:
 
     # --- checkpoints --------------------------------------------------------------------------
     def resume_or_start(self) -> dict[str, Any]:
-        found = read_resume_point(self.cfg.trainer.resume, self.out, self.cfg.model_dump(mode="json"))
+        found = self.resume_point  # read (and checked) in setup, before the actors started
         if found is None:
             return {"step": 0}
         resume_dir, state, changed = found

@@ -91,6 +91,22 @@ def test_sigterm_during_start_up_exits_143_with_a_message(tiny_model, arith_file
     assert "SIGTERM received outside the training loop" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", [
+    r"INFO\s+starting Ray",  # inside ray.init, which replaced the SIGTERM handler (exit 15 / 1)
+    r"INFO\s+starting the actors",  # after it: Ray's handlers were left in place (exit 15 / 134)
+])
+def test_sigterm_while_ray_and_the_actors_start_exits_143_with_a_message(tiny_model, arith_files,
+                                                                        tmp_path, moment):
+    proc = start(tiny_model, arith_files, tmp_path / "out")
+    seen = wait_for(proc, re.compile(moment))
+    proc.send_signal(signal.SIGTERM)
+    err = finish(proc, seen)
+    assert proc.returncode == 143, err
+    assert "SIGTERM received outside the training loop" in err, err
+    assert "Traceback" not in err and "*** SIGTERM received" not in err, err  # Ray's C++ dump
+
+
 def test_second_ctrl_c_abandons_the_step_and_exits_130(tiny_model, arith_files, tmp_path):
     # long steps, so the second Ctrl-C lands inside the step the first one asked to finish
     out = tmp_path / "out"
