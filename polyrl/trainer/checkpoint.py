@@ -137,8 +137,12 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def check_compatible(saved: dict, current: dict) -> list[str]:
-    """Raise naming the first incompatible field; return the harmless differences."""
+def check_compatible(saved: dict, current: dict, where: str = "the checkpoint") -> list[str]:
+    """Raise naming the first incompatible field; return the harmless differences.
+
+    Checked on the driver, from the checkpoint's config.yaml, before any actor starts: a change
+    the engines cannot load (`strategy_or_lora_problem`) is one line here instead of a
+    traceback from inside a policy rank."""
     a, b = flatten(saved), flatten(current)
     changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
     bad = [k for k in changed if k in INCOMPATIBLE]
@@ -150,7 +154,37 @@ def check_compatible(saved: dict, current: dict) -> list[str]:
         raise CheckpointError(
             f"cannot resume: incompatible config ({details}). Resume with the checkpoint's values, "
             "or start fresh with trainer.resume=off or another trainer.output_dir")
+    problem = strategy_or_lora_problem(a, b, where)
+    if problem:
+        raise CheckpointError(f"cannot resume: {problem}, or start fresh with trainer.resume=off "
+                              "or another trainer.output_dir")
     return changed
+
+
+def strategy_or_lora_problem(saved: dict[str, Any], current: dict[str, Any], where: str) -> str | None:
+    """Why the policy engines could not load a checkpoint written under `saved` (flattened
+    configs), with the fix; None if they can. What the engines read (polyrl/training/ddp.py,
+    fsdp2.py `load`): ddp reads `policy/` (or a LoRA run's `policy_adapter/`) and one optimizer
+    file per rank; fsdp2 reads its sharded `dcp/` on any number of ranks, or a full-model ddp
+    checkpoint."""
+    was, now = saved.get("actor.strategy", "ddp"), current.get("actor.strategy", "ddp")
+    rank_was, rank_now = saved.get("model.lora_rank") or 0, current.get("model.lora_rank") or 0
+    if rank_was != rank_now:
+        kind = f"a LoRA rank-{rank_was} adapter" if rank_was else "a full-model policy (no LoRA)"
+        return (f"{where} holds {kind}, this run has model.lora_rank={rank_now}; resume with "
+                f"model.lora_rank={rank_was}")
+    if rank_now and saved.get("model.lora_target_modules") != current.get("model.lora_target_modules"):
+        return (f"{where} holds adapters on model.lora_target_modules="
+                f"{saved.get('model.lora_target_modules')!r}, this run has "
+                f"{current.get('model.lora_target_modules')!r}; resume with the checkpoint's value")
+    if was == "fsdp2" and now == "ddp":
+        return (f"{where} was written by actor.strategy=fsdp2 (sharded optimizer state in dcp/), "
+                "which an actor.strategy=ddp run cannot read; resume with actor.strategy=fsdp2 "
+                "(on any actor.world_size)")
+    if was == "ddp" and now == "fsdp2" and rank_now:
+        return (f"{where} was written by actor.strategy=ddp, and a LoRA run under "
+                "actor.strategy=fsdp2 resumes only its own checkpoints; resume with actor.strategy=ddp")
+    return None
 
 
 def capture_rng() -> dict[str, Any]:
@@ -234,5 +268,6 @@ def read_resume_point(resume: str, output_dir: Path, config: dict[str, Any]) -> 
     resume_dir = find_resume_point(resume, output_dir)
     if resume_dir is None:
         return None
-    changed = check_compatible(yaml.safe_load((resume_dir / "config.yaml").read_text()), config)
+    changed = check_compatible(yaml.safe_load((resume_dir / "config.yaml").read_text()), config,
+                               where=f"checkpoint {resume_dir}")
     return resume_dir, torch.load(resume_dir / "driver.pt", weights_only=False), changed

@@ -31,6 +31,7 @@ def check_job(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any] |
     longest = longest_prompt(train_set, val_set)
     check_model_context(cfg, longest, model_config)
     check_max_model_len(cfg, longest)
+    check_lora(cfg, model_config)
 
 
 def check_platform(cfg: JobConfig) -> None:
@@ -111,6 +112,30 @@ def check_max_model_len(cfg: JobConfig, longest: int) -> None:
             f"rollout.max_model_len={limit} is shorter than the longest prompt ({longest} tokens) "
             f"+ rollout.response_length={cfg.rollout.response_length} = {need}: responses would be "
             f"cut short; set rollout.max_model_len={need} or leave it unset (computed from the data)"])
+
+
+def check_lora(cfg: JobConfig, model_config: Any | None) -> None:
+    """model.lora_target_modules must name linear layers of the model and model.lora_rank fit
+    them (the checks `apply_lora` makes in every policy rank, polyrl/training/lora.py
+    `targeted_layers`), made here on the model built from its config on the meta device: no
+    weights are read or allocated, so it takes milliseconds."""
+    if not cfg.model.enabled or model_config is None:
+        return
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.training.lora import LoraError, targeted_layers
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config,
+                                                     trust_remote_code=cfg.model.trust_remote_code)
+    except (ValueError, OSError, ImportError):  # not a causal LM transformers knows: loading says so
+        return
+    try:
+        targeted_layers(model, cfg.model)
+    except LoraError as exc:
+        raise ConfigError([str(exc)]) from None
 
 
 def _traceback_line(exc: BaseException) -> str:

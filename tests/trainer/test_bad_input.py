@@ -233,3 +233,79 @@ def test_gather_names_the_actor_that_died(ray_session):
     message = str(err.value)
     assert message.startswith("update: policy rank 1 died (") and "\n" not in message
     ray.kill(alive)
+
+
+# --- LoRA settings and resume mismatches: one line before Ray starts -------------------------
+# (they used to surface inside a policy rank: a Ray traceback, exit 1)
+
+def assert_refused_before_ray(out, *needles):
+    assert_clean_error(out, *needles)
+    assert "starting Ray" not in out.stderr, out.stderr
+    assert len([line for line in out.stderr.splitlines() if "error:" in line]) == 1, out.stderr
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["model.lora_target_modules=[qproj]"], "model.lora_target_modules: 'qproj' matches no linear layer"),
+    (["model.lora_target_modules=[]"], "model.lora_target_modules: no linear layer to adapt"),
+    (["model.lora_rank=100000"], "model.lora_rank=100000 is larger than layer(s)"),
+])
+def test_lora_settings_that_cannot_apply_are_refused_before_ray(train_here, tiny_model, overrides, needle):
+    out = train_here(f"model.path={tiny_model}", "model.lora_rank=4", *overrides)
+    assert_refused_before_ray(out, needle)
+
+
+def checkpoint_written_by(out, *overrides):
+    """A complete-looking checkpoint of step 1 whose config.yaml is the config `overrides`
+    give: what the resume check reads on the driver (the engines' files are never reached)."""
+    import torch
+    import yaml
+
+    from polyrl.cli.train import EMBEDDED_DEFAULT
+    from polyrl.config import load_config
+    from polyrl.job import JobConfig
+    from polyrl.trainer.checkpoint import step_dir
+
+    cfg = load_config(JobConfig, files=[str(EMBEDDED_DEFAULT)],
+                      overrides=["trainer.progress_bar=false", f"trainer.output_dir={out}", *overrides])
+    d = step_dir(out, 1)
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    torch.save({"step": 1}, d / "driver.pt")
+    return d
+
+
+@pytest.mark.parametrize("saved,now,needle", [
+    # bug 7: then a FileNotFoundError (engine_rank0.pt) inside a policy rank
+    (["actor.strategy=fsdp2"], ["actor.strategy=ddp"], "resume with actor.strategy=fsdp2"),
+    # bug 8: then "loaded state dict contains a parameter group that doesn't match", exit 1
+    (["model.lora_rank=4"], ["model.lora_rank=0"], "resume with model.lora_rank=4"),
+    ([], ["model.lora_rank=4"], "holds a full-model policy (no LoRA), this run has model.lora_rank=4"),
+    (["model.lora_rank=4"], ["model.lora_rank=8"], "resume with model.lora_rank=4"),
+    (["model.lora_rank=4", "model.lora_target_modules=[q_proj]"], ["model.lora_rank=4"],
+     "model.lora_target_modules=['q_proj'], this run has 'all-linear'"),
+    (["model.lora_rank=4"], ["model.lora_rank=4", "actor.strategy=fsdp2"], "resume with actor.strategy=ddp"),
+])
+def test_a_checkpoint_the_engines_cannot_load_is_refused_before_ray(train_here, tiny_model, tmp_path,
+                                                                    saved, now, needle):
+    common = [f"model.path={tiny_model}"]
+    ckpt = checkpoint_written_by(tmp_path / "out", *common, *saved)
+    out = train_here(*common, *now)
+    assert_refused_before_ray(out, "cannot resume", str(ckpt), needle, "trainer.resume=off")
+
+
+def test_resume_compatibility_rules():
+    from polyrl.trainer.checkpoint import CheckpointError, check_compatible
+
+    def cfg(**flat):
+        return {"actor": {"strategy": flat.get("strategy", "ddp"), "world_size": flat.get("ws", 1)},
+                "model": {"lora_rank": flat.get("rank", 0), "lora_target_modules": "all-linear"}}
+
+    # sharded checkpoints reshard: fsdp2 2 -> 1 and 1 -> 2, and a full-model ddp one -> fsdp2
+    assert check_compatible(cfg(strategy="fsdp2", ws=2), cfg(strategy="fsdp2", ws=1)) == ["actor.world_size"]
+    check_compatible(cfg(strategy="fsdp2", ws=1), cfg(strategy="fsdp2", ws=2))
+    check_compatible(cfg(strategy="ddp"), cfg(strategy="fsdp2"))
+    check_compatible(cfg(rank=8, strategy="fsdp2", ws=2), cfg(rank=8, strategy="fsdp2", ws=1))
+    with pytest.raises(CheckpointError, match="actor.world_size: checkpoint has 2, this run has 1"):
+        check_compatible(cfg(ws=2), cfg(ws=1))  # ddp: one optimizer file per rank
+    with pytest.raises(CheckpointError, match="resume with actor.strategy=fsdp2"):
+        check_compatible(cfg(strategy="fsdp2", ws=2), cfg(strategy="ddp", ws=2))
