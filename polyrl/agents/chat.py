@@ -38,6 +38,7 @@ class ChatDelta:
             raise TemplateError("multi-turn rollouts need a tokenizer with a chat template")
         self.tokenizer = tokenizer
         self.tools = list(tools) if tools else None
+        self._max_token_chars: int | None = None
         self._anchor, self._anchor_ids = _anchor(tokenizer)
         self._base = self._render(_BASE)
         at = self._base.rfind(SENTINEL)
@@ -77,6 +78,36 @@ class ChatDelta:
         """Ids to append after an assistant turn whose last sampled token is `last_token` (None
         when the turn did not end on a stop token: then the whole closing is appended)."""
         return self.encode_continuation(self.delta_text(messages, last_token))
+
+    def delta_ids_within(self, messages: list[dict], last_token: int | None, budget: int) -> list[int]:
+        """`delta_ids`, except that a delta longer than `budget` tokens may come back as a shorter
+        prefix of it that is still longer than `budget`: a 5 MB tool result is not tokenized in
+        full only to be refused (the caller ends the trajectory on any delta over its budget).
+
+        A message content longer than (budget + 1) x the most characters one token stands for is
+        cut to one character more before rendering: its tokens alone then pass the budget. Where
+        that bound does not hold (a template that trims content, a tokenizer whose unknown-token
+        or normalizer folds long text into few tokens) and the cut delta fits after all, the whole
+        messages are tokenized: the shortcut never changes what is appended."""
+        cut = max(budget + 1, 0)
+        if not any(isinstance(m.get("content"), str) and len(m["content"]) > cut for m in messages):
+            return self.delta_ids(messages, last_token)
+        cut *= self.max_token_chars
+        clipped = [{**m, "content": m["content"][:cut + 1]}
+                   if isinstance(m.get("content"), str) and len(m["content"]) > cut else m for m in messages]
+        if all(a is b for a, b in zip(clipped, messages)):
+            return self.delta_ids(messages, last_token)
+        ids = self.delta_ids(clipped, last_token)
+        return ids if len(ids) > budget else self.delta_ids(messages, last_token)
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token decodes to, bounded by its longest vocabulary entry (a
+        byte-level entry has one character per byte, a SentencePiece entry one per character, a
+        byte-fallback "<0x41>" more than its one byte)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
+        return self._max_token_chars
 
     def encode_continuation(self, text: str) -> list[int]:
         """`text` tokenized as a continuation of a sequence, not as the start of a document."""

@@ -9,12 +9,13 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from polyrl.config import Config
+from polyrl.registry import is_file_target
 
 
 class AgentConfig(Config):
     tools: list[str] = Field(default_factory=list)
-    """Tool functions as "package.module:function"; the JSON schema each model sees comes from the
-    function's type hints and docstring (polyrl/agents/tools.py)."""
+    """Tool functions as "package.module:function" or "/path/to/file.py:function"; the JSON schema
+    each model sees comes from the function's type hints and docstring (polyrl/agents/tools.py)."""
 
     tool_parser: str = "hermes"
     """How tool calls are written: hermes (= qwen: <tool_call>{"name", "arguments"}</tool_call>)."""
@@ -54,7 +55,15 @@ class AgentConfig(Config):
     (agent/limit_tool_seconds)."""
 
     max_parallel_tools: int = Field(16, ge=1)
-    """Tool calls running at once across all trajectories of a batch."""
+    """Tool calls running at once across all trajectories of a batch. Calls abandoned on their
+    timeout keep their thread until they return; once 4x this many are still running, further
+    calls are not started (each an "Error: ... was not run" timeout) until one returns."""
+
+    lockstep_turns: bool = True
+    """Start every trajectory's next engine turn together, once all of the batch's previous turns
+    and their tool / environment steps are done: the engine then batches the same sequences
+    whatever the tools' timing, so same-seed runs are bit-identical. False: each trajectory goes
+    on as soon as its tools return (less idle time with slow tools, timing-dependent log-probs)."""
 
     black_box: str | None = None
     """A black-box agent as "package.module:function" or "/path/to/file.py:function" (importable
@@ -79,14 +88,17 @@ class AgentConfig(Config):
         if self.tool_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_parser '{self.tool_parser}' is not one of {', '.join(TOOL_PARSERS.names())}")
         for spec in self.tools:
-            if ":" not in spec:
-                raise ValueError(f"tool '{spec}' must look like package.module:function")
+            target = spec.rpartition(":")[0]
+            if not target:
+                raise ValueError(f"tool '{spec}' must look like package.module:function or /path/to/file.py:function")
+            if is_file_target(target) and not Path(target).expanduser().is_file():
+                raise ValueError(f"agent.tools: file {target} does not exist")
         if self.black_box is not None:
             target = self.black_box.rpartition(":")[0]
             if not target:
                 raise ValueError(f"agent.black_box '{self.black_box}' must look like package.module:function "
                                  "or /path/to/file.py:function")
-            if (target.endswith(".py") or "/" in target) and not Path(target).expanduser().is_file():
+            if is_file_target(target) and not Path(target).expanduser().is_file():
                 raise ValueError(f"agent.black_box: file {target} does not exist")
             if self.tools or self.environment is not None or self.per_row_environments:
                 raise ValueError("agent.black_box runs its own agent loop: unset agent.tools, agent.environment "

@@ -24,11 +24,12 @@ returns the results as tool messages; a turn without calls ends the episode.
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from polyrl.agents.executor import error_result, run_calls
-from polyrl.agents.parsers import ToolCallParser
+from polyrl.agents.executor import STUCK_PER_PARALLEL_CALL, error_result, run_calls
+from polyrl.agents.parsers import ToolCallParser, parse_safely
 from polyrl.agents.tools import Tool
 from polyrl.registry import Registry
 
@@ -71,23 +72,56 @@ ENVIRONMENTS: Registry[type] = Registry("agent environment")
 
 
 def as_messages(observation: Observation | None) -> list[dict]:
+    """An observation as chat messages; TypeError (naming what is wrong) for anything else - a
+    message that is not a dict, or one without a "role" string or a "content" string."""
     if observation is None:
         return []
     if isinstance(observation, str):
         return [{"role": "user", "content": observation}]
     if isinstance(observation, dict):
-        return [observation]
-    if isinstance(observation, list) and all(isinstance(m, dict) for m in observation):
-        return list(observation)
-    raise TypeError(f"an observation is a string, a message dict or a list of them, got {type(observation).__name__}")
+        messages = [observation]
+    elif isinstance(observation, list) and all(isinstance(m, dict) for m in observation):
+        messages = list(observation)
+    else:
+        raise TypeError("an observation is a string, a message dict or a list of them, got "
+                        f"{type(observation).__name__}")
+    for m in messages:
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise TypeError(f"an observation message needs a \"role\" string, got {_brief(m)}")
+        # an assistant message may carry only OpenAI tool_calls; every other one needs its text
+        if not isinstance(m.get("content"), str) and not (m.get("tool_calls") and m.get("content") is None):
+            raise TypeError(f"an observation message needs a \"content\" string, got {_brief(m)}")
+    return messages
 
 
 def as_step_result(value: Any) -> StepResult:
-    if isinstance(value, StepResult):
-        return value
+    """`Environment.step`'s return value checked: a StepResult or (observation, reward, done)
+    whose reward is a finite number (a 0-d tensor or numpy scalar too) and whose done is a bool;
+    TypeError / ValueError naming the problem otherwise."""
     if isinstance(value, tuple) and len(value) == 3:
-        return StepResult(value[0], float(value[1] or 0.0), bool(value[2]))
-    raise TypeError(f"Environment.step must return StepResult or (observation, reward, done), got {value!r}")
+        value = StepResult(*value)
+    if not isinstance(value, StepResult):
+        raise TypeError("Environment.step must return StepResult or (observation, reward, done), got "
+                        f"{type(value).__name__}")
+    reward = 0.0 if value.reward is None else value.reward
+    if isinstance(reward, (str, bytes)) or not hasattr(reward, "__float__"):
+        raise TypeError(f"Environment.step's reward must be a number, got {type(reward).__name__}")
+    try:
+        reward = float(reward)
+    except (TypeError, ValueError, RuntimeError) as exc:  # e.g. a tensor of several elements
+        raise TypeError(f"Environment.step's reward must be a number: {exc}") from None
+    if not math.isfinite(reward):  # an inf or NaN would turn its group's advantages into NaN
+        raise ValueError(f"Environment.step's reward must be finite, got {reward}")
+    try:
+        done = bool(value.done)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise TypeError(f"Environment.step's done must be a bool: {exc}") from None
+    return StepResult(value.observation, reward, done)
+
+
+def _brief(message: dict) -> str:
+    text = repr(message)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 class ToolEnvironment:
@@ -95,18 +129,20 @@ class ToolEnvironment:
     messages; a turn that makes no call ends the episode (its text is the final answer)."""
 
     def __init__(self, tools: dict[str, Tool], parser: ToolCallParser, timeout_s: float,
-                 limit: asyncio.Semaphore | None = None):
+                 limit: asyncio.Semaphore | None = None, stuck_limit: int = STUCK_PER_PARALLEL_CALL * 16):
         self.tools, self.parser, self.timeout_s, self.limit = tools, parser, timeout_s, limit
+        self.stuck_limit = stuck_limit
 
     async def astep(self, action_text: str, stats: StepStats, time_left: float,
                     last_turn: bool) -> StepResult:
-        parsed = self.parser.parse(action_text)
+        parsed = parse_safely(self.parser, action_text)
         if not parsed.has_calls:
             return StepResult(None, 0.0, True)
         if last_turn:  # no turn left to read the results: do not run the tools
             return StepResult(None, 0.0, False)
         results = [error_result("", "malformed", e) for e in parsed.errors]
-        results += await run_calls(parsed.calls, self.tools, min(self.timeout_s, time_left), self.limit)
+        results += await run_calls(parsed.calls, self.tools, min(self.timeout_s, time_left), self.limit,
+                                   self.stuck_limit)
         stats.tool_calls += len(parsed.calls) + len(parsed.errors)
         for r in results:
             stats.tool_seconds += r.seconds

@@ -74,19 +74,17 @@ class HermesParser:
 
     @staticmethod
     def _read(body: str) -> tuple[ToolCall | None, str | None]:
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError as exc:
-            return None, f"tool call is not valid JSON ({exc.msg} at char {exc.pos}): {body.strip()[:200]}"
+        obj, error = _json(body)
+        if error:
+            return None, f"tool call is not valid JSON ({error}): {body.strip()[:200]}"
         if not isinstance(obj, dict):
             return None, f"tool call must be a JSON object with name and arguments, got {type(obj).__name__}"
         name, arguments = obj.get("name"), obj.get("arguments", {})
         if not isinstance(name, str) or not name:
             return None, "tool call has no \"name\" string"
         if isinstance(arguments, str):  # some models write the arguments object as a JSON string
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+            arguments, error = _json(arguments)
+            if error:
                 return None, f"tool call {name}: \"arguments\" is a string that is not a JSON object"
         if not isinstance(arguments, dict):
             return None, f"tool call {name}: \"arguments\" must be a JSON object, got {type(arguments).__name__}"
@@ -95,6 +93,29 @@ class HermesParser:
     def format(self, calls: list[ToolCall]) -> str:
         return "\n".join(f"{self.OPEN}\n{json.dumps({'name': c.name, 'arguments': c.arguments})}\n{self.CLOSE}"
                          for c in calls)
+
+
+def _json(text: str) -> tuple[Any, str | None]:
+    """(value, None), or (None, why) for text that is not JSON - also for what `json.loads`
+    raises besides JSONDecodeError on model output: RecursionError on ~1000 nested brackets,
+    ValueError on an integer of more than 4300 digits (Python's int conversion limit)."""
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as exc:
+        return None, f"{exc.msg} at char {exc.pos}"
+    except RecursionError:
+        return None, "nested too deeply"
+    except ValueError as exc:
+        return None, str(exc).split(";")[0]
+
+
+def parse_safely(parser: ToolCallParser, text: str) -> ParsedTurn:
+    """`parser.parse(text)`, with a parser that raises (a registered third-party one) reported
+    as one malformed call instead of ending the rollout."""
+    try:
+        return parser.parse(text)
+    except Exception as exc:  # noqa: BLE001 - the model's text must never crash the run
+        return ParsedTurn(errors=[f"the tool calls could not be read ({type(exc).__name__})"])
 
 
 TOOL_PARSERS: Registry[type] = Registry("tool-call parser")

@@ -17,20 +17,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import logging
 import threading
 import time
 import uuid
 from typing import Any, Sequence
 
-from polyrl.agents.chat import ChatDelta
+from polyrl.agents.chat import ChatDelta, TemplateError
 from polyrl.agents.config import AgentConfig
 from polyrl.agents.environments import ENVIRONMENTS, StepResult, StepStats, ToolEnvironment, as_messages, as_step_result
-from polyrl.agents.executor import _in_thread
+from polyrl.agents.executor import STUCK, STUCK_PER_PARALLEL_CALL, Outcome, call_in_thread, describe
 from polyrl.agents.parsers import get_parser
 from polyrl.agents.stats import AgentRollout, Trajectory, TrajectoryStats, to_rollout_batch
 from polyrl.agents.tools import Tool, load_tools
 from polyrl.rollout.base import SamplingParams
 
+logger = logging.getLogger(__name__)
 LIMITS = ("turns", "response_tokens", "tool_seconds", "context")
 
 
@@ -41,24 +43,115 @@ def turn_seed(seed: int | None, sample: int, turn: int) -> int | None:
     return int.from_bytes(hashlib.sha256(f"{seed}/{sample}/{turn}".encode()).digest()[:7], "little")
 
 
-class _EnvAdapter:
-    """A user `Environment` behind the runner's async step: each step on a thread, with a
-    timeout; an environment that raises or hangs ends its trajectory (counted, never a crash)."""
+class TurnGate:
+    """Lockstep turns (`agent.lockstep_turns`): a trajectory's next engine turn waits until every
+    trajectory of the batch still running waits for its own, then all go in trajectory order, in
+    one pass of the event loop. The engine's batches (and so its log-probs, which depend on what
+    is batched together) then do not depend on how long each tool or environment step took."""
 
-    def __init__(self, env: Any, timeout_s: float):
-        self.env, self.timeout_s = env, timeout_s
+    def __init__(self, members: int):
+        self.members = members
+        self.waiting: dict[int, asyncio.Future] = {}
+
+    async def next_turn(self, member: int) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting[member] = fut
+        self._release()
+        try:
+            await fut
+        finally:
+            if self.waiting.get(member) is fut:  # cancelled while waiting
+                del self.waiting[member]
+
+    def leave(self) -> None:
+        """A trajectory ended (or failed): the others no longer wait for it."""
+        self.members -= 1
+        self._release()
+
+    def _release(self) -> None:
+        if self.waiting and len(self.waiting) >= self.members:
+            waiting, self.waiting = self.waiting, {}
+            for member in sorted(waiting):  # wake-ups run in this order: requests queue in it
+                if not waiting[member].done():
+                    waiting[member].set_result(None)
+
+
+class _EnvAdapter:
+    """A user `Environment` behind the runner's async calls. Its constructor, `reset`, `step` and
+    `close` each run on a thread with `agent.tool_timeout_s` (the tools' mechanism,
+    executor.call_in_thread); one that raises, hangs or returns something unusable ends the
+    trajectory (a failing `close` only is counted: the trajectory was complete), counted in
+    agent/env_errors by kind (env_error, env_timeout, env_bad_output) - never a crash."""
+
+    def __init__(self, name: str, factory: Any, kwargs: dict[str, Any], timeout_s: float, stuck_limit: int,
+                 report: Any):
+        self.name, self.factory, self.kwargs = name, factory, kwargs
+        self.timeout_s, self.stuck_limit, self.report = timeout_s, stuck_limit, report
+        self.env: Any = None
+
+    def _fail(self, errors: dict[str, int], kind: str, message: str) -> None:
+        errors[kind] = errors.get(kind, 0) + 1
+        self.report(f"environment '{self.name}': {message}")
+
+    async def _call(self, what: str, fn: Any, errors: dict[str, int], timeout_s: float | None = None) -> Outcome | None:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        out = await call_in_thread(fn, timeout_s, self.stuck_limit)
+        if out.error == "raised":
+            self._fail(errors, "env_error", f"{what} raised {describe(out.exception)}")
+        elif out.error == "timeout":
+            self._fail(errors, "env_timeout", f"{what} did not finish within {timeout_s:g} s")
+        elif out.error == "not_run":
+            self._fail(errors, "env_timeout", f"{what} was not run: {STUCK.count} earlier calls are still "
+                       "running past their timeout")
+        return out if out.error is None else None
+
+    async def open(self, row: Any, stats: TrajectoryStats) -> list[dict] | None:
+        """Build the environment and reset it: the first prompt's messages ([]: the row's own
+        prompt), or None when either failed (counted)."""
+        errors: dict[str, int] = {}
+        try:
+            out = await self._call("the constructor", lambda: self.factory(**self.kwargs), errors)
+            if out is None:
+                return None
+            self.env = out.value
+            out = await self._call("reset", lambda: self.env.reset(row), errors)
+            if out is None:
+                return None
+            try:
+                return as_messages(out.value)
+            except TypeError as exc:
+                self._fail(errors, "env_bad_output", f"reset returned {exc}")
+                return None
+        finally:
+            stats.add_errors(errors)
 
     async def astep(self, text: str, stats: StepStats, time_left: float, last_turn: bool) -> StepResult:
         start = time.monotonic()
-        try:
-            value = await asyncio.wait_for(_in_thread(lambda: self.env.step(text), {}),
-                                           timeout=max(min(self.timeout_s, time_left), 1e-3))
-            result = as_step_result(value)
-        except Exception as exc:  # noqa: BLE001 - counted in agent/env_errors
-            stats.errors_by_kind["env_timeout" if isinstance(exc, asyncio.TimeoutError) else "env_error"] = 1
-            result = StepResult(None, 0.0, True)
+        out = await self._call("step", lambda: self.env.step(text), stats.errors_by_kind,
+                               max(min(self.timeout_s, time_left), 1e-3))
         stats.tool_seconds += time.monotonic() - start
-        return result
+        if out is None:
+            return StepResult(None, 0.0, True)
+        try:
+            result = as_step_result(out.value)
+            return StepResult(as_messages(result.observation), result.reward, result.done)
+        except (TypeError, ValueError) as exc:
+            self._fail(stats.errors_by_kind, "env_bad_output", f"step returned {exc}")
+            return StepResult(None, 0.0, True)
+
+    async def close(self, stats: TrajectoryStats) -> None:
+        if self.env is None or not callable(getattr(self.env, "close", None)):
+            return
+        errors: dict[str, int] = {}
+        await self._call("close", self.env.close, errors)
+        stats.add_errors(errors)
+
+    def bad_observation(self, stats: TrajectoryStats, exc: Exception) -> None:
+        """The chat template could not render what the environment returned (counted)."""
+        errors: dict[str, int] = {}
+        self._fail(errors, "env_bad_output", f"its observation cannot be rendered by the chat template: "
+                   f"{describe(exc)}")
+        stats.add_errors(errors)
 
 
 def eos_ids(engine: Any, tokenizer: Any) -> frozenset[int]:
@@ -76,6 +169,8 @@ class AgentRunner:
         self.parser = get_parser(cfg.tool_parser)
         self._chat: ChatDelta | None = None
         self.eos = eos_ids(engine, tokenizer)
+        self.stuck_limit = STUCK_PER_PARALLEL_CALL * cfg.max_parallel_tools
+        self._reported = False
 
     @property
     def chat(self) -> ChatDelta:
@@ -84,41 +179,74 @@ class AgentRunner:
             self._chat = ChatDelta(self.tokenizer, schemas)
         return self._chat
 
+    @property
+    def max_len(self) -> int:
+        return getattr(self.engine, "max_model_len", None) or 1 << 62
+
+    def report(self, message: str) -> None:
+        """Log the first environment failure of a rollout (the counters say how often)."""
+        if not self._reported:
+            self._reported = True
+            logger.warning("%s (counted in agent/env_errors; the trajectory ends there)", message)
+
     def _environment(self, row: Any, limit: asyncio.Semaphore) -> tuple[str | None, Any]:
         name = (row.extra_info or {}).get(self.cfg.environment_key) or self.cfg.default_environment
         if name is None:
             return None, None
         if name == "tools":
-            return name, ToolEnvironment(self.tools, self.parser, self.cfg.tool_timeout_s, limit)
-        return name, ENVIRONMENTS.get(name)(**self.cfg.environment_kwargs)
+            return name, ToolEnvironment(self.tools, self.parser, self.cfg.tool_timeout_s, limit, self.stuck_limit)
+        factory = ENVIRONMENTS.get(name)  # an unknown name is a set-up error: it raises, naming the choices
+        return name, _EnvAdapter(name, factory, self.cfg.environment_kwargs, self.cfg.tool_timeout_s,
+                                 self.stuck_limit, self.report)
 
-    async def _first_prompt(self, row: Any, env_name: str | None, env: Any) -> list[int]:
-        if env is not None and not isinstance(env, ToolEnvironment):
-            observation = await asyncio.wait_for(_in_thread(lambda: env.reset(row), {}), self.cfg.tool_timeout_s)
-            if observation is not None:
-                return self.chat.prompt_ids(as_messages(observation))
+    async def _first_prompt(self, row: Any, env_name: str | None, env: Any, stats: TrajectoryStats) -> list[int] | None:
+        """The first prompt's ids; None when a user environment failed to start (counted)."""
+        if isinstance(env, _EnvAdapter):
+            messages = await env.open(row, stats)
+            if messages is None:
+                return None
+            if messages:
+                try:
+                    ids = self.chat.prompt_ids(messages)
+                except TemplateError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - e.g. a role the template refuses
+                    env.bad_observation(stats, exc)
+                    return None
+                if len(ids) >= self.max_len:
+                    env.bad_observation(stats, ValueError(
+                        f"reset's prompt is {len(ids)} tokens, the engine's max_model_len is {self.max_len}"))
+                    return None
+                return ids
         if env_name == "tools" and self.cfg.tools_in_prompt and isinstance(row.raw_prompt, list):
             return self.chat.prompt_ids([{k: v for k, v in m.items() if v is not None} for m in row.raw_prompt])
         return list(row.prompt_ids)
 
     async def run_one(self, row: Any, sampling: SamplingParams, sample: int, seed: int | None,
-                      group: int, limit: asyncio.Semaphore) -> Trajectory:
-        cfg = self.cfg
-        env_name, env = self._environment(row, limit)
-        stats = TrajectoryStats(environment=env_name)
+                      group: int, limit: asyncio.Semaphore, gate: TurnGate | None = None,
+                      member: int = 0) -> Trajectory:
         try:
-            traj = Trajectory(prompt_ids=await self._first_prompt(row, env_name, env), group=group, stats=stats)
-            stepper = env if env is None or isinstance(env, ToolEnvironment) else _EnvAdapter(env, cfg.tool_timeout_s)
-            await self._turns(traj, stepper, sampling, sample, seed)
+            env_name, env = self._environment(row, limit)
+            stats = TrajectoryStats(environment=env_name)
+            traj = Trajectory(prompt_ids=list(row.prompt_ids), group=group, stats=stats)
+            try:
+                prompt = await self._first_prompt(row, env_name, env, stats)
+                if prompt is None:  # the environment never started: no turn, no loss
+                    return traj
+                traj.prompt_ids = prompt
+                await self._turns(traj, env, sampling, sample, seed, gate, member)
+            finally:
+                if isinstance(env, _EnvAdapter):
+                    await env.close(stats)
+            return traj
         finally:
-            if env is not None and hasattr(env, "close"):
-                env.close()
-        return traj
+            if gate is not None:
+                gate.leave()
 
     async def _turns(self, traj: Trajectory, env: Any, sampling: SamplingParams, sample: int,
-                     seed: int | None) -> None:
+                     seed: int | None, gate: TurnGate | None = None, member: int = 0) -> None:
         cfg, stats = self.cfg, traj.stats
-        max_len = getattr(self.engine, "max_model_len", None) or 1 << 62
+        max_len = self.max_len
         request = uuid.uuid4().hex[:12]
         for turn in range(cfg.max_turns):
             budget = min(cfg.max_response_tokens - len(traj.response_ids), max_len - len(traj.context))
@@ -127,6 +255,8 @@ class AgentRunner:
                 return
             sp = dataclasses.replace(sampling, n=1, max_tokens=min(sampling.max_tokens, budget),
                                      seed=turn_seed(seed, sample, turn))
+            if gate is not None:  # nothing may await between the gate and the engine's queue
+                await gate.next_turn(member)
             out = (await self.engine.generate(traj.context, sp, f"{request}-{sample}/{turn}"))[0]
             traj.add_turn(out, self.tokenizer)
             stats.turns += 1
@@ -149,8 +279,18 @@ class AgentRunner:
             if not messages:  # nothing to show the model: let it go on from where it stopped
                 continue
             last = out.token_ids[-1] if out.token_ids and out.token_ids[-1] in self.eos_stop(sp) else None
-            delta = self.chat.delta_ids(messages, last)
-            if len(traj.response_ids) + len(delta) >= cfg.max_response_tokens:
+            room = cfg.max_response_tokens - len(traj.response_ids)
+            try:
+                # a delta of `room` tokens or more ends the trajectory: a longer one is not tokenized in full
+                delta = self.chat.delta_ids_within(messages, last, room - 1)
+            except TemplateError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a user environment's message the template refuses
+                if not isinstance(env, _EnvAdapter):
+                    raise
+                env.bad_observation(stats, exc)
+                return
+            if len(delta) >= room:
                 stats.limit = "response_tokens"
                 return
             traj.add_observation(delta, messages)
@@ -166,10 +306,12 @@ class AgentRunner:
         sampling.validate()
         seeds = list(seeds) if seeds is not None else [sampling.seed] * len(rows)
         limit = asyncio.Semaphore(self.cfg.max_parallel_tools)
-        jobs = [self.run_one(row, sampling, j, seeds[i], group_offset + i, limit)
-                for i, row in enumerate(rows) for j in range(sampling.n)]
+        slots = [(i, row, j) for i, row in enumerate(rows) for j in range(sampling.n)]
+        gate = TurnGate(len(slots)) if self.cfg.lockstep_turns else None
+        jobs = [self.run_one(row, sampling, j, seeds[i], group_offset + i, limit, gate, k)
+                for k, (i, row, j) in enumerate(slots)]
         trajectories = list(await asyncio.gather(*jobs))
-        for traj, (i, row) in zip(trajectories, [(i, r) for i, r in enumerate(rows) for _ in range(sampling.n)]):
+        for traj, (_, row, _) in zip(trajectories, slots):
             traj.row = row
         return AgentRollout(to_rollout_batch(trajectories, self.eos), trajectories)
 

@@ -27,7 +27,8 @@ class TrajectoryStats:
     tool_seconds: float = 0.0
     """Seconds spent in tools and environment steps."""
     env_errors: int = 0
-    """Environment steps that raised or timed out (each ends its trajectory)."""
+    """Environment calls that raised, timed out or returned something unusable: the constructor,
+    reset or a step (each ends its trajectory), or close (counted only)."""
     errors_by_kind: dict[str, int] = field(default_factory=dict)
     turn_rewards: list[float] = field(default_factory=list)
     """The environment's reward after each of its steps."""
@@ -44,11 +45,15 @@ class TrajectoryStats:
         self.tool_errors += step.tool_errors
         self.tool_timeouts += step.tool_timeouts
         self.tool_seconds += step.tool_seconds
-        for kind, n in step.errors_by_kind.items():
+        self.add_errors(step.errors_by_kind)
+        self.turn_rewards.append(float(reward))
+
+    def add_errors(self, errors: dict[str, int]) -> None:
+        """Count errors by kind; environment ones ("env_...") also in env_errors."""
+        for kind, n in errors.items():
             self.errors_by_kind[kind] = self.errors_by_kind.get(kind, 0) + n
             if kind.startswith("env_"):
                 self.env_errors += n
-        self.turn_rewards.append(float(reward))
 
     @property
     def env_reward(self) -> float | None:

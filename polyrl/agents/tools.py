@@ -20,13 +20,14 @@ model can read, not a TypeError deep inside the tool.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import re
 import types
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
+
+from polyrl.registry import import_target
 
 _JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean",
                                list: "array", tuple: "array", dict: "object", type(None): "null"}
@@ -156,22 +157,50 @@ def _matches(value: Any, expected: str) -> bool:
 
 
 def load_tool(spec: str | Callable[..., Any] | Tool) -> Tool:
-    """A Tool from "package.module:function", a function, or a Tool (returned as is)."""
+    """A Tool from "package.module:function", "/path/to/file.py:function", a function, or a Tool
+    (returned as is). Files load through the loader reward functions and black-box agents use
+    (`polyrl.registry.import_target`). Every failure is a ValueError of one line naming
+    agent.tools and the spec."""
     if isinstance(spec, Tool):
         return spec
     if callable(spec):
         return Tool.from_function(spec)
-    module_name, _, attr = str(spec).partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"tool '{spec}' must look like package.module:function")
+    target, _, attr = str(spec).rpartition(":")  # rpartition: a Windows path may hold "C:"
+    if not target or not attr:
+        raise ValueError(f"agent.tools: '{spec}' must look like package.module:function or /path/to/file.py:function")
     try:
-        module = importlib.import_module(module_name)
+        module = import_target(target, "polyrl_user_tool_")
+    except FileNotFoundError as exc:
+        raise ValueError(f"agent.tools: '{spec}': file {exc} does not exist") from None
     except ImportError as exc:
-        raise ValueError(f"tool '{spec}': cannot import module '{module_name}': {exc}") from exc
+        raise ValueError(f"agent.tools: '{spec}': cannot import '{target}': {_one_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module raised while it was imported
+        raise ValueError(f"agent.tools: '{spec}': importing it raised {type(exc).__name__}: "
+                         f"{_one_line(exc)}{_where(exc)}; fix the module") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"tool '{spec}': module '{module_name}' has no function '{attr}'")
-    return Tool.from_function(fn)
+        public = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                  and getattr(v, "__module__", None) == module.__name__]
+        raise ValueError(f"agent.tools: '{spec}': '{target}' has no function '{attr}'; "
+                         f"functions there: {', '.join(public) or '(none)'}")
+    try:
+        return Tool.from_function(fn)
+    except (TypeError, ValueError, NameError) as exc:  # a hint with no JSON schema, an unresolvable hint
+        raise ValueError(f"agent.tools: '{spec}': {_one_line(exc)}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0]
+
+
+def _where(exc: BaseException) -> str:
+    """" (at FILE, line N)": the innermost frame of what the user's module raised."""
+    if isinstance(exc, SyntaxError):
+        return f" (at {exc.filename}, line {exc.lineno})" if exc.filename else ""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f" (at {tb.tb_frame.f_code.co_filename}, line {tb.tb_lineno})" if tb is not None else ""
 
 
 def load_tools(specs: list[Any]) -> dict[str, Tool]:
