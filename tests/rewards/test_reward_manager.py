@@ -157,6 +157,51 @@ def test_bad_return_value_counts_as_error(manager_factory):
     assert out.scores == [0.0] and out.metrics["reward/errors"] == 1.0
 
 
+def returns_per_text(solution_str, ground_truth, extra_info):
+    """What verl-style reward functions return, chosen by the response text."""
+    import numpy as np
+    import torch
+
+    return {"np32": np.float32(0.5), "np64": np.float64(0.25), "npint": np.int64(2),
+            "tensor": torch.tensor(0.75), "array": np.array(1.5),
+            "dict": {"score": torch.tensor(1.0), "acc": np.float32(0.0), "len": np.int32(3)},
+            "huge": {"score": 1e308}, "big": -2e6, "nan_acc": {"score": 1.0, "acc": float("nan")},
+            "inf": float("inf"), "vector": torch.tensor([1.0, 2.0])}[solution_str]
+
+
+def test_numpy_and_0d_tensor_scores_are_numbers(manager_factory):
+    m = manager_factory(custom_function=f"{THIS}:returns_per_text")
+    out = m.score([req(t) for t in ("np32", "np64", "npint", "tensor", "array", "dict")])
+    assert out.scores == [0.5, 0.25, 2.0, 0.75, 1.5, 1.0]
+    assert out.accs == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    assert out.extras[5] == {"len": 3.0}
+    assert out.metrics["reward/errors"] == 0.0 and not any(out.failed)
+
+
+def test_absurd_or_non_finite_scores_are_refused_like_a_raising_call(manager_factory, caplog):
+    import math
+
+    from polyrl.rewards.outcome import MAX_ABS_SCORE
+
+    m = manager_factory(custom_function=f"{THIS}:returns_per_text")
+    texts = ("huge", "big", "nan_acc", "inf", "vector", "np32")
+    with caplog.at_level(logging.ERROR, logger="polyrl.rewards.manager"):
+        out = m.score([req(t) for t in texts])
+    assert out.scores == [0.0, 0.0, 0.0, 0.0, 0.0, 0.5] and out.accs[:5] == [0.0] * 5
+    assert out.failed == [True] * 5 + [False]
+    assert out.metrics["reward/errors"] == 5.0
+    assert all(math.isfinite(v) for v in (out.metrics["reward/score_mean"], out.metrics["reward/acc_mean"]))
+    summary = m.error_summary()
+    assert summary["errors"] == 5 and f"beyond the accepted magnitude {MAX_ABS_SCORE:g}" in summary["first_error"]
+    (logged,) = [r for r in caplog.records if r.exc_info]  # the first failure, once per source
+    assert "1e+308" in str(logged.exc_info[1])
+    for text, needle in [("nan_acc", "non-finite acc nan"), ("inf", "non-finite score inf"),
+                         ("vector", "expected a number or a dict"), ("big", "-2e+06")]:
+        m2 = manager_factory(custom_function=f"{THIS}:returns_per_text")
+        m2.score([req(text)])
+        assert needle in m2.error_summary()["first_error"], text
+
+
 def test_sleeping_function_times_out(manager_factory):
     m = manager_factory(custom_function=f"{THIS}:sleepy", timeout_s=0.2, num_workers=2)
     try:
