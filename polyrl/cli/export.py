@@ -43,11 +43,49 @@ def policy_dir(checkpoint: Path) -> Path:
     if not checkpoint.is_dir():
         raise CLIError(f"CHECKPOINT: {checkpoint} is not a directory; give a run's "
                        "checkpoints/step_NNNNNN directory")
+    check_complete(checkpoint)
     for candidate in (checkpoint / "policy", checkpoint):
         if (candidate / "config.json").is_file() and any(candidate.glob("*.safetensors")):
             return candidate
     raise CLIError(f"CHECKPOINT: {checkpoint} has no policy/ directory with config.json and "
                    "*.safetensors; give a run's checkpoints/step_NNNNNN directory")
+
+
+def check_complete(checkpoint: Path) -> None:
+    """A checkpoint the run was still writing (trainer/checkpoint.py writes `.tmp-step_N` and
+    renames it once `driver.pt` is in) is refused, naming the last complete one."""
+    from polyrl.trainer.checkpoint import PREFIX, TMP_PREFIX
+
+    step = checkpoint.parent if checkpoint.name == "policy" else checkpoint
+    in_a_run = step.parent.name == "checkpoints"
+    written = step.name.startswith(TMP_PREFIX) or (
+        in_a_run and step.name.startswith(PREFIX) and not (step / "driver.pt").is_file())
+    if written:
+        raise CLIError(f"CHECKPOINT: {step} is an incomplete checkpoint (the run stopped while "
+                       f"writing it); {_last_complete(step.parent.parent)}")
+
+
+def _last_complete(output_dir: Path) -> str:
+    """`export the last complete checkpoint, P` (readable) for the run in `output_dir`."""
+    from polyrl.trainer.checkpoint import checkpoint_damage, complete_checkpoints
+
+    for path in reversed(complete_checkpoints(output_dir)):
+        if checkpoint_damage(path) is None:
+            return f"export the last complete one: {path}"
+    return f"{output_dir} holds no complete checkpoint to export"
+
+
+def check_readable(checkpoint: Path, source: Path) -> None:
+    """Truncated or corrupted files of `source` (the policy or adapter directory) are one line
+    naming the file, the same check a resume makes (trainer/checkpoint.py `checkpoint_damage`)."""
+    from polyrl.trainer.checkpoint import checkpoint_damage
+
+    damage = checkpoint_damage(source)
+    if damage is not None:
+        step = checkpoint.parent if checkpoint.name == "policy" else checkpoint
+        fix = (_last_complete(step.parent.parent) if step.parent.name == "checkpoints"
+               else "export another checkpoint")
+        raise CLIError(f"CHECKPOINT: {source} is damaged ({damage}); {fix}")
 
 
 def _tokenizer_source(checkpoint: Path, policy: Path) -> str:
@@ -101,6 +139,7 @@ def adapter_dir(checkpoint: Path) -> Path:
     if not checkpoint.is_dir():
         raise CLIError(f"CHECKPOINT: {checkpoint} is not a directory; give a run's "
                        "checkpoints/step_NNNNNN directory")
+    check_complete(checkpoint)
     for candidate in (checkpoint / ADAPTER_DIR, checkpoint):
         if (candidate / "adapter_config.json").is_file() and (candidate / ADAPTER_FILE).is_file():
             return candidate
@@ -116,6 +155,7 @@ def export(checkpoint: Path, output: Path, dtype: str | None = None, adapter_onl
     from polyrl.training.checkpoint_io import write_hf_dir
 
     source = adapter_dir(checkpoint) if adapter_only else policy_dir(checkpoint)
+    check_readable(checkpoint, source)
     if output.exists() and any(output.iterdir()):
         raise CLIError(f"--output: {output} exists and is not empty; choose a new directory")
     # written beside the target and renamed: an interrupted export leaves no half directory
@@ -155,11 +195,13 @@ def _write_adapter(source: Path, out: Path, dtype) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from safetensors import SafetensorError
+
     adapter_only = getattr(args, "adapter_only", False)
     try:
         out = export(Path(args.checkpoint).expanduser(), Path(args.output).expanduser(), args.dtype,
                      adapter_only)
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # damage `check_readable` cannot see from sizes
         raise CLIError(f"export failed: {exc}") from None
     if adapter_only:
         print(f"wrote {out} (a LoRA adapter: peft.PeftModel.from_pretrained(base_model, '{out}'))", flush=True)

@@ -27,6 +27,8 @@ import yaml
 logger = logging.getLogger(__name__)
 
 PREFIX = "step_"
+TMP_PREFIX = ".tmp-"
+"""A checkpoint being written (renamed to `step_*` once complete)."""
 
 # Fields whose change makes a checkpoint meaningless for this run (different model, data order
 # or batch shape). Any other change is allowed and logged.
@@ -205,7 +207,7 @@ class CheckpointWriter:
         self.keep_last = keep_last
 
     def begin(self, step: int) -> Path:
-        tmp = checkpoint_root(self.output_dir) / f".tmp-{PREFIX}{step:06d}"
+        tmp = checkpoint_root(self.output_dir) / f"{TMP_PREFIX}{PREFIX}{step:06d}"
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
