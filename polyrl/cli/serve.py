@@ -31,6 +31,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + completion in tokens (default: the model's, capped at 4096)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded together (default 256)")
+    # default None: the server module (fastapi, uvicorn) is imported only when serving
+    p.add_argument("--max-sequences-per-request", type=int, default=None,
+                   help="most prompts x n one request may ask for; beyond it the request is an HTTP "
+                   "400 (default 1024, openai_service.MAX_SEQUENCES_PER_REQUEST: one request "
+                   "cannot hold the engine for long while other clients wait)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the model directory's name)")
     p.add_argument("--seed", type=int, default=0, help="seed for requests that carry none")
@@ -43,7 +48,11 @@ def run(args: argparse.Namespace) -> int:
     from polyrl.rollout.base import ROLLOUT_ENGINES
     from polyrl.rollout.server.app import build_app
     from polyrl.rollout.server.http import HTTPServer
+    from polyrl.rollout.server.openai_service import MAX_SEQUENCES_PER_REQUEST
 
+    if args.max_sequences_per_request is None:
+        args.max_sequences_per_request = MAX_SEQUENCES_PER_REQUEST
+    _check_numbers(args)
     try:
         path = resolve(args.model)
     except FileNotFoundError as exc:
@@ -57,8 +66,9 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:
         raise CLIError(f"--model {args.model}: {exc}") from None
     try:
-        server = HTTPServer(build_app(engine, name, aliases=(args.model, path)), args.host, args.port,
-                            log_level="info" if args.verbose else "warning")
+        app = build_app(engine, name, aliases=(args.model, path),
+                        max_sequences_per_request=args.max_sequences_per_request)
+        server = HTTPServer(app, args.host, args.port, log_level="info" if args.verbose else "warning")
     except OSError as exc:
         raise CLIError(str(exc)) from None
     print(f"serving '{name}' ({platform.name}, max_model_len {engine.max_model_len}) at "
@@ -69,3 +79,16 @@ def run(args: argparse.Namespace) -> int:
         pass
     print("server stopped", flush=True)
     return 0
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Out-of-range numbers, refused before the model loads (one line, exit 2)."""
+    if not 0 <= args.port <= 65535:
+        raise CLIError(f"--port {args.port}: a port is 0-65535 (0 picks a free one)")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise CLIError(f"--max-model-len {args.max_model_len}: must be >= 2 (a prompt token plus "
+                       "one generated token); leave it out for the model's own length")
+    if args.max_num_seqs < 1:
+        raise CLIError(f"--max-num-seqs {args.max_num_seqs}: must be >= 1")
+    if args.max_sequences_per_request < 1:
+        raise CLIError(f"--max-sequences-per-request {args.max_sequences_per_request}: must be >= 1")

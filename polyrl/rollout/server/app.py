@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from polyrl.rollout.base import RolloutInputError
-from polyrl.rollout.server.openai_service import OpenAIService
+from polyrl.rollout.server.openai_service import MAX_SEQUENCES_PER_REQUEST, OpenAIService
 from polyrl.rollout.server.protocol import ChatCompletionRequest, CompletionRequest
 from polyrl.rollout.server.trajectories import TrajectoryRecorder
 
@@ -69,10 +69,13 @@ def validation_message(error: dict) -> tuple[str, str | None]:
 
 
 def build_app(engine: Any, model_name: str, *, aliases: tuple[str, ...] = (),
-              recorder: TrajectoryRecorder | None = None) -> FastAPI:
+              recorder: TrajectoryRecorder | None = None,
+              max_sequences_per_request: int = MAX_SEQUENCES_PER_REQUEST) -> FastAPI:
     """An app serving `engine` as `model_name` (requests may also name any of `aliases`). With a
-    `recorder`, black-box agent trajectories are served under /trajectories/<id>/v1/..."""
-    service = OpenAIService(engine, model_name, aliases=aliases, recorder=recorder)
+    `recorder`, black-box agent trajectories are served under /trajectories/<id>/v1/...
+    A request asking for more than `max_sequences_per_request` (prompts x n) is a 400."""
+    service = OpenAIService(engine, model_name, aliases=aliases, recorder=recorder,
+                            max_sequences_per_request=max_sequences_per_request)
     app = FastAPI(title="polyrl rollout server", docs_url=None, redoc_url=None)
     app.state.service = service
 

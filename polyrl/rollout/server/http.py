@@ -23,9 +23,10 @@ class HTTPServer:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self._sock.bind((host, port))
-        except OSError as exc:
+        except (OSError, OverflowError) as exc:  # OverflowError: a port outside 0-65535
             self._sock.close()
-            raise OSError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); "
+            reason = getattr(exc, "strerror", None) or exc
+            raise OSError(f"cannot listen on {host}:{port} ({reason}); "
                           f"choose another --port (0 picks a free one)") from None
         self.host, self.port = host, self._sock.getsockname()[1]
         self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False,

@@ -27,6 +27,12 @@ from polyrl.rollout.server.protocol import (
 )
 from polyrl.rollout.server.trajectories import TrajectoryRecorder, TurnRequest
 
+MAX_SEQUENCES_PER_REQUEST = 1024
+"""Default cap on prompts x n of one request. The engine runs requests first come, first served,
+so one request of 1000 prompts x n=100 would hold every slot for the whole of its 100000
+samples while other clients wait; over the cap a request is refused (400) and the client splits
+it. 1024 is four full batches of the default --max-num-seqs (256)."""
+
 
 class OpenAIService:
     """Args:
@@ -35,8 +41,14 @@ class OpenAIService:
     """
 
     def __init__(self, engine: Any, model_name: str, *, aliases: Sequence[str] = (),
-                 recorder: TrajectoryRecorder | None = None):
+                 recorder: TrajectoryRecorder | None = None,
+                 max_sequences_per_request: int = MAX_SEQUENCES_PER_REQUEST):
+        if max_sequences_per_request < 1:
+            raise ValueError(f"max_sequences_per_request must be >= 1, got {max_sequences_per_request}")
         self.engine, self.model_name, self.recorder = engine, model_name, recorder
+        self.max_sequences_per_request = max_sequences_per_request
+        # the logits' width (the native engine's model spec); None: the engine checks ids itself
+        self.vocab_size: int | None = getattr(getattr(engine, "spec", None), "vocab_size", None)
         self.accepted_names = {model_name, *aliases}
         self.tokenizer = getattr(engine, "tokenizer", None)
         self.text = TokenText(self.tokenizer)
@@ -54,8 +66,9 @@ class OpenAIService:
 
     async def generate_tokens(self, prompt_ids: list[int], sampling: dict | None,
                               request_id: str | None) -> dict:
-        outs = await self.engine.generate(prompt_ids, sampling_from_dict(sampling),
-                                          request_id or uuid.uuid4().hex)
+        params = sampling_from_dict(sampling)
+        self._admit(1, params, field="n")
+        outs = await self.engine.generate(prompt_ids, params, request_id or uuid.uuid4().hex)
         return {"outputs": [dataclasses.asdict(o) for o in outs]}
 
     # -- /v1/completions ------------------------------------------------------------------------
@@ -72,8 +85,9 @@ class OpenAIService:
         if trajectory is not None:
             prompts, results, sampling = await self._trajectory_completion(trajectory, req)
         else:
-            prompts = [self._encode(p) for p in req.prompts()]
             sampling = req.sampling(max_tokens, top_logprobs=req.logprobs or 0)
+            self._admit(len(req.prompts()), sampling, field="prompt")  # before tokenizing them
+            prompts = [self._encode(p) for p in req.prompts()]
         n_prompt = sum(len(p) for p in prompts)
         if req.stream:
             if trajectory is not None:
@@ -127,6 +141,7 @@ class OpenAIService:
             if max_tokens is None:  # OpenAI's chat default: as long as the context allows
                 max_tokens = max(1, (self.max_model_len or len(prompt) + 256) - len(prompt))
             sampling = req.sampling(max_tokens, top_logprobs=top)
+            self._admit(1, sampling, field="n")
         if req.stream:
             if trajectory is not None:
                 streams = [FinishedStream(outs)]
@@ -161,6 +176,22 @@ class OpenAIService:
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in self.accepted_names:
             raise RolloutInputError("model", f"unknown model '{name}'; this server serves '{self.model_name}'")
+
+    def _admit(self, prompts: int, sampling: SamplingParams, field: str) -> None:
+        """Refuse (400) what this server cannot run: more sequences than its per-request cap
+        (`field` names what to shrink when n is 1), logit_bias ids the logits do not have."""
+        total = prompts * sampling.n
+        if total > self.max_sequences_per_request:
+            raise RolloutInputError(
+                "n" if sampling.n > 1 else field,
+                f"{prompts} prompt(s) x n={sampling.n} = {total} sequences in one request; this "
+                f"server takes at most {self.max_sequences_per_request} per request "
+                "(polyrl serve --max-sequences-per-request); split it into smaller requests")
+        if self.vocab_size is not None:
+            bad = next((t for t in sampling.logit_bias if t >= self.vocab_size), None)
+            if bad is not None:
+                raise RolloutInputError("logit_bias", f"token id {bad} is outside the vocabulary "
+                                                      f"[0, {self.vocab_size})")
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):
