@@ -7,6 +7,7 @@
 # PASS / FAIL / SKIP line per check and exits non-zero if any check failed.
 #
 #   scripts/gpu_check.sh [MODEL_DIR]
+#   scripts/gpu_check.sh --quick [--json PATH]   # torch only, a few minutes (gpu_quick_check.py)
 #
 # MODEL_DIR: a local Hugging Face decoder directory (e.g. Qwen2.5-0.5B-Instruct). Default: the
 # bundled tiny model, copied to a temp dir with its config converted for older transformers
@@ -22,6 +23,14 @@
 # Documented in docs/gpu_engines.md.
 set -u
 cd "$(dirname "$0")/.."
+
+# --quick: the device-sized check (minutes, torch alone: no Ray, engines or network), for a lent
+# accelerator: the built-in engine, DDP / FSDP2 steps, the weight sync over the device group, FP8
+# and a bf16 step's MFU (scripts/gpu_quick_check.py says what each check proves)
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  exec "${PYTHON:-python3}" scripts/gpu_quick_check.py "$@"
+fi
 
 TOTAL=${GPU_CHECK_TIMEOUT:-1500}
 PER_CHECK=${GPU_CHECK_STEP_TIMEOUT:-600}

@@ -7,10 +7,13 @@ names of the missing workers and the phase they were in.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import ray
-from ray.exceptions import RayActorError
+if TYPE_CHECKING:
+    from ray.exceptions import RayActorError
+
+# ray is imported where it waits: a rank's watchdog re-exports these names, and the collectives
+# and weight sync it guards must run where Ray is not installed (scripts/gpu_check.sh --quick)
 
 
 class RemoteActorDied(RuntimeError):
@@ -35,6 +38,9 @@ class RemoteTimeout(TimeoutError):
 def gather(refs: Sequence[Any], names: Sequence[str], *, phase: str, timeout_s: float) -> list[Any]:
     """`ray.get(refs)` with a deadline; raises RemoteTimeout naming the refs that did not finish
     and RemoteActorDied naming the first whose actor died (not Ray's multi-line traceback)."""
+    import ray
+    from ray.exceptions import RayActorError
+
     refs = list(refs)
     ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     if pending:
