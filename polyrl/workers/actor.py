@@ -9,6 +9,7 @@ its share of the global mean and the engine's gradient reduction is a plain sum.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -36,25 +37,52 @@ class PPOActor:
         self.engine, self.actor, self.algo, self.off_policy = engine, actor, algo, off_policy
         self.device = device
 
-    def update(self, batch: RolloutBatch, num_mini_batches: int, use_rollout_logprobs: bool) -> dict:
-        """PPO epochs over `batch` (this rank's shard) split into `num_mini_batches` steps."""
+    def update(self, batch: RolloutBatch, num_mini_batches: int, use_rollout_logprobs: bool,
+               version: int | None = None) -> dict:
+        """PPO epochs over `batch` (this rank's shard) split into `num_mini_batches` steps.
+
+        `version`: the policy's weights version now (before this update). Samples generated
+        entirely with it are where the engine's log-probs and the trainer's are of the same
+        weights: their gap is `rollout/logprob_diff_{mean,max}` (None: every sample counts).
+        """
         single_step = num_mini_batches == 1 and self.actor.ppo_epochs == 1
+        same = self._same_weights(batch, version)
+        mismatch = LogprobMismatch(self.engine) if same is not None else None
         if not single_step and not use_rollout_logprobs:
             # proximal; the rollout's stay for the off-policy correction
             batch = batch.replace(old_logprobs=self.engine.logprobs(batch))
+            if mismatch is not None:
+                mismatch.add_ragged(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, same)
+                same = None  # measured over the whole batch already
         metrics: dict[str, list[float]] = {}
         start, tokens = time.perf_counter(), 0
-        for _ in range(self.actor.ppo_epochs):
-            for chunk in split_evenly(list(range(len(batch))), num_mini_batches):
+        for epoch in range(self.actor.ppo_epochs):
+            for i, chunk in enumerate(split_evenly(list(range(len(batch))), num_mini_batches)):
                 mini = batch.select(chunk)
                 tokens += int(mini.lengths.sum())
-                for k, v in self._optimizer_step(mini, single_step and not use_rollout_logprobs).items():
+                # only the first optimizer step's forwards run on the rollout's weights
+                measure = (mismatch, same[chunk]) if same is not None and epoch == i == 0 else None
+                for k, v in self._optimizer_step(mini, single_step and not use_rollout_logprobs,
+                                                 measure).items():
                     metrics.setdefault(k, []).append(v)
         out = {k: sum(v) / len(v) for k, v in metrics.items()}
         out["perf/update_tokens_per_s"] = tokens / max(time.perf_counter() - start, 1e-9)
+        if mismatch is not None:
+            out.update(mismatch.metrics())
         return out
 
-    def _optimizer_step(self, mini: RolloutBatch, detach_as_old: bool) -> dict[str, float]:
+    @staticmethod
+    def _same_weights(batch: RolloutBatch, version: int | None) -> torch.Tensor | None:
+        """[n] bool: samples whose every token the engine generated with the weights the trainer
+        holds now; None when the batch has no rollout log-probs to compare."""
+        if batch.rollout_logprobs is None:
+            return None
+        if version is None:
+            return torch.ones(len(batch), dtype=torch.bool)
+        return (batch.min_version == version) & (batch.max_version == version)
+
+    def _optimizer_step(self, mini: RolloutBatch, detach_as_old: bool,
+                        measure: tuple["LogprobMismatch", torch.Tensor] | None = None) -> dict[str, float]:
         engine, algo = self.engine, self.algo
         counts = engine.all_reduce(torch.tensor([float(mini.loss_mask.values.sum()), float(len(mini))],
                                                 dtype=torch.float64))
@@ -66,6 +94,9 @@ class PPOActor:
         for mb in engine.micro_batches(mini):  # padded or packed: actor.packing
             logprob, entropy = engine.forward(mb, with_entropy=True, entropy_grad=algo.entropy_coeff > 0)
             old = logprob.detach() if detach_as_old else mb.old_logprobs
+            if measure is not None:
+                measure[0].add_padded(logprob.detach(), mb.rollout_logprobs, mb.response_mask,
+                                      measure[1][mb.indices])
             loss, m = actor_loss(algo, logprob, old, mb.advantages, mb.response_mask,
                                  ref_logprob=mb.ref_logprobs, entropy=entropy,
                                  rollout_logprob=mb.rollout_logprobs, off_policy=self.off_policy, **agg)
@@ -99,3 +130,42 @@ class PPOActor:
                 peaks = self.engine.all_reduce(torch.tensor([maxima[k] for k in names], dtype=torch.float64), "max")
                 maxima = dict(zip(names, peaks.tolist()))
         return {**sums, **maxima}
+
+
+class LogprobMismatch:
+    """|trainer - engine| log-prob over loss tokens the engine sampled with the trainer's current
+    weights: the rollout / trainer numerical gap every framework's users ask about (different
+    kernels, batch shapes and dtypes on the two sides). Mean and max over all ranks' tokens."""
+
+    def __init__(self, engine: TrainingEngine):
+        self.engine = engine
+        self.total = self.count = self.peak = 0.0
+
+    def add_padded(self, trainer: torch.Tensor, rollout: torch.Tensor | None, mask: torch.Tensor,
+                   same: torch.Tensor) -> None:
+        """[b, R] log-probs and loss mask of one micro-batch; `same`: [b] bool."""
+        if rollout is None:
+            return
+        weight = mask.float() * same.to(mask.device, torch.float32).unsqueeze(1)
+        gap = (trainer.float() - rollout.float()).abs() * weight
+        self.total += float(gap.sum())
+        self.count += float(weight.sum())
+        self.peak = max(self.peak, float(gap.max()) if gap.numel() else 0.0)
+
+    def add_ragged(self, trainer: Any, rollout: Any, mask: Any, same: torch.Tensor) -> None:
+        """Whole-batch Ragged log-probs (one value per response token)."""
+        per_token = torch.repeat_interleave(same, rollout.lengths).float()
+        weight = mask.values.float() * per_token
+        gap = (trainer.values.float().cpu() - rollout.values.float()).abs() * weight
+        self.total += float(gap.sum())
+        self.count += float(weight.sum())
+        self.peak = max(self.peak, float(gap.max()) if gap.numel() else 0.0)
+
+    def metrics(self) -> dict[str, float]:
+        total, count, peak = self.total, self.count, self.peak
+        if self.engine.world_size > 1:  # every rank calls this once per update: the keys line up
+            total, count = self.engine.all_reduce(torch.tensor([total, count], dtype=torch.float64)).tolist()
+            peak = float(self.engine.all_reduce(torch.tensor([peak], dtype=torch.float64), "max")[0])
+        if count == 0:
+            return {}
+        return {"rollout/logprob_diff_mean": total / count, "rollout/logprob_diff_max": peak}

@@ -177,7 +177,7 @@ class PolicyWorker:
             if self.updates <= self.cfg.critic.warmup_steps:
                 out["critic/warmup"] = 1.0
                 return out
-        out.update(self.actor.update(batch, num_mini_batches, use_rollout_logprobs))
+        out.update(self.actor.update(batch, num_mini_batches, use_rollout_logprobs, self.version))
         out["perf/peak_memory_gb"] = self.platform.peak_memory_bytes() / 2**30
         return out
 
