@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 
 from polyrl.cli.common import CLIError, add_config_args
 
@@ -85,11 +86,23 @@ def _guarded(cfg, dry_run_json: bool | None) -> int:
 
 
 def train(cfg) -> int:
+    """Train; a signal ends the run with the exit code of polyrl/trainer/interrupts.py
+    `EXIT_CODES` (docs/training.md): after a checkpoint in the loop, at once during start-up."""
     from polyrl.config import to_yaml
     from polyrl.sft.launch import run_sft
+    from polyrl.trainer.interrupts import StartupInterrupted, TrainingInterrupted, abort_on_signals
 
-    logger.info("resolved config:\n%s", to_yaml(cfg))
-    summary = run_sft(cfg)
+    try:
+        with abort_on_signals():  # installed before the first log line: tests wait for that line
+            logger.info("resolved config:\n%s", to_yaml(cfg))
+            summary = run_sft(cfg)
+    except (TrainingInterrupted, StartupInterrupted) as exc:
+        logger.error("%s", exc)
+        return exc.exit_code
+    except KeyboardInterrupt:  # the second Ctrl-C (interrupts.py stop_on_signals)
+        logger.error("second Ctrl-C: abandoned the current step without a checkpoint; rerun the "
+                     "same command (trainer.resume=auto) to continue from the last checkpoint")
+        return 128 + signal.SIGINT
     before, after = summary["initial_val_loss"], summary["final_val_loss"]
     where = f"model: {summary['policy_dir']}; " if summary.get("policy_dir") else ""
     if before is not None and after is not None:

@@ -97,6 +97,9 @@ class SFTTrainerConfig(CheckpointConfig):
     """Write metrics every this many steps."""
     progress_bar: bool = True
     """Show a live progress bar on the console."""
+    save_on_interrupt: bool = True
+    """On Ctrl-C / SIGTERM, finish the current step and write a checkpoint before exiting
+    (exit code 130 / 143, as `polyrl train`)."""
 
 
 class SFTLoggingConfig(Config):

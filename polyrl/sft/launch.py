@@ -12,10 +12,13 @@ import datetime
 import logging
 import multiprocessing as mp
 import os
+import signal
 import tempfile
+import threading
 import traceback
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -26,6 +29,9 @@ logger = logging.getLogger(__name__)
 class RankFailed(RuntimeError):
     """A rank of a multi-process run failed; the message is its error."""
 
+
+NOT_A_FAILURE = (0, 128 + signal.SIGINT, 128 + signal.SIGTERM)
+"""Rank exit codes that are not failures: finished, or stopped by Ctrl-C / SIGTERM."""
 
 JOIN_TIMEOUT_S = 600.0
 """Longest a collective may wait for a slow rank before the run fails naming the problem."""
@@ -44,15 +50,17 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
         procs = [ctx.Process(target=_rank_main, args=(cfg, rank, world, tmp, errors,
                                                       logging.getLogger().level), daemon=False)
                  for rank in range(world)]
-        for p in procs:
-            p.start()
-        _wait(procs)
+        with _forwarding_signals(procs) as received:
+            for p in procs:
+                p.start()
+            _wait(procs)
         failures = []
         while not errors.empty():
             failures.append(errors.get())
         failures.sort()
+        _raise_interrupt(received, failures)
         if failures:
-            rank, message = failures[0]
+            rank, message, _code = failures[0]
             raise RankFailed(f"sft rank {rank} failed: {message}")
         bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
         if bad:
@@ -62,9 +70,54 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
         return json.loads((cfg.output_path / "summary.json").read_text())
 
 
+@contextmanager
+def _forwarding_signals(procs: list) -> Iterator[list[int]]:
+    """While the ranks run: a SIGINT / SIGTERM to this process is passed on to every rank, whose
+    own handlers (trainer/interrupts.py) stop them after the same step with a checkpoint. Yields
+    the signals received. The ranks are in their own process group (`_rank_main`), so a Ctrl-C
+    at the terminal reaches them once, through here, not twice."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def forward(signum, frame):
+        received.append(signum)
+        for p in procs:
+            if p.pid is not None and p.exitcode is None:
+                with suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _raise_interrupt(received: list[int], failures: list[tuple[int, str, int]]) -> None:
+    """After a forwarded signal: the ranks' own outcome (rank 0's message), as one rank reports it."""
+    from polyrl.trainer.interrupts import TrainingInterrupted
+
+    if not received:
+        return
+    stopped = [(rank, message, code) for rank, message, code in failures if code > 128]
+    if len(received) > 1 and received[-1] == signal.SIGINT:
+        raise KeyboardInterrupt  # a second Ctrl-C: the ranks abandoned their step
+    if stopped:
+        _rank, message, code = stopped[0]
+        raise TrainingInterrupted(message, code)
+    if not failures:  # every rank had finished its last step: the run is complete
+        return
+    raise TrainingInterrupted(f"{signal.Signals(received[0]).name} received; the ranks stopped",
+                              128 + received[0])
+
+
 def _wait(procs: list) -> None:
     """Wait for every rank; once one fails, stop the others (they would wait in a collective
-    for the failed rank until the backend's timeout)."""
+    for the failed rank until the backend's timeout). Ranks stopped by a forwarded signal all
+    stop after the same step, so the others are left to finish their checkpoint and exit."""
     from multiprocessing.connection import wait
 
     running = list(procs)
@@ -72,9 +125,9 @@ def _wait(procs: list) -> None:
         wait([p.sentinel for p in running])
         done = [p for p in running if not p.is_alive()]
         running = [p for p in running if p.is_alive()]
-        if any(p.exitcode != 0 for p in done):
-            for p in running:
-                p.terminate()
+        if any(p.exitcode not in NOT_A_FAILURE for p in done):
+            for p in running:  # SIGKILL: a SIGTERM would ask them to finish a step they cannot
+                p.kill()
             for p in running:
                 p.join()
             return
@@ -85,22 +138,28 @@ def _rank_main(cfg: SFTConfig, rank: int, world: int, tmp: str, errors: Any, lev
 
     from polyrl.platform import get_platform
     from polyrl.sft.trainer import SFTTrainer
+    from polyrl.trainer.interrupts import StartupInterrupted, TrainingInterrupted, abort_on_signals
 
+    os.setpgrp()  # signals come from the parent (`_forwarding_signals`), not the terminal's group
     logging.basicConfig(level=level if rank == 0 else logging.WARNING, format="%(message)s")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
-        platform = get_platform(cfg.platform)
-        on_cpu = platform.torch_device(0).type == "cpu"
-        backend = platform.cpu_dist_backend() if on_cpu else platform.dist_backend()
-        if not on_cpu:
-            platform.set_device(rank)
-        store = dist.FileStore(str(Path(tmp) / "store"), world)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
-        if rank != 0:  # one progress bar and one set of console lines
-            cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"progress_bar": False})})
-        SFTTrainer(cfg, rank, world, group=None, local_device=0 if on_cpu else rank).fit()
-        dist.destroy_process_group()
+        with abort_on_signals():
+            platform = get_platform(cfg.platform)
+            on_cpu = platform.torch_device(0).type == "cpu"
+            backend = platform.cpu_dist_backend() if on_cpu else platform.dist_backend()
+            if not on_cpu:
+                platform.set_device(rank)
+            store = dist.FileStore(str(Path(tmp) / "store"), world)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+            if rank != 0:  # one progress bar and one set of console lines
+                cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"progress_bar": False})})
+            SFTTrainer(cfg, rank, world, group=None, local_device=0 if on_cpu else rank).fit()
+            dist.destroy_process_group()
+    except (TrainingInterrupted, StartupInterrupted) as exc:  # the parent reports rank 0's message
+        errors.put((rank, str(exc), exc.exit_code))
+        raise SystemExit(exc.exit_code) from None
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
-        errors.put((rank, f"{type(exc).__name__}: {exc}" if str(exc) else traceback.format_exc()))
+        errors.put((rank, f"{type(exc).__name__}: {exc}" if str(exc) else traceback.format_exc(), 1))
         raise SystemExit(1) from None

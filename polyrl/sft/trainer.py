@@ -29,6 +29,7 @@ from polyrl.trainer.checkpoint import (
     CheckpointError, CheckpointWriter, capture_rng, check_writable,
     checkpoint_root, read_resume_point, restore_rng, step_dir,
 )
+from polyrl.trainer.interrupts import TrainingInterrupted, stop_on_signals
 from polyrl.trainer.sinks import build_sinks, check_available, close_all, log_all
 from polyrl.training import build_engine
 from polyrl.training.lora import apply_lora
@@ -105,29 +106,30 @@ class SFTTrainer:
         bar = self._progress_bar(state["step"])
         initial, final, final_step = state.get("initial_val"), None, None
         try:
-            if first == 1:
-                data_counts = {**self.train_set.counts("data/train"),
-                               **(self.val_set.counts("data/val") if self.val_set else {})}
-                if self.val_set is not None and cfg.trainer.val_before_train:
-                    initial = self.validate()
-                log_all(sinks, 0, {**data_counts, **(initial or {})})
-            for step in range(first, self.total_steps + 1):
-                rows = self._my_share([int(i) for i in self.loader.next_batch()])
-                metrics = train_step(self.engine, self.train_set.batch.select(rows), self.device,
-                                     cfg.actor.micro_batch_tokens)
-                metrics["train/epoch"] = self.loader.epoch + self.loader.position / len(self.loader)
-                if self.val_set is not None and cfg.trainer.val_every and step % cfg.trainer.val_every == 0:
-                    final, final_step = self.validate(), step
-                    metrics.update(final)
-                if step % cfg.trainer.log_every == 0 or step == self.total_steps or final_step == step:
-                    log_all(sinks, step, metrics)
-                if bar is not None:
-                    bar.set_postfix({k.split("/")[-1]: f"{v:.4f}" for k, v in metrics.items()
-                                     if k in ("train/loss", "val/loss")}, refresh=False)
-                    bar.update(1)
-                last = step == self.total_steps
-                if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or (last and cfg.trainer.save_at_end):
-                    self.save(step, initial)
+            with stop_on_signals() as stop:  # Ctrl-C / SIGTERM: finish the step, checkpoint, stop
+                if first == 1:
+                    data_counts = {**self.train_set.counts("data/train"),
+                                   **(self.val_set.counts("data/val") if self.val_set else {})}
+                    if self.val_set is not None and cfg.trainer.val_before_train:
+                        initial = self.validate()
+                    log_all(sinks, 0, {**data_counts, **(initial or {})})
+                for step in range(first, self.total_steps + 1):
+                    metrics = self._train_step()
+                    if self.val_set is not None and cfg.trainer.val_every and step % cfg.trainer.val_every == 0:
+                        final, final_step = self.validate(), step
+                        metrics.update(final)
+                    if step % cfg.trainer.log_every == 0 or step == self.total_steps or final_step == step:
+                        log_all(sinks, step, metrics)
+                    if bar is not None:
+                        bar.set_postfix({k.split("/")[-1]: f"{v:.4f}" for k, v in metrics.items()
+                                         if k in ("train/loss", "val/loss")}, refresh=False)
+                        bar.update(1)
+                    last, signum = step == self.total_steps, self._agreed_signal(stop.signum)
+                    due = (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or (last and cfg.trainer.save_at_end)
+                    if due or (signum and cfg.trainer.save_on_interrupt):
+                        self.save(step, initial)
+                    if signum and not last:
+                        raise TrainingInterrupted(self._stopped_message(step), 128 + signum)
             if self.val_set is not None and final_step != self.total_steps:
                 final = self.validate()
                 log_all(sinks, self.total_steps, final)
@@ -136,6 +138,26 @@ class SFTTrainer:
                 bar.close()
             close_all(sinks)
         return self._summary(initial, final, state)
+
+    def _train_step(self) -> dict[str, float]:
+        rows = self._my_share([int(i) for i in self.loader.next_batch()])
+        metrics = train_step(self.engine, self.train_set.batch.select(rows), self.device,
+                             self.cfg.actor.micro_batch_tokens)
+        metrics["train/epoch"] = self.loader.epoch + self.loader.position / len(self.loader)
+        return metrics
+
+    def _agreed_signal(self, signum: int | None) -> int:
+        """The stop signal any rank received (0: none), the same on every rank, so all ranks
+        checkpoint and stop after the same step (a signal reaches ranks at different moments)."""
+        if self.world_size == 1:
+            return signum or 0
+        return int(self.engine.all_reduce(torch.tensor([float(signum or 0)]), op="max").item())
+
+    def _stopped_message(self, step: int) -> str:
+        where = (f"wrote checkpoint {step_dir(self.out, step)}" if self.cfg.trainer.save_on_interrupt
+                 else "wrote no checkpoint (trainer.save_on_interrupt=false)")
+        return (f"stopped after step {step} of {self.total_steps}; {where}. Continue with the same "
+                "command (trainer.resume=auto).")
 
     def _progress_bar(self, done: int):
         if self.rank != 0 or not self.cfg.trainer.progress_bar:

@@ -1,0 +1,114 @@
+"""`polyrl sft` under Ctrl-C / SIGTERM, as docs/training.md's exit-code table says for `polyrl
+train`: the current step finishes, a checkpoint is written, one line says where, exit 143 / 130,
+and the same command resumes from it. Real processes and real signals; the test waits on the
+run's metrics file and log pipe, never on a clock."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+STARTING = re.compile(r"resolved config:")  # logged once the start-up handlers are in place
+
+
+def start(out: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "polyrl", "sft", "data.max_samples=256", "data.train_batch_size=16",
+         "data.val_files=[]", "trainer.total_steps=100000", "trainer.progress_bar=false",
+         "logging.plot_at_end=false", f"trainer.output_dir={out}", *overrides],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "500"})
+
+
+def wait_for_steps(proc: subprocess.Popen, metrics: Path, steps: int) -> str:
+    """Drain the log until `metrics` has a record of step `steps` (each step writes one line;
+    step 0 holds the data counts), checking the file whenever the log is quiet for 0.5 s."""
+    seen = []
+    while not (metrics.is_file() and metrics.read_text().count("\n") > steps):
+        ready, _, _ = select.select([proc.stderr], [], [], 0.5)
+        if ready:
+            line = proc.stderr.readline()
+            if not line:
+                proc.wait()
+                pytest.fail(f"exited ({proc.returncode}) before {steps} steps:\n{''.join(seen)[-4000:]}")
+            seen.append(line)
+    return "".join(seen)
+
+
+def wait_for(proc: subprocess.Popen, pattern: re.Pattern) -> str:
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if pattern.search(line):
+            return "".join(seen)
+    proc.wait()
+    pytest.fail(f"exited ({proc.returncode}) before logging {pattern.pattern!r}:\n{''.join(seen)[-4000:]}")
+
+
+def finish(proc: subprocess.Popen, seen: str) -> str:
+    try:
+        _, rest = proc.communicate(timeout=200)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # ours: never leave a training process behind
+        _, rest = proc.communicate()
+        pytest.fail(f"still running 200 s after the signal:\n{(seen + rest)[-4000:]}")
+    return seen + rest
+
+
+def last_step(out: Path) -> int:
+    return json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_checkpoints_exits_128_plus_it_and_the_run_resumes(tmp_path, signum):
+    out = tmp_path / "out"
+    proc = start(out)
+    seen = wait_for_steps(proc, out / "metrics.jsonl", 2)
+    proc.send_signal(signum)
+    err = finish(proc, seen)
+    assert proc.returncode == 128 + signum, err
+    step = last_step(out)
+    checkpoint = out / "checkpoints" / f"step_{step:06d}"
+    assert f"stopped after step {step} of 100000; wrote checkpoint {checkpoint}" in err, err
+    assert "trainer.resume=auto" in err and "Traceback" not in err
+    assert (checkpoint / "driver.pt").is_file()
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "polyrl", "sft", "data.max_samples=256", "data.train_batch_size=16",
+         "data.val_files=[]", f"trainer.total_steps={step + 1}", "trainer.progress_bar=false",
+         "logging.plot_at_end=false", f"trainer.output_dir={out}"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "500"})
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resumed from {checkpoint} (step {step})" in resumed.stderr
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(step + 2))  # no step repeated or lost
+
+
+def test_sigterm_during_start_up_exits_143_with_a_message(tmp_path):
+    proc = start(tmp_path / "out")
+    seen = wait_for(proc, STARTING)
+    proc.send_signal(signal.SIGTERM)
+    err = finish(proc, seen)
+    assert proc.returncode == 143, err
+    assert "SIGTERM received outside the training loop" in err and "Traceback" not in err
+
+
+@pytest.mark.slow  # two spawned ranks import torch and transformers
+def test_two_ranks_stop_after_the_same_step_with_one_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    proc = start(out, "actor.world_size=2")
+    seen = wait_for_steps(proc, out / "metrics.jsonl", 2)
+    proc.send_signal(signal.SIGTERM)
+    err = finish(proc, seen)
+    assert proc.returncode == 143, err
+    step = last_step(out)
+    checkpoint = out / "checkpoints" / f"step_{step:06d}"
+    assert f"stopped after step {step} of 100000; wrote checkpoint {checkpoint}" in err, err
+    assert {p.name for p in checkpoint.glob("rank*.pt")} == {"rank0.pt", "rank1.pt"}
