@@ -71,9 +71,15 @@ class TurnGate:
     def _release(self) -> None:
         if self.waiting and len(self.waiting) >= self.members:
             waiting, self.waiting = self.waiting, {}
-            for member in sorted(waiting):  # wake-ups run in this order: requests queue in it
-                if not waiting[member].done():
-                    waiting[member].set_result(None)
+            # woken from a callback of their own, not from here: the trajectory whose arrival
+            # completes the set must not go first (its future would be done before it awaits it)
+            asyncio.get_running_loop().call_soon(self._wake, waiting)
+
+    @staticmethod
+    def _wake(waiting: dict[int, asyncio.Future]) -> None:
+        for member in sorted(waiting):  # wake-ups run in this order: requests queue in it
+            if not waiting[member].done():
+                waiting[member].set_result(None)
 
 
 class _EnvAdapter:
