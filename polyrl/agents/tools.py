@@ -195,8 +195,8 @@ def _one_line(exc: BaseException) -> str:
 
 def _where(exc: BaseException) -> str:
     """" (at FILE, line N)": the innermost frame of what the user's module raised."""
-    if isinstance(exc, SyntaxError):
-        return f" (at {exc.filename}, line {exc.lineno})" if exc.filename else ""
+    if isinstance(exc, SyntaxError):  # its message already holds "(file, line N)"
+        return ""
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
