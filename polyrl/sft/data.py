@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,12 +190,18 @@ def _kind(value: Any) -> str:
 def fit(encoder: ChatEncoder, messages: list[dict], tools: list | None, max_length: int,
         truncation: str, where: str) -> tuple[Encoded | None, bool]:
     """The encoded conversation within `max_length` tokens and whether turns were removed
-    (None: dropped as over-long)."""
-    enc = encoder.encode(messages, tools)
-    if len(enc.input_ids) <= max_length:
-        return enc, False
+    (None: dropped as over-long).
+
+    The length is measured first, from one render (`ChatEncoder.count_tokens`); only a
+    conversation that fits is encoded with its assistant mask (a render per assistant turn, so
+    its cost is bounded by max_length, never by the row). The work on an over-long row is
+    therefore linear in its size, and left truncation probes suffixes from the newest turn
+    backwards (`first_fitting`) instead of re-encoding once per dropped turn."""
+    length = encoder.count_tokens(messages, tools)
+    if length <= max_length:
+        return encoder.encode(messages, tools), False
     if truncation == "error":
-        raise DataFileError(f"{where}: the conversation has {len(enc.input_ids)} tokens > "
+        raise DataFileError(f"{where}: the conversation has {length} tokens > "
                             f"data.max_length={max_length}; raise it, or set data.truncation=drop "
                             "(skip such rows) or left (remove the oldest turns)")
     if truncation == "drop":
@@ -203,17 +209,42 @@ def fit(encoder: ChatEncoder, messages: list[dict], tools: list | None, max_leng
     head = 0
     while head < len(messages) and messages[head]["role"] == "system":
         head += 1  # the system prompt stays: it conditions every turn
-    rest = messages[head:]
-    while True:  # drop the oldest turn: up to the next user message
-        nxt = next((j for j in range(1, len(rest)) if rest[j]["role"] == "user"), None)
-        if nxt is None:
-            return None, False
-        rest = rest[nxt:]
-        if not any(m["role"] == "assistant" for m in rest):
-            return None, False
-        enc = encoder.encode(messages[:head] + rest, tools)
-        if len(enc.input_ids) <= max_length:
-            return enc, True
+    # where a shortened conversation may start: a user message, after dropping at least one turn
+    starts = [i for i in range(head + 1, len(messages)) if messages[i]["role"] == "user"]
+
+    def kept(k: int) -> list[dict]:
+        return messages[:head] + messages[starts[k]:]
+
+    k = first_fitting(len(starts), lambda k: encoder.count_tokens(kept(k), tools) <= max_length)
+    if k is None or not any(m["role"] == "assistant" for m in messages[starts[k]:]):
+        return None, False  # even the last exchange is too long, or no assistant turn is left
+    return encoder.encode(kept(k), tools), True
+
+
+def first_fitting(n: int, fits: Callable[[int], bool]) -> int | None:
+    """The smallest k in [0, n) with fits(k), for a `fits` that turns true and stays true as k
+    grows (a later start keeps fewer turns); None if fits(n - 1) is false. Gallops from the
+    end (n-1, n-2, n-4, ...) and then bisects, so it probes O(log) suffixes no longer than about
+    twice the answer."""
+    if n == 0 or not fits(n - 1):
+        return None
+    good, step = n - 1, 1
+    while True:
+        probe = good - step
+        if probe < 0:
+            bad = -1
+            break
+        if not fits(probe):
+            bad = probe
+            break
+        good, step = probe, step * 2
+    while good - bad > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
 
 
 def load_sft_dataset(files: Sequence[str], tokenizer: Any, cfg: SFTDataConfig, max_length: int,

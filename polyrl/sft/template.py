@@ -71,6 +71,13 @@ class ChatEncoder:
             raise TemplateError(f"the chat template fails on this conversation: "
                                 f"{type(exc).__name__}: {exc}") from None
 
+    def count_tokens(self, messages: list[dict], tools: list | None = None) -> int:
+        """len(encode(messages, tools).input_ids) from one render and one tokenisation, without
+        locating the assistant turns (which costs a render per turn): the length check of every
+        row, and the probe of left truncation, stay linear in the conversation."""
+        text = self.render(messages, tools)
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def encode(self, messages: list[dict], tools: list | None = None) -> Encoded:
         if tools and self.render(messages, tools) == self.render(messages):
             raise TemplateError("the row has tools but the chat template does not render them "
@@ -129,10 +136,13 @@ class ChatEncoder:
         text, spans = self.assistant_spans(messages, tools)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
-        boundaries = {b for span in spans for b in span}
+        boundaries = sorted({b for span in spans for b in span})
+        b = 0  # boundaries and tokens are both in text order: one pass over each
         for start, end in offsets:  # a token across a turn boundary holds both kinds of text
-            cut = next((b for b in boundaries if start < b < end), None)
-            if cut is not None:
+            while b < len(boundaries) and boundaries[b] <= start:
+                b += 1
+            if b < len(boundaries) and boundaries[b] < end:
+                cut = boundaries[b]
                 raise TemplateError(
                     f"the tokenizer merges {text[start:end]!r} across the boundary of an assistant "
                     f"turn (character {cut}), so no token set is exactly the turn; use a template "
