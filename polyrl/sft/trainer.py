@@ -4,7 +4,9 @@ validate -> summary.json.
 Every rank runs this same loop on its shard of each batch (`split_evenly`), so the engine's
 collectives line up; only rank 0 writes metrics, checkpoints' driver state and the summary.
 Checkpoints use the RL layout (polyrl/trainer/checkpoint.py): `policy/` is a Hugging Face model
-directory with the tokenizer, directly usable as `model.path` of `polyrl train`.
+directory with the tokenizer, directly usable as `model.path` of `polyrl train` (with
+`model.lora_rank`, the merged model, and the adapter in `policy_adapter/`, as RL writes them).
+Ctrl-C / SIGTERM finish the current step and checkpoint (trainer/interrupts.py `stop_on_signals`).
 """
 
 from __future__ import annotations
@@ -125,7 +127,8 @@ class SFTTrainer:
                                          if k in ("train/loss", "val/loss")}, refresh=False)
                         bar.update(1)
                     last, signum = step == self.total_steps, self._agreed_signal(stop.signum)
-                    due = (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or (last and cfg.trainer.save_at_end)
+                    due = ((cfg.trainer.save_every and step % cfg.trainer.save_every == 0)
+                           or (last and cfg.trainer.save_at_end))
                     if due or (signum and cfg.trainer.save_on_interrupt):
                         self.save(step, initial)
                     if signum and not last:
