@@ -58,7 +58,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
         while not errors.empty():
             failures.append(errors.get())
         failures.sort()
-        _raise_interrupt(received, failures)
+        _raise_interrupt(received, failures, procs)
         if failures:
             rank, message, _code = failures[0]
             raise RankFailed(f"sft rank {rank} failed: {message}")
@@ -96,22 +96,25 @@ def _forwarding_signals(procs: list) -> Iterator[list[int]]:
             signal.signal(s, h)
 
 
-def _raise_interrupt(received: list[int], failures: list[tuple[int, str, int]]) -> None:
-    """After a forwarded signal: the ranks' own outcome (rank 0's message), as one rank reports it."""
+def _raise_interrupt(received: list[int], failures: list[tuple[int, str, int]], procs: list) -> None:
+    """After a forwarded signal, the outcome as one process reports it: rank 0's "stopped after
+    step N" (`TrainingInterrupted`), a second Ctrl-C (`KeyboardInterrupt`), or a stop during
+    start-up; a real failure is left to the caller (`RankFailed`)."""
     from polyrl.trainer.interrupts import TrainingInterrupted
 
     if not received:
         return
-    stopped = [(rank, message, code) for rank, message, code in failures if code > 128]
     if len(received) > 1 and received[-1] == signal.SIGINT:
         raise KeyboardInterrupt  # a second Ctrl-C: the ranks abandoned their step
+    stopped = [(rank, message, code) for rank, message, code in failures if code > 128]
     if stopped:
         _rank, message, code = stopped[0]
         raise TrainingInterrupted(message, code)
-    if not failures:  # every rank had finished its last step: the run is complete
-        return
-    raise TrainingInterrupted(f"{signal.Signals(received[0]).name} received; the ranks stopped",
-                              128 + received[0])
+    if failures or all(p.exitcode == 0 for p in procs):
+        return  # a rank failed (reported as such), or the run had finished its last step
+    name = signal.Signals(received[0]).name  # killed before its handlers were installed
+    raise TrainingInterrupted(f"{name} received while the ranks were starting: stopped at once, no "
+                              "step was interrupted", 128 + received[0])
 
 
 def _wait(procs: list) -> None:
