@@ -116,3 +116,14 @@ def test_hung_calls_cost_a_bounded_number_of_threads(release):
     assert stuck_limit <= len(started) == STUCK.count < stuck_limit + parallel
     late = run([ToolCall("hang", {})], tools, timeout_s=0.02, stuck_limit=stuck_limit)[0]
     assert late.content.startswith(f"Error: hang was not run: {len(started)} earlier tool calls are still running")
+
+
+def test_a_black_box_agent_exiting_is_an_ordinary_error():
+    """Black-box agent runs (black_box.py) use `_in_thread`: an agent's sys.exit() arrives as a
+    RuntimeError (counted in agent/env_errors there), not as a SystemExit that ends the rank."""
+    import sys
+
+    from polyrl.agents.executor import _in_thread
+
+    with pytest.raises(RuntimeError, match="raised SystemExit: 3"):
+        asyncio.run(_in_thread(lambda: sys.exit(3), {}))
