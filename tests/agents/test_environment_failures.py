@@ -32,6 +32,18 @@ class FailInit(_Steps):
         raise RuntimeError("cannot open the sandbox")
 
 
+@ENVIRONMENTS.register("hang_init")
+class HangInit(_Steps):
+    def __init__(self):
+        RELEASE.wait()
+
+
+@ENVIRONMENTS.register("hang_step")
+class HangStep(_Steps):
+    def step(self, action_text):
+        RELEASE.wait()
+
+
 @ENVIRONMENTS.register("fail_reset")
 class FailReset(_Steps):
     def reset(self, row):
@@ -96,6 +108,8 @@ def release_hangs():
 # name -> (kind counted, whether the trajectory got its first turn)
 CASES = {
     "fail_init": ("env_error", False),
+    "hang_init": ("env_timeout", False),
+    "hang_step": ("env_timeout", True),
     "fail_reset": ("env_error", False),
     "hang_reset": ("env_timeout", False),
     "reset_no_content": ("env_bad_output", False),

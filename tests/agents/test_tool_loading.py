@@ -64,3 +64,16 @@ def test_a_black_box_agent_that_cannot_load_is_one_line(tmp_path):
     check_agent(AgentConfig(black_box=f"{path}:solve"))
     with pytest.raises(ConfigError, match="agent.black_box"):
         check_agent(AgentConfig(black_box=f"{path}:other"))
+
+
+def test_unregistered_environments_are_one_line_before_launch():
+    from polyrl.data import PromptSample
+
+    with pytest.raises(ConfigError, match=r"agent.environment=sokoban is not a registered environment; registered: tools"):
+        check_agent(AgentConfig(environment="sokoban"))
+    row = PromptSample(7, "x", [1], "", "", "", {"agent_name": "sokoban"})
+    with pytest.raises(ConfigError, match=r"data row 7 names the environment 'sokoban' in extra_info.agent_name"):
+        check_agent(AgentConfig(tools=["polyrl.agents.calculator:calculator"]), [], None, [row])
+    check_agent(AgentConfig(), [row])  # single-turn: the rows' names are not read
+    check_agent(AgentConfig(tools=["polyrl.agents.calculator:calculator"]),
+                [PromptSample(0, "x", [1], "", "", "", {"agent_name": "tools"})])
