@@ -150,3 +150,52 @@ def test_a_stepped_failure_keeps_the_turns_before_it(tokenizer, random_dir):
     assert traj.stop_reason == "stop"  # (seeded) the turn ended on a stop token, so the step ran
     assert traj.stats.turns == 1 and traj.stats.turn_rewards == [0.0] and traj.stats.env_errors == 1
     assert rollout.batch.loss_mask.row(0).tolist() == [1.0] * len(traj.response_ids)
+
+
+@ENVIRONMENTS.register("reset_too_long")
+class ResetTooLong(_Steps):
+    def reset(self, row):
+        return "many words " * 2000  # past the engine's max_model_len of 512
+
+
+@ENVIRONMENTS.register("step_observation_role")
+class StepObservationRole(_Steps):
+    def step(self, action_text):
+        return {"role": "observation", "content": "the template below refuses this role"}, 0.0, False
+
+
+def test_a_reset_prompt_longer_than_the_context_is_counted(tokenizer, random_dir):
+    rollout = run_trajectories_sync(native(random_dir, tokenizer), tokenizer, rows(tokenizer, ["reset_too_long"]),
+                                    sampling(tokenizer), AgentConfig(), seeds=[0])
+    traj = rollout.trajectories[0]
+    assert traj.stats.errors_by_kind == {"env_bad_output": 1} and traj.stats.turns == 0
+
+
+def test_an_observation_the_template_refuses_is_counted(tokenizer, random_dir):
+    import copy
+
+    from agent_models import TEMPLATE
+
+    tokenizer = copy.deepcopy(tokenizer)  # the session's tokenizer keeps its template
+    tokenizer.chat_template = ("{%- for m in messages %}{%- if m.role == 'observation' %}"
+                               "{{ raise_exception('unknown role observation') }}{%- endif %}{%- endfor %}" + TEMPLATE)
+    engine = native(random_dir, tokenizer)
+    rollout = run_trajectories_sync(engine, tokenizer, rows(tokenizer, ["step_observation_role"]),
+                                    sampling(tokenizer), AgentConfig(), seeds=[0])
+    traj = rollout.trajectories[0]
+    assert traj.stop_reason == "stop" and traj.stats.turns == 1
+    assert traj.stats.errors_by_kind == {"env_bad_output": 1} and traj.stats.env_errors == 1
+    assert_exact(engine, rollout)
+
+
+def test_rewards_may_be_numpy_scalars_or_0d_tensors():
+    import numpy as np
+    import torch
+
+    from polyrl.agents.environments import as_step_result
+
+    assert as_step_result(("o", np.float32(0.5), np.bool_(True))) == StepResult("o", 0.5, True)
+    assert as_step_result(StepResult("o", torch.tensor(2.0))).reward == 2.0
+    for bad in ("1.0", torch.tensor([1.0, 2.0]), math.inf, [1.0]):
+        with pytest.raises((TypeError, ValueError)):
+            as_step_result(("o", bad, False))
