@@ -10,8 +10,9 @@ Threads are bounded. Calls running at once are bounded by `agent.max_parallel_to
 runner's semaphore); abandoned calls still running are counted process-wide, and once
 `stuck_limit` of them are (4 x max_parallel_tools, the ratio the reward pool uses,
 polyrl/rewards/executor.py) no new thread is started: further calls come back at once as
-timeouts ("not run") until a stuck call returns. So a tool that hangs forever costs a bounded
-number of threads however many waves of calls hit it.
+timeouts ("not run") until a stuck call returns. Calls running at that moment may still time out
+and join them, so a tool that hangs forever costs at most stuck_limit + max_parallel_tools threads,
+however many waves of calls hit it.
 
 Every failure - unknown tool, bad arguments, an exception (`SystemExit` from argparse and
 `KeyboardInterrupt` included: they are the tool's own, a real Ctrl-C reaches the main thread),
@@ -128,7 +129,7 @@ async def _in_thread(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
     """`fn(**kwargs)` on a daemon thread of its own, without a timeout of its own (the caller
     wraps it in one); what it raises is raised here, except that its `SystemExit` /
     `KeyboardInterrupt` arrive as a RuntimeError (they must not end the rollout). Black-box agent
-    runs use it (black_box.py): they are bounded by `agent.max_parallel_agents`."""
+    runs use it (black_box.py), with their own timeout; their threads are not counted in STUCK."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future = loop.create_future()
 
