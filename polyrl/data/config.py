@@ -12,13 +12,17 @@ from polyrl.config import Config
 class DataConfig(Config):
     train_files: list[str] = Field(default_factory=list)
     """Parquet or JSONL files in verl's schema (data_source, prompt, reward_model, extra_info),
-    concatenated in order. A single path is accepted too."""
+    or Hugging Face datasets directories written by save_to_disk (DIR for a Dataset, DIR:SPLIT
+    for a split of a DatasetDict; needs pip install 'polyrl[datasets]'), concatenated in order.
+    A single path is accepted too."""
 
     val_files: list[str] = Field(default_factory=list)
-    """Validation files, same schema; empty disables validation."""
+    """Validation files, same schema and forms; empty disables validation."""
 
     prompt_key: str = "prompt"
-    """Column holding the prompt: a list of chat messages or a plain string."""
+    """Column holding the prompt: a list of chat messages or a plain string. A row without it
+    but with a chat 'messages' column (TRL's conversational format) is prompted with that chat
+    up to its last user turn."""
 
     max_prompt_length: int = Field(1024, ge=1)
     """Longest prompt in tokens (after the chat template). Longer prompts are dropped (counted

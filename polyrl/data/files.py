@@ -1,8 +1,11 @@
-"""Read prompt rows from Parquet or JSONL files in verl's schema, with errors that name the file.
+"""Read prompt rows from Parquet or JSONL files in verl's schema, or from a Hugging Face `datasets`
+directory (`DIR` or `DIR:SPLIT`, polyrl/data/hf_disk.py), with errors that name the file.
 
 verl-prepared parquet files store `prompt` as a list of structs and `reward_model` /
 `extra_info` as structs; `Table.to_pylist()` turns those into lists of dicts and dicts, the
-same shape a JSONL file gives, so both formats load unchanged.
+same shape a JSONL file gives, so both formats load unchanged. A row without the prompt column
+but with a chat `messages` column (TRL's conversational format) is prompted with that chat up to
+its last user turn (polyrl/data/rows.py `with_chat_prompt`).
 
 A file that cannot be read at all (missing, a directory, not parquet, no required column) is an
 error; a row that cannot be used (bad JSON line, bytes that are not UTF-8, a bad prompt) is a bad
@@ -16,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from polyrl.data import hf_disk
 from polyrl.data.errors import DataFileError
-from polyrl.data.rows import BadRows, row_problem
+from polyrl.data.rows import MESSAGES_KEY, BadRows, row_problem, with_chat_prompt
 
 REQUIRED = ("data_source", "reward_model")
 SUFFIXES = (".parquet", ".jsonl", ".json")
@@ -40,6 +44,13 @@ def read_source_rows(path: str | Path, prompt_key: str = "prompt",
                      bad_rows: BadRows | None = None) -> list[SourceRow]:
     """The usable rows of one file, each with where it came from."""
     bad_rows = bad_rows if bad_rows is not None else BadRows("error")
+    on_disk = hf_disk.parse_spec(str(path))
+    if on_disk is not None:
+        table = hf_disk.load_split(*on_disk)
+        name = table.label
+        _check_columns(name, set(table.columns), prompt_key)
+        rows = [SourceRow(f"data file {name} row {i}", row) for i, row in enumerate(table.rows)]
+        return _usable_rows(name, rows, prompt_key, bad_rows)
     path = _existing_file(Path(path).expanduser())
     suffix = path.suffix.lower()
     if suffix == ".parquet":
@@ -49,16 +60,22 @@ def read_source_rows(path: str | Path, prompt_key: str = "prompt",
         columns = set().union(*(r.data.keys() for r in rows)) if rows else set()
         _check_columns(path, columns, prompt_key)
     else:
-        raise DataFileError(f"data file {path}: unsupported format '{suffix}'; use one of {', '.join(SUFFIXES)}")
+        raise DataFileError(f"data file {path}: unsupported format '{suffix}'; use one of "
+                            f"{', '.join(SUFFIXES)}, or a directory written by datasets' save_to_disk")
+    return _usable_rows(str(path), rows, prompt_key, bad_rows)
+
+
+def _usable_rows(name: str, rows: list[SourceRow], prompt_key: str, bad_rows: BadRows) -> list[SourceRow]:
     if not rows and not bad_rows.count:
-        raise DataFileError(f"data file {path} has no rows")
+        raise DataFileError(f"data file {name} has no rows")
     good = []
     for row in rows:
-        problem = row_problem(row.data, prompt_key)
+        data, problem = with_chat_prompt(row.data, prompt_key)
+        problem = problem or row_problem(data, prompt_key)
         if problem:
             bad_rows.add(row.where, problem)
         else:
-            good.append(row)
+            good.append(SourceRow(row.where, data))
     return good
 
 
@@ -66,20 +83,23 @@ def _existing_file(path: Path) -> Path:
     if path.is_dir():
         inside = sorted(p.name for p in path.iterdir() if p.suffix.lower() in SUFFIXES)[:5]
         example = f" (it holds {', '.join(inside)})" if inside else ""
-        raise DataFileError(f"data file {path} is a directory, not a file: list the .parquet / "
-                            f".jsonl files inside it instead{example}")
+        raise DataFileError(f"data file {path} is a directory, not a file nor one written by "
+                            f"datasets' save_to_disk: list the .parquet / .jsonl files inside it "
+                            f"instead{example}")
     if not path.is_file():
         raise DataFileError(f"data file {path} does not exist")
     return path
 
 
-def _check_columns(path: Path, columns: set[str], prompt_key: str) -> None:
-    missing = [c for c in (*REQUIRED, prompt_key) if c not in columns]
+def _check_columns(path: Path | str, columns: set[str], prompt_key: str) -> None:
+    prompt = () if MESSAGES_KEY in columns else (prompt_key,)  # a chat prompts when no prompt column
+    missing = [c for c in (*REQUIRED, *prompt) if c not in columns]
     if missing and columns:
         raise DataFileError(
             f"data file {path} lacks column(s) {', '.join(missing)} "
             f"(has {', '.join(sorted(columns))}); polyrl reads verl's schema: data_source, "
-            f"{prompt_key} (set data.prompt_key for another name), reward_model.ground_truth"
+            f"{prompt_key} (set data.prompt_key for another name, or give a chat '{MESSAGES_KEY}' "
+            f"column), reward_model.ground_truth"
         )
 
 

@@ -22,6 +22,9 @@ EXAMPLES_LOGGED = 5
 
 MESSAGE_SHAPE = "a string or a non-empty list of {'role': ..., 'content': ...} messages"
 
+MESSAGES_KEY = "messages"
+"""TRL's conversational column: a whole chat, used as the prompt when the prompt column is absent."""
+
 
 @dataclass
 class BadRows:
@@ -57,6 +60,26 @@ def row_problem(row: dict[str, Any], prompt_key: str) -> str | None:
     if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
         return f"reward_model must be a mapping with 'ground_truth', got {reward_model!r}"
     return prompt_problem(row.get(prompt_key), prompt_key)
+
+
+def with_chat_prompt(row: dict[str, Any], prompt_key: str) -> tuple[dict[str, Any], str | None]:
+    """`row` with its prompt taken from a chat `messages` column when `prompt_key` is absent
+    (TRL's conversational format), plus why that chat cannot prompt, or None.
+
+    The prompt is the chat up to and including its last user turn: the policy answers that turn,
+    and what follows it (a reference answer) is not shown to it.
+    """
+    if prompt_key in row or MESSAGES_KEY not in row:
+        return row, None
+    messages = row[MESSAGES_KEY]
+    if not isinstance(messages, list):
+        return row, (f"'{MESSAGES_KEY}' must be a non-empty list of {{'role': ..., 'content': ...}} "
+                     f"messages, got {_describe(messages)}")
+    users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
+    if not users:
+        return row, f"'{MESSAGES_KEY}' has no user turn to answer"
+    prompt = messages[: users[-1] + 1]
+    return {**row, prompt_key: prompt}, prompt_problem(prompt, MESSAGES_KEY)
 
 
 def prompt_problem(prompt: Any, prompt_key: str = "prompt") -> str | None:
