@@ -6,6 +6,11 @@ so a backend is added in one place: here for the built-in ones, or from a separa
 through the `polyrl.rollout_backends` entry-point group (`name = "module:EngineClass"`), loaded
 in every process that asks (Ray workers included), or in-process with `register_backend`.
 
+It also holds what polyrl supports of each engine package: the version range (`supported`),
+checked by `polyrl doctor` and before an engine starts (`check_engine_version`), and the names
+each adapter calls in it (`ENGINE_CONTRACTS`), which the contract tests
+(tests/rollout/engines/test_contract_*.py) look up in the real packages' sources.
+
 This module sits below rollout, envplan and config users on purpose: it imports nothing heavy
 (engine classes are dotted paths, imported when first built).
 """
@@ -36,6 +41,11 @@ class RolloutBackend:
     """The engine runs in worker processes of its own on devices its host hands them (the GPU
     engines), rather than inside the polyrl process; the environment plan treats such hosts
     specially (`polyrl/envplan/plan.py`)."""
+    supported: str | None = None
+    """The engine package's versions the adapter is written for, as a PEP 440 specifier
+    (">=0.5.10,<0.6"); None: any."""
+    distribution: str | None = None
+    """The package's name on the index when it differs from the import name (tensorrt-llm)."""
 
     def engine_class(self) -> type:
         module, _, attr = self.engine.partition(":")
@@ -65,21 +75,31 @@ ROLLOUT_BACKENDS: _Backends = _Backends("rollout backend")
 
 
 def register_backend(name: str, engine: str, *, package: str | None = None, extra: str | None = None,
-                     engine_processes: bool = False) -> RolloutBackend:
+                     engine_processes: bool = False, supported: str | None = None,
+                     distribution: str | None = None) -> RolloutBackend:
     """Add a rollout backend; `engine` is the engine class's dotted path ("module:Class")."""
     if ":" not in engine:
         raise ValueError(f"rollout backend '{name}': engine must be a dotted path 'module:Class', "
                          f"got {engine!r}")
-    return ROLLOUT_BACKENDS.register(name, RolloutBackend(name, engine, package, extra, engine_processes))
+    return ROLLOUT_BACKENDS.register(name, RolloutBackend(name, engine, package, extra, engine_processes,
+                                                          supported, distribution))
 
 
+# The ranges: the lowest version whose API has everything the adapter calls (ENGINE_CONTRACTS),
+# below the next minor release, which nobody has checked yet. vLLM: `abort(list)` since 0.10.1,
+# finish reasons through 0.33. SGLang: `async_generate(rid=...)` since 0.5.6; `Engine` built off
+# the main thread since 0.5.10 (older ones register a signal handler, allowed only there: the
+# adapter then builds it on the calling thread, which must be the main one); the weight-update
+# session of 0.5.21+ is opened and closed around every update.
+# TensorRT-LLM: `AsyncLLM` with its placement arguments and `enable_sleep` (1.1, 1.2).
 register_backend("native", "polyrl.rollout.native.engine:NativeEngine")
 register_backend("vllm", "polyrl.rollout.engines.vllm:VLLMEngine", package="vllm", extra="vllm",
-                 engine_processes=True)
+                 engine_processes=True, supported=">=0.10.1,<0.34")
 register_backend("sglang", "polyrl.rollout.engines.sglang:SGLangEngine", package="sglang",
-                 extra="sglang", engine_processes=True)
+                 extra="sglang", engine_processes=True, supported=">=0.5.6,<0.6")
 register_backend("trtllm", "polyrl.rollout.engines.trtllm:TRTLLMEngine", package="tensorrt_llm",
-                 extra="trtllm", engine_processes=True)
+                 extra="trtllm", engine_processes=True, supported=">=1.1,<1.3",
+                 distribution="tensorrt-llm")
 
 
 @functools.lru_cache(maxsize=1)
@@ -132,3 +152,142 @@ ENGINE_PROCESS_BACKENDS = BackendView(lambda b: b.engine_processes)
 """Backends whose engine runs in processes of its own (the GPU engines)."""
 PACKAGED_BACKENDS = BackendView(lambda b: b.package is not None, lambda b: (b.package, b.extra))
 """backend -> (import name, polyrl extra) for the backends that need a third-party package."""
+
+
+# --- supported versions ---------------------------------------------------------------------------
+
+def installed_engine_version(name: str) -> str | None:
+    """The installed version of backend `name`'s engine package (None: built in, or absent)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    backend = ROLLOUT_BACKENDS.get(name)
+    if backend.package is None:
+        return None
+    for dist in filter(None, (backend.distribution, backend.package)):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def version_problem(name: str, installed: str | None) -> str | None:
+    """One line naming the fix when `installed` (backend `name`'s engine package version) is
+    outside the range polyrl supports; None when it is inside, unknown or unconstrained."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    backend = ROLLOUT_BACKENDS.get(name)
+    if installed is None or backend.supported is None:
+        return None
+    try:
+        # a local or dev build of a supported release counts as that release
+        release = Version(Version(installed).base_version)
+    except InvalidVersion:
+        return None
+    spec = SpecifierSet(backend.supported)
+    if release in spec:
+        return None
+    dist = backend.distribution or backend.package
+    return (f"rollout.backend={name}: {dist} {installed} is outside the versions polyrl supports "
+            f"({dist}{backend.supported}): pip install \"{dist}{backend.supported}\"")
+
+
+def check_engine_version(name: str, installed: str | None = None) -> None:
+    """Raise ValueError (one line, naming the pip command) when the installed engine of backend
+    `name` is outside its supported range. `installed`: the version to judge (default: the
+    installed package's). Called before an engine starts (`polyrl/rollout/factory.py`) and by
+    the trainer's pre-flight."""
+    problem = version_problem(name, installed if installed is not None else installed_engine_version(name))
+    if problem:
+        raise ValueError(problem)
+
+
+# --- what each adapter calls in its engine package ------------------------------------------------
+
+@dataclass(frozen=True)
+class EngineUse:
+    """One name an adapter (or the launch arguments it passes on) uses in its engine package.
+
+    `target` is "module:Name" (a class or function importable from that module) or
+    "module:Class.member" (a method, or an attribute the class sets or declares, its bases
+    included). `keywords`: keyword arguments passed to the call (for a class: its constructor,
+    whose fields count). `versions`: the engine versions the use applies to (a specifier;
+    empty: all supported)."""
+
+    target: str
+    keywords: tuple[str, ...] = ()
+    versions: str = ""
+
+
+SGLANG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "stop",
+                        "ignore_eos", "sampling_seed")
+"""Keys of the `sampling_params` dicts the SGLang adapter sends (`sglang_sampling_params`)."""
+SGLANG_LAUNCH_KEYS = ("model_path", "dtype", "tp_size", "mem_fraction_static", "context_length",
+                      "max_running_requests", "disable_radix_cache", "disable_cuda_graph",
+                      "attention_backend", "load_format", "enable_memory_saver", "log_level",
+                      "quantization", "json_model_override_args")
+"""`ServerArgs` fields polyrl's launch arguments may set (`launch_args.sglang_args`)."""
+SGLANG_WEIGHT_SESSION_SINCE = "0.5.21"
+"""From this SGLang version on, weights load only between begin_/end_weight_update."""
+SGLANG_ANY_THREAD_SINCE = "0.5.10"
+"""From this SGLang version on, `Engine` may be built off the main thread."""
+
+TRTLLM_SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "stop",
+                        "ignore_eos", "seed", "logprobs")
+"""Keywords of the `SamplingParams` the TRT-LLM adapter builds (`trtllm_sampling_kwargs`)."""
+TRTLLM_LAUNCH_KEYS = ("model", "backend", "dtype", "tensor_parallel_size", "max_seq_len",
+                      "max_batch_size", "kv_cache_config", "load_format", "enable_sleep",
+                      "orchestrator_type", "ray_worker_extension_cls", "allreduce_strategy",
+                      "model_kwargs")
+"""`TorchLlmArgs` fields polyrl's launch arguments may set (`launch_args.trtllm_args`)."""
+TRTLLM_PLACEMENT_KEYS = ("placement_groups", "placement_bundle_indices", "per_worker_gpu_share")
+"""`AsyncLLM`'s own placement arguments (the adapter fills the first two at start)."""
+
+ENGINE_CONTRACTS: dict[str, tuple[EngineUse, ...]] = {
+    "sglang": (
+        EngineUse("sglang:Engine"),
+        EngineUse("sglang.srt.entrypoints.engine:Engine.async_generate",
+                  ("input_ids", "sampling_params", "return_logprob", "logprob_start_len",
+                   "top_logprobs_num", "rid")),
+        EngineUse("sglang.srt.entrypoints.engine:Engine.tokenizer_manager"),
+        EngineUse("sglang.srt.entrypoints.engine:Engine.shutdown"),
+        # ServerArgs: a dataclass, then (0.5.20) a struct assembled from field namespaces
+        EngineUse("sglang.srt.server_args:ServerArgs", SGLANG_LAUNCH_KEYS, versions="<0.5.20"),
+        EngineUse("sglang.srt.arg_groups.fields:*", SGLANG_LAUNCH_KEYS, versions=">=0.5.20"),
+        EngineUse("sglang.srt.sampling.sampling_params:SamplingParams", SGLANG_SAMPLING_KEYS),
+        EngineUse("sglang.srt.managers.io_struct:UpdateWeightsFromTensorReqInput",
+                  ("serialized_named_tensors", "load_format", "flush_cache")),
+        EngineUse("sglang.srt.managers.io_struct:ReleaseMemoryOccupationReqInput", ("tags",)),
+        EngineUse("sglang.srt.managers.io_struct:ResumeMemoryOccupationReqInput", ("tags",)),
+        EngineUse("sglang.srt.managers.tokenizer_manager:TokenizerManager.update_weights_from_tensor"),
+        EngineUse("sglang.srt.managers.tokenizer_manager:TokenizerManager.flush_cache"),
+        EngineUse("sglang.srt.managers.tokenizer_manager:TokenizerManager.release_memory_occupation"),
+        EngineUse("sglang.srt.managers.tokenizer_manager:TokenizerManager.resume_memory_occupation"),
+        EngineUse("sglang.srt.managers.tokenizer_manager:TokenizerManager.abort_request", ("abort_all",)),
+        EngineUse("sglang.srt.utils:MultiprocessingSerializer.serialize"),
+        EngineUse("sglang.srt.managers.io_struct:BeginWeightUpdateReqInput",
+                  versions=f">={SGLANG_WEIGHT_SESSION_SINCE}"),
+        EngineUse("sglang.srt.managers.io_struct:EndWeightUpdateReqInput",
+                  versions=f">={SGLANG_WEIGHT_SESSION_SINCE}"),
+        EngineUse("sglang.srt.managers.tokenizer_manager:TokenizerManager.begin_weight_update",
+                  versions=f">={SGLANG_WEIGHT_SESSION_SINCE}"),
+        EngineUse("sglang.srt.managers.tokenizer_manager:TokenizerManager.end_weight_update",
+                  versions=f">={SGLANG_WEIGHT_SESSION_SINCE}"),
+    ),
+    "trtllm": (
+        EngineUse("tensorrt_llm:AsyncLLM"),
+        EngineUse("tensorrt_llm:SamplingParams", TRTLLM_SAMPLING_KEYS),
+        EngineUse("tensorrt_llm.llmapi:KvCacheConfig", ("enable_block_reuse", "free_gpu_memory_fraction")),
+        EngineUse("tensorrt_llm.llmapi.llm_args:TorchLlmArgs", TRTLLM_LAUNCH_KEYS),
+        EngineUse("tensorrt_llm._torch.async_llm:AsyncLLM", TRTLLM_PLACEMENT_KEYS),
+        EngineUse("tensorrt_llm._torch.async_llm:AsyncLLM.generate_async", ("sampling_params",)),
+        EngineUse("tensorrt_llm._torch.async_llm:AsyncLLM.collective_rpc", ("args", "unique_reply_rank")),
+        EngineUse("tensorrt_llm._torch.async_llm:AsyncLLM.release", ("tags",)),
+        EngineUse("tensorrt_llm._torch.async_llm:AsyncLLM.resume", ("tags",)),
+        EngineUse("tensorrt_llm._torch.async_llm:AsyncLLM.shutdown"),
+        EngineUse("tensorrt_llm.llmapi.rlhf_utils:WorkerExtension.update_weights"),
+        EngineUse("tensorrt_llm._torch.utils:get_device_uuid"),
+    ),
+}
+"""Backend -> every name its adapter calls in the engine package, for the contract tests."""

@@ -1,8 +1,10 @@
 """Build the rollout engine a config asks for; engines that need an extra say which.
 
-The built-in engine takes its arguments directly. GPU engines (vLLM, SGLang, TensorRT-LLM) are
-started with `engine_launch_args(...)`, the same pure function `polyrl train --dry-run` prints,
-for the installed engine version.
+Every engine, the built-in one included, is started with `engine_launch_args(...)`, the same
+pure function `polyrl train --dry-run` prints (for the installed engine version), so a layout or
+an `engine_kwargs` entry the dry run refuses is refused here with the same line, before any
+engine starts. A missing engine package or one outside the versions polyrl supports
+(`polyrl/backends.py`) is one line naming the pip command.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 import torch
 
-from polyrl.backends import PACKAGED_BACKENDS
+from polyrl.backends import PACKAGED_BACKENDS, installed_engine_version, version_problem
 from polyrl.platform import Platform, current_platform
 from polyrl.rollout.base import ROLLOUT_ENGINES
 from polyrl.rollout.config import RolloutConfig
@@ -27,13 +29,17 @@ class EngineUnavailable(RuntimeError):
 
 
 def require_backend(backend: str) -> None:
-    """One-line error naming the extra to install when an engine is missing."""
+    """One-line error naming the extra to install when an engine is missing, or the version to
+    install when the installed one is outside polyrl's supported range."""
     if backend in EXTRAS:
         module, extra = EXTRAS[backend]
         if importlib.util.find_spec(module) is None:
             raise EngineUnavailable(
                 f"rollout.backend={backend} needs the {module} package: pip install \"polyrl[{extra}]\""
             )
+        problem = version_problem(backend, installed_version(backend))
+        if problem:
+            raise EngineUnavailable(problem)
     if backend not in ROLLOUT_ENGINES:
         raise EngineUnavailable(
             f"rollout.backend={backend}: no adapter is registered in this polyrl version; "
@@ -45,10 +51,7 @@ def installed_version(backend: str) -> str | None:
     """The installed engine package's version (None for the built-in engine or when absent)."""
     if backend not in EXTRAS:
         return None
-    try:
-        return importlib.metadata.version(EXTRAS[backend][0])
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return installed_engine_version(backend)
 
 
 def _is_gpu_adapter(engine_cls: type) -> bool:
@@ -57,11 +60,27 @@ def _is_gpu_adapter(engine_cls: type) -> bool:
     return isinstance(engine_cls, type) and issubclass(engine_cls, AsyncEngineAdapter)
 
 
-def gpu_engine_args(cfg: RolloutConfig, model_path: str, platform: Platform | None = None) -> dict[str, Any]:
+def engine_args(cfg: RolloutConfig, model_path: str, platform: Platform | None = None) -> dict[str, Any]:
+    """The launch arguments of `cfg.backend` for the installed engine version (the dry run's)."""
     from polyrl.rollout.launch_args import engine_launch_args
 
     return engine_launch_args(cfg, model_path, platform or current_platform(),
                               installed_version(cfg.backend))
+
+
+gpu_engine_args = engine_args
+
+
+def in_process_args(cfg: RolloutConfig, model_path: str, platform: Platform | None) -> dict[str, Any]:
+    """Keyword arguments of an engine that runs in this process: the built-in engine's launch
+    arguments; a plugin backend without a launch-argument builder gets polyrl's settings plus
+    its `engine_kwargs` as given."""
+    from polyrl.rollout.launch_args import BUILDERS
+
+    if cfg.backend in BUILDERS:
+        return engine_args(cfg, model_path, platform)
+    return {"model_path": model_path, "dtype": cfg.dtype, "max_model_len": cfg.max_model_len,
+            "max_num_seqs": cfg.max_num_seqs, **cfg.engine_kwargs.get(cfg.backend, {})}
 
 
 def build_colocated_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer: Any,
@@ -70,10 +89,6 @@ def build_colocated_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer
     require_backend(cfg.backend)
     engine_cls = ROLLOUT_ENGINES.get(cfg.backend)
     if _is_gpu_adapter(engine_cls):
-        if cfg.tensor_parallel_size > 1:
-            raise ValueError(f"rollout.tensor_parallel_size={cfg.tensor_parallel_size} with "
-                             "rollout.placement=hybrid: a hybrid GPU engine runs on its trainer "
-                             "rank's one device; use rollout.placement=standalone for tensor parallelism")
         model_path = getattr(getattr(model, "config", None), "_name_or_path", "")
         if not model_path:
             raise ValueError("the policy model has no config._name_or_path: a GPU engine needs the "
@@ -81,11 +96,10 @@ def build_colocated_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer
         args = gpu_engine_args(cfg, model_path, platform)
         return engine_cls.from_model(model, launch_args=args, tokenizer=tokenizer, seed=seed,
                                      update_bucket_mb=cfg.update_bucket_mb)
-    kwargs = dict(cfg.engine_kwargs.get(cfg.backend, {}))
-    return engine_cls.from_model(
-        model, tokenizer=tokenizer, dtype=cfg.dtype, device=device,
-        max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, seed=seed, **kwargs,
-    )
+    # the built-in engine: the launch arguments the dry run shows, less the model path
+    args = in_process_args(cfg, "", platform)
+    args.pop("model_path")
+    return engine_cls.from_model(model, tokenizer=tokenizer, device=device, seed=seed, **args)
 
 
 def build_standalone_engine(cfg: RolloutConfig, model_path: str, device: torch.device, seed: int = 0,
@@ -104,7 +118,5 @@ def build_standalone_engine(cfg: RolloutConfig, model_path: str, device: torch.d
     if _is_gpu_adapter(engine_cls):
         args = gpu_engine_args(cfg, str(resolve(model_path)), platform)
         return engine_cls(args, tokenizer=tokenizer, seed=seed, update_bucket_mb=cfg.update_bucket_mb)
-    kwargs = {"tokenizer": tokenizer, **cfg.engine_kwargs.get(cfg.backend, {})}
-    return engine_cls(resolve(model_path), dtype=cfg.dtype, device=device,
-                      max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, seed=seed,
-                      **kwargs)
+    args = in_process_args(cfg, str(resolve(model_path)), platform)
+    return engine_cls(args.pop("model_path"), tokenizer=tokenizer, device=device, seed=seed, **args)

@@ -7,9 +7,13 @@ Defaults come first, the user's `rollout.engine_kwargs.<engine>` last; a default
 "not set", a null in the user's kwargs is an error naming the key, and FP8's quantization settings
 are merged into the user's dicts key by key (`polyrl/rollout/engines/launch_merge.py`).
 
-What each builder returns is what the adapter passes on unchanged, with one exception: TRT-LLM's
-`kv_cache_config` is a plain dict here (so it can be printed and compared) and becomes
-`KvCacheConfig(**d)` in the adapter.
+What each builder returns is what the adapter passes on unchanged, with two exceptions for
+TRT-LLM: `kv_cache_config` is a plain dict here (so it can be printed and compared) and becomes
+`KvCacheConfig(**d)` in the adapter, and the placement group the engine host runs in (a live Ray
+object) is added by the adapter at start (`placement_groups`, `placement_bundle_indices`).
+
+`check_launch(rollout, platform)` is the one check of a rollout layout every builder runs first,
+so `polyrl train --dry-run` refuses exactly what the launch refuses (issue 28).
 """
 
 from __future__ import annotations
@@ -30,6 +34,15 @@ TRTLLM_WORKER_EXTENSION = "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
 """TRT-LLM's own RL extension: `update_weights(ipc_handles)` on every worker, None finalizes."""
 SGLANG_FLASHINFER_SINCE = Version("0.5.12")
 """From this SGLang version on, FA3 CUDA-graph capture is broken: default to flashinfer (R3)."""
+TRTLLM_WORKER_GPU_SHARE = 0.5
+"""The share of its device each TensorRT-LLM worker asks Ray for inside the engine host's
+placement-group bundles (`per_worker_gpu_share`); the polyrl actor on the same device must hold
+no more than the rest of it, or the worker waits for a device that never frees."""
+NATIVE_ENGINE_KWARGS = ("max_prefill_tokens", "prefix_cache_tokens", "max_model_len", "max_num_seqs",
+                        "dtype")
+"""`rollout.engine_kwargs.native` keys: the built-in engine's keyword arguments
+(`polyrl/rollout/native/engine.py`) that polyrl does not set itself (model, device, tokenizer,
+seed)."""
 
 
 def merge_args(defaults: dict[str, Any], user: dict[str, Any] | None) -> dict[str, Any]:
@@ -81,12 +94,39 @@ def parse_engine_version(engine_version: str | None) -> Version | None:
                          "(expected e.g. 0.5.12)") from exc
 
 
+def check_launch(rollout: RolloutConfig, platform: Platform) -> None:
+    """Layouts no engine can launch, refused with one line naming the fix. Every builder runs it
+    first, so the dry run (which calls the builders) and the launch (the factory calls them too)
+    cannot disagree."""
+    from polyrl.backends import ENGINE_PROCESS_BACKENDS
+
+    tp = rollout.tensor_parallel_size
+    gpu_engine = rollout.backend in ENGINE_PROCESS_BACKENDS
+    if tp > 1 and not gpu_engine:
+        raise ValueError(f"rollout.tensor_parallel_size={tp} needs a GPU engine (vllm, sglang, "
+                         f"trtllm); the {rollout.backend} engine runs one rank per replica: set "
+                         "rollout.tensor_parallel_size=1")
+    if tp > 1 and rollout.placement == "hybrid":
+        raise ValueError(f"rollout.tensor_parallel_size={tp} with rollout.placement=hybrid: a hybrid "
+                         "engine runs on its trainer rank's one device; use "
+                         "rollout.placement=standalone for tensor parallelism")
+    if rollout.quantization == "fp8" and platform.name == "cpu":
+        raise ValueError(f"rollout.quantization=fp8 needs a GPU (FP8 kernels); the {rollout.backend} "
+                         "engine on this CPU platform has none: unset rollout.quantization")
+
+
 def user_kwargs(rollout: RolloutConfig, engine: str) -> dict[str, Any]:
     """The user's kwargs for `engine`, checked for nulls; `load_format` is left out because
-    `resolve_load_format` already decided it from the same value."""
+    `resolve_load_format` already decided it from the same value. `quantization: fp8` without
+    rollout.quantization=fp8 is refused: the engine would quantize its own way (per tensor)
+    while polyrl's weight path assumes its block-FP8 layout or none."""
     user = dict(rollout.engine_kwargs.get(engine) or {})
     check_no_nulls(user, f"rollout.engine_kwargs.{engine}")
     user.pop("load_format", None)
+    if str(user.get("quantization", "")).lower() == "fp8" and rollout.quantization != "fp8":
+        raise ValueError(f"rollout.engine_kwargs.{engine}.quantization=fp8: FP8 rollout is "
+                         "rollout.quantization=fp8 (block-FP8 weights sent with every sync); set "
+                         "that and remove the key")
     return user
 
 
@@ -99,6 +139,30 @@ def fp8_hf_overrides(rollout: RolloutConfig) -> dict[str, Any] | None:
     from polyrl.weights.fp8 import FP8_QUANT_CONFIG
 
     return {"quantization_config": copy.deepcopy(FP8_QUANT_CONFIG)}  # nested list: never share it
+
+
+FP8_OVERRIDES_KEY = {"vllm": "hf_overrides", "sglang": "json_model_override_args",
+                     "trtllm": "model_kwargs"}
+"""Where each engine's launch arguments carry the FP8 quantization config (HF-config overrides)."""
+
+
+def builds_polyrl_fp8(launch_args: dict[str, Any], engine: str) -> bool:
+    """Whether an engine started with `launch_args` expects polyrl's block-FP8 weights: its
+    HF-config overrides carry every `FP8_QUANT_CONFIG` entry. Adapters quantize the weights they
+    load exactly then; a `quantization` key alone (the engine's own FP8) or a user's different
+    quantization config must not make them quantize (issue 28)."""
+    import json
+
+    from polyrl.weights.fp8 import FP8_QUANT_CONFIG
+
+    overrides = launch_args.get(FP8_OVERRIDES_KEY[engine]) or {}
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides)
+        except json.JSONDecodeError:
+            return False
+    config = overrides.get("quantization_config") if isinstance(overrides, dict) else None
+    return isinstance(config, dict) and all(config.get(k) == v for k, v in FP8_QUANT_CONFIG.items())
 
 
 def with_fp8(rollout: RolloutConfig, user: dict[str, Any], engine: str,
@@ -118,9 +182,18 @@ def with_fp8(rollout: RolloutConfig, user: dict[str, Any], engine: str,
 
 def native_args(rollout: RolloutConfig, model_path: str, platform: Platform,
                 engine_version: str | None = None) -> dict[str, Any]:
+    """`NativeEngine(**args)` (`from_model` takes the same without `model_path`). The user's
+    keys override the defaults one by one; a key the engine does not take is an error here,
+    not a TypeError inside the rank."""
+    check_launch(rollout, platform)
+    user = user_kwargs(rollout, "native")
+    unknown = sorted(set(user) - set(NATIVE_ENGINE_KWARGS))
+    if unknown:
+        raise ValueError(f"rollout.engine_kwargs.native.{unknown[0]} is not an argument of the "
+                         f"built-in engine; it takes {', '.join(NATIVE_ENGINE_KWARGS)}")
     defaults = {"model_path": model_path, "dtype": rollout.dtype,
                 "max_model_len": rollout.max_model_len, "max_num_seqs": rollout.max_num_seqs}
-    return merge_args(defaults, user_kwargs(rollout, "native"))
+    return merge_args(defaults, user)
 
 
 # --- vLLM (AsyncEngineArgs keyword arguments) -----------------------------------------------------
@@ -129,11 +202,18 @@ def vllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
               engine_version: str | None = None) -> dict[str, Any]:
     """`vllm.AsyncEngineArgs(**args)`. FP8 is quantized on the receiving side: the engine is
     built with the block-FP8 quantization config and the worker extension quantizes each bucket
-    before `load_weights`."""
+    before `load_weights`.
+
+    `distributed_executor_backend="mp"` for tensor parallelism: inside a Ray placement group
+    vLLM would otherwise pick its Ray executor and wait for bundles polyrl's own actors hold,
+    ignoring the devices the engine host sees (issue 28). With one device vLLM runs its worker
+    in process ("uni") either way."""
+    check_launch(rollout, platform)
     defaults = {
         "model": model_path,
         "dtype": rollout.dtype,
         "tensor_parallel_size": rollout.tensor_parallel_size,
+        "distributed_executor_backend": "mp" if rollout.tensor_parallel_size > 1 else None,
         "gpu_memory_utilization": rollout.gpu_memory_utilization,
         "max_model_len": rollout.max_model_len,
         "max_num_seqs": rollout.max_num_seqs,
@@ -183,6 +263,7 @@ def sglang_args(rollout: RolloutConfig, model_path: str, platform: Platform,
     only needs the block-FP8 layout (`json_model_override_args`)."""
     import json
 
+    check_launch(rollout, platform)
     user = user_kwargs(rollout, "sglang")
     if rollout.quantization == "fp8":
         key = "json_model_override_args"
@@ -215,8 +296,15 @@ def trtllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
     """TRT-LLM's PyTorch-backend `LLM(**args)`, with `kv_cache_config` as ONE merged dict:
     `enable_block_reuse` <- enable_prefix_caching, `free_gpu_memory_fraction` <-
     gpu_memory_utilization, then the user's `kv_cache_config` key by key, so user kwargs never
-    replace the whole object (R4). The adapter builds `KvCacheConfig(**args["kv_cache_config"])`
-    (and `SleepConfig(**args["sleep_config"])`)."""
+    replace the whole object (R4). The adapter builds `KvCacheConfig(**args["kv_cache_config"])`.
+
+    Placement (issue 28): TRT-LLM's Ray orchestrator starts one worker actor per TP rank, and
+    without placement arguments each asks Ray for a whole GPU that polyrl's actors already hold
+    (start hangs, or lands on another device and the IPC device UUIDs mismatch). The workers go
+    into the engine host's placement group instead, `per_worker_gpu_share` of a device each; the
+    adapter adds the group and the bundle indices of the replica at start (`trtllm.placement`).
+    Sleep (hybrid) is `enable_sleep=True`: 1.1 and 1.2 have no `SleepConfig`."""
+    check_launch(rollout, platform)
     user = with_fp8(rollout, user_kwargs(rollout, "trtllm"), "trtllm", "model_kwargs")
     user_kv = user.pop("kv_cache_config", None) or {}
     if not isinstance(user_kv, dict):
@@ -235,9 +323,9 @@ def trtllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
         "max_batch_size": rollout.max_num_seqs,
         "kv_cache_config": kv_cache_config,
         "load_format": resolve_load_format(rollout),
-        # hybrid: release()/resume() of weights and KV cache between rollouts need a SleepConfig
-        # (a dict here, `SleepConfig(**d)` in the adapter)
-        "sleep_config": {} if rollout.placement == "hybrid" else None,
+        # hybrid: release()/resume() of weights and KV cache between rollouts
+        "enable_sleep": rollout.placement == "hybrid" or None,
+        "per_worker_gpu_share": TRTLLM_WORKER_GPU_SHARE,
         # one Ray-orchestrated executor per replica, extended with the IPC weight-update RPCs
         "orchestrator_type": "ray",
         "ray_worker_extension_cls": TRTLLM_WORKER_EXTENSION,

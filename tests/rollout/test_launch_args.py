@@ -113,7 +113,7 @@ def test_vllm_standalone_fp8_and_user_overrides():
                   engine_kwargs={"vllm": {"enforce_eager": True, "swap_space": 8}})
     assert engine_launch_args(cfg, MODEL, platform("h100"), "0.11.0") == {
         "model": MODEL, "dtype": "bfloat16", "tensor_parallel_size": 2,
-        "gpu_memory_utilization": 0.6, "max_model_len": 4096, "max_num_seqs": 128,
+        "distributed_executor_backend": "mp", "gpu_memory_utilization": 0.6, "max_model_len": 4096, "max_num_seqs": 128,
         "enable_prefix_caching": False,
         "enforce_eager": True, "load_format": "dummy", "quantization": "fp8",
         "hf_overrides": {"quantization_config": FP8},
@@ -210,7 +210,7 @@ def test_trtllm_kv_cache_config_is_one_merged_dict():
         # the user's keys override one by one; enable_block_reuse survives
         "kv_cache_config": {"enable_block_reuse": True, "free_gpu_memory_fraction": 0.85,
                             "max_tokens": 65536},
-        "load_format": "auto", "orchestrator_type": "ray",
+        "load_format": "auto", "per_worker_gpu_share": 0.5, "orchestrator_type": "ray",
         "ray_worker_extension_cls": TRTLLM_WORKER_EXTENSION, "allreduce_strategy": "NCCL",
         "max_num_tokens": 8192,
     }
@@ -223,7 +223,8 @@ def test_trtllm_hybrid_fp8_defaults():
         "max_seq_len": 4096, "max_batch_size": 128,
         "kv_cache_config": {"enable_block_reuse": False, "free_gpu_memory_fraction": 0.6},
         "load_format": "dummy", "model_kwargs": {"quantization_config": FP8},
-        "sleep_config": {}, "orchestrator_type": "ray", "ray_worker_extension_cls": TRTLLM_WORKER_EXTENSION,
+        "enable_sleep": True, "per_worker_gpu_share": 0.5, "orchestrator_type": "ray",
+        "ray_worker_extension_cls": TRTLLM_WORKER_EXTENSION,
     }
 
 
@@ -246,10 +247,11 @@ def test_trtllm_null_in_kv_cache_config_and_bad_type_are_named():
 def test_user_kwargs_win_and_a_null_is_an_error_naming_the_key(backend, hw):
     plain = engine_launch_args(rollout(backend=backend), MODEL, platform(hw), "0.5.12")
     key = next(k for k, v in plain.items() if k not in ("model", "model_path") and v is not None)
-    probe = {backend: {key: "user-value", "extra_flag": 7}}
+    extra = "prefix_cache_tokens" if backend == "native" else "extra_flag"  # native: its own keys
+    probe = {backend: {key: "user-value", extra: 7}}
     args = engine_launch_args(rollout(backend=backend, engine_kwargs=probe), MODEL, platform(hw),
                               "0.5.12")
-    assert args[key] == "user-value" and args["extra_flag"] == 7
+    assert args[key] == "user-value" and args[extra] == 7
     # issue 15: a null was dropped silently (`{max_tokens:1024}` in YAML is such a null)
     nulled = {backend: {key: None}}
     with pytest.raises(ValueError, match=rf"rollout.engine_kwargs.{backend}.{key} is null; give it"):
@@ -313,3 +315,80 @@ def test_native_unchanged():
     cfg = RolloutConfig(max_num_seqs=4)
     assert engine_launch_args(cfg, MODEL, platform("cpu")) == {
         "model_path": MODEL, "dtype": "float32", "max_num_seqs": 4}
+
+
+# --- issue 28: launch checks shared by the dry run and the launch ---------------------------------
+
+def test_vllm_tensor_parallel_runs_its_workers_as_processes():
+    # in a placement-group actor vLLM picked its Ray executor for TP > 1 and waited for bundles
+    # polyrl's actors hold; mp spawns the TP workers on the devices the engine host sees
+    tp2 = rollout(backend="vllm", placement="standalone", tensor_parallel_size=2)
+    assert engine_launch_args(tp2, MODEL, platform("h100"))["distributed_executor_backend"] == "mp"
+    tp1 = rollout(backend="vllm", placement="standalone")
+    assert "distributed_executor_backend" not in engine_launch_args(tp1, MODEL, platform("h100"))
+    mine = rollout(backend="vllm", placement="standalone", tensor_parallel_size=2,
+                   engine_kwargs={"vllm": {"distributed_executor_backend": "ray"}})
+    assert engine_launch_args(mine, MODEL, platform("h100"))["distributed_executor_backend"] == "ray"
+
+
+def test_trtllm_places_its_workers_and_sleeps_without_sleep_config():
+    # TRT-LLM 1.1 / 1.2 export no SleepConfig; its workers asked Ray for whole GPUs polyrl holds
+    hybrid = engine_launch_args(rollout(backend="trtllm"), MODEL, platform("h100"))
+    assert hybrid["enable_sleep"] is True and "sleep_config" not in hybrid
+    assert hybrid["per_worker_gpu_share"] == 0.5
+    standalone = engine_launch_args(rollout(backend="trtllm", placement="standalone"), MODEL,
+                                    platform("h100"))
+    assert "enable_sleep" not in standalone and standalone["per_worker_gpu_share"] == 0.5
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang", "trtllm", "native"])
+def test_hybrid_tensor_parallel_is_refused_by_every_builder(backend):
+    cfg = rollout(backend=backend, tensor_parallel_size=2)
+    expected = ("placement=hybrid: a hybrid engine runs on its trainer rank's one device"
+                if backend != "native" else "needs a GPU engine")
+    with pytest.raises(ValueError, match=expected):
+        engine_launch_args(cfg, MODEL, platform("h100"), "0.5.12")
+
+
+def test_native_kwargs_go_through_the_launch_checks():
+    # issue 28: a null was a TypeError and max_num_seqs "got multiple values" inside the rank
+    cfg = rollout(engine_kwargs={"native": {"max_num_seqs": 8, "prefix_cache_tokens": 64}})
+    assert engine_launch_args(cfg, MODEL, platform("cpu")) == {
+        "model_path": MODEL, "dtype": "bfloat16", "max_model_len": 4096, "max_num_seqs": 8,
+        "prefix_cache_tokens": 64}
+    with pytest.raises(ValueError, match=r"rollout.engine_kwargs.native.max_num_seqs is null"):
+        engine_launch_args(rollout(engine_kwargs={"native": {"max_num_seqs": None}}), MODEL,
+                           platform("cpu"))
+    with pytest.raises(ValueError, match=r"rollout.engine_kwargs.native.device is not an argument "
+                                         r"of the built-in engine; it takes max_prefill_tokens"):
+        engine_launch_args(rollout(engine_kwargs={"native": {"device": "cuda"}}), MODEL,
+                           platform("cpu"))
+
+
+def test_native_kwargs_are_the_engines_own_arguments():
+    import inspect
+
+    from polyrl.rollout.launch_args import NATIVE_ENGINE_KWARGS
+    from polyrl.rollout.native.engine import NativeEngine
+
+    params = inspect.signature(NativeEngine.__init__).parameters
+    assert set(NATIVE_ENGINE_KWARGS) <= set(params)
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_fp8_through_engine_kwargs_is_refused(backend):
+    # the engine quantized per tensor on its own while polyrl's worker block-quantized for it
+    cfg = rollout(backend=backend, placement="standalone",
+                  engine_kwargs={backend: {"quantization": "fp8"}})
+    with pytest.raises(ValueError, match=rf"rollout.engine_kwargs.{backend}.quantization=fp8: FP8 "
+                                         r"rollout is rollout.quantization=fp8"):
+        engine_launch_args(cfg, MODEL, platform("h100"), "0.5.12")
+    other = rollout(backend=backend, engine_kwargs={backend: {"quantization": "awq"}})
+    assert engine_launch_args(other, MODEL, platform("h100"), "0.5.12")["quantization"] == "awq"
+
+
+def test_fp8_on_a_cpu_build_is_one_line():
+    cfg = rollout(backend="vllm", placement="standalone", quantization="fp8")
+    with pytest.raises(ValueError, match=r"^rollout.quantization=fp8 needs a GPU \(FP8 kernels\); "
+                                         r"the vllm engine on this CPU platform has none"):
+        engine_launch_args(cfg, MODEL, platform("cpu"))

@@ -1,10 +1,12 @@
 """TensorRT-LLM behind `RolloutEngine` (registered as "trtllm"; `pip install "polyrl[trtllm]"`).
 
 Written against TRT-LLM's PyTorch-backend `AsyncLLM` with the Ray orchestrator, as verl's
-`trtllm_rollout` drives it (verl main, read 2026; TRT-LLM 1.x `tensorrt_llm.llmapi`):
-`await AsyncLLM(**args)`, `generate_async(prompt_ids, sampling_params)` (awaitable; `.abort()`
-cancels), `release(tags)` / `resume(tags)` (needs `sleep_config`), and `collective_rpc(method,
-args=...)` into `tensorrt_llm.llmapi.rlhf_utils.WorkerExtension`, whose
+`trtllm_rollout` drives it (verl main, read 2026; TRT-LLM 1.1 / 1.2, the range in
+`polyrl/backends.py`, every name used listed in `ENGINE_CONTRACTS["trtllm"]`):
+`await AsyncLLM(**args)` with its placement arguments (`placement`, below),
+`generate_async(prompt_ids, sampling_params)` (awaitable; `.abort()` cancels), `release(tags)` /
+`resume(tags)` (needs `enable_sleep`; 1.1 and 1.2 have no `SleepConfig`), and
+`collective_rpc(method, args=...)` into `tensorrt_llm.llmapi.rlhf_utils.WorkerExtension`, whose
 `update_weights(ipc_handles)` loads {device uuid: base64(pickle([(name, reduce_tensor(t))]))}
 and, called with None, finalizes (post-load processing, prefix-cache reset).
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import pickle
+import re
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -88,16 +91,47 @@ def quantizes_fp8(launch_args: Mapping[str, Any]) -> bool:
     its `model_kwargs.quantization_config` carries every FP8_QUANT_CONFIG entry. Any other
     quantization config a user gives (a pre-quantized checkpoint) must not make the adapter
     quantize the weights it sends."""
-    from polyrl.weights.fp8 import FP8_QUANT_CONFIG
+    from polyrl.rollout.launch_args import builds_polyrl_fp8
 
-    config = (launch_args.get("model_kwargs") or {}).get("quantization_config") or {}
-    return all(config.get(k) == v for k, v in FP8_QUANT_CONFIG.items())
+    return builds_polyrl_fp8(dict(launch_args), "trtllm")
+
+_BUNDLE_RESOURCE = re.compile(r"^.+_group_(\d+)_[0-9a-f]+$")
+
+
+def bundle_index_of(assigned: Mapping[str, Any]) -> int | None:
+    """The placement-group bundle an actor runs in, read from its assigned resources (Ray names
+    a bundle's share "<resource>_group_<bundle index>_<group id>"); None outside any bundle."""
+    indices = {int(m.group(1)) for m in map(_BUNDLE_RESOURCE.match, assigned) if m}
+    if len(indices) > 1:
+        raise RuntimeError(f"the actor holds resources of several bundles {sorted(indices)}")
+    return indices.pop() if indices else None
+
+
+def placement(tp: int) -> dict[str, Any]:
+    """`AsyncLLM`'s placement arguments for an engine started in this actor: the placement group
+    it runs in and the bundles of its replica's `tp` devices, which start at its own bundle
+    (polyrl/placement/ray_groups.py gives a node's actors bundles in device order, a replica's
+    ranks side by side, the engine host first). Empty outside a placement group (TRT-LLM then
+    asks Ray for devices as it likes)."""
+    import ray
+    from ray.util import get_current_placement_group
+
+    group = get_current_placement_group() if ray.is_initialized() else None
+    if group is None:
+        return {}
+    index = bundle_index_of(ray.get_runtime_context().get_assigned_resources())
+    if index is None:
+        raise RuntimeError("the TensorRT-LLM engine host runs in a placement group but holds no "
+                           "resource of a bundle (give its actor num_cpus > 0)")
+    return {"placement_groups": [group], "placement_bundle_indices": [list(range(index, index + tp))]}
+
 
 class TRTLLMEngine(AsyncEngineAdapter):
     """Implements `polyrl.rollout.base.RolloutEngine` on TensorRT-LLM's `AsyncLLM`.
 
     Args: as `VLLMEngine`; `launch_args` from `polyrl.rollout.launch_args.trtllm_args`
-    (`kv_cache_config` and `sleep_config` dicts become TRT-LLM config objects here).
+    (the `kv_cache_config` dict becomes a `KvCacheConfig` here, and the placement group the
+    actor runs in is added: `placement`).
     """
 
     backend = "trtllm"
@@ -114,10 +148,7 @@ class TRTLLMEngine(AsyncEngineAdapter):
         self._requests: dict[str, Any] = {}
         args = dict(self.launch_args)
         args["kv_cache_config"] = KvCacheConfig(**args.get("kv_cache_config", {}))
-        if "sleep_config" in args:
-            from tensorrt_llm.llmapi import SleepConfig
-
-            args["sleep_config"] = SleepConfig(**args["sleep_config"])
+        args.update(placement(int(args.get("tensor_parallel_size", 1))))
 
         async def start():
             return await AsyncLLM(**args)
@@ -172,9 +203,9 @@ class TRTLLMEngine(AsyncEngineAdapter):
 
     # --- control ---------------------------------------------------------------------------------
     def sleep(self) -> None:
-        if "sleep_config" not in self.launch_args:
-            raise RuntimeError("TensorRT-LLM was started without sleep_config (standalone "
-                               "placement); set rollout.engine_kwargs.trtllm.sleep_config={}")
+        if not self.launch_args.get("enable_sleep"):
+            raise RuntimeError("TensorRT-LLM was started without enable_sleep (standalone "
+                               "placement); set rollout.engine_kwargs.trtllm.enable_sleep=true")
         if self._inflight:
             raise RuntimeError(f"cannot sleep with {len(self._inflight)} running requests; let them "
                                "finish or call abort_all() first")
