@@ -7,6 +7,7 @@ import argparse
 import logging
 import signal
 from pathlib import Path
+from typing import Callable
 
 from polyrl.cli.common import CLIError, add_config_args, load_job_config
 
@@ -93,12 +94,22 @@ def train(cfg) -> int:
     """Run training; every failure a user can cause becomes one line and an exit code
     (polyrl/trainer/interrupts.py `EXIT_CODES`)."""
     from polyrl.config import to_yaml
+
+    def fit() -> int:
+        logger.info("resolved config:\n%s", to_yaml(cfg))
+        return _fit(cfg)
+
+    return run_interruptible(fit)
+
+
+def run_interruptible(fit: Callable[[], int]) -> int:
+    """`fit()` with a signal during start-up stopping it at once and one in the loop finishing the
+    step (polyrl/trainer/interrupts.py); either way one line and the signal's exit code."""
     from polyrl.trainer.interrupts import StartupInterrupted, TrainingInterrupted, abort_on_signals
 
     try:
         with abort_on_signals():  # installed before the first log line: tests wait for that line
-            logger.info("resolved config:\n%s", to_yaml(cfg))
-            return _fit(cfg)
+            return fit()
     except (TrainingInterrupted, StartupInterrupted) as exc:
         logger.error("%s", exc)
         return exc.exit_code
@@ -106,6 +117,28 @@ def train(cfg) -> int:
         logger.error("second Ctrl-C: abandoned the current step without a checkpoint; rerun the "
                      "same command (trainer.resume=auto) to continue from the last checkpoint")
         return 128 + signal.SIGINT
+    except Exception as exc:
+        interrupted = _raised_by_a_signal(exc)
+        if interrupted is None:
+            raise
+        logger.error("%s", interrupted)
+        return interrupted.exit_code
+
+
+def _raised_by_a_signal(exc: BaseException):
+    """The `StartupInterrupted` behind `exc`, if a start-up signal caused it: raised inside Ray's
+    own signal check (a `ray.wait` on the actors' start-up), it comes out as a SystemError
+    ("returned a result with an exception set") whose cause it is."""
+    from polyrl.trainer.interrupts import StartupInterrupted
+
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, StartupInterrupted):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _fit(cfg) -> int:

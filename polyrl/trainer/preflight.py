@@ -26,6 +26,7 @@ def check_job(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any] |
     `model_config`: the policy's transformers config, or None where it is not at hand (skips the
     context-length check)."""
     check_platform(cfg)
+    check_placement(cfg)
     check_reward_function(cfg)
     check_batch_sizes(cfg, train_set, val_set)
     longest = longest_prompt(train_set, val_set)
@@ -42,6 +43,56 @@ def check_platform(cfg: JobConfig) -> None:
         get_platform(cfg.platform)
     except PlatformError as exc:
         raise ConfigError([f"platform={cfg.platform}: {exc}"]) from None
+
+
+MAX_RANKS_PER_CORE = 4
+"""Rank processes a local CPU run starts per core. Ranks may share cores (the Ray instance is
+sized to hold them all; slower, not wrong), but each is a process with its own torch, model and
+engine: 8 ranks took 21 s to start on 2 cores, and 64 stalled for minutes and filled memory."""
+
+
+def check_placement(cfg: JobConfig, platform: Any = None) -> None:
+    """The run's ranks fit the machine a local Ray instance runs on: on a device platform the
+    launch plan's placement (polyrl/placement/planner.py) on this one node; on CPU at most
+    `MAX_RANKS_PER_CORE` rank processes per core, and the CPUs they reserve within an explicit
+    ray.num_cpus (or this machine's cores with ray.address=local, which `init_ray` starts so). A cluster (ray.address) is checked once joined (`Trainer.setup`).
+    `platform`: the platform to plan for (default: `cfg.platform` on this machine)."""
+    import os
+
+    from polyrl.platform import get_platform
+    from polyrl.topology.launch_plan import plan_launch
+    from polyrl.topology.resources import cpus_needed, num_rollout_ranks
+
+    if cfg.ray.address not in (None, "local"):
+        return
+    platform = platform or get_platform(cfg.platform)
+    if platform.ray_resource:
+        error = plan_launch(cfg, platform, nodes=1).placement_error
+        if error:
+            raise ConfigError([f"{error} (this machine: {platform.describe()})"])
+        return
+    policy, rollout = cfg.actor.world_size, num_rollout_ranks(cfg)
+    keys = "actor.world_size" + (" or rollout.num_replicas" if rollout else "")
+    per_rank, needed = cpus_needed(cfg)
+    if cfg.ray.num_cpus is not None and needed > cfg.ray.num_cpus:
+        raise ConfigError([
+            f"ray.num_cpus={cfg.ray.num_cpus}: the run's {policy + rollout} ranks reserve {needed} CPUs "
+            f"({per_rank} each); lower {keys} or actor.num_cpus_per_worker, or raise ray.num_cpus"])
+    cores = os.cpu_count() or 1
+    if cfg.ray.address == "local" and needed > cores:  # init_ray: a Ray of this machine's cores
+        raise ConfigError([
+            f"ray.address=local starts Ray with this machine's {cores} CPUs, but the run's "
+            f"{policy + rollout} ranks reserve {needed} ({per_rank} each); lower {keys} or "
+            "actor.num_cpus_per_worker, or leave ray.address unset (a Ray sized for the ranks)"])
+    limit = MAX_RANKS_PER_CORE * cores
+    if policy + rollout > limit:
+        ranks = (f"{policy} policy + {rollout} rollout ranks (actor.world_size={policy}, "
+                 f"rollout.num_replicas={cfg.rollout.num_replicas})" if rollout
+                 else f"actor.world_size={policy}: {policy} policy ranks")
+        raise ConfigError([
+            f"{ranks} cannot be placed on this machine ({cores} "
+            f"CPU cores, no GPUs): a local run starts at most {limit} rank processes "
+            f"({MAX_RANKS_PER_CORE} per core); lower {keys}, or join a larger cluster with ray.address"])
 
 
 def check_reward_function(cfg: JobConfig) -> None:

@@ -309,3 +309,42 @@ def test_resume_compatibility_rules():
         check_compatible(cfg(ws=2), cfg(ws=1))  # ddp: one optimizer file per rank
     with pytest.raises(CheckpointError, match="resume with actor.strategy=fsdp2"):
         check_compatible(cfg(strategy="fsdp2", ws=2), cfg(strategy="ddp", ws=2))
+
+
+# --- ranks the machine cannot hold: refused before Ray starts --------------------------------
+# (actor.world_size=64 on 2 cores warned, then spent minutes spawning 64 worker processes)
+
+def test_more_ranks_than_a_local_run_can_place_are_refused_before_ray(train_here, tiny_model):
+    from polyrl.trainer.preflight import MAX_RANKS_PER_CORE
+
+    cores = os.cpu_count() or 1
+    ranks = MAX_RANKS_PER_CORE * cores + 1
+    out = train_here(f"model.path={tiny_model}", f"actor.world_size={ranks}",
+                     f"data.train_batch_size={ranks}")
+    assert_refused_before_ray(out, f"actor.world_size={ranks}: {ranks} policy ranks cannot be placed",
+                              f"({cores} CPU cores, no GPUs)", "lower actor.world_size")
+
+
+def test_placement_check_on_cpu_explicit_cpus_and_simulated_gpus():
+    from polyrl.cli.common import choose_platform
+    from polyrl.trainer.preflight import MAX_RANKS_PER_CORE, check_placement
+
+    cores = os.cpu_count() or 1
+    check_placement(job_config(f"actor.world_size={MAX_RANKS_PER_CORE * cores}",
+                               f"data.train_batch_size={MAX_RANKS_PER_CORE * cores}"))
+    one_line_config_error(lambda: check_placement(job_config(
+        "rollout.placement=standalone", f"rollout.num_replicas={MAX_RANKS_PER_CORE * cores}")),
+        f"1 policy + {MAX_RANKS_PER_CORE * cores} rollout ranks", "lower actor.world_size or rollout.num_replicas")
+    one_line_config_error(lambda: check_placement(job_config("actor.world_size=2", "ray.num_cpus=1",
+                                                             "actor.num_cpus_per_worker=1")),
+                          "ray.num_cpus=1: the run's 2 ranks reserve 2 CPUs", "raise ray.num_cpus")
+    one_line_config_error(lambda: check_placement(job_config(
+        "ray.address=local", f"actor.world_size={cores + 1}", "actor.num_cpus_per_worker=1",
+        f"data.train_batch_size={cores + 1}")), f"ray.address=local starts Ray with this machine's {cores} CPUs")
+    # a cluster is checked once joined, not against this machine
+    check_placement(job_config(f"actor.world_size={MAX_RANKS_PER_CORE * cores + 1}", "ray.address=auto",
+                               f"data.train_batch_size={MAX_RANKS_PER_CORE * cores + 1}"))
+    h100 = choose_platform("h100")  # a simulated node of 8 GPUs
+    check_placement(job_config("actor.world_size=8", "data.train_batch_size=16"), h100)
+    one_line_config_error(lambda: check_placement(job_config("actor.world_size=16", "data.train_batch_size=16"),
+                                                  h100), "the job needs 16 devices", "8 devices", "this machine: cuda")

@@ -107,6 +107,26 @@ def test_sigterm_while_ray_and_the_actors_start_exits_143_with_a_message(tiny_mo
     assert "Traceback" not in err and "*** SIGTERM received" not in err, err  # Ray's C++ dump
 
 
+@pytest.mark.slow
+def test_sigterm_while_the_driver_waits_on_the_ranks_set_up_exits_143(tiny_model, arith_files, tmp_path):
+    """The driver spends most of start-up in `ray.wait` on the ranks' set-up, where Ray's signal
+    check turned the handler's exception into "SystemError: ... returned a result with an
+    exception set": exit 1 and a traceback (3 of 3 runs before the fix). The first output of a
+    rank (its model loading) arrives while the other 7 still set up (~20 s on 2 cores)."""
+    from polyrl.trainer.preflight import MAX_RANKS_PER_CORE
+
+    if (os.cpu_count() or 1) * MAX_RANKS_PER_CORE < 8:
+        pytest.skip("8 ranks are more than this machine places (trainer/preflight.py)")
+    proc = start(tiny_model, arith_files, tmp_path / "out", "actor.world_size=8", "data.train_batch_size=8",
+                 "actor.num_cpus_per_worker=1", "ray.address=null")  # a Ray sized for 4 ranks
+    seen = wait_for(proc, re.compile(r"INFO\s+starting the actors"))
+    seen += wait_for(proc, re.compile(r"\(PolicyWorker pid=\d+\)"))
+    proc.send_signal(signal.SIGTERM)
+    err = finish(proc, seen)
+    assert proc.returncode == 143, err
+    assert "SIGTERM received outside the training loop" in err and "Traceback" not in err, err
+
+
 def test_second_ctrl_c_abandons_the_step_and_exits_130(tiny_model, arith_files, tmp_path):
     # long steps, so the second Ctrl-C lands inside the step the first one asked to finish
     out = tmp_path / "out"
