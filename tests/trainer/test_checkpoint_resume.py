@@ -186,3 +186,34 @@ def test_free_space_check_counts_checkpoints_that_rotation_will_delete(tmp_path)
     # keep_last=1 -> one is (2 x free + 6 GiB) / 2 = free + 3 GiB
     with pytest.raises(CheckpointError, match="MiB more"):
         check_writable(tmp_path, need_bytes=2 * free + 6 * gib, keep_last=1)
+
+
+@pytest.mark.slow
+def test_fsdp2_run_of_two_ranks_resumes_on_one(ray_session, tiny_model, arith_files, tmp_path, caplog):
+    """docs/training.md: an fsdp2 checkpoint reshards onto another actor.world_size (a ddp one
+    does not: `test_resume_compatibility_rules` in test_bad_input.py). The resumed step equals
+    the uninterrupted 2-rank run's within the bound 2 ranks obey against 1 (test_reference_run.py)."""
+    from len_reward_job import job as small_job, read
+
+    def run(out, ranks):
+        return Trainer(small_job(tiny_model, arith_files, out, "actor.strategy=fsdp2",
+                                 f"actor.world_size={ranks}", "trainer.save_every=1",
+                                 "data.val_files=[]")).fit()
+
+    run(tmp_path / "two", 2)
+    resumed = tmp_path / "one"
+    src = tmp_path / "two" / "checkpoints" / "step_000001"
+    shutil.copytree(src, resumed / "checkpoints" / src.name)
+    (resumed / "metrics.jsonl").write_text((tmp_path / "two" / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+    with caplog.at_level("INFO"):
+        run(resumed, 1)
+    assert any("changed settings (allowed): actor.world_size" in r.getMessage() for r in caplog.records)
+    full, again = read(tmp_path / "two"), read(resumed)
+    assert [r["step"] for r in full] == [r["step"] for r in again] == [1, 2]
+    assert full[1]["actor/grad_norm"] > 0
+    for key, value in full[1].items():
+        if not key.startswith(VOLATILE) and isinstance(value, float):
+            assert again[1][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    a, b = weights(tmp_path / "two", 2), weights(resumed, 2)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)
