@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import base64
 import pickle
-import re
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -95,34 +94,35 @@ def quantizes_fp8(launch_args: Mapping[str, Any]) -> bool:
 
     return builds_polyrl_fp8(dict(launch_args), "trtllm")
 
-_BUNDLE_RESOURCE = re.compile(r"^.+_group_(\d+)_[0-9a-f]+$")
+BUNDLE_ENV = "POLYRL_PLACEMENT_BUNDLE"
+"""The placement-group bundle index polyrl's launcher starts an actor in (Ray tells an actor its
+group, not its bundle)."""
 
 
-def bundle_index_of(assigned: Mapping[str, Any]) -> int | None:
-    """The placement-group bundle an actor runs in, read from its assigned resources (Ray names
-    a bundle's share "<resource>_group_<bundle index>_<group id>"); None outside any bundle."""
-    indices = {int(m.group(1)) for m in map(_BUNDLE_RESOURCE.match, assigned) if m}
-    if len(indices) > 1:
-        raise RuntimeError(f"the actor holds resources of several bundles {sorted(indices)}")
-    return indices.pop() if indices else None
-
-
-def placement(tp: int) -> dict[str, Any]:
+def placement(tp: int, given: Mapping[str, Any] | None = None,
+              env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """`AsyncLLM`'s placement arguments for an engine started in this actor: the placement group
     it runs in and the bundles of its replica's `tp` devices, which start at its own bundle
     (polyrl/placement/ray_groups.py gives a node's actors bundles in device order, a replica's
-    ranks side by side, the engine host first). Empty outside a placement group (TRT-LLM then
-    asks Ray for devices as it likes)."""
+    ranks side by side, the engine host first). The bundle comes from `given`
+    (`placement_bundle_indices` in the launch arguments) or the `POLYRL_PLACEMENT_BUNDLE`
+    variable. Empty outside a placement group: TRT-LLM then asks Ray for devices as it likes."""
+    import os
+
     import ray
     from ray.util import get_current_placement_group
 
     group = get_current_placement_group() if ray.is_initialized() else None
     if group is None:
         return {}
-    index = bundle_index_of(ray.get_runtime_context().get_assigned_resources())
-    if index is None:
-        raise RuntimeError("the TensorRT-LLM engine host runs in a placement group but holds no "
-                           "resource of a bundle (give its actor num_cpus > 0)")
+    if given and given.get("placement_bundle_indices"):
+        return {"placement_groups": [group], "placement_bundle_indices": given["placement_bundle_indices"]}
+    bundle = (os.environ if env is None else env).get(BUNDLE_ENV)
+    if bundle is None or not bundle.isdigit():
+        raise RuntimeError(f"the TensorRT-LLM engine host runs in a placement group but {BUNDLE_ENV} "
+                           "does not name its bundle; set rollout.engine_kwargs.trtllm."
+                           "placement_bundle_indices=[[first, ..., last]]")
+    index = int(bundle)
     return {"placement_groups": [group], "placement_bundle_indices": [list(range(index, index + tp))]}
 
 
@@ -148,7 +148,7 @@ class TRTLLMEngine(AsyncEngineAdapter):
         self._requests: dict[str, Any] = {}
         args = dict(self.launch_args)
         args["kv_cache_config"] = KvCacheConfig(**args.get("kv_cache_config", {}))
-        args.update(placement(int(args.get("tensor_parallel_size", 1))))
+        args.update(placement(int(args.get("tensor_parallel_size", 1)), args))
 
         async def start():
             return await AsyncLLM(**args)
