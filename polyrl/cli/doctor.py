@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Literal, Mapping
 
-from polyrl.backends import PACKAGED_BACKENDS
+from polyrl.backends import PACKAGED_BACKENDS, ROLLOUT_BACKENDS, version_problem
 from polyrl.cli.common import add_config_args, load_job_config
 from polyrl.envplan import PlanContext, build_plan
 from polyrl.platform import Platform, PlatformError, get_platform
@@ -38,11 +38,31 @@ def packages() -> tuple[str, ...]:
 def package_versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for name in packages():
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = None
+        out[name] = None
+        for dist in (_DISTRIBUTIONS.get(name), name):  # tensorrt_llm is installed as tensorrt-llm
+            try:
+                out[name] = version(dist) if dist else None
+            except PackageNotFoundError:
+                continue
+            if out[name]:
+                break
     return out
+
+
+_DISTRIBUTIONS = {b.package: b.distribution for b in map(ROLLOUT_BACKENDS.get, ROLLOUT_BACKENDS.names())
+                  if b.package and b.distribution}
+
+
+def engine_version_findings(versions: dict[str, str | None], backend: str) -> list[Finding]:
+    """One line per installed engine outside the versions polyrl supports: an error for the
+    run's own backend (its start refuses it), a warning for the others."""
+    found = []
+    for name in ROLLOUT_BACKENDS.names():
+        package = ROLLOUT_BACKENDS.get(name).package
+        problem = version_problem(name, versions.get(package)) if package else None
+        if problem:
+            found.append(Finding("error" if name == backend else "warn", package, problem))
+    return found
 
 
 def check_environment(platform: Platform, env: Mapping[str, str], backend: str = "native",
@@ -110,6 +130,7 @@ def collect(env: Mapping[str, str] | None = None, backend: str = "native",
             findings.append(Finding("error", name, f"not installed (pip install polyrl)"))
         else:
             findings.append(Finding("info", name, "not installed"))
+    findings.extend(engine_version_findings(versions, backend))
     findings.append(check_ray(env.get("RAY_ADDRESS")))
     findings.extend(check_environment(platform, env, backend, placement))
     return findings

@@ -67,8 +67,11 @@ class RolloutConfig(Config):
     """Byte budget (MiB) of one piece of a weight update pushed into a GPU engine: a vLLM
     `load_weights` bucket, an SGLang tensor batch, a TRT-LLM IPC-handle flush."""
     engine_kwargs: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    """Extra launch arguments per engine, e.g. {"vllm": {"enforce_eager": true}}; applied last
-    (None drops a default). `engine_kwargs.trtllm.kv_cache_config` is merged key by key."""
+    """Extra launch arguments per engine, e.g. {"vllm": {"enforce_eager": true}}; each key
+    overrides polyrl's default of that name (`polyrl train --dry-run` shows the result). A null
+    value is an error naming the key; `engine_kwargs.trtllm.kv_cache_config` is merged key by
+    key; native takes its engine's own arguments only (max_prefill_tokens, prefix_cache_tokens,
+    ...); `quantization: fp8` here is refused: use rollout.quantization=fp8."""
     val_temperature: float = Field(0.0, ge=0)
     """Sampling temperature for validation (0 = greedy)."""
     val_n: int = Field(1, ge=1)

@@ -122,7 +122,8 @@ def test_nodes_limit_the_cluster_and_impossible_layouts_say_what_fits(capsys):
     from polyrl.job import JobConfig
 
     h100 = get_platform("cuda", SIMULATED_PROBES["h100"])
-    cfg = load_config(JobConfig, overrides=[
+    cfg = load_config(JobConfig, overrides=[  # TP needs a GPU engine (the launch check, issue 28)
+        "rollout.backend=vllm",
         "rollout.placement=standalone", "rollout.num_replicas=4", "rollout.tensor_parallel_size=4",
         "trainer.mode=async", "actor.num_cpus_per_worker=1", "rollout.max_model_len=64"])
     assert dry_run(cfg, h100, None, as_json=True, nodes=3) == 0
@@ -206,3 +207,31 @@ def test_the_sharding_of_a_two_node_fsdp2_job_is_shown(capsys):
     assert [(g["kind"], g["backend"]) for g in world["groups"]] == [("trainer", "gloo")]
     assert main(["train", "--dry-run", "--json"]) == 0  # one rank: no process group
     assert json.loads(capsys.readouterr().out)["process_groups"] is None
+
+
+def test_hybrid_tensor_parallel_is_refused_by_the_dry_run_as_by_the_launch(capsys):
+    # issue 28: the dry run planned it and exited 0, then the launch raised in the factory
+    args = ["train", "--dry-run", "--json", "--platform", "h100", "rollout.backend=vllm",
+            "rollout.tensor_parallel_size=2", "actor.world_size=2", "actor.num_cpus_per_worker=1",
+            "rollout.max_model_len=64"]
+    assert main(args) == 1
+    errors = json.loads(capsys.readouterr().out)["errors"]
+    assert errors[0] == ("policy rank 0: rollout.tensor_parallel_size=2 with rollout.placement=hybrid: "
+                         "a hybrid engine runs on its trainer rank's one device; use "
+                         "rollout.placement=standalone for tensor parallelism")
+    standalone = [a for a in args if a != "actor.world_size=2"] + ["rollout.placement=standalone"]
+    assert main(standalone) == 0
+    plan = json.loads(capsys.readouterr().out)
+    engine = next(a["engine"] for a in plan["actors"] if a["engine"])
+    assert engine["args"]["distributed_executor_backend"] == "mp"  # issue 28, fix 2
+
+
+def test_native_engine_kwargs_are_checked_and_shown_as_launched(capsys):
+    base = ["train", "--dry-run", "--json", "actor.num_cpus_per_worker=1", "rollout.max_model_len=64"]
+    assert main([*base, "rollout.engine_kwargs={native: {max_num_seqs: 4}}"]) == 0
+    args = json.loads(capsys.readouterr().out)["actors"][0]["engine"]["args"]
+    assert args["max_num_seqs"] == 4 and list(args).count("max_num_seqs") == 1
+    assert main([*base, "rollout.engine_kwargs={native: {max_num_seqs: null}}"]) == 1
+    assert json.loads(capsys.readouterr().out)["errors"] == [
+        "policy rank 0: rollout.engine_kwargs.native.max_num_seqs is null; give it a value or "
+        "remove the key"]

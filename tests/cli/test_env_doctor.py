@@ -101,3 +101,22 @@ def test_doctor_known_bad_combinations():
     gb200 = get_platform(None, SIMULATED_PROBES["gb200"])
     assert check_environment(gb200, {"TLLM_DISABLE_NVLS_MNNVL": "1"})[0].level == "warn"
     assert check_environment(cuda, {"TLLM_DISABLE_NVLS_MNNVL": "1"})[0].level == "info"
+
+
+def test_doctor_names_an_engine_outside_its_supported_range(polyrl_here, tmp_path, monkeypatch):
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed here")
+    info = tmp_path / "sglang-0.5.4.dist-info"  # an installed sglang 0.5.4 as importlib sees it
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.4\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    line = ('rollout.backend=sglang: sglang 0.5.4 is outside the versions polyrl supports '
+            '(sglang>=0.5.6,<0.6): pip install "sglang>=0.5.6,<0.6"')
+    out = polyrl_here("doctor")  # another backend runs: a warning
+    assert out.returncode == 0, out.stdout
+    assert f"warn sglang: {line}" in " ".join(out.stdout.split())  # rich wraps long lines
+    out = polyrl_here("doctor", "rollout.backend=sglang")  # the run's own engine: an error
+    assert out.returncode == 1
+    assert f"error sglang: {line}" in " ".join(out.stdout.split())

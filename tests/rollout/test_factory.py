@@ -69,3 +69,81 @@ def test_pyproject_extras_name_the_engines():
     assert extras["vllm"][0].startswith("vllm")
     assert extras["sglang"][0].startswith("sglang")
     assert extras["trtllm"][0].startswith("tensorrt-llm")
+
+
+# --- issue 28: the launch is planned by the same builders as the dry run ---------------------------
+
+def test_native_engine_kwargs_reach_the_engine_once(tiny_model):
+    # was: `max_num_seqs` in engine_kwargs raised "got multiple values", a null a TypeError
+    from polyrl.rollout.factory import build_standalone_engine
+
+    cfg = RolloutConfig(max_model_len=64, engine_kwargs={"native": {"max_num_seqs": 3,
+                                                                    "max_prefill_tokens": 512}})
+    engine = build_standalone_engine(cfg, tiny_model, "cpu")
+    assert engine._sched.max_num_seqs == 3 and engine.max_model_len == 64
+    nulled = RolloutConfig(engine_kwargs={"native": {"max_num_seqs": None}})
+    with pytest.raises(ValueError, match=r"^rollout.engine_kwargs.native.max_num_seqs is null"):
+        build_standalone_engine(nulled, tiny_model, "cpu")
+
+
+def test_colocated_native_engine_takes_the_same_arguments(tiny_model):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.modeling import load_tokenizer
+    from polyrl.rollout.factory import build_colocated_engine
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
+    cfg = RolloutConfig(max_model_len=32, engine_kwargs={"native": {"max_num_seqs": 2}})
+    engine = build_colocated_engine(cfg, model, load_tokenizer(tiny_model), torch.device("cpu"))
+    assert engine._sched.max_num_seqs == 2 and engine.max_model_len == 32
+
+
+@pytest.mark.parametrize("backend", ["native", "vllm", "sglang", "trtllm"])
+def test_hybrid_tensor_parallel_fails_the_dry_run_and_the_launch_alike(backend):
+    """One check (`launch_args.check_launch`): the dry run's plan error is the launch's error."""
+    from polyrl.job import JobConfig
+    from polyrl.topology.launch_plan import plan_launch
+
+    h100 = get_platform(None, SIMULATED_PROBES["h100"])
+    job = JobConfig.model_validate({"rollout": {"backend": backend, "tensor_parallel_size": 2,
+                                                "max_model_len": 64},
+                                    "actor": {"world_size": 2, "num_cpus_per_worker": 1}})
+    plan = plan_launch(job, h100, "0.5.12")
+    assert len(plan.errors) == 2  # both policy ranks host an engine
+    with pytest.raises(ValueError) as launch:
+        gpu_engine_args(job.rollout, "/m", h100)
+    assert plan.errors[0] == f"policy rank 0: {launch.value}"
+
+
+def _fake_install(root, name: str, version: str) -> None:
+    """An installed package as importlib sees one: the module and its dist-info."""
+    (root / name).mkdir()
+    (root / name / "__init__.py").write_text("")
+    info = root / f"{name}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def test_an_engine_outside_its_supported_range_is_one_line_naming_the_pip_command(tmp_path, monkeypatch):
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed here")
+    _fake_install(tmp_path, "sglang", "0.5.4")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert installed_version("sglang") == "0.5.4"
+    with pytest.raises(EngineUnavailable) as err:
+        require_backend("sglang")
+    assert str(err.value) == ('rollout.backend=sglang: sglang 0.5.4 is outside the versions polyrl '
+                              'supports (sglang>=0.5.6,<0.6): pip install "sglang>=0.5.6,<0.6"')
+
+
+def test_supported_ranges_name_each_engine():
+    from polyrl.backends import check_engine_version, version_problem
+
+    assert version_problem("vllm", "0.10.0") and not version_problem("vllm", "0.11.2")
+    assert not version_problem("sglang", "0.5.23.post1") and version_problem("sglang", "0.6.0")
+    assert not version_problem("trtllm", "1.2.0rc3") and version_problem("trtllm", "1.0.0")
+    assert version_problem("native", "1.0") is None  # the built-in engine has no package
+    check_engine_version("vllm", "0.11.0")
+    with pytest.raises(ValueError, match=r'pip install "tensorrt-llm>=1.1,<1.3"'):
+        check_engine_version("trtllm", "1.3.0")
