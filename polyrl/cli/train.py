@@ -162,8 +162,10 @@ def _fit(cfg) -> int:
             SinkUnavailable, PlatformError) as exc:
         raise CLIError(str(exc)) from None
     except Exception as exc:  # errors raised inside Ray actors arrive wrapped
+        from polyrl.training.lora import LoraError  # pre-flight checks most; a rank's own check is one line too
+
         cause = getattr(exc, "cause", None)
-        if isinstance(cause, (ModelLoadError, NonFiniteUpdate, EngineUnavailable, OSError)):
+        if isinstance(cause, (ModelLoadError, NonFiniteUpdate, EngineUnavailable, OSError, LoraError)):
             raise CLIError(str(cause)) from None
         raise
     before, after = summary["initial_accuracy"], summary["final_accuracy"]
