@@ -120,3 +120,14 @@ def build_standalone_engine(cfg: RolloutConfig, model_path: str, device: torch.d
         return engine_cls(args, tokenizer=tokenizer, seed=seed, update_bucket_mb=cfg.update_bucket_mb)
     args = in_process_args(cfg, str(resolve(model_path)), platform)
     return engine_cls(args.pop("model_path"), tokenizer=tokenizer, device=device, seed=seed, **args)
+
+
+def check_engine_launch(cfg: RolloutConfig, model_path: str, platform: Platform | None = None) -> None:
+    """Everything about the rollout engine that can fail before any actor starts, as one line
+    (EngineUnavailable or ValueError): the engine package present and inside its supported
+    range, and its launch arguments buildable (`launch_args.check_launch`, nulls, FP8, native
+    keys). For the trainer's pre-flight; the engines run the same checks when built."""
+    from polyrl.builtin import resolve
+
+    require_backend(cfg.backend)
+    in_process_args(cfg, str(resolve(model_path)), platform)

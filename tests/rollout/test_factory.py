@@ -147,3 +147,15 @@ def test_supported_ranges_name_each_engine():
     check_engine_version("vllm", "0.11.0")
     with pytest.raises(ValueError, match=r'pip install "tensorrt-llm>=1.1,<1.3"'):
         check_engine_version("trtllm", "1.3.0")
+
+
+def test_the_pre_flight_check_raises_what_the_launch_would():
+    from polyrl.rollout.factory import check_engine_launch
+
+    check_engine_launch(RolloutConfig(), "builtin:tiny-arith")
+    with pytest.raises(ValueError, match="^rollout.engine_kwargs.native.max_num_seqs is null"):
+        check_engine_launch(RolloutConfig(engine_kwargs={"native": {"max_num_seqs": None}}),
+                            "builtin:tiny-arith")
+    h100 = get_platform(None, SIMULATED_PROBES["h100"])
+    with pytest.raises(ValueError, match="needs a GPU engine"):  # the trainer's own refusal, shared
+        check_engine_launch(RolloutConfig(tensor_parallel_size=2), "builtin:tiny-arith", h100)
