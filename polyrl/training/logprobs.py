@@ -20,6 +20,7 @@ import torch
 
 from polyrl.algorithms import entropy_from_logits
 from polyrl.batch import MicroBatch
+from polyrl.training import batch_invariant
 from polyrl.training.varlen import packed_forward_kwargs, use_varlen_attention
 
 FUSED_MIN_ELEMENTS = 1 << 28
@@ -43,7 +44,11 @@ def response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs [b, R], entropy [b, R] or None) of `mb`'s response tokens under `model`.
 
-    The entropy carries gradient only when `entropy_grad` (an entropy bonus in the loss)."""
+    The entropy carries gradient only when `entropy_grad` (an entropy bonus in the loss).
+    A model switched to the batch-invariant forward (`rollout.batch_invariant`) computes them
+    with it (training/batch_invariant.py)."""
+    if batch_invariant.is_enabled(model):
+        return batch_invariant.invariant_response_logprobs(model, mb, with_entropy, entropy_grad)
     kwargs = packed_forward_kwargs(mb)
     if kwargs:  # a packed row with segment boundaries (polyrl/batch/packed.py)
         use_varlen_attention(model)

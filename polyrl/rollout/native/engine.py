@@ -33,6 +33,7 @@ from polyrl.rollout.native.loader import (
     resolve_model_dir,
     spec_from_config,
 )
+from polyrl.rollout.native.invariant_model import InvariantDecoder
 from polyrl.rollout.native.model import DecoderModel
 from polyrl.rollout.native.scheduler import Request, Scheduler
 from polyrl.rollout.native.streaming import StreamUpdate, TokenStream, post_to_loop
@@ -61,6 +62,10 @@ class NativeEngine:
         prefix_cache_tokens: keep the KV of finished sequences, up to this many tokens, so a prompt
             that extends one (a multi-turn trajectory's next turn) prefills only its new tokens;
             0 (default) keeps none. Cleared by a weight update or sleep().
+        batch_invariant: compute with the batch-invariant forward the trainer also runs in
+            `rollout.batch_invariant` mode (invariant_model.py): a token's log-prob is the same
+            bits whatever the batch, padding or cache layout, and equals the trainer's. Slower
+            (one thread, fixed matmul tiles; docs/benchmarks.md "Batch-invariant mode").
     """
 
     def __init__(
@@ -75,6 +80,7 @@ class NativeEngine:
         tokenizer: bool | Any = True,
         seed: int = 0,
         prefix_cache_tokens: int = 0,
+        batch_invariant: bool = False,
     ):
         model_dir = resolve_model_dir(model_path)
         config = load_config(model_dir)
@@ -83,7 +89,8 @@ class NativeEngine:
             tokenizer = _load_tokenizer(model_dir)
         self._setup(config, read_state_dict(model_dir), tokenizer or None, model_dir,
                     dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                    max_prefill_tokens=max_prefill_tokens, seed=seed, prefix_cache_tokens=prefix_cache_tokens)
+                    max_prefill_tokens=max_prefill_tokens, seed=seed, prefix_cache_tokens=prefix_cache_tokens,
+                    batch_invariant=batch_invariant)
 
     @classmethod
     def from_model(
@@ -111,7 +118,7 @@ class NativeEngine:
 
     def _setup(self, config, state, tokenizer, model_dir, *, dtype="float32", device="cpu",
                max_model_len=None, max_num_seqs=256, max_prefill_tokens=8192, seed=0,
-               prefix_cache_tokens=0) -> None:
+               prefix_cache_tokens=0, batch_invariant=False) -> None:
         self.spec = spec_from_config(config)
         self.dtype, self.device = _resolve_dtype(dtype), torch.device(device)
         limit = self.spec.max_position_embeddings
@@ -122,9 +129,14 @@ class NativeEngine:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
         self.tokenizer = tokenizer
+        self.batch_invariant = bool(batch_invariant)
         self._weights = ModelWeights.from_state_dict(self.spec, state, self.dtype, self.device,
-                                                     batch_hint=max_num_seqs)
-        model = DecoderModel(self.spec, self._weights, max_len=self.max_model_len, dtype=self.dtype, device=self.device)
+                                                     batch_hint=max_num_seqs, pack=not self.batch_invariant)
+        if self.batch_invariant:  # the trainer's arithmetic: plain weights, cache in the model's dtype
+            model = InvariantDecoder(self.spec, self._weights, dtype=self.dtype, device=self.device)
+        else:
+            model = DecoderModel(self.spec, self._weights, max_len=self.max_model_len, dtype=self.dtype,
+                                 device=self.device)
         # bf16 / fp16 widened to fp32 on a CPU without their matrix instructions: attention too
         cache_dtype = torch.float32 if self._weights.matmul.widens else self.dtype
         cache = KVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim,

@@ -105,19 +105,21 @@ def _shaped(logits: torch.Tensor, rows: list[RowParams]) -> torch.Tensor:
     return logits + adjust
 
 
-def sample(logits: torch.Tensor, rows: list[RowParams]):
+def sample(logits: torch.Tensor, rows: list[RowParams], normalized: bool = False):
     """logits [B, V] float32 -> (token ids, their logprobs, top-logprob dicts or None), as lists.
-    The log-probs are under the raw logits; penalties and bias only change what is drawn."""
+    The log-probs are under the raw logits; penalties and bias only change what is drawn.
+    `normalized`: `logits` are already log-probs (the batch-invariant forward's log-softmax),
+    reported as they are rather than renormalised (which would change their last bits)."""
     raw = logits
     if any(r.shapes_logits for r in rows):
         logits = _shaped(logits, rows)
-    tokens, logprobs, top = _sample(logits, rows, raw)
+    tokens, logprobs, top = _sample(logits, rows, raw, normalized)
     for r, t in zip(rows, tokens):
         r.record(t)
     return tokens, logprobs, top
 
 
-def _sample(logits: torch.Tensor, rows: list[RowParams], raw: torch.Tensor):
+def _sample(logits: torch.Tensor, rows: list[RowParams], raw: torch.Tensor, normalized: bool = False):
     device = logits.device
     # Unnormalized temperature-1 probabilities and log-normalizer in four passes; the inverse
     # CDF below does not need normalized rows. log_softmax(logits) = logits - lse.
@@ -143,7 +145,10 @@ def _sample(logits: torch.Tensor, rows: list[RowParams], raw: torch.Tensor):
         if any(greedy):
             sel = torch.tensor([i for i, g in enumerate(greedy) if g], device=device)
             tokens[sel] = logits[sel].argmax(-1)
-    if raw is not logits:  # report under the model's own distribution
+    if normalized:  # already log-probs
+        lse = torch.zeros_like(raw[:, :1])
+        logits = raw
+    elif raw is not logits:  # report under the model's own distribution
         peak = raw.amax(-1, keepdim=True)
         lse = peak + (raw - peak).exp().sum(-1, keepdim=True).log()
         logits = raw

@@ -78,6 +78,8 @@ class Scheduler:
         seed: int,
     ):
         self.model, self.cache = model, cache
+        self.invariant = getattr(model, "invariant", False)
+        """The model returns log-probs (invariant_model.py), reported as they are."""
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.max_prefill_tokens = max_prefill_tokens
         self.eos_token_ids, self.tokenizer = eos_token_ids, tokenizer
@@ -187,7 +189,8 @@ class Scheduler:
         logits: list[torch.Tensor | None] = [None] * len(reqs)
         for j, (r, first, start) in enumerate(zip(reqs, firsts, reused)):
             if start:
-                logits[j] = extend(self.model, r.prompt[start:], start, first, self.cache)
+                logits[j] = (self.model.extend(r.prompt[start:], start, first, self.cache) if self.invariant
+                             else extend(self.model, r.prompt[start:], start, first, self.cache))
         full = [j for j, start in enumerate(reused) if not start]
         if full:
             T = max(len(reqs[j].prompt) for j in full)
@@ -230,7 +233,7 @@ class Scheduler:
         self.stats["decode_s"] += time.perf_counter() - t0
 
     def _append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        tokens, logprobs, top = sample(logits, [s.row for s in seqs])
+        tokens, logprobs, top = sample(logits, [s.row for s in seqs], normalized=self.invariant)
         streamed: dict[Request, list[SampleDelta]] | None = None
         for b, s in enumerate(seqs):
             s.tokens.append(tokens[b])

@@ -63,7 +63,8 @@ class ComputeWeights:
 class ModelWeights:
     """Fused parameters plus `targets`: HF name -> (view to copy into, expected shape)."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, *, batch_hint: int = 64):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, *, batch_hint: int = 64,
+                 pack: bool = True):
         self.spec = spec
         H, V, I = spec.hidden_size, spec.vocab_size, spec.intermediate_size
         q, kv, hd = spec.q_size, spec.kv_size, spec.head_dim
@@ -118,7 +119,8 @@ class ModelWeights:
                 self._add(mlp + "gate_proj.bias", lw.gate_up_bias[:I])
                 self._add(mlp + "up_proj.bias", lw.gate_up_bias[I:])
                 self._add(mlp + "down_proj.bias", lw.down_bias)
-        self.matmul = matmul_for(self.embed, batch_hint)
+        # pack=False: plain F.linear on the plain tensors (the batch-invariant forward reads them)
+        self.matmul = matmul_for(self.embed, batch_hint) if pack else PlainMatmul()
         self.compute = self._compute_weights()
 
     def _compute_weights(self) -> ComputeWeights:
@@ -211,9 +213,9 @@ class ModelWeights:
     @classmethod
     def from_state_dict(
         cls, spec: ModelSpec, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype, device,
-        *, batch_hint: int = 64,
+        *, batch_hint: int = 64, pack: bool = True,
     ) -> ModelWeights:
-        weights = cls(spec, dtype, torch.device(device), batch_hint=batch_hint)
+        weights = cls(spec, dtype, torch.device(device), batch_hint=batch_hint, pack=pack)
         missing = sorted(weights.required_names() - set(state_dict))
         if missing:
             shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
