@@ -162,7 +162,8 @@ def _fit(cfg) -> int:
             SinkUnavailable, PlatformError) as exc:
         raise CLIError(str(exc)) from None
     except Exception as exc:  # errors raised inside Ray actors arrive wrapped
-        from polyrl.training.lora import LoraError  # pre-flight checks most; a rank's own check is one line too
+        # pre-flight checks LoRA settings; what only a rank sees (its adapter files) is one line too
+        from polyrl.training.lora import LoraError
 
         cause = getattr(exc, "cause", None)
         if isinstance(cause, (ModelLoadError, NonFiniteUpdate, EngineUnavailable, OSError, LoraError)):

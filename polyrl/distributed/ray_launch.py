@@ -89,8 +89,10 @@ def keep_signal_handlers() -> Iterator[None]:
     So Ray's Python-level installer is a no-op for the duration (a SIGTERM inside `ray.init`
     reaches the caller's handler, which may raise out of it; the node's atexit hook still
     stops the processes it started), and afterwards the caller's handlers are installed again,
-    which also replaces the C++ handler. Main thread only: that is where signals are delivered."""
-    if threading.current_thread() is not threading.main_thread():
+    which also replaces the C++ handler. Main thread only: that is where signals are delivered.
+    A caller without a SIGTERM handler of its own keeps Ray's (which stops the node's processes)."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or not callable(signal.getsignal(signal.SIGTERM)):
         yield
         return
     ours = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}

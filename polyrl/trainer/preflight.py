@@ -55,7 +55,8 @@ def check_placement(cfg: JobConfig, platform: Any = None) -> None:
     """The run's ranks fit the machine a local Ray instance runs on: on a device platform the
     launch plan's placement (polyrl/placement/planner.py) on this one node; on CPU at most
     `MAX_RANKS_PER_CORE` rank processes per core, and the CPUs they reserve within an explicit
-    ray.num_cpus (or this machine's cores with ray.address=local, which `init_ray` starts so). A cluster (ray.address) is checked once joined (`Trainer.setup`).
+    ray.num_cpus (or this machine's cores with ray.address=local, which `init_ray` starts so).
+    A cluster (ray.address) is checked once joined (`Trainer.setup`).
     `platform`: the platform to plan for (default: `cfg.platform` on this machine)."""
     import os
 

@@ -334,17 +334,20 @@ def test_placement_check_on_cpu_explicit_cpus_and_simulated_gpus():
                                f"data.train_batch_size={MAX_RANKS_PER_CORE * cores}"))
     one_line_config_error(lambda: check_placement(job_config(
         "rollout.placement=standalone", f"rollout.num_replicas={MAX_RANKS_PER_CORE * cores}")),
-        f"1 policy + {MAX_RANKS_PER_CORE * cores} rollout ranks", "lower actor.world_size or rollout.num_replicas")
+        f"1 policy + {MAX_RANKS_PER_CORE * cores} rollout ranks",
+        "lower actor.world_size or rollout.num_replicas")
     one_line_config_error(lambda: check_placement(job_config("actor.world_size=2", "ray.num_cpus=1",
                                                              "actor.num_cpus_per_worker=1")),
                           "ray.num_cpus=1: the run's 2 ranks reserve 2 CPUs", "raise ray.num_cpus")
     one_line_config_error(lambda: check_placement(job_config(
         "ray.address=local", f"actor.world_size={cores + 1}", "actor.num_cpus_per_worker=1",
-        f"data.train_batch_size={cores + 1}")), f"ray.address=local starts Ray with this machine's {cores} CPUs")
+        f"data.train_batch_size={cores + 1}")),
+        f"ray.address=local starts Ray with this machine's {cores} CPUs")
     # a cluster is checked once joined, not against this machine
     check_placement(job_config(f"actor.world_size={MAX_RANKS_PER_CORE * cores + 1}", "ray.address=auto",
                                f"data.train_batch_size={MAX_RANKS_PER_CORE * cores + 1}"))
     h100 = choose_platform("h100")  # a simulated node of 8 GPUs
     check_placement(job_config("actor.world_size=8", "data.train_batch_size=16"), h100)
-    one_line_config_error(lambda: check_placement(job_config("actor.world_size=16", "data.train_batch_size=16"),
-                                                  h100), "the job needs 16 devices", "8 devices", "this machine: cuda")
+    sixteen = job_config("actor.world_size=16", "data.train_batch_size=16")
+    one_line_config_error(lambda: check_placement(sixteen, h100),
+                          "the job needs 16 devices", "8 devices", "this machine: cuda")

@@ -204,7 +204,8 @@ def test_fsdp2_run_of_two_ranks_resumes_on_one(ray_session, tiny_model, arith_fi
     resumed = tmp_path / "one"
     src = tmp_path / "two" / "checkpoints" / "step_000001"
     shutil.copytree(src, resumed / "checkpoints" / src.name)
-    (resumed / "metrics.jsonl").write_text((tmp_path / "two" / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+    first_step = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()[0]
+    (resumed / "metrics.jsonl").write_text(first_step + "\n")
     with caplog.at_level("INFO"):
         run(resumed, 1)
     assert any("changed settings (allowed): actor.world_size" in r.getMessage() for r in caplog.records)

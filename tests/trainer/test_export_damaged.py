@@ -38,7 +38,8 @@ def error_line(capsys) -> str:
 
 
 @pytest.mark.parametrize("damage", ["truncated", "bad header"])
-def test_damaged_safetensors_names_the_file_and_the_last_good_checkpoint(tiny_model, tmp_path, capsys, damage):
+def test_damaged_safetensors_names_the_file_and_the_last_good_checkpoint(tiny_model, tmp_path, capsys,
+                                                                          damage):
     out = tmp_path / "run"
     good = run_checkpoint(out, 1, tiny_model)
     bad = run_checkpoint(out, 2, tiny_model)
