@@ -244,7 +244,33 @@ TRTLLM_LAUNCH_KEYS = ("model", "backend", "dtype", "tensor_parallel_size", "max_
 TRTLLM_PLACEMENT_KEYS = ("placement_groups", "placement_bundle_indices", "per_worker_gpu_share")
 """`AsyncLLM`'s own placement arguments (the adapter fills the first two at start)."""
 
+VLLM_SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "stop",
+                      "ignore_eos", "logprobs", "seed", "output_kind")
+"""Keywords of the `SamplingParams` the vLLM adapter builds (`vllm_sampling_kwargs`)."""
+VLLM_LAUNCH_KEYS = ("model", "dtype", "tensor_parallel_size", "distributed_executor_backend",
+                    "gpu_memory_utilization", "max_model_len", "max_num_seqs", "enable_prefix_caching",
+                    "enforce_eager", "load_format", "enable_lora", "enable_sleep_mode",
+                    "worker_extension_cls", "quantization", "hf_overrides")
+"""`AsyncEngineArgs` fields polyrl's launch arguments may set (`launch_args.vllm_args`)."""
+
 ENGINE_CONTRACTS: dict[str, tuple[EngineUse, ...]] = {
+    "vllm": (
+        EngineUse("vllm:AsyncEngineArgs", VLLM_LAUNCH_KEYS),
+        EngineUse("vllm:SamplingParams", VLLM_SAMPLING_KEYS),
+        EngineUse("vllm.sampling_params:RequestOutputKind.FINAL_ONLY"),
+        EngineUse("vllm.v1.engine.async_llm:AsyncLLM.from_engine_args"),
+        EngineUse("vllm.v1.engine.async_llm:AsyncLLM.generate", ("lora_request",)),
+        EngineUse("vllm.v1.engine.async_llm:AsyncLLM.abort"),
+        EngineUse("vllm.v1.engine.async_llm:AsyncLLM.sleep", ("level",)),
+        EngineUse("vllm.v1.engine.async_llm:AsyncLLM.wake_up", ("tags",)),
+        EngineUse("vllm.v1.engine.async_llm:AsyncLLM.reset_prefix_cache"),
+        EngineUse("vllm.v1.engine.async_llm:AsyncLLM.collective_rpc", ("args",)),
+        EngineUse("vllm.v1.engine.async_llm:AsyncLLM.add_lora"),
+        EngineUse("vllm.v1.engine.async_llm:AsyncLLM.remove_lora"),
+        EngineUse("vllm.v1.engine.async_llm:AsyncLLM.shutdown"),
+        EngineUse("vllm.lora.request:LoRARequest", ("lora_name", "lora_int_id", "lora_path")),
+        EngineUse("vllm.model_executor.model_loader.utils:process_weights_after_loading"),
+    ),
     "sglang": (
         EngineUse("sglang:Engine"),
         EngineUse("sglang.srt.entrypoints.engine:Engine.async_generate",

