@@ -151,3 +151,25 @@ def test_polyrl_train_names_the_missing_split_in_one_line(tmp_path, capsys, capl
     assert code == 2, err
     assert "Traceback" not in err
     assert f"data file {directory} has no split 'validation'; its splits: train" in err
+
+
+@pytest.mark.slow
+def test_training_reads_a_datasets_directory(ray_session, tmp_path):
+    """The embedded task's data as a DatasetDict: `polyrl train data.train_files=[DIR:train]`."""
+    import pyarrow.parquet as pq
+
+    from polyrl.builtin import resolve
+    from polyrl.cli.train import EMBEDDED_DEFAULT
+    from polyrl.config import load_config
+    from polyrl.job import JobConfig
+    from polyrl.trainer.loop import Trainer
+
+    splits = {name: pq.read_table(resolve(f"builtin:arithmetic_{name}")).to_pylist()[:64]
+              for name in ("train", "val")}
+    directory = save_dict(tmp_path / "arith", **splits)
+    cfg = load_config(JobConfig, files=[EMBEDDED_DEFAULT], overrides=[
+        f"data.train_files=[{directory}:train]", f"data.val_files=[{directory}:val]",
+        "trainer.total_steps=2", "trainer.val_every=0", "trainer.progress_bar=false",
+        "logging.plot_at_end=false", f"trainer.output_dir={tmp_path / 'run'}"])
+    summary = Trainer(cfg).fit()
+    assert summary["steps"] == 2 and summary["initial_accuracy"] is not None
