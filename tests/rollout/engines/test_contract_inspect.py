@@ -9,8 +9,8 @@ another module is found where Python would find it.
 
 `engine_source(dist, version)` gives the unpacked sources of one release: the wheel is
 `pip download --no-deps`-ed into a cache (`$POLYRL_CONTRACT_WHEELS`, else pip's own cache
-directory) and its `.py` files unpacked once; without either, or without the index, the test
-skips with the reason.
+directory), its `.py` files unpacked once and the downloaded wheel deleted; without a cache, or
+without the index, the test skips with the reason.
 """
 
 from __future__ import annotations
@@ -241,6 +241,7 @@ def engine_source(dist: str, package: str, version: str) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     prefix = f"{dist.replace('-', '_')}-{version}-"
     wheel = next((w for w in sorted(cache.glob("*.whl")) if w.name.startswith(prefix)), None)
+    downloaded = wheel is None
     if wheel is None:
         out = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                               "--disable-pip-version-check", f"{dist}=={version}", "-d", str(cache)],
@@ -254,6 +255,8 @@ def engine_source(dist: str, package: str, version: str) -> Path:
             if info.filename.startswith(f"{package}/") and info.filename.endswith(".py"):
                 zf.extract(info, unpacked)
     (unpacked / ".complete").write_text(wheel.name)
+    if downloaded:  # the sources are what is read; a wheel put there by hand stays
+        wheel.unlink()
     return unpacked
 
 
