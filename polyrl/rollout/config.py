@@ -76,6 +76,21 @@ class RolloutConfig(Config):
     """Sampling temperature for validation (0 = greedy)."""
     val_n: int = Field(1, ge=1)
     """Samples per validation prompt (pass@k uses k = val_n)."""
+    batch_invariant: bool = False
+    """Exactly on-policy (built-in engine only): the engine samples and the trainer recomputes
+    log-probs with one batch-invariant forward (polyrl/rollout/native/invariant.py), so they are
+    equal bit for bit whatever the batch, padding, packing or KV-cache layout, and
+    `rollout/logprob_diff_max` is 0.0. Slower (docs/benchmarks.md "Batch-invariant mode");
+    docs/algorithms.md "Exactly on-policy"."""
+
+    @field_validator("batch_invariant")
+    @classmethod
+    def _native_only(cls, value: bool, info) -> bool:
+        backend = info.data.get("backend", "native")
+        if value and backend != "native":
+            raise ValueError(f"rollout.batch_invariant=true needs rollout.backend=native (the built-in "
+                             f"engine); {backend} computes its own log-probs: use algorithm.off_policy instead")
+        return value
 
     @field_validator("backend")
     @classmethod

@@ -70,7 +70,15 @@ def hf_layer_view(layer: torch.nn.Module, dtype: torch.dtype) -> inv.LayerView:
 
 def _layer_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention) -> torch.Tensor:
     spec, dtype = self._polyrl_invariant
-    return inv.layer_forward(spec, hf_layer_view(self, dtype), x, cos, sin, attention)
+
+    def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        with inv.serial():  # also when gradient checkpointing recomputes it inside the backward
+            return inv.layer_forward(spec, hf_layer_view(self, dtype), x, cos, sin, attention)
+
+    # transformers checkpoints the class's `forward`, which this instance attribute replaces
+    if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
+        return self._gradient_checkpointing_func(run, x, cos, sin)
+    return run(x, cos, sin)
 
 
 def _segments(mb: MicroBatch) -> tuple[list[tuple[int, int]], torch.Tensor]:

@@ -19,7 +19,7 @@ from polyrl.batch import Ragged, RolloutBatch, scatter_rows
 from polyrl.batch.packed import collate_layout, plan_layout
 from polyrl.platform import Platform
 from polyrl.training.base import MicroBatch, NonFiniteUpdate, StepResult
-from polyrl.training import compiled, lora
+from polyrl.training import batch_invariant, compiled, lora
 from polyrl.training.lora import merged_named_weights
 from polyrl.training.logprobs import response_logprobs
 from polyrl.training.varlen import setup_packing
@@ -54,9 +54,14 @@ class DDPEngine:
             self.optimizer, self.scheduler = build_optimizer(model.parameters(), cfg, horizon)
         self.compute_dtype = torch.bfloat16 if cfg.compute_dtype == "bfloat16" else torch.float32
         # actor.compile (training/compiled.py): the head traced through the model, backward included
-        self.compiled = compiled.should_compile(cfg.compile, device=device, compute_dtype=self.compute_dtype,
-                                                horizon=horizon, lora=self.lora,
-                                                gradient_checkpointing=cfg.gradient_checkpointing)
+        # a model on the batch-invariant forward (training/batch_invariant.py) runs it eagerly
+        invariant = batch_invariant.is_enabled(self.module)
+        if invariant and cfg.compile == "on":
+            raise ValueError("actor.compile=on: the batch-invariant forward (rollout.batch_invariant=true) "
+                             "runs eagerly; set actor.compile=auto or off")
+        self.compiled = not invariant and compiled.should_compile(
+            cfg.compile, device=device, compute_dtype=self.compute_dtype, horizon=horizon, lora=self.lora,
+            gradient_checkpointing=cfg.gradient_checkpointing)
         self._run_head = compiled.compile_head(head) if self.compiled else head
         self._compile_clock = compiled.compile_seconds() if self.compiled else 0.0
         self.packing = setup_packing(self.module, cfg.packing, head_reads_packed=head is response_logprobs,
