@@ -173,3 +173,10 @@ def test_training_reads_a_datasets_directory(ray_session, tmp_path):
         "logging.plot_at_end=false", f"trainer.output_dir={tmp_path / 'run'}"])
     summary = Trainer(cfg).fit()
     assert summary["steps"] == 2 and summary["initial_accuracy"] is not None
+
+
+def test_a_damaged_datasets_directory_is_one_error(tmp_path, tiny_tokenizer):
+    directory = save_dict(tmp_path / "d", train=verl_rows(2))
+    (directory / "train" / "state.json").write_text("{ not json")
+    with pytest.raises(DataFileError, match=rf"data file {directory} is not a readable datasets directory"):
+        load_dataset([f"{directory}:train"], tiny_tokenizer, DataConfig())
