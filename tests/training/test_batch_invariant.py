@@ -279,7 +279,7 @@ def fsdp2_rank(rank: int, world_size: int, path: str, batches: dict) -> dict:
                           param_dtype="float32")
         engine = build_engine(model, cfg, platform, platform.torch_device(0), rank=rank,
                               world_size=world_size, group=dist.group.WORLD, horizon=4)
-        mine = shard(batch, rank, world_size)
+        mine = shard(batch, world_size)[rank]
         lp = engine.logprobs(mine)
         out[(dtype, packing)] = (lp.values, mine.rollout_logprobs.values)
     return out
