@@ -192,7 +192,9 @@ def native_args(rollout: RolloutConfig, model_path: str, platform: Platform,
         raise ValueError(f"rollout.engine_kwargs.native.{unknown[0]} is not an argument of the "
                          f"built-in engine; it takes {', '.join(NATIVE_ENGINE_KWARGS)}")
     defaults = {"model_path": model_path, "dtype": rollout.dtype,
-                "max_model_len": rollout.max_model_len, "max_num_seqs": rollout.max_num_seqs}
+                "max_model_len": rollout.max_model_len, "max_num_seqs": rollout.max_num_seqs,
+                # rollout.batch_invariant: the forward the trainer's log-probs also run
+                "batch_invariant": rollout.batch_invariant or None}
     return merge_args(defaults, user)
 
 

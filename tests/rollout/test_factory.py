@@ -81,6 +81,10 @@ def test_native_engine_kwargs_reach_the_engine_once(tiny_model):
                                                                     "max_prefill_tokens": 512}})
     engine = build_standalone_engine(cfg, tiny_model, "cpu")
     assert engine._sched.max_num_seqs == 3 and engine.max_model_len == 64
+    assert not engine.batch_invariant
+    invariant = build_standalone_engine(RolloutConfig(max_model_len=64, batch_invariant=True),
+                                        tiny_model, "cpu")
+    assert invariant.batch_invariant  # rollout.batch_invariant reaches the engine
     nulled = RolloutConfig(engine_kwargs={"native": {"max_num_seqs": None}})
     with pytest.raises(ValueError, match=r"^rollout.engine_kwargs.native.max_num_seqs is null"):
         build_standalone_engine(nulled, tiny_model, "cpu")

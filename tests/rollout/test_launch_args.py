@@ -392,3 +392,9 @@ def test_fp8_on_a_cpu_build_is_one_line():
     with pytest.raises(ValueError, match=r"^rollout.quantization=fp8 needs a GPU \(FP8 kernels\); "
                                          r"the vllm engine on this CPU platform has none"):
         engine_launch_args(cfg, MODEL, platform("cpu"))
+
+
+def test_batch_invariant_reaches_the_built_in_engine():
+    cfg = RolloutConfig(max_num_seqs=4, batch_invariant=True)
+    assert engine_launch_args(cfg, MODEL, platform("cpu")) == {
+        "model_path": MODEL, "dtype": "float32", "max_num_seqs": 4, "batch_invariant": True}
