@@ -7,6 +7,7 @@ names of the missing workers and the phase they were in.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
@@ -14,6 +15,9 @@ if TYPE_CHECKING:
 
 # ray is imported where it waits: a rank's watchdog re-exports these names, and the collectives
 # and weight sync it guards must run where Ray is not installed (scripts/gpu_check.sh --quick)
+
+WAIT_SLICE_S = 1.0
+"""Longest single ray.wait: how long a signal can wait for its handler during a gather."""
 
 
 class RemoteActorDied(RuntimeError):
@@ -42,7 +46,23 @@ def gather(refs: Sequence[Any], names: Sequence[str], *, phase: str, timeout_s: 
     from ray.exceptions import RayActorError
 
     refs = list(refs)
-    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    pending = refs
+    while pending:
+        # in slices: Ray runs Python's signal handlers only when a wait returns, so one long wait
+        # on ranks stuck in set-up held a SIGTERM / Ctrl-C for up to ray.timeout_s
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            _, pending = ray.wait(refs, num_returns=len(refs), timeout=min(WAIT_SLICE_S, left))
+        except SystemError as exc:
+            # a signal handler that raised inside Ray's C wait surfaces as a SystemError with the
+            # handler's exception as its context: raise that (KeyboardInterrupt, the trainer's
+            # interrupt) so callers see the signal, not Ray's internals
+            if exc.__context__ is not None:
+                raise exc.__context__ from None
+            raise
     if pending:
         pending_set = set(pending)
         missing = [name for ref, name in zip(refs, names) if ref in pending_set]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from polyrl.agents.preflight import check_agent
 from polyrl.config import ConfigError
 from polyrl.job import JobConfig
 
@@ -28,6 +29,7 @@ def check_job(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any] |
     check_platform(cfg)
     check_placement(cfg)
     check_reward_function(cfg)
+    check_agent(cfg.agent, train_set, val_set)  # tools, black-box agent, environment names
     check_batch_sizes(cfg, train_set, val_set)
     longest = longest_prompt(train_set, val_set)
     check_model_context(cfg, longest, model_config)

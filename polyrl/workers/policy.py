@@ -47,6 +47,7 @@ class PolicyWorker:
         self.platform = get_platform(cfg.platform)
         self.device = self.platform.reserved_device()  # from the Ray reservation
         self.version = 0
+        self.transport = None  # set by setup(); a shutdown during set-up finds none to close
 
     def address(self) -> str:
         """A rendezvous address on this worker's node (asked of rank 0 only)."""
