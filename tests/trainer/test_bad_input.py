@@ -351,3 +351,18 @@ def test_placement_check_on_cpu_explicit_cpus_and_simulated_gpus():
     sixteen = job_config("actor.world_size=16", "data.train_batch_size=16")
     one_line_config_error(lambda: check_placement(sixteen, h100),
                           "the job needs 16 devices", "8 devices", "this machine: cuda")
+
+
+def test_tool_that_cannot_load_fails_before_ray(capsys, caplog, tmp_path):
+    """Tools are imported in pre-flight (polyrl.agents.preflight.check_agent): a tool file that
+    raises on import is one line naming `agent.tools` and the file, before any actor starts."""
+    tool = tmp_path / "my_tools.py"
+    tool.write_text("import definitely_not_a_module\n\ndef lookup(q: str) -> str:\n    return q\n")
+    from polyrl.cli.main import main
+
+    code = main(["train", "-c", "configs/tools_calculator.yaml", "trainer.progress_bar=false",
+                 f"trainer.output_dir={tmp_path / 'out'}", f"agent.tools=[{tool}:lookup]"])
+    err = capsys.readouterr().err + caplog.text
+    assert code == 2 and "Traceback" not in err, err
+    assert "agent.tools" in err and "my_tools.py" in err, err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
