@@ -28,6 +28,7 @@ def check_job(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any] |
     context-length check)."""
     check_platform(cfg)
     check_placement(cfg)
+    check_rollout_engine(cfg)
     check_reward_function(cfg)
     check_agent(cfg.agent, train_set, val_set)  # tools, black-box agent, environment names
     check_batch_sizes(cfg, train_set, val_set)
@@ -35,6 +36,22 @@ def check_job(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any] |
     check_model_context(cfg, longest, model_config)
     check_max_model_len(cfg, longest)
     check_lora(cfg, model_config)
+
+
+def check_rollout_engine(cfg: JobConfig) -> None:
+    """The engine package (present, in its supported range) and its launch arguments, checked
+    with the code the launch itself runs (rollout/factory.py), so the dry run, pre-flight and the
+    launch refuse the same things."""
+    from polyrl.platform import get_platform
+    from polyrl.rollout.factory import EngineUnavailable, check_engine_launch, require_backend
+
+    try:
+        if cfg.ray.address in (None, "local"):
+            check_engine_launch(cfg.rollout, cfg.model.path, get_platform(cfg.platform))
+        else:  # a CPU driver of a GPU cluster must not judge FP8 by its own platform
+            require_backend(cfg.rollout.backend)
+    except (EngineUnavailable, ValueError) as exc:
+        raise ConfigError([str(exc)]) from None
 
 
 def check_platform(cfg: JobConfig) -> None:

@@ -288,7 +288,7 @@ def devices_of(plan) -> dict[str, tuple[int, tuple[int, ...]]]:
 
 def test_async_tp_replica_is_one_actor_holding_its_tp_devices_on_one_node():
     cfg = job("trainer.mode=async", "rollout.placement=standalone", "rollout.num_replicas=3",
-              "rollout.tensor_parallel_size=4", "actor.world_size=2")
+              "rollout.backend=vllm", "rollout.tensor_parallel_size=4", "actor.world_size=2")
     plan = plan_launch(cfg, machine("h100"), nodes=2)
     assert plan.actors[2].resources == {"num_cpus": 1, "num_gpus": 4}
     assert devices_of(plan) == {"policy rank 0": (0, (0,)), "policy rank 1": (0, (1,)),
@@ -299,15 +299,14 @@ def test_async_tp_replica_is_one_actor_holding_its_tp_devices_on_one_node():
     assert plan.as_dict()["actors"][2]["devices"] == {"node": 0, "ids": [2, 3, 4, 5]}
 
 
-def test_hybrid_tp_engines_keep_their_policy_ranks_on_one_node():
-    cfg = job("actor.world_size=8", "rollout.tensor_parallel_size=4")
-    plan = plan_launch(cfg, machine("gb200"))  # 4 GPUs per node
-    assert devices_of(plan) == {f"policy rank {r}": (r // 4, (r % 4,)) for r in range(8)}
-    bad = plan_launch(job("actor.world_size=6", "rollout.tensor_parallel_size=4", "data.train_batch_size=12"),
-                      machine("gb200"))
-    assert bad.errors == ["placement: actor.world_size=6 is not a multiple of "
-                          "rollout.tensor_parallel_size=4: in hybrid placement each engine spans "
-                          "4 policy ranks on one node"]
+def test_hybrid_tp_is_refused_by_the_plan_as_by_the_launch():
+    """A hybrid engine runs on its trainer rank's one device: the dry run refuses tensor
+    parallelism there with the launch's own words (rollout/launch_args.py's shared check)."""
+    plan = plan_launch(job("actor.world_size=8", "rollout.backend=vllm", "rollout.tensor_parallel_size=4"),
+                       machine("gb200"))
+    assert plan.errors[0] == ("policy rank 0: rollout.tensor_parallel_size=4 with rollout.placement=hybrid: "
+                              "a hybrid engine runs on its trainer rank's one device; use "
+                              "rollout.placement=standalone for tensor parallelism")
 
 
 def test_impossible_layouts_say_what_fits():
@@ -319,7 +318,7 @@ def test_impossible_layouts_say_what_fits():
                            "fully)"]
     assert all(a.devices is None for a in plan.actors)
     big = job("rollout.placement=standalone", "rollout.num_replicas=4", "rollout.tensor_parallel_size=4",
-              "actor.world_size=8")
+              "rollout.backend=vllm", "actor.world_size=8")
     error = plan_launch(big, machine("h100"), nodes=2).errors[0]
     assert error.startswith("placement: the job needs 24 devices on 3 node(s) of 8 (8 policy rank x 1, "
                             "4 rollout replica x 4), but the cluster has 2 node(s), 16 devices: "
