@@ -7,6 +7,7 @@ driver's environment.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -42,6 +43,16 @@ def plan_for_role(
     return build_plan(ctx, user_env=os.environ, config_env=config_env or {})
 
 
+def submitted_env_vars(environ: Mapping[str, str]) -> dict[str, str]:
+    """The env_vars of the runtime env `ray job submit` gave this driver ({} outside a job);
+    Ray hands the job's config to its driver in RAY_JOB_CONFIG_JSON_ENV_VAR."""
+    try:
+        job = json.loads(environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+        return dict((job.get("runtime_env") or {}).get("env_vars") or {})
+    except (ValueError, AttributeError, TypeError):
+        return {}
+
+
 def init_ray(
     platform: Platform,
     *,
@@ -59,9 +70,15 @@ def init_ray(
     plan = plan_for_role(platform, "job", config_env=config_env, **plan_kwargs)
     if ray.is_initialized():
         return plan
+    runtime_env = plan.runtime_env()
+    # a `ray job submit` driver: Ray refuses a ray.init runtime env that names a variable of the
+    # job's --runtime-env again, even with the same value; the job already gives it to every worker
+    submitted = submitted_env_vars(os.environ)
+    runtime_env["env_vars"] = {k: v for k, v in runtime_env.get("env_vars", {}).items()
+                               if submitted.get(k) != v}
     kwargs: dict[str, Any] = dict(
         namespace=namespace,
-        runtime_env=plan.runtime_env(),
+        runtime_env=runtime_env,
         include_dashboard=False,
         log_to_driver=True,
         configure_logging=False,

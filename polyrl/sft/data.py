@@ -29,6 +29,7 @@ import torch
 from polyrl.batch import Ragged, RolloutBatch
 from polyrl.builtin import resolve
 from polyrl.data import BadRows, DataFileError
+from polyrl.data.hf_disk import load_split, parse_spec
 from polyrl.sft.config import SFTDataConfig
 from polyrl.sft.template import ChatEncoder, Encoded, TemplateError
 
@@ -87,7 +88,13 @@ def as_batch(encoded: Sequence[Encoded]) -> RolloutBatch:
 
 
 def read_file(path: str, cfg: SFTDataConfig, bad: BadRows) -> list[tuple[str, dict]]:
-    """(where, row) of every object in a Parquet / JSONL file; unreadable lines are bad rows."""
+    """(where, row) of every object in a Parquet / JSONL file or a `datasets` directory (DIR or
+    DIR:SPLIT, polyrl/data/hf_disk.py); unreadable lines are bad rows."""
+    on_disk = parse_spec(str(resolve_file(path)))
+    if on_disk is not None:
+        table = load_split(*on_disk)
+        rows = [(f"data file {table.label} row {i}", r) for i, r in enumerate(table.rows)]
+        return _check_columns(table.label, rows, set(table.columns), cfg)
     p = Path(resolve_file(path)).expanduser()
     if p.is_dir():
         raise DataFileError(f"data file {p} is a directory; list the .parquet / .jsonl files inside it")
@@ -122,6 +129,12 @@ def read_file(path: str, cfg: SFTDataConfig, bad: BadRows) -> list[tuple[str, di
         columns = set().union(*(r.keys() for _, r in rows)) if rows else set()
     else:
         raise DataFileError(f"data file {p}: unsupported format '{suffix}'; use .parquet or .jsonl")
+    return _check_columns(p, rows, columns, cfg)
+
+
+def _check_columns(p: Any, rows: list[tuple[str, dict]], columns: set[str],
+                   cfg: SFTDataConfig) -> list[tuple[str, dict]]:
+    """The rows, once the columns the configured schema reads are there (an error names them)."""
     needed = [cfg.prompt_key, cfg.response_key] if cfg.prompt_key else [cfg.messages_key]
     missing = [c for c in needed if c not in columns]
     if missing and columns:

@@ -194,8 +194,11 @@ def _env_kwargs(cfg: JobConfig, engine_version: str | None) -> dict[str, Any]:
 def plan_job(cfg: JobConfig, platform: Platform, engine_version: str | None = None) -> JobPlan:
     """What `Trainer.setup` passes to `init_ray`: the cluster address, or a local instance
     sized to hold every actor's CPU reservation (at least this machine's cores)."""
-    if cfg.ray.address:
-        ray_init: dict[str, Any] = {"address": cfg.ray.address}
+    # RAY_ADDRESS: set by `ray job submit` for its entrypoint (a local Ray there would lack the
+    # job's working_dir), or by the user, as Ray's own ray.init() reads it
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray_init: dict[str, Any] = {"address": address}
     else:
         _, needed = cpus_needed(cfg)
         ray_init = {"num_cpus": cfg.ray.num_cpus or max(os.cpu_count() or 1, needed)}

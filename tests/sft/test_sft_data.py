@@ -106,3 +106,18 @@ def test_nothing_left_is_an_error(tmp_path, tok):
     path = write_jsonl(tmp_path / "none.jsonl", [{"messages": [{"role": "user", "content": "q"}]}])
     with pytest.raises(DataFileError, match="no conversations left of 1 rows"):
         load_sft_dataset([path], tok, SFTDataConfig(), 512)
+
+
+def test_datasets_directory_with_a_split(tmp_path, tok):
+    """A `DatasetDict.save_to_disk` directory reads as DIR:SPLIT, like RL data (polyrl/data/hf_disk.py);
+    a split it lacks is one error listing the splits it has."""
+    datasets = pytest.importorskip("datasets")
+    rows = [{"messages": chat("hi", "hello")}, {"messages": chat("a", "b", "c", "d")}]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
+                          "test": datasets.Dataset.from_list(rows[:1])}).save_to_disk(str(tmp_path / "d"))
+    ds = load_sft_dataset([f"{tmp_path / 'd'}:train"], tok, SFTDataConfig(), 512)
+    assert len(ds) == 2
+    enc = ChatEncoder(tok).encode(rows[1]["messages"])
+    assert ds.batch.response_ids.row(1).tolist() == enc.input_ids[1:]
+    with pytest.raises(DataFileError, match="train, test|test, train"):
+        load_sft_dataset([f"{tmp_path / 'd'}:validation"], tok, SFTDataConfig(), 512)
