@@ -178,7 +178,16 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: t
     """Softmax attention of M queries, each over its first `visible[m]` keys.
 
     q [M, nkv, g, hd]; keys / values [M or 1, nkv, Lp, hd] with Lp a multiple of KEY_CHUNK (keys
-    past `visible` may hold anything finite); visible [M] -> [M, nkv, g, hd] in q's dtype."""
+    past `visible` may hold anything finite); visible [M] -> [M, nkv, g, hd] in q's dtype.
+    Differentiable: the backward (`_Attend`) uses ordinary batched matmuls, since gradients need
+    not be batch-invariant, only the forward's values."""
+    if torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad):
+        return _Attend.apply(q, keys, values, visible, scale).to(q.dtype)
+    return _attend(q, keys, values, visible, scale)[0].to(q.dtype)
+
+
+def _attend(q, keys, values, visible, scale) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(output, exp-scores, denominator), float32: the invariant forward."""
     M, nkv, g, hd = q.shape
     Lp = keys.shape[2]
     chunks = Lp // KEY_CHUNK
@@ -193,7 +202,30 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: t
     vf = values.float().unsqueeze(2)  # [M|1, nkv, 1, Lp, hd]
     weighted = (p.unsqueeze(-1) * vf).contiguous().view(M, nkv, g, chunks, KEY_CHUNK, hd).sum(-2)
     num = weighted.cumsum(-2)[..., -1, :]  # [M, nkv, g, hd], chunk after chunk
-    return (num / den).to(q.dtype)
+    return num / den, p, den
+
+
+class _Attend(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, keys, values, visible, scale):
+        out, p, den = _attend(q, keys, values, visible, scale)
+        ctx.save_for_backward(q, keys, values, p / den, out)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, keys, values, probs, out = ctx.saved_tensors
+        shared = keys.shape[0] == 1 and q.shape[0] != 1  # one key set for every query
+        qf, kf, vf, do = q.float(), keys.float(), values.float(), grad_out.float()
+        d_values = probs.transpose(-1, -2) @ do  # [M, nkv, Lp, hd]
+        d_probs = do @ vf.transpose(-1, -2)  # [M, nkv, g, Lp]
+        d_scores = probs * (d_probs - (do * out).sum(-1, keepdim=True)) * ctx.scale
+        d_q = d_scores @ kf
+        d_keys = d_scores.transpose(-1, -2) @ qf
+        if shared:
+            d_keys, d_values = d_keys.sum(0, keepdim=True), d_values.sum(0, keepdim=True)
+        return d_q.to(q.dtype), d_keys.to(keys.dtype), d_values.to(values.dtype), None, None
 
 
 def self_attention(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -213,7 +245,9 @@ def self_attention(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.T
             e = min(s + QUERY_BLOCK, n)
             qb = q[start + s:start + e].view(e - s, nkv, g, hd)
             visible = torch.arange(s + 1, e + 1, device=q.device)
-            pieces.append(attend(qb, keys, values, visible, scale).reshape(e - s, spec.num_heads, hd))
+            seen = round_up(e, KEY_CHUNK)  # chunks past the block's last query add exact zeros
+            out = attend(qb, keys[:, :, :seen], values[:, :, :seen], visible, scale)
+            pieces.append(out.reshape(e - s, spec.num_heads, hd))
         at = start + n
     if at < N:
         pieces.append(q.new_zeros(N - at, spec.num_heads, hd))
