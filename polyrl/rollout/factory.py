@@ -128,6 +128,8 @@ def check_engine_launch(cfg: RolloutConfig, model_path: str, platform: Platform 
     range, and its launch arguments buildable (`launch_args.check_launch`, nulls, FP8, native
     keys). For the trainer's pre-flight; the engines run the same checks when built."""
     from polyrl.builtin import resolve
+    from polyrl.rollout.launch_args import check_replica_layout
 
     require_backend(cfg.backend)
+    check_replica_layout(cfg)
     in_process_args(cfg, str(resolve(model_path)), platform)

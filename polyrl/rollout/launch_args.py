@@ -101,11 +101,6 @@ def check_launch(rollout: RolloutConfig, platform: Platform) -> None:
     from polyrl.backends import ENGINE_PROCESS_BACKENDS
 
     tp = rollout.tensor_parallel_size
-    gpu_engine = rollout.backend in ENGINE_PROCESS_BACKENDS
-    if tp > 1 and not gpu_engine:
-        raise ValueError(f"rollout.tensor_parallel_size={tp} needs a GPU engine (vllm, sglang, "
-                         f"trtllm); the {rollout.backend} engine runs one rank per replica: set "
-                         "rollout.tensor_parallel_size=1")
     if tp > 1 and rollout.placement == "hybrid":
         raise ValueError(f"rollout.tensor_parallel_size={tp} with rollout.placement=hybrid: a hybrid "
                          "engine runs on its trainer rank's one device; use "
@@ -113,6 +108,20 @@ def check_launch(rollout: RolloutConfig, platform: Platform) -> None:
     if rollout.quantization == "fp8" and platform.name == "cpu":
         raise ValueError(f"rollout.quantization=fp8 needs a GPU (FP8 kernels); the {rollout.backend} "
                          "engine on this CPU platform has none: unset rollout.quantization")
+
+
+def check_replica_layout(rollout: RolloutConfig) -> None:
+    """A job's rollout replicas as `polyrl train` and its dry run accept them: tensor parallelism
+    needs a GPU engine. Not part of `check_launch`: the built-in engine stands in for a TP engine
+    on a replica of several CPU ranks (engine on the leader) in the tests of the replica-leader
+    weight path, which build the topology directly."""
+    from polyrl.backends import ENGINE_PROCESS_BACKENDS
+
+    tp = rollout.tensor_parallel_size
+    if tp > 1 and rollout.backend not in ENGINE_PROCESS_BACKENDS:
+        raise ValueError(f"rollout.tensor_parallel_size={tp} needs a GPU engine (vllm, sglang, "
+                         f"trtllm); the {rollout.backend} engine runs one rank per replica: set "
+                         "rollout.tensor_parallel_size=1")
 
 
 def user_kwargs(rollout: RolloutConfig, engine: str) -> dict[str, Any]:

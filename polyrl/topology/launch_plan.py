@@ -29,7 +29,7 @@ from polyrl.envplan.rules import ENGINE_BACKENDS
 from polyrl.placement import Devices, Gang, Member, PlacementError, PlacementPlan, plan_placement
 from polyrl.platform import Platform
 from polyrl.rollout.factory import EXTRAS
-from polyrl.rollout.launch_args import engine_launch_args
+from polyrl.rollout.launch_args import check_replica_layout, engine_launch_args
 from polyrl.rewards.reward_model import reward_worker_options
 from polyrl.topology.process_groups import WorldPlan, plan_world
 from polyrl.topology.resources import cpus_needed
@@ -210,6 +210,7 @@ def engine_launch(cfg: JobConfig, platform: Platform, engine_version: str | None
     """The rollout engine's launch arguments, or the builder's error as data."""
     backend = cfg.rollout.backend
     try:
+        check_replica_layout(cfg.rollout)  # what `polyrl train` refuses in pre-flight
         args = engine_launch_args(cfg.rollout, resolve(cfg.model.path), platform, engine_version)
     except (ValueError, FileNotFoundError) as exc:
         return EngineLaunch(backend, error=str(exc))

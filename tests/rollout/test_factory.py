@@ -103,7 +103,23 @@ def test_colocated_native_engine_takes_the_same_arguments(tiny_model):
     assert engine._sched.max_num_seqs == 2 and engine.max_model_len == 32
 
 
-@pytest.mark.parametrize("backend", ["native", "vllm", "sglang", "trtllm"])
+def test_native_tensor_parallel_fails_the_dry_run_and_the_pre_flight_alike():
+    """`launch_args.check_replica_layout`: what `polyrl train` refuses before Ray is the dry
+    run's plan error (the built-in engine builder itself lets tests stand it in for a TP engine)."""
+    from polyrl.job import JobConfig
+    from polyrl.rollout.factory import check_engine_launch
+    from polyrl.topology.launch_plan import plan_launch
+
+    job = JobConfig.model_validate({"rollout": {"placement": "standalone", "tensor_parallel_size": 2,
+                                                "max_model_len": 64}})
+    plan = plan_launch(job, get_platform("cpu"))
+    with pytest.raises(ValueError) as preflight:
+        check_engine_launch(job.rollout, job.model.path, get_platform("cpu"))
+    assert "needs a GPU engine" in str(preflight.value)
+    assert plan.errors and plan.errors[0].endswith(str(preflight.value))
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang", "trtllm"])
 def test_hybrid_tensor_parallel_fails_the_dry_run_and_the_launch_alike(backend):
     """One check (`launch_args.check_launch`): the dry run's plan error is the launch's error."""
     from polyrl.job import JobConfig
