@@ -8,9 +8,7 @@ exist, no memory is allocated and nothing is read from the weight files.
 
 from __future__ import annotations
 
-import torch
-
-from polyrl.training.lora import targeted_layers
+from polyrl.training.lora import LoraError, check_lora_fits
 from polyrl.workers.config import ModelConfig
 
 
@@ -19,19 +17,15 @@ def check_lora(model: ModelConfig) -> None:
     LoRA settings cannot apply to `model.path`; does nothing when LoRA is off."""
     if not model.enabled:
         return
-    targeted_layers(model_skeleton(model), model)  # the very check apply_lora makes
-
-
-def model_skeleton(model: ModelConfig) -> torch.nn.Module:
-    """The causal LM of `model.path` with its module tree but weights on the meta device."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from polyrl.workers.model_loading import ModelLoadError, model_dir
 
     directory = model_dir(model.path)
     try:
         config = AutoConfig.from_pretrained(str(directory), trust_remote_code=model.trust_remote_code)
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=model.trust_remote_code)
+        check_lora_fits(config, model, model.trust_remote_code)  # the very check apply_lora makes
+    except LoraError:
+        raise
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"model.path: cannot load {directory}: {exc}") from None

@@ -187,26 +187,17 @@ def check_max_model_len(cfg: JobConfig, longest: int) -> None:
 
 def check_lora(cfg: JobConfig, model_config: Any | None) -> None:
     """model.lora_target_modules must name linear layers of the model and model.lora_rank fit
-    them (the checks `apply_lora` makes in every policy rank, polyrl/training/lora.py
-    `targeted_layers`), made here on the model built from its config on the meta device: no
-    weights are read or allocated, so it takes milliseconds."""
+    them (polyrl/training/lora.py `check_lora_fits`, on the meta device)."""
     if not cfg.model.enabled or model_config is None:
         return
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from polyrl.training.lora import LoraError, targeted_layers
+    from polyrl.training.lora import LoraError, check_lora_fits
 
     try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(model_config,
-                                                     trust_remote_code=cfg.model.trust_remote_code)
-    except (ValueError, OSError, ImportError):  # not a causal LM transformers knows: loading says so
-        return
-    try:
-        targeted_layers(model, cfg.model)
+        check_lora_fits(model_config, cfg.model, cfg.model.trust_remote_code)
     except LoraError as exc:
         raise ConfigError([str(exc)]) from None
+    except (ValueError, OSError, ImportError):  # not a causal LM transformers knows: loading says so
+        return
 
 
 def _traceback_line(exc: BaseException) -> str:

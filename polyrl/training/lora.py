@@ -40,6 +40,18 @@ def _output_head(model: torch.nn.Module) -> str | None:
     return next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
 
 
+def check_lora_fits(hf_config: Any, cfg: LoraConfig, trust_remote_code: bool = False) -> None:
+    """The layer checks `apply_lora` makes in every rank, made on the model built from its
+    transformers config on the meta device: module names and shapes exist, no weight is read or
+    allocated (milliseconds). Raises LoraError; what `from_config` raises for a model transformers
+    does not know passes through. For the pre-flight of `polyrl train` and `polyrl sft`."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+    targeted_layers(model, cfg)
+
+
 def targeted_layers(model: torch.nn.Module, cfg: LoraConfig) -> dict[str, torch.nn.Linear]:
     """The linear layers `cfg` puts adapters on; raises LoraError naming model.lora_target_modules
     (with the names that exist) or model.lora_rank (with the layers it does not fit)."""
