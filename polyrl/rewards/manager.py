@@ -8,6 +8,7 @@ training; the first traceback per data source is logged so the bug is still visi
 that fails on most calls is another matter - nothing is learned - so once the failed share passes
 `reward.warn_error_rate` the run says so, and `error_summary()` gives the totals for summary.json.
 Rows whose ground truth is null are scored as usual but counted (`reward/null_ground_truth`).
+A batched (TRL-style) function's None answers score 0 without failing (`reward/no_score`).
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ class RewardManager:
         metrics = self._metrics(requests, scores, accs, errors, timeouts)
         metrics.update(self._term_metrics(plans, outcomes, extras))
         metrics["reward/null_ground_truth"] = float(null_truth)
+        if any(term.fn is not None and term.fn.batched for plan in plans for term in plan):
+            metrics["reward/no_score"] = float(sum(o.no_score for o in outcomes.values()))
         return RewardBatchResult(scores, accs, failed, extras, metrics)
 
     def _run(self, requests, plans, jobs) -> dict[tuple[int, int], Outcome]:

@@ -19,6 +19,9 @@ class Outcome:
     """Why the call failed (it scores 0 and counts in reward/errors)."""
     timed_out: bool = False
     """The call ran past its timeout (it scores 0 and counts in reward/timeouts)."""
+    no_score: bool = False
+    """A batched (TRL-style) function answered None for this sample: it scores 0, is not a
+    failure, and counts in reward/no_score."""
 
     @property
     def failed(self) -> bool:

@@ -37,7 +37,8 @@ class Router:
         self._custom: FunctionScorer | None = None
         if cfg.custom_function:
             self._custom = make_scorer(load_function(cfg.custom_function),
-                                       dict(cfg.custom_function_kwargs))
+                                       dict(cfg.custom_function_kwargs),
+                                       who=f"reward.custom_function={cfg.custom_function}")
         self._named: dict[tuple[str, str], FunctionScorer] = {}
         for terms in cfg.combine.values():  # load now: a bad module fails at start
             for term in terms:
@@ -95,5 +96,6 @@ class Router:
             except ValueError as exc:  # its message names reward.custom_function: rename
                 raise ValueError(str(exc).replace("reward.custom_function",
                                                   f"reward.combine term function '{term.function}'")) from None
-            self._named[key] = make_scorer(fn, dict(term.kwargs))
+            self._named[key] = make_scorer(fn, dict(term.kwargs),
+                                           who=f"reward.combine term function '{term.function}'")
         return self._named[key]
