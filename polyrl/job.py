@@ -28,9 +28,12 @@ SinkName = Literal["jsonl", "tensorboard", "wandb"]
 class LoggingConfig(Config):
     """Metric sinks, sample logging and the end-of-run plot."""
 
-    sinks: list[SinkName] = Field(default_factory=lambda: ["jsonl"])
+    sinks: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["jsonl"])
     """Where metrics go: jsonl (OUTPUT_DIR/metrics.jsonl, always on even if omitted),
-    tensorboard (OUTPUT_DIR/tensorboard, needs polyrl[tensorboard]), wandb (needs polyrl[wandb])."""
+    tensorboard (OUTPUT_DIR/tensorboard, needs polyrl[tensorboard]), wandb (needs polyrl[wandb]),
+    mlflow (MLFLOW_TRACKING_URI, else OUTPUT_DIR/mlruns; needs polyrl[mlflow])."""
+    experiment_name: str = "polyrl"
+    """MLflow experiment of the run (when sinks includes mlflow); created if missing."""
     wandb_project: str = "polyrl"
     """Weights & Biases project of the run (when sinks includes wandb)."""
     wandb_mode: Literal["offline", "online"] = "offline"

@@ -1,4 +1,5 @@
-"""Where each step's metrics go: `metrics.jsonl` always, TensorBoard and Weights & Biases on request.
+"""Where each step's metrics go: `metrics.jsonl` always, TensorBoard, Weights & Biases and MLflow
+on request.
 
 A sink is anything with `log(step, metrics)` and `close()`. The trainer builds its sinks once with
 `build_sinks(cfg.logging.sinks, ...)` and hands every logged step to each of them. The optional
@@ -7,6 +8,8 @@ asking for one that is missing is a one-line error naming the extra to install.
 
     logging.sinks=[jsonl,tensorboard]   ->  tensorboard --logdir OUTPUT_DIR/tensorboard
     logging.sinks=[wandb]               ->  wandb sync OUTPUT_DIR/wandb/offline-run-*   (offline)
+    logging.sinks=[mlflow]              ->  MLFLOW_TRACKING_URI, else OUTPUT_DIR/mlruns
+                                            (polyrl/trainer/sinks_mlflow.py)
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 logger = logging.getLogger(__name__)
 
-EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
+EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+          "mlflow": ("mlflow", "mlflow")}
 """Optional sink -> (module it needs, polyrl extra that installs it)."""
 
 
 class SinkUnavailable(RuntimeError):
-    """An optional sink was selected but its package is not installed."""
+    """An optional sink was selected but cannot work: its package is not installed, or (MLflow)
+    its store is one the package refuses to open."""
 
 
 @runtime_checkable
@@ -142,6 +147,12 @@ def check_available(names: list[str]) -> None:
     for name in names:
         if name in EXTRAS:
             _require(name)
+    if "mlflow" in names:
+        from polyrl.trainer.sinks_mlflow import file_store_refused
+
+        refused = file_store_refused()
+        if refused is not None:
+            raise SinkUnavailable(refused)
 
 
 def build_sinks(
@@ -152,13 +163,15 @@ def build_sinks(
     wandb_mode: Literal["offline", "online"] = "offline",
     wandb_project: str = "polyrl",
     resume_step: int | None = None,
+    experiment_name: str | None = None,
 ) -> list[MetricsSink]:
     """The sinks named in `names` (jsonl always first), writing under `output_dir`.
 
     `resume_step`: the checkpoint step a resumed run continues from; what an interrupted run
     logged after it is dropped (jsonl) or hidden (TensorBoard), and the W&B run continues.
     None means a fresh run: metrics.jsonl starts empty, older TensorBoard events in the directory
-    are hidden, and W&B starts a new run.
+    are hidden, and W&B and MLflow start a new run. `experiment_name` (MLflow) defaults to the
+    config's logging.experiment_name, else "polyrl".
     """
     output_dir = Path(output_dir)
     check_available(names)
@@ -174,8 +187,15 @@ def build_sinks(
             elif name == "wandb":
                 built.append(WandbSink(wandb_project, run_name, config, output_dir, wandb_mode,
                                        resume=resume_step is not None))
+            elif name == "mlflow":
+                from polyrl.trainer.sinks_mlflow import MlflowSink
+
+                experiment = experiment_name or (config.get("logging") or {}).get("experiment_name")
+                built.append(MlflowSink(experiment or "polyrl", run_name, config, output_dir,
+                                        resume=resume_step is not None))
             else:
-                raise ValueError(f"unknown metrics sink '{name}'; valid choices: jsonl, tensorboard, wandb")
+                raise ValueError(f"unknown metrics sink '{name}'; valid choices: jsonl, tensorboard, "
+                                 "wandb, mlflow")
     except BaseException:
         for sink in [*sinks, *built]:
             sink.close()

@@ -66,7 +66,7 @@ def test_logging_config_always_has_jsonl_first_and_validates_choices():
     assert chosen == ["jsonl", "tensorboard", "wandb"]
     assert LoggingConfig(sinks=[]).sinks == ["jsonl"]
     with pytest.raises(ConfigError, match="sinks"):
-        load_config(LoggingConfig, overrides=["sinks=[mlflow]"])
+        load_config(LoggingConfig, overrides=["sinks=[neptune]"])
     with pytest.raises(ConfigError, match="samples_every"):
         load_config(LoggingConfig, overrides=["samples_every=-1"])
     assert LoggingConfig().resolved_run_name(Path("/x/my-run")) == "my-run"
