@@ -25,9 +25,15 @@ DEFAULT_CONTROL_TIMEOUT_S = 900.0
 """Deadline of a control call (weight update, sleep, wake-up, abort) on the engine's loop."""
 
 _STOP = {"stop": "stop", "eos": "stop", "stop_token": "stop", "stop_string": "stop",
+         # vLLM >= 0.33 ends a sample caught in a loop with "repetition": the engine chose to end
+         # it, the tokens so far are the sample (like a stop string).
+         "repetition": "stop",
          "length": "length", "max_tokens": "length",
          "abort": "aborted", "aborted": "aborted", "cancelled": "aborted", "canceled": "aborted",
-         "timeout": "aborted"}
+         "timeout": "aborted",
+         # vLLM >= 0.33 finishes a request that failed inside the engine with "error": incomplete,
+         # like an abort (partial rollouts resume it, a plain rollout keeps what it has).
+         "error": "aborted"}
 
 
 def map_stop_reason(raw: Any) -> StopReason:

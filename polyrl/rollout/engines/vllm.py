@@ -11,8 +11,9 @@ Weight update: the tensors are cut into buckets of `update_bucket_mb`, each buck
 worker through `collective_rpc("polyrl_load_bucket")` and into `model.load_weights`; the last RPC
 runs `process_weights_after_loading` and the prefix cache is reset (its KV came from the old
 weights). With `quantization=fp8` the workers quantize each bucket (receiving side) with
-`polyrl.weights.fp8.quantize_named_tensors`. Buckets travel as host tensors: vLLM's RPC
-serializer copies tensors through host memory, so a GPU tensor would be copied anyway.
+`polyrl.weights.fp8.quantize_named_tensors`. Buckets travel as host bytes plus dtype and shape
+(`vllm_worker.encode_tensor`): vLLM's RPC serializer does not hand untyped tensor arguments back
+as tensors, and copies through host memory anyway.
 
 LoRA adapter path (`rollout.lora_mode=adapter`; the launch arguments carry `enable_lora`): the
 engine reads the base model from disk once, and an update made only of adapter tensors
@@ -30,13 +31,17 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
+import logging
+
 import torch
 
 from polyrl.rollout.base import SamplingParams, TokenOutput, WeightUpdateError
 from polyrl.rollout.engines.common import DEFAULT_CONTROL_TIMEOUT_S, AsyncEngineAdapter, sampled_logprobs
+from polyrl.rollout.engines.vllm_worker import encode_tensor
 from polyrl.rollout.engines.weight_flush import iter_flushes
 
 ALL_TAGS = ("weights", "kv_cache")
+logger = logging.getLogger(__name__)
 
 
 def vllm_sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
@@ -114,6 +119,14 @@ def _sampled(record: Mapping[int, Any], token: int) -> float:
     return record[token].logprob
 
 
+def _sleep_mode_available() -> bool:
+    """Whether this vLLM build can release memory in sleep() (CUDA / ROCm builds; not CPU)."""
+    from vllm.platforms import current_platform
+
+    check = getattr(current_platform, "is_sleep_mode_available", None)
+    return bool(check()) if check is not None else True
+
+
 class VLLMEngine(AsyncEngineAdapter):
     """Implements `polyrl.rollout.base.RolloutEngine` on vLLM's `AsyncLLM`.
 
@@ -140,9 +153,18 @@ class VLLMEngine(AsyncEngineAdapter):
         self._lora_request: Any = None
         self._lora_ids = 0
         self._lora_root: str | None = None
+        self._warned_sleep = False
+
+        self.sleep_frees_memory = _sleep_mode_available()
+        """False on vLLM's CPU build: it refuses `enable_sleep_mode` at start ("Sleep mode is not
+        supported on current platform"), so the engine starts without it and sleep() only stops
+        generation (weights and KV cache stay resident; host memory is what the trainer uses)."""
+        args = dict(self.launch_args)
+        if args.get("enable_sleep_mode") and not self.sleep_frees_memory:
+            args.pop("enable_sleep_mode")
 
         async def start():
-            return AsyncLLM.from_engine_args(AsyncEngineArgs(**self.launch_args))
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
         self.engine = self._control(start(), "start")
 
@@ -195,7 +217,7 @@ class VLLMEngine(AsyncEngineAdapter):
             await self._wake_weights()
             await self.engine.collective_rpc("polyrl_begin_update", args=(self.fp8,))
             for piece in iter_flushes(named(), self.bucket_bytes):
-                host = [(n, t.detach().cpu().contiguous()) for n, t in piece]
+                host = [(n, encode_tensor(t)) for n, t in piece]  # see vllm_worker: bytes travel
                 await self.engine.collective_rpc("polyrl_load_bucket", args=(host,))
             loaded = await self.engine.collective_rpc("polyrl_finish_update", args=(version,))
             await self.engine.reset_prefix_cache()
@@ -255,6 +277,15 @@ class VLLMEngine(AsyncEngineAdapter):
             self._asleep.discard("weights")
 
     def sleep(self) -> None:
+        if self.launch_args.get("enable_sleep_mode") and not self.sleep_frees_memory:
+            if self._inflight:
+                raise RuntimeError(f"cannot sleep with {len(self._inflight)} running requests")
+            if not self._warned_sleep:
+                logger.warning("this vLLM build has no sleep mode (CPU): sleep() keeps the weights "
+                               "and KV cache resident and only stops generation until wake_up()")
+                self._warned_sleep = True
+            self._sleeping = True
+            return
         if not self.launch_args.get("enable_sleep_mode"):
             raise RuntimeError("vLLM was started without enable_sleep_mode (standalone placement); "
                                "set rollout.engine_kwargs.vllm.enable_sleep_mode=true to use sleep()")

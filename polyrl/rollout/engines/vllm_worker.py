@@ -1,15 +1,83 @@
 """The vLLM worker extension polyrl's vLLM adapter names in `worker_extension_cls`.
 
-vLLM mixes this class into each of its GPU workers (so `self.model_runner`, `self.device` and
+vLLM mixes this class into each of its workers (so `self.model_runner`, `self.device` and
 `self.model_config` are the worker's) and calls its methods through `collective_rpc`; see vLLM's
 `examples/offline_inference/rlhf_utils.py` for the pattern. Every tensor-parallel worker gets
 the whole HF-named bucket and `load_weights` keeps its own shard. Imported only inside vLLM's
 worker processes: nothing here runs on import.
+
+How tensors travel: `collective_rpc` arguments cross vLLM's msgpack serializer (front end ->
+engine core process). Its tensor encoding is only decoded back into a tensor where a type hint
+asks for one; untyped RPC arguments arrive as `[dtype, shape, buffer]` lists, whose buffer may
+even be an index into side buffers the RPC never hands over. So the adapter sends each tensor as
+plain bytes plus its dtype name and shape (`encode_tensor`), which every vLLM release carries
+unchanged, and `decode_tensor` here rebuilds it (a tensor is still accepted, for a serializer
+that passes tensors through).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
+
+
+def encode_tensor(tensor: torch.Tensor) -> tuple[str, list[int], bytes]:
+    """(dtype name, shape, raw bytes) of a tensor; plain msgpack types only."""
+    host = tensor.detach().to("cpu").contiguous()
+    dtype = str(host.dtype).removeprefix("torch.")
+    data = host.reshape(-1).view(torch.uint8).numpy().tobytes() if host.numel() else b""
+    return dtype, list(host.shape), data
+
+
+def decode_tensor(encoded: Any) -> torch.Tensor:
+    """The tensor `encode_tensor` made (or a tensor, passed through)."""
+    if isinstance(encoded, torch.Tensor):
+        return encoded
+    if not (isinstance(encoded, (list, tuple)) and len(encoded) == 3 and isinstance(encoded[0], str)
+            and isinstance(encoded[2], (bytes, bytearray, memoryview))):
+        raise TypeError(f"expected (dtype, shape, bytes) for a tensor, got {type(encoded).__name__}")
+    dtype_name, shape, data = encoded
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"unknown tensor dtype '{dtype_name}'")
+    if len(data) == 0:
+        return torch.empty(list(shape), dtype=dtype)
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return flat.view(dtype).reshape(list(shape))
+
+
+def restore_packed_linear_weights(model: Any) -> int:
+    """Give back the linear layers' weight parameters that vLLM's CPU build dropped.
+
+    On CPU, `process_weights_after_loading` packs each linear weight for oneDNN / its own GEMM
+    kernels and replaces `layer.weight` with an empty parameter (no weight loader), so a second
+    `load_weights` fails ("Attempted to load weight ... into parameter (torch.Size([0]))"). The
+    layer's own quant method re-creates the parameter exactly as at construction; the next
+    `process_weights_after_loading` packs the new weights. A no-op on GPU builds (nothing is
+    dropped). Returns how many layers were restored."""
+    try:
+        from vllm.model_executor.layers import linear
+    except ImportError:
+        return 0
+    v2 = getattr(linear, "WEIGHT_LOADER_V2_SUPPORTED", [])
+    restored = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not (isinstance(module, linear.LinearBase) and isinstance(weight, torch.Tensor)
+                and weight.numel() == 0 and hasattr(module, "cpu_linear")):
+            continue
+        replicated = isinstance(module, linear.ReplicatedLinear)
+        loader = (module.weight_loader_v2 if not replicated and hasattr(module, "weight_loader_v2")
+                  and module.quant_method.__class__.__name__ in v2 else module.weight_loader)
+        del module.weight
+        module.quant_method.create_weights(
+            layer=module,
+            input_size_per_partition=getattr(module, "input_size_per_partition", module.input_size),
+            output_partition_sizes=module.output_partition_sizes, input_size=module.input_size,
+            output_size=module.output_size, params_dtype=weight.dtype, weight_loader=loader)
+        restored += 1
+    return restored
 
 
 class PolyrlWorkerExtension:
@@ -17,10 +85,12 @@ class PolyrlWorkerExtension:
         """Start a version: FP8 rollout quantizes every bucket here (the receiving side)."""
         self._polyrl_fp8 = bool(fp8)
         self._polyrl_loaded = 0
+        restore_packed_linear_weights(self.model_runner.model)
 
     def polyrl_load_bucket(self, named: list[tuple[str, Any]]) -> int:
-        """Load one bucket of HF-named tensors into the worker's model; returns how many."""
-        weights = [(name, tensor.to(self.device, non_blocking=True)) for name, tensor in named]
+        """Load one bucket of HF-named tensors (as `encode_tensor` sent them) into the worker's
+        model; returns how many."""
+        weights = [(name, decode_tensor(tensor).to(self.device, non_blocking=True)) for name, tensor in named]
         if getattr(self, "_polyrl_fp8", False):
             from polyrl.weights.fp8 import quantize_named_tensors
 
