@@ -88,14 +88,14 @@ def _guarded(cfg, dry_run_json: bool | None) -> int:
 def train(cfg) -> int:
     """Train; a signal ends the run with the exit code of polyrl/trainer/interrupts.py
     `EXIT_CODES` (docs/training.md): after a checkpoint in the loop, at once during start-up."""
+    from polyrl.api import run_sft_job
     from polyrl.config import to_yaml
-    from polyrl.sft.launch import run_sft
     from polyrl.trainer.interrupts import StartupInterrupted, TrainingInterrupted, abort_on_signals
 
     try:
         with abort_on_signals():  # installed before the first log line: tests wait for that line
             logger.info("resolved config:\n%s", to_yaml(cfg))
-            summary = run_sft(cfg)
+            summary = run_sft_job(cfg)
     except (TrainingInterrupted, StartupInterrupted) as exc:
         logger.error("%s", exc)
         return exc.exit_code

@@ -14,6 +14,7 @@ from polyrl.cli.common import CLIError, add_config_args, load_job_config
 logger = logging.getLogger("polyrl")
 
 EMBEDDED_DEFAULT = Path(__file__).resolve().parents[1] / "configs" / "embedded_default.yaml"
+"""The same file as polyrl/api.py `EMBEDDED_DEFAULT` (this module is imported before the API)."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -117,58 +118,31 @@ def run_interruptible(fit: Callable[[], int]) -> int:
         logger.error("second Ctrl-C: abandoned the current step without a checkpoint; rerun the "
                      "same command (trainer.resume=auto) to continue from the last checkpoint")
         return 128 + signal.SIGINT
-    except Exception as exc:
-        interrupted = _raised_by_a_signal(exc)
-        if interrupted is None:
-            raise
-        logger.error("%s", interrupted)
-        return interrupted.exit_code
-
-
-def _raised_by_a_signal(exc: BaseException):
-    """The `StartupInterrupted` behind `exc`, if a start-up signal caused it: raised inside Ray's
-    own signal check (a `ray.wait` on the actors' start-up), it comes out as a SystemError
-    ("returned a result with an exception set") whose cause it is."""
-    from polyrl.trainer.interrupts import StartupInterrupted
-
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, StartupInterrupted):
-            return cause
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return None
 
 
 def _fit(cfg) -> int:
+    from polyrl.api import run_training
     from polyrl.config import ConfigError
     from polyrl.data import DataFileError
     from polyrl.platform import PlatformError
     from polyrl.rewards import UnknownDataSourceError
     from polyrl.rollout.factory import EngineUnavailable
     from polyrl.trainer.checkpoint import CheckpointError
-    from polyrl.trainer.loop import Trainer, TrainingError
+    from polyrl.trainer.loop import TrainingError
     from polyrl.trainer.sinks import SinkUnavailable
     from polyrl.workers.model_loading import ModelLoadError
     from polyrl.training.base import NonFiniteUpdate
+    from polyrl.training.lora import LoraError
 
-    try:
-        summary = Trainer(cfg).fit()
+    try:  # errors raised inside Ray actors arrive unwrapped (polyrl/api.py `unwrapped`)
+        summary = run_training(cfg)
     except ConfigError as exc:  # pre-flight checks (trainer/preflight.py): one problem each
         raise CLIError("; ".join(exc.problems)) from None
     except (DataFileError, UnknownDataSourceError, EngineUnavailable, TrainingError,
             ModelLoadError, NonFiniteUpdate, FileNotFoundError, CheckpointError,
-            SinkUnavailable, PlatformError) as exc:
-        raise CLIError(str(exc)) from None
-    except Exception as exc:  # errors raised inside Ray actors arrive wrapped
+            SinkUnavailable, PlatformError, OSError, LoraError) as exc:
         # pre-flight checks LoRA settings; what only a rank sees (its adapter files) is one line too
-        from polyrl.training.lora import LoraError
-
-        cause = getattr(exc, "cause", None)
-        if isinstance(cause, (ModelLoadError, NonFiniteUpdate, EngineUnavailable, OSError, LoraError)):
-            raise CLIError(str(cause)) from None
-        raise
+        raise CLIError(str(exc)) from None
     before, after = summary["initial_accuracy"], summary["final_accuracy"]
     if before is not None and after is not None:
         print(f"held-out accuracy: {before:.1%} -> {after:.1%} "
