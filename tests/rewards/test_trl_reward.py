@@ -171,3 +171,40 @@ def test_a_function_it_cannot_call_is_a_startup_error_naming_both_forms(tmp_path
     assert line.startswith(f"reward.custom_function={path}:reward: cannot call reward(")
     assert "compute_score(data_source, solution_str, ground_truth" in line
     assert "fn(prompts, completions, **columns)" in line
+
+
+@pytest.mark.slow
+def test_a_trl_function_trains_in_a_short_run(tmp_path, capsys):
+    """`polyrl train reward.custom_function=FILE:fn` with a TRL-style function, 2 steps, no
+    validation: batched calls, chat completions (the embedded task's prompts are messages), and
+    None answers counted in reward/no_score."""
+    import json
+
+    from polyrl.cli.main import main
+
+    calls = tmp_path / "calls.jsonl"
+    path = write(tmp_path, "trl_len", f"""
+        import json
+
+        def length_reward(prompts, completions, ground_truth, **kwargs):
+            texts = [c[0]["content"] for c in completions]  # conversational: message lists
+            with open({str(calls)!r}, "a") as f:
+                f.write(json.dumps({{"n": len(texts), "roles": sorted({{p[-1]["role"] for p in prompts}}),
+                                    "truths": len(ground_truth)}}) + "\\n")
+            return [None if i % 4 == 0 else len(t) / 10 for i, t in enumerate(texts)]
+    """)
+    out = tmp_path / "out"
+    code = main(["train", "trainer.progress_bar=false", f"trainer.output_dir={out}",
+                 f"reward.custom_function={path}:length_reward", "trainer.total_steps=2",
+                 "trainer.val_every=0", "trainer.val_before_train=false", "data.val_files=[]",
+                 "logging.plot_at_end=false"])
+    assert code == 0
+    seen = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert sum(c["n"] for c in seen) == 2 * 16 * 8 and all(c["n"] > 1 for c in seen)  # batched
+    assert all(c["roles"] == ["user"] and c["truths"] == c["n"] for c in seen)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["reward/errors"] == 0 and r["reward/no_score"] > 0 for r in rows)
+    assert all(r["reward/score_mean"] > 0 for r in rows)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["reward_errors"]["errors"] == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -131,3 +132,31 @@ def test_logging_config_accepts_mlflow_and_an_experiment_name():
 def test_flatten_nested_config():
     assert flatten({"a": {"b": 1, "c": {"d": "x"}}, "e": [1, 2], "f": {}}) == \
         {"a.b": "1", "a.c.d": "x", "e": "[1, 2]", "f": "{}"}
+
+
+@pytest.mark.slow
+def test_a_training_run_logs_to_mlflow(ray_session, tmp_path, store, monkeypatch):
+    """A 2-step `polyrl.train` with logging.sinks=[mlflow]: the resolved config as params, the
+    step metrics, and the run's summary.json and curves.png as artifacts."""
+    import json
+
+    import polyrl
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    out = tmp_path / "run"
+    summary = polyrl.train({"trainer.total_steps": 2, "trainer.val_every": 0,
+                            "trainer.val_before_train": False, "data.val_files": [],
+                            "trainer.output_dir": str(out), "trainer.progress_bar": False,
+                            "logging.sinks": ["mlflow"], "logging.experiment_name": "polyrl-test"})
+    client, run = only_run(store, "polyrl-test")
+    assert run.info.run_name == "run" and run.info.status == "FINISHED"
+    assert run.data.params["trainer.total_steps"] == "2"
+    assert run.data.params["logging.sinks"] == '["jsonl", "mlflow"]'
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    history = client.get_metric_history(run.info.run_id, "reward/score_mean")
+    assert [(m.step, m.value) for m in history] == [(r["step"], r["reward/score_mean"]) for r in logged]
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"summary.json", "curves.png",
+                                                                        "config.yaml"}
+    artifact = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="summary.json",
+                                                   tracking_uri=store, dst_path=str(tmp_path / "dl"))
+    assert json.loads(Path(artifact).read_text()) == summary
