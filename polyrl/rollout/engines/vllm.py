@@ -310,6 +310,7 @@ class VLLMEngine(AsyncEngineAdapter):
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        self.engine = None  # collected now, not in interpreter teardown (its __del__ shuts down again)
         if self._lora_root is not None:
             import shutil
 
