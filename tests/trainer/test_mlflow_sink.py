@@ -160,3 +160,21 @@ def test_a_training_run_logs_to_mlflow(ray_session, tmp_path, store, monkeypatch
     artifact = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="summary.json",
                                                    tracking_uri=store, dst_path=str(tmp_path / "dl"))
     assert json.loads(Path(artifact).read_text()) == summary
+
+
+def test_polyrl_train_without_mlflow_installed_is_one_line_before_ray(tmp_path, monkeypatch, capsys, caplog):
+    """`polyrl train logging.sinks=[mlflow]` with the package missing: exit 2, the pip command,
+    no traceback, and Ray never started."""
+    import ray
+
+    from polyrl.cli.main import main
+
+    ray_before = ray.is_initialized()  # another test's session: then only "not started" is unseen
+    real = sinks_mod.importlib.util.find_spec
+    monkeypatch.setattr(sinks_mod.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "mlflow" else real(name, *a))
+    code = main(["train", "trainer.progress_bar=false", f"trainer.output_dir={tmp_path / 'out'}",
+                 "logging.sinks=[mlflow]"])
+    err = capsys.readouterr().err + caplog.text
+    assert code == 2 and 'pip install "polyrl[mlflow]"' in err and "Traceback" not in err
+    assert ray.is_initialized() == ray_before
