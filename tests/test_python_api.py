@@ -3,7 +3,6 @@ actors left behind, a light `import polyrl`, and docs/python_api.md's examples, 
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
