@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
+from urllib.request import getproxies, proxy_bypass
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ def _server_answers(uri: str) -> str | None:
     parsed = urlparse(uri)
     if parsed.scheme not in ("http", "https"):
         return None
+    if parsed.scheme in getproxies() and not proxy_bypass(parsed.hostname or ""):
+        return None  # reached through a proxy: a direct connection says nothing; MLflow decides
     port = parsed.port or (443 if parsed.scheme == "https" else 80)
     try:
         with socket.create_connection((parsed.hostname, port), timeout=5):

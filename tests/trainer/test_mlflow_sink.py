@@ -94,7 +94,13 @@ def test_a_file_store_mlflow_refuses_is_one_line_before_the_run(tmp_path, monkey
     sinks_mod.check_available(["jsonl", "mlflow"])
 
 
+def no_proxies(monkeypatch):
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def test_server_down_warns_once_and_training_goes_on(tmp_path, monkeypatch, caplog):
+    no_proxies(monkeypatch)
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -178,3 +184,17 @@ def test_polyrl_train_without_mlflow_installed_is_one_line_before_ray(tmp_path, 
     err = capsys.readouterr().err + caplog.text
     assert code == 2 and 'pip install "polyrl[mlflow]"' in err and "Traceback" not in err
     assert ray.is_initialized() == ray_before
+
+
+def test_a_server_behind_a_proxy_is_left_to_mlflow(monkeypatch):
+    from polyrl.trainer.sinks_mlflow import _server_answers
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    no_proxies(monkeypatch)
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    assert "cannot connect" in _server_answers(f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("http_proxy", "http://proxy.invalid:3128")
+    assert _server_answers(f"http://mlflow.internal:{port}") is None
