@@ -114,7 +114,12 @@ def run_sft_job(cfg: "SFTConfig") -> dict[str, Any]:
 
     check_lora(cfg.model)  # before any rank loads the model
     with abort_on_signals():
-        return run_sft(cfg)
+        summary = run_sft(cfg)
+    if "mlflow" in cfg.logging.sinks:  # once SFT's logging.sinks offers it
+        from polyrl.trainer.sinks_mlflow import upload_run_files
+
+        upload_run_files(cfg.output_path)
+    return summary
 
 
 def unwrapped(exc: Exception) -> BaseException:

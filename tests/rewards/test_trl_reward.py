@@ -208,3 +208,20 @@ def test_a_trl_function_trains_in_a_short_run(tmp_path, capsys):
     assert all(r["reward/score_mean"] > 0 for r in rows)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["reward_errors"]["errors"] == 0
+
+
+def test_polyrl_train_with_an_uncallable_function_is_one_line_before_ray(tmp_path, capsys, caplog):
+    import ray
+
+    from polyrl.cli.main import main
+
+    ray_before = ray.is_initialized()
+    path = tmp_path / "bad.py"
+    path.write_text("def reward(x):\n    return 1.0\n")
+    code = main(["train", "trainer.progress_bar=false", f"trainer.output_dir={tmp_path / 'out'}",
+                 f"reward.custom_function={path}:reward"])
+    err = capsys.readouterr().err + caplog.text
+    assert code == 2 and "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if "cannot call reward(x)" in line]
+    assert "compute_score(data_source" in line and "fn(prompts, completions, **columns)" in line
+    assert ray.is_initialized() == ray_before
