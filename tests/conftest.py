@@ -28,6 +28,8 @@ SLOW_TESTS = {
     "tests/trainer/test_interrupt.py::test_sigterm_while_ray_and_the_actors_start_exits_143_with_a_message": 12,
     "tests/trainer/test_interrupt.py::test_sigterm_while_the_driver_waits_on_the_ranks_set_up_exits_143": 30,
     "tests/trainer/test_checkpoint_resume.py::test_fsdp2_run_of_two_ranks_resumes_on_one": 27,
+    "tests/test_python_api.py::test_the_doc_examples_run_as_written": 30,
+    "tests/test_python_api.py::test_train_twice_in_one_process_leaves_no_actors": 29,
     "tests/trainer/test_async.py": 146,  # 50 + 35 + 33 + 29
     "tests/trainer/test_standalone.py::test_standalone_embedded_default_learns": 54,
     "tests/trainer/test_standalone.py::test_sync_standalone_over_the_object_store": 24,

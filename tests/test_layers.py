@@ -26,7 +26,7 @@ LAYERS = [
     {"workers"},
     {"topology"},
     {"trainer", "sft"},
-    {"cli"},
+    {"cli", "api"},
 ]
 
 

@@ -103,7 +103,9 @@ class SFTTrainerConfig(CheckpointConfig):
 
 
 class SFTLoggingConfig(Config):
-    sinks: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(default_factory=lambda: ["jsonl"])
+    sinks: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["jsonl"])
+    experiment_name: str = "polyrl"
+    """MLflow experiment (when sinks includes mlflow)."""
     """Where metrics go: jsonl (OUTPUT_DIR/metrics.jsonl, always on), tensorboard, wandb
     (the sinks of polyrl/trainer/sinks.py)."""
     wandb_project: str = "polyrl"

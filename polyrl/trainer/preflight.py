@@ -120,16 +120,20 @@ def check_reward_function(cfg: JobConfig) -> None:
     spec = cfg.reward.custom_function
     if spec is None:
         return
+    from polyrl.rewards.functions import make_scorer
     from polyrl.rewards.registry import load_function
 
     try:
-        load_function(spec)
+        fn = load_function(spec)
     except ValueError as exc:  # load_function's own messages already name the key
         raise ConfigError([str(exc).splitlines()[0]]) from None
     except Exception as exc:  # the user's module raised while it was imported
         where = _traceback_line(exc)
         raise ConfigError([f"reward.custom_function={spec}: importing it raised "
                            f"{type(exc).__name__}: {exc}{where}; fix the module"]) from None
+    # verl's compute_score or TRL's batched fn(prompts, completions, **columns): neither is a
+    # ConfigError naming both forms (the dry run stops here too)
+    make_scorer(fn, dict(cfg.reward.custom_function_kwargs), who=f"reward.custom_function={spec}")
 
 
 def check_batch_sizes(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any] | None) -> None:
