@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 
 from polyrl.cli.common import CLIError, add_config_args
 
@@ -87,22 +86,22 @@ def _guarded(cfg, dry_run_json: bool | None) -> int:
 
 def train(cfg) -> int:
     """Train; a signal ends the run with the exit code of polyrl/trainer/interrupts.py
-    `EXIT_CODES` (docs/training.md): after a checkpoint in the loop, at once during start-up."""
+    `EXIT_CODES` (docs/training.md): after a checkpoint in the loop, at once during start-up
+    (the same handling as `polyrl train`: cli/train.py `run_interruptible`)."""
     from polyrl.api import run_sft_job
+    from polyrl.cli.train import run_interruptible
     from polyrl.config import to_yaml
-    from polyrl.trainer.interrupts import StartupInterrupted, TrainingInterrupted, abort_on_signals
 
-    try:
-        with abort_on_signals():  # installed before the first log line: tests wait for that line
-            logger.info("resolved config:\n%s", to_yaml(cfg))
-            summary = run_sft_job(cfg)
-    except (TrainingInterrupted, StartupInterrupted) as exc:
-        logger.error("%s", exc)
-        return exc.exit_code
-    except KeyboardInterrupt:  # the second Ctrl-C (interrupts.py stop_on_signals)
-        logger.error("second Ctrl-C: abandoned the current step without a checkpoint; rerun the "
-                     "same command (trainer.resume=auto) to continue from the last checkpoint")
-        return 128 + signal.SIGINT
+    def fit() -> int:
+        logger.info("resolved config:\n%s", to_yaml(cfg))
+        report(run_sft_job(cfg))
+        return 0
+
+    return run_interruptible(fit)
+
+
+def report(summary: dict) -> None:
+    """The run's closing line: held-out loss before -> after, steps, time, where things are."""
     before, after = summary["initial_val_loss"], summary["final_val_loss"]
     where = f"model: {summary['policy_dir']}; " if summary.get("policy_dir") else ""
     if before is not None and after is not None:
@@ -114,7 +113,6 @@ def train(cfg) -> int:
     else:
         print(f"{summary['steps']} steps, {summary['wall_seconds']:.0f}s; {where}"
               f"metrics and summary.json in {summary['output_dir']}")
-    return 0
 
 
 def dry_run(cfg, as_json: bool) -> int:
