@@ -127,7 +127,7 @@ def collect(env: Mapping[str, str] | None = None, backend: str = "native",
         if ver:
             findings.append(Finding("ok", name, ver))
         elif name in ("torch", "ray", "transformers"):
-            findings.append(Finding("error", name, f"not installed (pip install polyrl)"))
+            findings.append(Finding("error", name, "not installed (pip install polyrl)"))
         else:
             findings.append(Finding("info", name, "not installed"))
     findings.extend(engine_version_findings(versions, backend))

@@ -98,8 +98,6 @@ def check_launch(rollout: RolloutConfig, platform: Platform) -> None:
     """Layouts no engine can launch, refused with one line naming the fix. Every builder runs it
     first, so the dry run (which calls the builders) and the launch (the factory calls them too)
     cannot disagree."""
-    from polyrl.backends import ENGINE_PROCESS_BACKENDS
-
     tp = rollout.tensor_parallel_size
     if tp > 1 and rollout.placement == "hybrid":
         raise ValueError(f"rollout.tensor_parallel_size={tp} with rollout.placement=hybrid: a hybrid "
