@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
 from polyrl.envplan.rules import (
+    BUNDLE_BACKENDS,
     ENGINE_BACKENDS,
     FORWARDED_PREFIXES,
     GPU_PLATFORMS,
+    PLACEMENT_BUNDLE_VAR,
     POLYRL_DEFAULTS,
     RULES,
     EnvRule,
@@ -65,6 +67,10 @@ class PlanContext:
     visible_devices: tuple[int, ...] = ()
     """With hands_devices: the device ids of its placement (a TP-k replica's k ids on its node),
     set as its visible-devices variable (`handoff_variable`), which its engine processes inherit."""
+    placement_bundle: int | None = None
+    """The placement-group bundle index the actor is started in, for an actor that starts an
+    engine placing Ray workers of its own into its bundles (`BUNDLE_BACKENDS`: TensorRT-LLM);
+    set as PLACEMENT_BUNDLE_VAR (`EnvPlan.in_bundle`). None: not in a bundle, or not needed."""
 
     def __post_init__(self):
         for name, value, valid in (("role", self.role, ROLES), ("backend", self.backend, BACKENDS),
@@ -95,6 +101,19 @@ class EnvPlan:
         env = dict(base or {})
         env["env_vars"] = {**dict(env.get("env_vars") or {}), **self.values()}
         return env
+
+    def in_bundle(self, index: int) -> "EnvPlan":
+        """This plan for an actor started in placement-group bundle `index`: with
+        PLACEMENT_BUNDLE_VAR (and whole visibility) when its engine places Ray workers in that
+        bundle (`_bundle_entries`), unchanged otherwise.
+        The placement code calls it once the bundle is known (polyrl/topology/launch_plan.py
+        from the planned bundles, polyrl/placement/ray_groups.py from the live ones)."""
+        context = dataclasses.replace(self.context, placement_bundle=index)
+        added = _bundle_entries(context)
+        if not added:
+            return self
+        entries = {k: v for k, v in self.entries.items() if k not in added}
+        return EnvPlan(context, {**entries, **added})
 
     def to_json(self) -> dict[str, dict[str, str]]:
         return {name: e.as_dict() for name, e in self.entries.items()}
@@ -165,7 +184,8 @@ def build_plan(
     for name, value, reason, link in POLYRL_DEFAULTS:
         propose(name, value, "polyrl-default", reason, link)
     for name in sorted(user_env):
-        if name.startswith(FORWARDED_PREFIXES) and name not in entries:
+        # the bundle is the placement's to name: a shell's value would be forwarded to every actor
+        if name.startswith(FORWARDED_PREFIXES) and name not in entries and name != PLACEMENT_BUNDLE_VAR:
             entries[name] = EnvEntry(user_env[name], "user-env",
                                      "set in your environment; forwarded to every polyrl process")
     if context.hands_devices and context.visible_devices:
@@ -176,7 +196,33 @@ def build_plan(
             "the devices of this engine host's placement (its replica's tensor-parallel devices "
             "on this node); its engine processes inherit them, and RAY_EXPERIMENTAL_NOSET_* keeps "
             "Ray from rewriting them")
+    entries.update(_bundle_entries(context))
     return EnvPlan(context, entries)
+
+
+def _bundle_entries(ctx: PlanContext) -> dict[str, EnvEntry]:
+    """For an actor in a bundle whose engine starts Ray workers there (R2: scoped to
+    `BUNDLE_BACKENDS`): PLACEMENT_BUNDLE_VAR, and on a device platform Ray's visibility left
+    whole (RAY_EXPERIMENTAL_NOSET_*). The placement decides, not the shell or the config: another
+    bundle would put the engine's workers beside another actor."""
+    if ctx.placement_bundle is None or ctx.backend not in BUNDLE_BACKENDS or not hosts_engine(ctx):
+        return {}
+    entries = {PLACEMENT_BUNDLE_VAR: EnvEntry(
+        str(ctx.placement_bundle), "placement",
+        f"the placement-group bundle this actor starts in (Ray tells an actor its group, not its "
+        f"bundle): the {ctx.backend} engine puts its Ray workers in the bundles of its replica "
+        "starting here, a share of each device beside the polyrl actor of that bundle")}
+    if ctx.platform.name in GPU_PLATFORMS:
+        # TRT-LLM's workers copy this process's environment and take their device from
+        # ray.get_gpu_ids(), which Ray maps through an inherited visible-devices list: narrowed
+        # to this actor's device, a worker on another bundle's device reports the wrong one.
+        # Left whole, each worker and this actor (Platform.local_device_indices) use physical ids.
+        reason = (f"{ctx.backend}'s Ray workers inherit this actor's environment and find their "
+                  "device by its physical id (ray.get_gpu_ids()); Ray must not narrow the "
+                  "visible devices, which this actor then reads by physical id too")
+        entries.update({k: EnvEntry(v, "placement", reason)
+                        for k, v in ctx.platform.ray_noset_envvars().items()})
+    return entries
 
 
 def handoff_variable(platform: Platform) -> str:

@@ -133,3 +133,11 @@ FORWARDED_PREFIXES: tuple[str, ...] = (
 
 ENGINE_BACKENDS = _ENGINES
 GPU_PLATFORMS = _GPU
+
+PLACEMENT_BUNDLE_VAR = "POLYRL_PLACEMENT_BUNDLE"
+"""The placement-group bundle an engine-starting actor was started in (Ray tells an actor its
+placement group, not its bundle); `polyrl/rollout/engines/trtllm.py:placement` reads it."""
+BUNDLE_BACKENDS = frozenset({"trtllm"})
+"""Engines that start Ray workers of their own in the bundles of the actor that starts them
+(TensorRT-LLM's Ray orchestrator: `placement_groups` / `placement_bundle_indices`), so that
+actor must know its bundle."""

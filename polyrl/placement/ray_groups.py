@@ -13,6 +13,7 @@ place is an error that names the node, what it asks for and what the cluster has
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -84,8 +85,22 @@ def create_placement(plan: PlacementPlan, actors: Iterable[Any], timeout_s: floa
 
 def options_for(placement: LivePlacement, actors: Iterable[Any]) -> dict[str, dict[str, Any]]:
     """Actor name -> the complete `.options(...)` of each actor: its planned options
-    (`ray_options()`: resources, runtime env, concurrency) plus its bundle."""
-    return {a.name: {**a.ray_options(), **placement.scheduling(a.name)} for a in actors}
+    (`ray_options()`: resources, runtime env, concurrency) plus its bundle, and for an actor
+    that starts an engine the index of that bundle in its environment (`in_live_bundle`)."""
+    return {a.name: {**in_live_bundle(placement, a).ray_options(), **placement.scheduling(a.name)}
+            for a in actors}
+
+
+def in_live_bundle(placement: LivePlacement, actor: Any) -> Any:
+    """`actor` (an `ActorPlan`) with the bundle Ray reserved for it named in its environment when
+    it starts an engine that places Ray workers of its own in that bundle (TensorRT-LLM; Ray tells
+    an actor its placement group, not its bundle): `EnvPlan.in_bundle`, which leaves every other
+    engine's plan as it is. The live bundle decides; the plan's (launch_plan.in_bundles, shown by
+    the dry run) is the same index, since both follow `PlacementPlan.node_actors`."""
+    if getattr(actor, "engine", None) is None or actor.name not in placement.bundles:
+        return actor
+    env = actor.env.in_bundle(placement.bundles[actor.name][1])
+    return actor if env is actor.env else dataclasses.replace(actor, env=env)
 
 
 def _wait_ready(group: PlacementGroup, node: int, bundles: list[dict], timeout_s: float) -> None:

@@ -29,7 +29,7 @@ from polyrl.envplan.rules import ENGINE_BACKENDS
 from polyrl.placement import Devices, Gang, Member, PlacementError, PlacementPlan, plan_placement
 from polyrl.platform import Platform
 from polyrl.rollout.factory import EXTRAS
-from polyrl.rollout.launch_args import check_replica_layout, engine_launch_args
+from polyrl.rollout.launch_args import TRTLLM_WORKER_GPU_SHARE, check_replica_layout, engine_launch_args
 from polyrl.rewards.reward_model import reward_worker_options
 from polyrl.topology.process_groups import WorldPlan, plan_world
 from polyrl.topology.resources import cpus_needed
@@ -239,9 +239,14 @@ def plan_actors(cfg: JobConfig, platform: Platform, engine_version: str | None =
     env_kw = _env_kwargs(cfg, engine_version)
     engine = engine_launch(cfg, platform, engine_version)
     hybrid = cfg.rollout.placement == "hybrid"
+    # beside a device's TRT-LLM worker an actor asks Ray for the rest of the device while its
+    # bundle keeps the whole device (`engine_worker`)
+    worker = engine_worker(cfg, platform)
+    asks, bundle = beside_engine_worker(resources, worker)
     trainer_env = plan_for_role(platform, ENV_ROLE["policy"], **env_kw)
-    actors = [ActorPlan(f"policy rank {r}", "policy", r, None, dict(resources), per_actor,
-                        trainer_env, engine if hybrid else None)
+    actors = [ActorPlan(f"policy rank {r}", "policy", r, None, dict(asks if hybrid else resources),
+                        per_actor, trainer_env, engine if hybrid else None,
+                        bundle=bundle if hybrid else None)
               for r in range(cfg.actor.world_size)]
     rollout_env = plan_for_role(platform, ENV_ROLE["rollout"], **env_kw)
     if cfg.trainer.mode == "async":
@@ -262,10 +267,11 @@ def plan_actors(cfg: JobConfig, platform: Platform, engine_version: str | None =
                 actors.append(ActorPlan(name, "rollout", r, info.replica, _no_devices(resources),
                                         per_actor, plan_for_role(platform, "rollout", hands_devices=True,
                                                                  **env_kw),
-                                        engine, hands=(), bundle=dict(resources)))
-            else:
-                actors.append(ActorPlan(name, "rollout", r, info.replica, dict(resources), per_actor,
-                                        rollout_env, engine if info.is_replica_leader else None))
+                                        engine, hands=(), bundle=with_worker_room(resources, worker)))
+            else:  # a tp=1 replica (its engine's worker), or a TP rank (the host's worker)
+                actors.append(ActorPlan(name, "rollout", r, info.replica, dict(asks), per_actor,
+                                        rollout_env, engine if info.is_replica_leader else None,
+                                        bundle=bundle))
     if cfg.weight_transport == "object_store":  # weights/object_store.py:create_mailbox
         actors.append(ActorPlan("weight mailbox", "mailbox", None, None, {"num_cpus": 0}, 0,
                                 plan_for_role(platform, "job", **env_kw), max_concurrency=64))
@@ -299,9 +305,60 @@ def _whole(options: dict[str, Any]) -> dict[str, Any]:
 def engine_hosts(cfg: JobConfig, platform: Platform) -> bool:
     """Whether standalone sync replicas have an engine host: a GPU engine with
     rollout.tensor_parallel_size > 1 on a device platform. The replica leader then hosts the
-    replica's one TP-k engine, whose workers must see all k devices of the replica."""
+    replica's one TP-k engine, whose workers must see all k devices of the replica. Not for an
+    engine whose TP workers are Ray actors in the replica's bundles (`engine_worker`:
+    TensorRT-LLM): its leader is a rank like the others, asking for its device's share."""
     return (cfg.rollout.tensor_parallel_size > 1 and bool(platform.ray_resource)
-            and cfg.rollout.backend in ENGINE_BACKENDS)
+            and cfg.rollout.backend in ENGINE_BACKENDS and engine_worker(cfg, platform) is None)
+
+
+TRTLLM_WORKER_CPUS = 1
+"""CPUs a TensorRT-LLM Ray worker reserves in its bundle: its actor class names only `num_gpus`,
+and Ray then reserves its default of one CPU for the actor's lifetime
+(`ray_constants.DEFAULT_ACTOR_CREATION_CPU_SPECIFIED`)."""
+
+
+@dataclass(frozen=True)
+class EngineWorker:
+    """What each of an engine's own Ray workers asks Ray for inside a polyrl actor's bundle."""
+
+    device_share: float
+    cpus: float
+
+
+def engine_worker(cfg: JobConfig, platform: Platform) -> EngineWorker | None:
+    """The Ray worker an engine starts per device in polyrl's bundles: TensorRT-LLM's, with
+    `per_worker_gpu_share` (polyrl/rollout/launch_args.py), on a device platform. None for
+    engines that run in the polyrl actor's own reservation. Async replicas (one actor holding a
+    replica's devices in one bundle) are not covered (docs/gpu_engines.md)."""
+    if cfg.rollout.backend == "trtllm" and platform.ray_resource:
+        return EngineWorker(TRTLLM_WORKER_GPU_SHARE, TRTLLM_WORKER_CPUS)
+    return None
+
+
+def with_worker_room(bundle: dict[str, Any], worker: EngineWorker | None) -> dict[str, Any]:
+    """A bundle that also holds the CPUs of the engine worker placed in it (the device is
+    already whole in it)."""
+    if worker is None:
+        return dict(bundle)
+    return {**bundle, "num_cpus": bundle.get("num_cpus", 0) + worker.cpus}
+
+
+def beside_engine_worker(resources: dict[str, Any],
+                         worker: EngineWorker | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(what the actor asks Ray for, its bundle or None) for an actor reserving `resources` on a
+    device where an engine worker asks Ray for `worker.device_share` of it: the actor asks for
+    the rest (`1 - device_share`), its bundle keeps the whole device plus the worker's CPUs.
+    Asking for the whole device would fill the bundle, and the worker would never be scheduled."""
+    if worker is None:
+        return dict(resources), None
+    rest = 1 - worker.device_share
+    asks = {k: v for k, v in resources.items() if k != "resources"}
+    if "num_gpus" in asks:
+        asks["num_gpus"] = rest
+    if resources.get("resources"):
+        asks["resources"] = {k: rest for k in resources["resources"]}
+    return asks, with_worker_room(resources, worker)
 
 
 def _no_devices(resources: dict[str, Any]) -> dict[str, Any]:
@@ -361,9 +418,21 @@ def plan_launch(cfg: JobConfig, platform: Platform, engine_version: str | None =
             plan.actors = [dataclasses.replace(a, devices=where.get(a.name)) for a in plan.actors]
             plan.actors = [_hand_devices(cfg, platform, a, plan.actors, engine_version)
                            if a.hands is not None else a for a in plan.actors]
+            plan.actors = in_bundles(plan.placement, plan.actors)
     plan.world = plan_world(cfg, platform, plan.actors)
     plan.notes.extend(_notes(cfg, platform, plan))
     return plan
+
+
+def in_bundles(placement: PlacementPlan, actors: list[ActorPlan]) -> list[ActorPlan]:
+    """Each actor that starts an engine with its planned bundle index in its environment
+    (`EnvPlan.in_bundle`: only for engines that read it, TensorRT-LLM). The index is the actor's
+    position in its node's `node_actors`, the bundle order `create_placement` reserves; the
+    launch sets the live index again (polyrl/placement/ray_groups.py:options_for)."""
+    index = {name: i for node in range(placement.nodes_used)
+             for i, name in enumerate(placement.node_actors(node))}
+    return [dataclasses.replace(a, env=a.env.in_bundle(index[a.name]))
+            if a.engine is not None and a.name in index else a for a in actors]
 
 
 def _hand_devices(cfg: JobConfig, platform: Platform, host: ActorPlan, actors: list[ActorPlan],

@@ -1,0 +1,247 @@
+"""TensorRT-LLM inside polyrl's placement groups (issue 28, fix 4).
+
+TRT-LLM's Ray orchestrator starts one Ray worker per TP rank itself, asking Ray for
+`per_worker_gpu_share` of a device in the bundles it is given (`placement_groups`,
+`placement_bundle_indices`; polyrl/rollout/engines/trtllm.py:placement builds them from the
+bundle polyrl names in POLYRL_PLACEMENT_BUNDLE). Its worker class names only `num_gpus`, so Ray
+also reserves one CPU for it. Each of those bundles also holds the polyrl actor of that device,
+so the two must share it: the actor asks Ray for `1 - share` while its bundle keeps the whole
+device and one CPU more than the actor's (polyrl/topology/launch_plan.py:beside_engine_worker),
+and an engine host (TP > 1) asks for no device.
+
+Before the fix each such actor asked for its bundle's whole device and all its CPUs: a worker
+asking for 0.5 device and 1 CPU more never fits the bundle, and Ray leaves it pending forever
+(TRT-LLM's start hangs). The plan tests pin the split that makes it fit (asks + worker <= bundle,
+and the whole bundle for every other engine); the live test starts, on Ray's simulated two-node cluster, the
+planned actors with the options a run uses and, inside each engine-starting actor, the workers
+exactly as TRT-LLM does from the real `trtllm.placement()`: they are scheduled, in the actor's
+own placement group, on the device of the polyrl actor of their bundle.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from polyrl.envplan.rules import PLACEMENT_BUNDLE_VAR
+from polyrl.placement import create_placement, options_for
+from polyrl.platform import SIMULATED_PROBES, get_platform
+from polyrl.rollout.launch_args import TRTLLM_WORKER_GPU_SHARE
+from polyrl.topology.launch_plan import TRTLLM_WORKER_CPUS, plan_launch
+
+from test_simulated_cluster import clean_env, cluster, job  # noqa: F401 - fixtures, job()
+
+H100 = get_platform("cuda", SIMULATED_PROBES["h100"])
+TRT_VERSION = "1.2.0"
+
+
+def trtllm_job(layout: str, tp: int, nodes: int, backend: str = "trtllm"):
+    return job(layout, tp, nodes, f"rollout.backend={backend}")
+
+
+def planned(layout: str, tp: int, nodes: int, backend: str = "trtllm"):
+    plan = plan_launch(trtllm_job(layout, tp, nodes, backend), H100, TRT_VERSION, nodes=nodes)
+    assert plan.errors == [], plan.errors
+    return plan
+
+
+def starts_beside_worker(actor, tp: int) -> bool:
+    """Whether a TRT-LLM worker shares this actor's device: it starts the engine (hybrid policy
+    rank, standalone tp=1 replica) or is a TP rank whose device the engine host's engine uses."""
+    return actor.engine is not None or (actor.role == "rollout" and tp > 1)
+
+
+@pytest.mark.parametrize("layout,tp,nodes", [("hybrid", 1, 1), ("standalone", 1, 1),
+                                             ("standalone", 2, 2), ("standalone", 4, 2)])
+def test_actors_sharing_a_device_with_a_trtllm_worker_leave_it_its_share(layout, tp, nodes):
+    plan = planned(layout, tp, nodes)
+    other = planned(layout, tp, nodes, backend="vllm")  # the same layout, an engine in-process
+    share, cpus = TRTLLM_WORKER_GPU_SHARE, TRTLLM_WORKER_CPUS
+    for actor, same in zip(plan.actors, other.actors):
+        assert actor.name == same.name and actor.devices == same.devices
+        bundle, whole = actor.bundle_resources, same.bundle_resources
+        assert bundle["num_gpus"] == whole["num_gpus"] == 1  # the same whole devices reserved
+        if not starts_beside_worker(actor, tp):  # a standalone policy rank: as before
+            assert actor.role == "policy" and actor.resources == same.resources == bundle == whole
+            continue
+        # no engine host: TRT-LLM's TP workers take their devices from the replica's bundles
+        assert actor.hands is None and actor.resources == {"num_cpus": 1, "num_gpus": 1 - share}
+        assert bundle == {"num_cpus": 1 + cpus, "num_gpus": 1}, actor.name
+        # the worker fits its bundle beside the actor; the whole bundle (as every other
+        # engine's actor asks, and as these did before the fix) leaves it no room
+        for key, need in (("num_gpus", share), ("num_cpus", cpus)):
+            assert actor.resources[key] + need <= bundle[key], (actor.name, key)
+        if same.hands is None:
+            assert same.resources["num_gpus"] + share > whole["num_gpus"]
+        assert same.resources["num_cpus"] + cpus > whole["num_cpus"]
+    # the devices reserved are unchanged: the split is inside each bundle
+    assert plan.devices_needed == other.devices_needed
+
+
+def test_the_worker_cpu_is_rays_default_for_an_actor_naming_only_gpus():
+    """TRT-LLM's RayWorkerWrapper is `@ray.remote` with `.options(num_gpus=share)` only."""
+    from ray._private import ray_constants
+
+    assert TRTLLM_WORKER_CPUS == ray_constants.DEFAULT_ACTOR_CREATION_CPU_SPECIFIED
+
+
+def test_engine_starting_actors_are_told_their_planned_bundle():
+    """1 policy rank + 4 TP-2 replicas on two 8-GPU nodes: a node's bundles follow its device
+    order, so replica 0's engine host has bundle 1 (after policy rank 0) and replica 3's, the
+    first actor of node 1, bundle 0. Only the engine hosts get the variable; vLLM gets none."""
+    plan = planned("standalone", 2, 2)
+    bundles = {a.name: a.env.values().get(PLACEMENT_BUNDLE_VAR) for a in plan.actors}
+    assert {n: b for n, b in bundles.items() if b is not None} == {
+        "rollout replica 0 (rank 1)": "1", "rollout replica 1 (rank 3)": "3",
+        "rollout replica 2 (rank 5)": "5", "rollout replica 3 (rank 7)": "0"}
+    leader = plan.actors[1]
+    assert leader.env[PLACEMENT_BUNDLE_VAR].source == "placement"
+    assert leader.as_dict()["env"][PLACEMENT_BUNDLE_VAR]["value"] == "1"  # what --dry-run --json shows
+    # the engine-starting actors keep whole visibility (their workers inherit it); the rest
+    # keep Ray's narrowing (issue 15)
+    noset = {a.name for a in plan.actors if any(k.startswith("RAY_EXPERIMENTAL_NOSET_") for k in a.env.entries)}
+    assert noset == {n for n, b in bundles.items() if b is not None}
+    assert "CUDA_VISIBLE_DEVICES" not in leader.env  # no devices handed: Ray's bundles decide
+    hybrid = planned("hybrid", 1, 1)
+    assert [a.env.values().get(PLACEMENT_BUNDLE_VAR) for a in hybrid.actors if a.role == "policy"] \
+        == ["0", "1"]
+    assert not any(PLACEMENT_BUNDLE_VAR in a.env for a in planned("standalone", 2, 2, "vllm").actors)
+
+
+def test_async_replicas_are_not_split():
+    """Out of scope (docs/gpu_engines.md): an async replica is one actor holding its replica's
+    devices in one bundle; its resources stay as they were."""
+    plan = planned("async", 2, 1)
+    replicas = [a for a in plan.actors if a.role == "rollout"]
+    assert replicas and all(a.resources["num_gpus"] == 2 and a.bundle is None for a in replicas)
+
+
+def engine_probe():
+    """A stand-in for a polyrl actor (policy rank or rollout rank) that, when it starts the
+    engine, starts TRT-LLM's workers as TRT-LLM's Ray executor does (tensorrt_llm/executor/
+    ray_executor.py `create_workers`, ray_gpu_worker.py `RayWorkerWrapper`): one `@ray.remote`
+    actor per TP rank with `.options(num_gpus=per_worker_gpu_share, runtime_env={"env_vars":
+    <a copy of this process's environment>}, scheduling_strategy=<placement_groups[0], bundle
+    placement_bundle_indices[0][rank]>)`, from the real `trtllm.placement()` called in this
+    actor. Each worker reports the physical device TRT-LLM's wrapper would compute on:
+    `ray.get_gpu_ids()[0]`, mapped to a local index through CUDA_VISIBLE_DEVICES
+    (`physical_to_local_id`), which is the physical id listed there."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def record(self, env_names: list[str], tp: int | None, share: float) -> dict:
+            from polyrl.rollout.engines import trtllm
+
+            from polyrl.platform import SIMULATED_PROBES, get_platform
+
+            ctx = ray.get_runtime_context()
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            index = get_platform("cuda", SIMULATED_PROBES["h100"]).reserved_devices()
+            seen = {"node": ctx.get_node_id(), "assigned": ctx.get_accelerator_ids()["GPU"],
+                    "env": {n: os.environ.get(n) for n in env_names},
+                    # the physical device the actor computes on (policy.py / rollout_worker.py:
+                    # Platform.reserved_device), through whatever visibility it has
+                    "device": [visible.split(",")[i] if visible else str(i) for i in index]}
+            if tp is None:
+                return seen
+            args = trtllm.placement(tp)
+            group = args["placement_groups"][0]
+            seen["group"] = group.id.hex()
+            seen["bundle_indices"] = args["placement_bundle_indices"]
+
+            @ray.remote
+            class Worker:
+                def where(self) -> dict:
+                    gpu = str(ray.get_gpu_ids()[0])
+                    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+                    ids = visible.split(",") if visible else None
+                    # physical_to_local_id, then the physical device that local index is
+                    device = ids[ids.index(gpu)] if ids and gpu in ids else gpu
+                    return {"node": ray.get_runtime_context().get_node_id(), "device": device}
+
+            env = {"env_vars": {**os.environ, "TLLM_DISABLE_MPI": "1"}}
+            workers = [Worker.options(num_gpus=share, runtime_env=env,
+                                      scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                          group, placement_group_bundle_index=b)).remote()
+                       for b in seen["bundle_indices"][0]]
+            try:  # a worker that cannot fit its bundle stays pending: the timeout fails the test
+                seen["workers"] = ray.get([w.where.remote() for w in workers], timeout=120)
+            finally:
+                for w in workers:
+                    ray.kill(w)
+            return seen
+
+    return Probe
+
+
+def run_engine_probes(layout: str, tp: int, nodes: int):
+    """Start the plan's device-holding actors with a run's options, and the TRT-LLM workers
+    inside each engine-starting one; assert what holds for every layout; return
+    (plan, actor name -> what it saw, (node, bundle) -> actor name)."""
+    import ray
+
+    plan = planned(layout, tp, nodes)
+    actors = [a for a in plan.actors if a.devices is not None]
+    live = create_placement(plan.placement, actors, timeout_s=60)
+    try:
+        options = options_for(live, actors)
+        Probe = engine_probe()
+        handles = [Probe.options(**options[a.name]).remote() for a in actors]
+        seen = dict(zip([a.name for a in actors], ray.get(
+            [h.record.remote(list(a.env.entries), tp if a.engine else None, TRTLLM_WORKER_GPU_SHARE)
+             for h, a in zip(handles, actors)], timeout=300)))
+        for h in handles:
+            ray.kill(h)
+        groups = [g.id.hex() for g in live.groups]
+    finally:
+        live.remove()
+    engines = 0
+    for actor in actors:
+        got, (node, index) = seen[actor.name], live.bundles[actor.name]
+        assert got["env"] == actor.env.values(), actor.name  # the plan the dry run shows is what runs
+        assert got["node"] == live.node_ids[node], actor.name
+        # it holds a share (or the whole) of its planned device, and computes on it
+        assert got["assigned"] == got["device"] == [str(i) for i in actor.devices.ids], actor.name
+        if actor.engine is None:
+            assert PLACEMENT_BUNDLE_VAR not in got["env"]
+            continue
+        engines += 1
+        assert got["env"][PLACEMENT_BUNDLE_VAR] == str(index), actor.name
+        assert got["group"] == groups[node], actor.name  # its own group, ...
+        assert got["bundle_indices"] == [list(range(index, index + tp))], actor.name  # ... its replica's bundles
+        assert len(got["workers"]) == tp and all(w["node"] == got["node"] for w in got["workers"])
+    assert engines == (len([a for a in actors if a.role == "policy"]) if layout == "hybrid"
+                       else plan.actors[-1].replica + 1)
+    return plan, seen, {where: name for name, where in live.bundles.items()}
+
+
+def wrong_devices(plan, seen: dict, in_bundle: dict) -> list[tuple[str, str, str]]:
+    """(engine actor, device a worker computes on, device of its bundle's polyrl actor) for
+    every worker not on its bundle's device."""
+    by_name = {a.name: a for a in plan.actors}
+    out = []
+    for name, got in seen.items():
+        node = by_name[name].devices.node
+        for bundle, worker in zip(got.get("bundle_indices", [[]])[0], got.get("workers", [])):
+            beside = by_name[in_bundle[(node, bundle)]]
+            if worker["device"] != str(beside.devices.ids[0]):
+                out.append((name, worker["device"], str(beside.devices.ids[0])))
+    return out
+
+
+@pytest.mark.parametrize("layout,tp,nodes", [
+    ("hybrid", 1, 1), ("standalone", 2, 2), pytest.param("standalone", 1, 2, marks=pytest.mark.slow)])
+def test_trtllm_workers_schedule_on_the_device_of_the_polyrl_actor_beside_them(cluster, layout, tp, nodes):
+    """standalone-2-2: 1 policy rank + 4 TP-2 replicas on two nodes; each replica's leader starts
+    the engine, whose two workers land at its bundle and the next (its other rank's)."""
+    plan, seen, in_bundle = run_engine_probes(layout, tp, nodes)
+    assert wrong_devices(plan, seen, in_bundle) == []
+    # and it is the device Ray gave the polyrl actor of that bundle
+    by_bundle = {a.name: a for a in plan.actors}
+    for name, got in seen.items():
+        node = by_bundle[name].devices.node
+        for bundle, worker in zip(got.get("bundle_indices", [[]])[0], got.get("workers", [])):
+            assert [worker["device"]] == seen[in_bundle[(node, bundle)]]["assigned"], (name, bundle)
