@@ -3,6 +3,9 @@
 Benchmarks compare polyrl against a baseline measured in the same run and print ratios; they are
 not tests. They live outside the package (TRL and friends are benchmark-only dependencies), so
 this command needs a source checkout (`pip install -e .`).
+
+`polyrl bench rollout --against vllm` compares the native engine with the real vLLM (its CPU
+build on a CPU machine); run it with a Python that has vLLM (scripts/vllm_tier.sh's venv).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ def available() -> list[str]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks against a baseline in the same run (rollout, grpo, ...)",
                        description=f"Run benchmarks/NAME.py; available: {', '.join(available()) or 'none'}. "
-                       "Arguments after NAME go to the benchmark (e.g. --json, --quick).")
+                       "Arguments after NAME go to the benchmark (e.g. --json, --quick; "
+                       "rollout --against vllm: the native engine vs the real vLLM).")
     p.add_argument("name", help="benchmark name")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     p.set_defaults(func=run)
