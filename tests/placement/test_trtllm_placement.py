@@ -232,11 +232,13 @@ def wrong_devices(plan, seen: dict, in_bundle: dict) -> list[tuple[str, str, str
     return out
 
 
+@pytest.mark.slow  # a simulated multi-node Ray cluster, as tests/placement/test_simulated_cluster.py
 @pytest.mark.parametrize("layout,tp,nodes", [
-    ("hybrid", 1, 1), ("standalone", 2, 2), pytest.param("standalone", 1, 2, marks=pytest.mark.slow)])
+    ("hybrid", 1, 1), ("standalone", 2, 1), ("standalone", 2, 2), ("standalone", 1, 2)])
 def test_trtllm_workers_schedule_on_the_device_of_the_polyrl_actor_beside_them(cluster, layout, tp, nodes):
-    """standalone-2-2: 1 policy rank + 4 TP-2 replicas on two nodes; each replica's leader starts
-    the engine, whose two workers land at its bundle and the next (its other rank's)."""
+    """standalone-2-2: 1 policy rank + 4 TP-2 replicas on two nodes (replica 3 opens node 1, at
+    bundle 0); each replica's leader starts the engine, whose two workers land at its bundle and
+    the next (its other rank's)."""
     plan, seen, in_bundle = run_engine_probes(layout, tp, nodes)
     assert wrong_devices(plan, seen, in_bundle) == []
     # and it is the device Ray gave the polyrl actor of that bundle
