@@ -93,11 +93,13 @@ def options_for(placement: LivePlacement, actors: Iterable[Any]) -> dict[str, di
 
 def in_live_bundle(placement: LivePlacement, actor: Any) -> Any:
     """`actor` (an `ActorPlan`) with the bundle Ray reserved for it named in its environment when
-    it starts an engine that places Ray workers of its own in that bundle (TensorRT-LLM; Ray tells
-    an actor its placement group, not its bundle): `EnvPlan.in_bundle`, which leaves every other
+    it starts an engine that places Ray workers of its own in that bundle, beside it
+    (TensorRT-LLM, whose actors' bundles keep room for them: `ActorPlan.bundle`; Ray tells an
+    actor its placement group, not its bundle): `EnvPlan.in_bundle`, which leaves every other
     engine's plan as it is. The live bundle decides; the plan's (launch_plan.in_bundles, shown by
     the dry run) is the same index, since both follow `PlacementPlan.node_actors`."""
-    if getattr(actor, "engine", None) is None or actor.name not in placement.bundles:
+    if getattr(actor, "engine", None) is None or getattr(actor, "bundle", None) is None \
+            or actor.name not in placement.bundles:  # no engine, or no room in its bundle
         return actor
     env = actor.env.in_bundle(placement.bundles[actor.name][1])
     return actor if env is actor.env else dataclasses.replace(actor, env=env)

@@ -425,14 +425,16 @@ def plan_launch(cfg: JobConfig, platform: Platform, engine_version: str | None =
 
 
 def in_bundles(placement: PlacementPlan, actors: list[ActorPlan]) -> list[ActorPlan]:
-    """Each actor that starts an engine with its planned bundle index in its environment
-    (`EnvPlan.in_bundle`: only for engines that read it, TensorRT-LLM). The index is the actor's
-    position in its node's `node_actors`, the bundle order `create_placement` reserves; the
-    launch sets the live index again (polyrl/placement/ray_groups.py:options_for)."""
+    """Each actor that starts an engine in a bundle with room beside it (`bundle`: an async
+    replica's has none) with its planned bundle index in its environment (`EnvPlan.in_bundle`:
+    only for engines that read it, TensorRT-LLM). The index is the actor's position in its
+    node's `node_actors`, the bundle order `create_placement` reserves; the launch sets the live
+    index again (polyrl/placement/ray_groups.py:options_for)."""
     index = {name: i for node in range(placement.nodes_used)
              for i, name in enumerate(placement.node_actors(node))}
     return [dataclasses.replace(a, env=a.env.in_bundle(index[a.name]))
-            if a.engine is not None and a.name in index else a for a in actors]
+            if a.engine is not None and a.bundle is not None and a.name in index else a
+            for a in actors]
 
 
 def _hand_devices(cfg: JobConfig, platform: Platform, host: ActorPlan, actors: list[ActorPlan],

@@ -115,6 +115,7 @@ def test_async_replicas_are_not_split():
     plan = planned("async", 2, 1)
     replicas = [a for a in plan.actors if a.role == "rollout"]
     assert replicas and all(a.resources["num_gpus"] == 2 and a.bundle is None for a in replicas)
+    assert not any(PLACEMENT_BUNDLE_VAR in a.env for a in plan.actors)  # no room to place workers in
 
 
 def engine_probe():
