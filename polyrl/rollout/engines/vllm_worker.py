@@ -70,12 +70,15 @@ def restore_packed_linear_weights(model: Any) -> int:
         replicated = isinstance(module, linear.ReplicatedLinear)
         loader = (module.weight_loader_v2 if not replicated and hasattr(module, "weight_loader_v2")
                   and module.quant_method.__class__.__name__ in v2 else module.weight_loader)
-        del module.weight
+        # built on a bare holder, then put in place: under LoRA some layers expose `weight`
+        # as a class attribute, which register_parameter refuses to shadow
+        holder = torch.nn.Module()
         module.quant_method.create_weights(
-            layer=module,
+            layer=holder,
             input_size_per_partition=getattr(module, "input_size_per_partition", module.input_size),
             output_partition_sizes=module.output_partition_sizes, input_size=module.input_size,
             output_size=module.output_size, params_dtype=weight.dtype, weight_loader=loader)
+        module._parameters["weight"] = holder.weight
         restored += 1
     return restored
 
