@@ -248,3 +248,28 @@ def test_trtllm_workers_schedule_on_the_device_of_the_polyrl_actor_beside_them(c
         node = by_bundle[name].devices.node
         for bundle, worker in zip(got.get("bundle_indices", [[]])[0], got.get("workers", [])):
             assert [worker["device"]] == seen[in_bundle[(node, bundle)]]["assigned"], (name, bundle)
+
+
+def test_the_dry_run_shows_the_shares_and_the_bundles():
+    """`polyrl train --dry-run --json --platform h100 rollout.backend=trtllm`: what a user sees
+    before a run (the CLI in a subprocess, no Ray started)."""
+    import json
+    import subprocess
+    import sys
+
+    from polyrl.envplan.rules import FORWARDED_PREFIXES
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(FORWARDED_PREFIXES)}
+    out = subprocess.run(
+        [sys.executable, "-m", "polyrl", "train", "--dry-run", "--json", "--platform", "h100",
+         "--engine-version", TRT_VERSION, "rollout.backend=trtllm", "rollout.placement=standalone",
+         "rollout.num_replicas=2", "rollout.tensor_parallel_size=2", "rollout.max_model_len=64",
+         "actor.num_cpus_per_worker=1"],
+        capture_output=True, text=True, env={**env, "RAY_ADDRESS": "127.0.0.1:1"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    actors = {a["name"]: a for a in json.loads(out.stdout)["actors"]}
+    shown = {name: (a["resources"]["num_gpus"], a["env"].get(PLACEMENT_BUNDLE_VAR, {}).get("value"))
+             for name, a in actors.items()}
+    assert shown == {"policy rank 0": (1, None),
+                     "rollout replica 0 (rank 1)": (0.5, "1"), "rollout replica 0 (rank 2)": (0.5, None),
+                     "rollout replica 1 (rank 3)": (0.5, "3"), "rollout replica 1 (rank 4)": (0.5, None)}
