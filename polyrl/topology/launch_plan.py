@@ -463,7 +463,8 @@ def _notes(cfg: JobConfig, platform: Platform, plan: LaunchPlan) -> list[str]:
                      f"machine's {os.cpu_count()} cores; the run computes them on the machine that "
                      "starts it (set actor.num_cpus_per_worker to fix them)")
     noset = sorted({a.name for a in plan.actors if devices_reserved(a.resources)
-                    and any(v.startswith("RAY_EXPERIMENTAL_NOSET_") for v in a.env.entries)})
+                    and any(k.startswith("RAY_EXPERIMENTAL_NOSET_") and e.source != "placement"
+                            for k, e in a.env.entries.items())})
     if noset:
         notes.append(f"{', '.join(noset)} reserve devices through Ray and also get "
                      "RAY_EXPERIMENTAL_NOSET_* (meant for server actors with no Ray devices): Ray "

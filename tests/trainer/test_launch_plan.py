@@ -114,17 +114,20 @@ def test_gb200_nvls_mnnvl_only_with_opt_in(monkeypatch, opt_in):
     assert [a.name for a in plan.actors] == ["policy rank 0", "rollout replica 0 (rank 1)",
                                              "rollout replica 0 (rank 2)", "rollout replica 1 (rank 3)",
                                              "rollout replica 1 (rank 4)"]
-    # each TP-2 replica's leader hosts its engine: no device from Ray, both replica ids handed
-    hands = {"rollout replica 0 (rank 1)": "1,2", "rollout replica 1 (rank 3)": "0,1"}
+    # each TP-2 replica's leader starts its engine, whose Ray workers take half of each of the
+    # replica's bundles: every rank asks for the other half; the leader is told its bundle and
+    # keeps whole visibility (docs/gpu_engines.md, TensorRT-LLM placement)
+    bundles = {"rollout replica 0 (rank 1)": "1", "rollout replica 1 (rank 3)": "0"}
     for a in plan.actors[1:]:
-        host = {"CUDA_VISIBLE_DEVICES": (hands[a.name], "placement"),
-                "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": ("1", "platform-default")
-                } if a.name in hands else {}
+        host = {"POLYRL_PLACEMENT_BUNDLE": (bundles[a.name], "placement"),
+                "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": ("1", "placement")
+                } if a.name in bundles else {}
         assert env_of(a.env) == {**{k: v for k, v in rule.items() if k != "TLLM_DISABLE_NVLS_MNNVL"},
                                  "NCCL_CUMEM_ENABLE": ("0", "rule:nccl-cumem-off"),
                                  "TOKENIZERS_PARALLELISM": TOK, **host,
                                  **({"TLLM_DISABLE_NVLS_MNNVL": ("1", "user-env")} if opt_in else {})}
-        assert a.resources["num_gpus"] == (0 if host else 1) and (a.engine is not None) == bool(host)
+        assert a.resources["num_gpus"] == 0.5 and a.bundle_resources["num_gpus"] == 1
+        assert (a.engine is not None) == bool(host) and a.hands is None
     # 5 devices on 4-GPU GB200 nodes: two nodes, and the plan says so; each TP-2 replica on one
     # node (replica 1 does not fit beside policy + replica 0, so it opens node 1)
     assert plan.devices_needed == 5 and plan.nodes_needed == 2
