@@ -179,6 +179,16 @@ class JobConfig(Config):
             if self.model.lora_rank > most:
                 raise ValueError(f"model.lora_rank={self.model.lora_rank} is larger than vLLM's max_lora_rank "
                                  f"({most}): set rollout.engine_kwargs.vllm.max_lora_rank={self.model.lora_rank}")
+        if self.rollout.batch_invariant:
+            if self.actor.compute_dtype != self.rollout.dtype:
+                raise ValueError(f"rollout.batch_invariant=true: the trainer recomputes log-probs in rollout.dtype="
+                                 f"{self.rollout.dtype}; set actor.compute_dtype={self.rollout.dtype}")
+            if self.model.enabled:
+                raise ValueError("rollout.batch_invariant=true does not support LoRA (model.lora_rank > 0) yet; "
+                                 "set model.lora_rank=0 or rollout.batch_invariant=false")
+            if self.actor.compile == "on":
+                raise ValueError("rollout.batch_invariant=true runs the trainer's forward eagerly; set "
+                                 "actor.compile=auto or off")
         mini = self.actor.mini_batch_size
         if mini is not None and self.data.train_batch_size % mini:
             raise ValueError(

@@ -21,7 +21,7 @@ from polyrl.batch import Ragged, RolloutBatch
 from polyrl.distributed.layout import build_groups, group_leader
 from polyrl.platform import get_platform
 from polyrl.rollout.factory import build_colocated_engine
-from polyrl.training import build_engine
+from polyrl.training import batch_invariant, build_engine
 from polyrl.training.lora import adapters_disabled, apply_lora
 from polyrl.weights import build_transport
 from polyrl.modeling import torch_dtype
@@ -86,11 +86,15 @@ class PolicyWorker:
         actor_cfg = cfg.actor
         if cfg.model.enabled:
             actor_cfg = actor_cfg.model_copy(update={"lr": cfg.actor.lr * cfg.model.lora_lr_scale})
+        if cfg.rollout.batch_invariant:  # log-probs on the engine's batch-invariant forward
+            batch_invariant.enable(model, cfg.rollout.dtype)
         self.engine = build_engine(model, actor_cfg, self.platform, self.device, horizon=horizon, **engine_args)
         self.reference = None
         if cfg.algorithm.uses_reference and not cfg.model.enabled:  # frozen: no grads, no optimizer
-            self.reference = build_engine(self._load_model(), cfg.actor, self.platform, self.device,
-                                          **engine_args)
+            reference = self._load_model()
+            if cfg.rollout.batch_invariant:
+                batch_invariant.enable(reference, cfg.rollout.dtype)
+            self.reference = build_engine(reference, cfg.actor, self.platform, self.device, **engine_args)
         self.actor = PPOActor(self.engine, cfg.actor, cfg.algorithm,
                               cfg.algorithm.off_policy.resolve(cfg.trainer.mode), self.device)
         self.critic = self._build_critic(horizon, engine_args)
