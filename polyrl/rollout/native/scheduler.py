@@ -113,6 +113,9 @@ class Scheduler:
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise RolloutInputError("prompt_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        bad_bias = next((t for t in (sampling.logit_bias or {}) if not 0 <= int(t) < vocab), None)
+        if bad_bias is not None:  # the server checks this too; the Ray and trainer paths meet it here
+            raise RolloutInputError("logit_bias", f"token id {bad_bias} is outside the vocabulary [0, {vocab})")
         if sampling.n > self.max_num_seqs:
             raise RolloutInputError("n", f"{sampling.n} exceeds the engine's max_num_seqs={self.max_num_seqs}")
         if sampling.stop and self.tokenizer is None:

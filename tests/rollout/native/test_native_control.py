@@ -188,3 +188,15 @@ def test_unknown_model_path_is_a_clear_error(tmp_path):
         NativeEngine(str(tmp_path / "nope"))
     with pytest.raises(FileNotFoundError, match="config.json"):
         NativeEngine(str(tmp_path))
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(tmp_path):
+    """An out-of-vocabulary logit_bias id is a RolloutInputError naming the field (it was an
+    IndexError inside sampling on every path but the HTTP server's)."""
+    from polyrl.builtin import resolve
+    from polyrl.rollout.base import RolloutInputError, SamplingParams
+    from polyrl.rollout.native.engine import NativeEngine
+
+    engine = NativeEngine(resolve("builtin:tiny-arith"), max_model_len=32, tokenizer=False)
+    with pytest.raises(RolloutInputError, match="logit_bias"):
+        engine.generate_batch([[5, 6]], SamplingParams(max_tokens=2, logit_bias={10**6: 1.0}))
