@@ -8,6 +8,8 @@ Checks:
   native-greedy      the built-in engine on the device: greedy tokens equal the trainer's argmax
                      (the training forward of the same checkpoint, fp32), and its log-probs equal
                      the trainer's (`engine.logprobs`) to 1e-4; the max difference is printed
+  batch-invariant-logprobs  rollout.batch_invariant: engine and trainer log-probs equal bit for
+                     bit on the device (fp32, bf16)
   native-throughput  bf16 decode tokens/s of the built-in engine on a ~0.5B random Qwen2
   ddp-step           one PPO update through the DDP engine on a 1-rank group of the run's backend
   fsdp2-step         the same through FSDP2: equal loss, and weights equal to DDP's to bf16-free fp32
@@ -174,6 +176,39 @@ def native_greedy(device: torch.device) -> str:
         raise AssertionError(f"engine vs trainer log-probs max |diff| {diff.max().item():.2e} > 1e-4")
     return (f"{len(prompts)} prompts x {steps} greedy tokens equal the trainer's argmax; fp32 "
             f"log-prob |engine - trainer| max {diff.max().item():.2e}, mean {diff.mean().item():.2e}")
+
+
+@check
+def batch_invariant_logprobs(device: torch.device) -> str:
+    """rollout.batch_invariant: the engine's sampled log-probs equal the trainer's bit for bit on
+    the device too (fp32 and bf16; tiled matmuls, chunked attention: training/batch_invariant.py)."""
+    from polyrl.rollout.base import SamplingParams
+    from polyrl.rollout.native.engine import NativeEngine
+    from polyrl.training import batch_invariant
+
+    path = Path(resolve("builtin:tiny-arith"))
+    prompts = [[5, 17, 33, 2, 90, 64, 7], [40, 41], [3, 9, 27, 81, 115, 7, 8, 9, 10]]
+    details = []
+    for dtype in ("float32", "bfloat16"):
+        engine = NativeEngine(path, device=device, dtype=dtype, max_model_len=64, tokenizer=False,
+                              batch_invariant=True)
+        outs = engine.generate_batch(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=16,
+                                                             seed=5, ignore_eos=True))
+        samples = [(p, s) for p, group in zip(prompts, outs) for s in group]
+        batch = make_batch(len(samples), 4, 4, 8)
+        batch.prompt_ids = Ragged.from_rows([torch.tensor(p) for p, _ in samples], torch.long)
+        batch.response_ids = Ragged.from_rows([torch.tensor(s.token_ids) for _, s in samples], torch.long)
+        batch.loss_mask = Ragged.full_like(batch.response_ids, 1.0, torch.float32)
+        engine_lp = torch.tensor([lp for _, s in samples for lp in s.logprobs], dtype=torch.float32)
+        model = load_model(path, dtype, device)
+        batch_invariant.enable(model, dtype)
+        trainer, _ = actor_and_engine(model, "ddp", device, param_dtype=dtype, compute_dtype=dtype)
+        ours = trainer.logprobs(batch).values.float().cpu()
+        gap = (ours - engine_lp).abs().max().item()
+        if not torch.equal(ours, engine_lp):
+            raise AssertionError(f"{dtype}: engine vs trainer log-probs differ (max |diff| {gap:.2e})")
+        details.append(f"{dtype} {len(engine_lp)} tokens equal")
+    return "bit-identical engine and trainer log-probs: " + ", ".join(details)
 
 
 @check
@@ -376,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         tiny_dir = random_model_dir(SHAPES["tiny"], Path(tmp) / "tiny", torch.float32)
         model_dir = random_model_dir(SHAPES[args.mfu_model], Path(tmp) / "mfu", torch.bfloat16)
         native_greedy(device)
+        batch_invariant_logprobs(device)
         native_throughput(device, model_dir, batch=256 if big else 8, prompt=128 if big else 8,
                           tokens=128 if big else 8)
         ddp_step(device, tiny_dir)
