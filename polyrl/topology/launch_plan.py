@@ -201,6 +201,7 @@ def plan_job(cfg: JobConfig, platform: Platform, engine_version: str | None = No
         ray_init: dict[str, Any] = {"address": address}
     else:
         _, needed = cpus_needed(cfg)
+        needed += engine_worker_cpus(cfg, platform)
         ray_init = {"num_cpus": cfg.ray.num_cpus or max(os.cpu_count() or 1, needed)}
     ray_init["namespace"] = cfg.ray.namespace
     return JobPlan(ray_init, plan_for_role(platform, "job", **_env_kwargs(cfg, engine_version)))
@@ -334,6 +335,18 @@ def engine_worker(cfg: JobConfig, platform: Platform) -> EngineWorker | None:
     if cfg.rollout.backend == "trtllm" and platform.ray_resource:
         return EngineWorker(TRTLLM_WORKER_GPU_SHARE, TRTLLM_WORKER_CPUS)
     return None
+
+
+def engine_worker_cpus(cfg: JobConfig, platform: Platform) -> int:
+    """CPUs the engine's own Ray workers reserve in polyrl's bundles (one worker per device of a
+    hybrid policy rank or a standalone sync rollout rank), which a local Ray instance must hold
+    too: else its placement groups cannot be reserved on a machine with few cores."""
+    worker = engine_worker(cfg, platform)
+    if worker is None or cfg.trainer.mode == "async":
+        return 0
+    devices = (cfg.actor.world_size if cfg.rollout.placement == "hybrid"
+               else cfg.rollout.num_replicas * cfg.rollout.tensor_parallel_size)
+    return math.ceil(worker.cpus * devices)
 
 
 def with_worker_room(bundle: dict[str, Any], worker: EngineWorker | None) -> dict[str, Any]:

@@ -273,3 +273,23 @@ def test_the_dry_run_shows_the_shares_and_the_bundles():
     assert shown == {"policy rank 0": (1, None),
                      "rollout replica 0 (rank 1)": (0.5, "1"), "rollout replica 0 (rank 2)": (0.5, None),
                      "rollout replica 1 (rank 3)": (0.5, "3"), "rollout replica 1 (rank 4)": (0.5, None)}
+
+
+def test_a_local_ray_instance_holds_the_workers_cpus(monkeypatch):
+    """plan_job sizes a local Ray for the ranks and for TRT-LLM's workers' CPUs (one per device
+    of a hybrid rank): without them its placement groups cannot be reserved on a small machine."""
+    from polyrl.job import JobConfig
+    from polyrl.platform import SIMULATED_PROBES, get_platform
+    from polyrl.topology.launch_plan import plan_job
+    from polyrl.topology.resources import cpus_needed
+
+    import os
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # a local instance, not a cluster to join
+    h100 = get_platform(None, SIMULATED_PROBES["h100"])
+    cfg = JobConfig.model_validate({"rollout": {"backend": "trtllm"}, "ray": {"address": None},
+                                    "actor": {"world_size": 8, "num_cpus_per_worker": 16}})
+    _, ranks = cpus_needed(cfg)
+    assert plan_job(cfg, h100).ray_init["num_cpus"] == max(ranks + 8, os.cpu_count() or 1)
+    vllm = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"backend": "vllm"})})
+    assert plan_job(vllm, h100).ray_init["num_cpus"] == max(ranks, os.cpu_count() or 1)
