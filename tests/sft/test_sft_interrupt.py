@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from signal_runs import finish, wait_for, wait_for_lines
 
 STARTING = re.compile(r"resolved config:")  # logged once the start-up handlers are in place
 
@@ -28,38 +29,8 @@ def start(out: Path, *overrides: str) -> subprocess.Popen:
 
 
 def wait_for_steps(proc: subprocess.Popen, metrics: Path, steps: int) -> str:
-    """Drain the log until `metrics` has a record of step `steps` (each step writes one line;
-    step 0 holds the data counts), checking the file whenever the log is quiet for 0.5 s."""
-    seen = []
-    while not (metrics.is_file() and metrics.read_text().count("\n") > steps):
-        ready, _, _ = select.select([proc.stderr], [], [], 0.5)
-        if ready:
-            line = proc.stderr.readline()
-            if not line:
-                proc.wait()
-                pytest.fail(f"exited ({proc.returncode}) before {steps} steps:\n{''.join(seen)[-4000:]}")
-            seen.append(line)
-    return "".join(seen)
-
-
-def wait_for(proc: subprocess.Popen, pattern: re.Pattern) -> str:
-    seen = []
-    for line in proc.stderr:
-        seen.append(line)
-        if pattern.search(line):
-            return "".join(seen)
-    proc.wait()
-    pytest.fail(f"exited ({proc.returncode}) before logging {pattern.pattern!r}:\n{''.join(seen)[-4000:]}")
-
-
-def finish(proc: subprocess.Popen, seen: str) -> str:
-    try:
-        _, rest = proc.communicate(timeout=200)
-    except subprocess.TimeoutExpired:
-        proc.kill()  # ours: never leave a training process behind
-        _, rest = proc.communicate()
-        pytest.fail(f"still running 200 s after the signal:\n{(seen + rest)[-4000:]}")
-    return seen + rest
+    """Until `metrics` has a record of step `steps` (line 0 holds the data counts)."""
+    return wait_for_lines(proc, metrics, steps + 1)
 
 
 def last_step(out: Path) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -17,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from polyrl.trainer.interrupts import EXIT_CODES
+from signal_runs import finish, wait_for
+from signal_runs import wait_for_lines as wait_for_steps  # a step is one metrics line here
 
 STARTING = re.compile(r"INFO\s+resolved config:")  # logged once the start-up handlers are in place
 FINISHING = re.compile(r"SIGINT received: finishing the current step")
@@ -32,42 +33,6 @@ def start(tiny_model, arith_files, out, *overrides):
          *overrides],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "COLUMNS": "500"})  # log lines unwrapped, so the patterns match
-
-
-def wait_for(proc, pattern: re.Pattern) -> str:
-    """Read the process's log until a line matches `pattern`; what was read comes back."""
-    seen = []
-    for line in proc.stderr:
-        seen.append(line)
-        if pattern.search(line):
-            return "".join(seen)
-    proc.wait()
-    pytest.fail(f"exited ({proc.returncode}) before logging {pattern.pattern!r}:\n{''.join(seen)[-4000:]}")
-
-
-def wait_for_steps(proc, metrics: Path, steps: int) -> str:
-    """Drain the process's log until `metrics` holds `steps` lines (a step is logged nowhere
-    else with the progress bar off); waits on the log pipe, not on a clock."""
-    seen = []
-    while not (metrics.is_file() and metrics.read_text().count("\n") >= steps):
-        ready, _, _ = select.select([proc.stderr], [], [], 0.5)
-        if ready:
-            line = proc.stderr.readline()
-            if not line:
-                proc.wait()
-                pytest.fail(f"exited ({proc.returncode}) before {steps} steps:\n{''.join(seen)[-4000:]}")
-            seen.append(line)
-    return "".join(seen)
-
-
-def finish(proc, seen: str) -> str:
-    try:
-        _, rest = proc.communicate(timeout=200)
-    except subprocess.TimeoutExpired:
-        proc.kill()  # ours: never leave a training process behind
-        _, rest = proc.communicate()
-        pytest.fail(f"still running 200 s after the signal:\n{(seen + rest)[-4000:]}")
-    return seen + rest
 
 
 def test_sigterm_checkpoints_and_exits_143(tiny_model, arith_files, tmp_path):
