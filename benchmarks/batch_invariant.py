@@ -29,7 +29,7 @@ from polyrl.platform import get_platform  # noqa: E402
 from polyrl.rollout.base import SamplingParams  # noqa: E402
 from polyrl.rollout.native.engine import NativeEngine  # noqa: E402
 from polyrl.training import batch_invariant, build_engine  # noqa: E402
-from polyrl.workers.config import ActorConfig  # noqa: E402
+from polyrl.training.config import ActorConfig  # noqa: E402
 from rollout import MODELS, build_model  # noqa: E402  (the same two random-init models)
 
 

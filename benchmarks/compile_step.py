@@ -50,7 +50,7 @@ def _engine(model, dtype: str, compile_mode: str):
     """The engine as a run builds it, with `actor.compile` forced on or off."""
     from polyrl.platform import get_platform
     from polyrl.training.ddp import DDPEngine
-    from polyrl.workers.config import ActorConfig
+    from polyrl.training.config import ActorConfig
 
     cfg = ActorConfig(compute_dtype=dtype, lr=1e-6, compile=compile_mode)
     return DDPEngine(model, cfg, get_platform("cpu"), torch.device("cpu"), horizon=10_000)

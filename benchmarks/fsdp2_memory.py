@@ -59,8 +59,8 @@ def _rank(rank: int, world: int, strategy: str, model_dir: str, store: str, out:
     from polyrl.platform import get_platform
     from polyrl.training import build_engine
     from polyrl.training.checkpoint_io import local_state_bytes
-    from polyrl.workers.config import ActorConfig
-    from polyrl.workers.model_loading import load_causal_lm
+    from polyrl.training.config import ActorConfig
+    from polyrl.training.model_loading import load_causal_lm
 
     torch.set_num_threads(1)
     platform = get_platform("cpu")
@@ -109,8 +109,8 @@ def _sync_rank(rank: int, world: int, model_dir: str, store: str, out: str) -> N
     from polyrl.training.checkpoint_io import model_tensors, write_hf_dir
     from polyrl.weights import WeightSyncConfig, build_transport
     from polyrl.weights.base import WeightStream
-    from polyrl.workers.config import ActorConfig
-    from polyrl.workers.model_loading import load_causal_lm
+    from polyrl.training.config import ActorConfig
+    from polyrl.training.model_loading import load_causal_lm
 
     torch.set_num_threads(1)
     platform = get_platform("cpu")

@@ -135,7 +135,7 @@ def run_pair(model_dir: str, files: dict, out: Path, dtype: str, steps: int, thr
     from trl import GRPOTrainer
 
     from polyrl.trainer.loop import Trainer
-    from polyrl.workers.model_loading import load_tokenizer
+    from polyrl.training.model_loading import load_tokenizer
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(threads)

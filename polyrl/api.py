@@ -130,7 +130,7 @@ def unwrapped(exc: Exception) -> BaseException:
     from polyrl.trainer.interrupts import StartupInterrupted
     from polyrl.training.base import NonFiniteUpdate
     from polyrl.training.lora import LoraError
-    from polyrl.workers.model_loading import ModelLoadError
+    from polyrl.training.model_loading import ModelLoadError
 
     seen: set[int] = set()
     cause: BaseException | None = exc

@@ -18,8 +18,8 @@ from polyrl.data.config import DataConfig
 from polyrl.rewards.config import RewardConfig
 from polyrl.rollout.config import RolloutConfig
 from polyrl.weights.config import WeightSyncConfig
-from polyrl.workers.config import ActorConfig, ModelConfig
-from polyrl.workers.critic_config import CriticConfig
+from polyrl.training.config import ActorConfig, ModelConfig
+from polyrl.training.critic_config import CriticConfig
 
 
 SinkName = Literal["jsonl", "tensorboard", "wandb"]

@@ -153,7 +153,7 @@ def evaluate(model_dir: Path, val_file: Path, n: int, temperature: float, seed: 
     from polyrl.rewards.arithmetic import arithmetic_score
     from polyrl.rollout.base import SamplingParams
     from polyrl.rollout.native.engine import NativeEngine
-    from polyrl.workers.model_loading import load_tokenizer
+    from polyrl.training.model_loading import load_tokenizer
 
     tokenizer = load_tokenizer(str(model_dir))
     rows = []

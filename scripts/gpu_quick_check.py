@@ -104,7 +104,7 @@ def random_model_dir(shape: dict, out: Path, dtype: torch.dtype) -> Path:
 
 
 def load_model(path: Path, dtype: str, device: torch.device) -> torch.nn.Module:
-    from polyrl.workers.model_loading import load_causal_lm
+    from polyrl.training.model_loading import load_causal_lm
 
     return load_causal_lm(str(path), dtype).to(device)
 
@@ -130,7 +130,7 @@ def actor_and_engine(model: torch.nn.Module, strategy: str, device: torch.device
     from polyrl.algorithms.off_policy import OffPolicyConfig
     from polyrl.training import build_engine
     from polyrl.workers.actor import PPOActor
-    from polyrl.workers.config import ActorConfig
+    from polyrl.training.config import ActorConfig
 
     cfg = ActorConfig(**{"strategy": strategy, "lr": 1e-4, "grad_clip": 1.0, **overrides})
     engine = build_engine(model, cfg, get_platform(None), device, rank=0, world_size=1,

@@ -70,7 +70,7 @@ def _guarded(cfg, dry_run_json: bool | None) -> int:
     from polyrl.trainer.checkpoint import CheckpointError
     from polyrl.trainer.sinks import SinkUnavailable
     from polyrl.training.base import NonFiniteUpdate
-    from polyrl.workers.model_loading import ModelLoadError
+    from polyrl.training.model_loading import ModelLoadError
 
     try:
         check_lora(cfg.model)  # before any rank loads the model (LoraError is a ValueError)
@@ -123,7 +123,7 @@ def dry_run(cfg, as_json: bool) -> int:
     from polyrl.data import PromptLoader
     from polyrl.platform import get_platform
     from polyrl.sft.data import load_sft_dataset
-    from polyrl.workers.model_loading import load_tokenizer, model_dir
+    from polyrl.training.model_loading import load_tokenizer, model_dir
 
     platform = get_platform(cfg.platform)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)

@@ -130,7 +130,7 @@ def _fit(cfg) -> int:
     from polyrl.trainer.checkpoint import CheckpointError
     from polyrl.trainer.loop import TrainingError
     from polyrl.trainer.sinks import SinkUnavailable
-    from polyrl.workers.model_loading import ModelLoadError
+    from polyrl.training.model_loading import ModelLoadError
     from polyrl.training.base import NonFiniteUpdate
     from polyrl.training.lora import LoraError
 

@@ -2,7 +2,7 @@
 the same thing (`model.*`, `actor.*` for the optimizer and training engine, `trainer.*`,
 `logging.*`, `platform`), and an SFT `data` section for chat files.
 
-The `actor` section *is* the RL `ActorConfig` (polyrl/workers/config.py), so an SFT run builds its
+The `actor` section *is* the RL `ActorConfig` (polyrl/training/config.py), so an SFT run builds its
 engine with the same `build_engine` call as a policy rank and a new strategy (FSDP2) or dtype
 option reaches SFT unchanged. Its PPO-only keys are refused rather than silently ignored.
 """
@@ -16,7 +16,7 @@ from pydantic import Field, field_validator, model_validator
 
 from polyrl.config import Config
 from polyrl.job import CheckpointConfig
-from polyrl.workers.config import ActorConfig, ModelConfig
+from polyrl.training.config import ActorConfig, ModelConfig
 
 BUILTIN_TRAIN = "builtin:arithmetic_chat_train"
 BUILTIN_VAL = "builtin:arithmetic_chat_val"

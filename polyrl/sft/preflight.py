@@ -9,7 +9,7 @@ exist, no memory is allocated and nothing is read from the weight files.
 from __future__ import annotations
 
 from polyrl.training.lora import LoraError, check_lora_fits
-from polyrl.workers.config import ModelConfig
+from polyrl.training.config import ModelConfig
 
 
 def check_lora(model: ModelConfig) -> None:
@@ -19,7 +19,7 @@ def check_lora(model: ModelConfig) -> None:
         return
     from transformers import AutoConfig
 
-    from polyrl.workers.model_loading import ModelLoadError, model_dir
+    from polyrl.training.model_loading import ModelLoadError, model_dir
 
     directory = model_dir(model.path)
     try:

@@ -35,7 +35,7 @@ from polyrl.trainer.interrupts import TrainingInterrupted, stop_on_signals
 from polyrl.trainer.sinks import build_sinks, check_available, close_all, log_all
 from polyrl.training import build_engine
 from polyrl.training.lora import apply_lora
-from polyrl.workers.model_loading import load_causal_lm, load_tokenizer
+from polyrl.training.model_loading import load_causal_lm, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -53,7 +53,7 @@ from polyrl.trainer.preflight import check_job
 from polyrl.trainer.samples_log import SampleLog, rows_from_batch
 from polyrl.trainer.sinks import build_sinks, check_available
 from polyrl.training.base import NonFiniteUpdate
-from polyrl.workers.model_loading import load_tokenizer
+from polyrl.training.model_loading import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class Trainer:
     def _model_config(self) -> Any:
         from transformers import AutoConfig
 
-        from polyrl.workers.model_loading import model_dir
+        from polyrl.training.model_loading import model_dir
 
         try:
             return AutoConfig.from_pretrained(str(model_dir(self.cfg.model.path)),

@@ -13,7 +13,7 @@ from polyrl.registry import Registry
 from polyrl.training.base import NonFiniteUpdate, StepResult, TrainingEngine
 
 if TYPE_CHECKING:  # a config leaf of a higher package: for the signature only
-    from polyrl.workers.config import ActorConfig
+    from polyrl.training.config import ActorConfig
 
 TRAINING_ENGINES: Registry[type] = Registry("training strategy")
 TRAINING_ENGINES.register("ddp", "polyrl.training.ddp:DDPEngine")

@@ -23,7 +23,7 @@ from polyrl.training import batch_invariant, compiled, lora
 from polyrl.training.lora import merged_named_weights
 from polyrl.training.logprobs import response_logprobs
 from polyrl.training.varlen import setup_packing
-from polyrl.workers.config import ActorConfig
+from polyrl.training.config import ActorConfig
 from polyrl.training.optim import build_optimizer
 from polyrl.weights.base import WeightStream
 

@@ -44,7 +44,7 @@ from polyrl.training import checkpoint_io, lora
 from polyrl.training.ddp import _OPS, DDPEngine
 from polyrl.training.logprobs import response_logprobs
 from polyrl.training.varlen import setup_packing
-from polyrl.workers.config import ActorConfig
+from polyrl.training.config import ActorConfig
 from polyrl.training.optim import build_optimizer
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from polyrl.workers.config import ActorConfig
+from polyrl.training.config import ActorConfig
 
 
 def optimizer_steps_per_train_step(cfg: ActorConfig, num_mini_batches: int) -> int:

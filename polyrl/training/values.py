@@ -23,7 +23,7 @@ def load_value_model(path: str, dtype: torch.dtype, trust_remote_code: bool = Fa
     """The policy architecture with a scalar head per token (the head starts from random)."""
     from transformers import AutoModelForTokenClassification
 
-    from polyrl.workers.model_loading import model_dir
+    from polyrl.training.model_loading import model_dir
 
     model = AutoModelForTokenClassification.from_pretrained(
         str(model_dir(path)), num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code,

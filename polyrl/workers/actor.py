@@ -17,7 +17,7 @@ from polyrl.algorithms import AlgorithmConfig, actor_loss
 from polyrl.algorithms.off_policy import OffPolicyConfig
 from polyrl.batch import RolloutBatch, split_evenly
 from polyrl.training.base import TrainingEngine
-from polyrl.workers.config import ActorConfig
+from polyrl.training.config import ActorConfig
 
 SHARE_METRICS = frozenset({"actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy"})
 """Metrics that are a micro-batch's share of a global mean: summed over micro-batches and ranks."""

@@ -12,7 +12,7 @@ import torch
 from polyrl.algorithms import AlgorithmConfig, value_loss
 from polyrl.batch import RolloutBatch, collate, plan_micro_batches, split_evenly
 from polyrl.training.base import TrainingEngine
-from polyrl.workers.config import ActorConfig
+from polyrl.training.config import ActorConfig
 
 SHARE = ("critic/value_loss",)
 LOCAL = ("critic/vf_clipfrac", "critic/vpred_mean")

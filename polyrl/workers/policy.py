@@ -30,7 +30,7 @@ from polyrl.workers.actor import PPOActor
 from polyrl.workers.critic import CriticUpdate
 from polyrl.rollout.base import SamplingParams
 from polyrl.workers.generation import rollout_rows
-from polyrl.workers.model_loading import load_causal_lm, load_tokenizer
+from polyrl.training.model_loading import load_causal_lm, load_tokenizer
 from polyrl.training.optim import total_optimizer_steps
 from polyrl.workers.rollout_worker import rollout_layout, transport_context
 from polyrl.job import JobConfig

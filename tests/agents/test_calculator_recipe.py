@@ -22,7 +22,7 @@ def job(*overrides: str) -> JobConfig:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from polyrl.workers.model_loading import load_tokenizer
+    from polyrl.training.model_loading import load_tokenizer
 
     return load_tokenizer(job().model.path)
 

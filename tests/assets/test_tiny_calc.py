@@ -21,7 +21,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from polyrl.workers.model_loading import load_tokenizer
+    from polyrl.training.model_loading import load_tokenizer
 
     return load_tokenizer("builtin:tiny-calc")
 

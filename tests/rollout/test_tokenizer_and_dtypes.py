@@ -18,7 +18,7 @@ from polyrl.builtin import resolve
 from polyrl.modeling import DTYPES, load_tokenizer, torch_dtype
 from polyrl.rollout.config import RolloutConfig
 from polyrl.rollout.factory import build_standalone_engine
-from polyrl.workers import model_loading
+from polyrl.training import model_loading
 
 SHIPPED = '''
 from transformers import PreTrainedTokenizerFast

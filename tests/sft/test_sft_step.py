@@ -15,8 +15,8 @@ from polyrl.sft.data import as_batch
 from polyrl.sft.step import evaluate, train_step
 from polyrl.sft.template import Encoded
 from polyrl.training import build_engine
-from polyrl.workers.config import ActorConfig
-from polyrl.workers.model_loading import load_causal_lm
+from polyrl.training.config import ActorConfig
+from polyrl.training.model_loading import load_causal_lm
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
 

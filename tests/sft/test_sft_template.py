@@ -8,7 +8,7 @@ import pytest
 
 from chat_tokenizers import BARE, CHATML, CHATML_GENERATION, NO_TOOLS, REWRITES_HISTORY, chat_tokenizer
 from polyrl.sft import ChatEncoder, TemplateError
-from polyrl.workers.model_loading import load_tokenizer
+from polyrl.training.model_loading import load_tokenizer
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},

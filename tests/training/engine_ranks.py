@@ -17,8 +17,8 @@ from polyrl.batch import Ragged, RolloutBatch, plan_micro_batches, shard
 from polyrl.platform import get_platform
 from polyrl.training import build_engine
 from polyrl.workers.actor import PPOActor
-from polyrl.workers.config import ActorConfig
-from polyrl.workers.model_loading import load_causal_lm
+from polyrl.training.config import ActorConfig
+from polyrl.training.model_loading import load_causal_lm
 
 SHARE_KEYS = ("actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/nonfinite_skipped")
 """Metrics that are global by construction (the per-token local means are averaged over ranks)."""

@@ -31,7 +31,7 @@ from polyrl.rollout.native import invariant as inv  # noqa: E402
 from polyrl.rollout.native.engine import NativeEngine  # noqa: E402
 from polyrl.training import batch_invariant, build_engine  # noqa: E402
 from polyrl.workers.actor import PPOActor  # noqa: E402
-from polyrl.workers.config import ActorConfig  # noqa: E402
+from polyrl.training.config import ActorConfig  # noqa: E402
 
 ARCHS = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16")

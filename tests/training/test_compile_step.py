@@ -89,8 +89,8 @@ def one_layer_model(tmp_path_factory) -> str:
 def test_compiled_engine_trains_like_eager(one_layer_model):
     from polyrl.platform import get_platform
     from polyrl.training.ddp import DDPEngine
-    from polyrl.workers.config import ActorConfig
-    from polyrl.workers.model_loading import load_causal_lm
+    from polyrl.training.config import ActorConfig
+    from polyrl.training.model_loading import load_causal_lm
 
     torch._dynamo.reset()
     model = load_causal_lm(one_layer_model, "float32", False)

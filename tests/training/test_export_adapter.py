@@ -21,7 +21,7 @@ def lora_checkpoint(tiny_model, tmp_path_factory):
     from polyrl.algorithms import AlgorithmConfig
     from polyrl.algorithms.off_policy import OffPolicyConfig
     from polyrl.workers.actor import PPOActor
-    from polyrl.workers.model_loading import load_causal_lm
+    from polyrl.training.model_loading import load_causal_lm
 
     platform = get_platform("cpu")
     device = platform.torch_device(0)

@@ -59,7 +59,7 @@ def test_two_ranks_match_ddp_on_one(ddp_one_rank, fsdp2_two_ranks):
 
 
 def test_weights_moved(ddp_one_rank, tiny_model):
-    from polyrl.workers.model_loading import load_causal_lm
+    from polyrl.training.model_loading import load_causal_lm
 
     start = dict(load_causal_lm(tiny_model).named_parameters())
     moved = max((ddp_one_rank["weights"][k] - start[k]).abs().max().item() for k in ddp_one_rank["weights"])
@@ -67,7 +67,7 @@ def test_weights_moved(ddp_one_rank, tiny_model):
 
 
 def test_shards_halve_memory_and_sync_gathers_one_tensor_at_a_time(fsdp2_two_ranks, tiny_model):
-    from polyrl.workers.model_loading import load_causal_lm
+    from polyrl.training.model_loading import load_causal_lm
 
     ranks, _ = fsdp2_two_ranks
     full = sum(p.numel() * 4 for p in load_causal_lm(tiny_model).parameters())
@@ -130,7 +130,7 @@ def test_model_without_decoder_layers_names_the_strategy():
 
 
 def test_decoder_layers_of_a_transformers_model(tiny_model):
-    from polyrl.workers.model_loading import load_causal_lm
+    from polyrl.training.model_loading import load_causal_lm
 
     layers = decoder_layers(load_causal_lm(tiny_model))
     assert [type(m).__name__ for m in layers] == ["Qwen2DecoderLayer"] * 2

@@ -27,7 +27,7 @@ def build(model_path: str, strategy: str, rank: int, world_size: int):
     from polyrl.training import build_engine
     from polyrl.training.lora import LoraConfig, apply_lora
     from polyrl.workers.actor import PPOActor
-    from polyrl.workers.model_loading import load_causal_lm
+    from polyrl.training.model_loading import load_causal_lm
 
     platform = get_platform("cpu")
     device = platform.torch_device(0)
@@ -80,7 +80,7 @@ def runs(tiny_model, tmp_path_factory):
 
 
 def test_two_fsdp2_ranks_train_lora_as_one_ddp_rank(runs, tiny_model):
-    from polyrl.workers.model_loading import load_causal_lm
+    from polyrl.training.model_loading import load_causal_lm
 
     ddp, fsdp2, _ = runs
     for r in fsdp2.values():

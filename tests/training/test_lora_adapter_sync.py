@@ -18,7 +18,7 @@ from polyrl.training.lora import (LoraConfig, adapter_named_tensors, adapter_spe
 
 @pytest.fixture()
 def trained_lora(tiny_model):
-    from polyrl.workers.model_loading import load_causal_lm
+    from polyrl.training.model_loading import load_causal_lm
 
     torch.manual_seed(0)
     model = apply_lora(load_causal_lm(tiny_model), LoraConfig(lora_rank=4, lora_alpha=12,

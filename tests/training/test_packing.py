@@ -181,7 +181,7 @@ def test_setup_packing_resolves_per_engine():
 
 
 def test_config_field():
-    from polyrl.workers.config import ActorConfig
+    from polyrl.training.config import ActorConfig
 
     assert ActorConfig().packing == "auto"
     assert ActorConfig(packing=True).packing == "on"  # YAML reads a bare on as a boolean

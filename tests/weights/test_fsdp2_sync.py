@@ -46,8 +46,8 @@ def tracked(engine, live: list[int]) -> WeightStream:
 def sync_world(rank: int, world_size: int, model_path: str) -> dict:
     from polyrl.rollout.native.engine import NativeEngine
     from polyrl.training import build_engine
-    from polyrl.workers.config import ActorConfig
-    from polyrl.workers.model_loading import load_causal_lm
+    from polyrl.training.config import ActorConfig
+    from polyrl.training.model_loading import load_causal_lm
 
     platform = get_platform("cpu")
     groups = build_groups(LAYOUT, rank, backend=platform.dist_backend(), timeout_s=60)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from polyrl.batch import split_evenly
-from polyrl.workers.config import ActorConfig
+from polyrl.training.config import ActorConfig
 from polyrl.training.optim import build_optimizer, optimizer_steps_per_train_step, total_optimizer_steps
 
 LR = 1e-3

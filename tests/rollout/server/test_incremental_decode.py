@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 from polyrl.rollout.base import TokenOutput
 from polyrl.rollout.server.openai_format import IncrementalDecoder, TokenText
 from polyrl.rollout.server.openai_stream import SampleText
-from polyrl.workers.model_loading import load_tokenizer
+from polyrl.training.model_loading import load_tokenizer
 
 TEXT = "héllo wörld → 日本語, ok. " * 12
 BOUND = 16
