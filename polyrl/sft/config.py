@@ -15,8 +15,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from polyrl.config import Config
-from polyrl.job import CheckpointConfig
 from polyrl.training.config import ActorConfig, ModelConfig
+from polyrl.training.run_config import RunConfig
 
 BUILTIN_TRAIN = "builtin:arithmetic_chat_train"
 BUILTIN_VAL = "builtin:arithmetic_chat_val"
@@ -77,29 +77,13 @@ class SFTDataConfig(Config):
         return self
 
 
-class SFTTrainerConfig(CheckpointConfig):
-    """Checkpoint keys as `polyrl train` (CheckpointConfig); a finished checkpoint's policy/ is
-    the fine-tuned model."""
+class SFTTrainerConfig(RunConfig):
+    """The keys of `polyrl train`'s trainer (polyrl/training/run_config.py) with SFT's defaults; a
+    finished checkpoint's policy/ is the fine-tuned model."""
 
     total_epochs: int = Field(2, ge=1)
-    """Passes over the training data when total_steps is not set."""
-    total_steps: int | None = Field(None, ge=1)
-    """Optimizer steps (default: total_epochs x batches per epoch)."""
-    seed: int = 0
-    """Seed of initialisation-time randomness (dropout, if the model has any)."""
     output_dir: str = "outputs/polyrl-sft"
-    """Where metrics, checkpoints and summary.json go."""
     val_every: int = Field(20, ge=0)
-    """Validate every this many steps (0: only before and after training)."""
-    val_before_train: bool = True
-    """Validate before the first step (the `initial_val_loss` of summary.json)."""
-    log_every: int = Field(1, ge=1)
-    """Write metrics every this many steps."""
-    progress_bar: bool = True
-    """Show a live progress bar on the console."""
-    save_on_interrupt: bool = True
-    """On Ctrl-C / SIGTERM, finish the current step and write a checkpoint before exiting
-    (exit code 130 / 143, as `polyrl train`)."""
 
 
 class SFTLoggingConfig(Config):
