@@ -65,6 +65,13 @@ class ActorConfig(Config):
     """How the ranks share the model: ddp replicates it and all-reduces gradients (one flat
     all-reduce per optimizer step); fsdp2 shards parameters, gradients and optimizer state per
     decoder layer over the ranks (PyTorch FSDP2; docs/training.md, "DDP or FSDP2")."""
+    sequence_parallel_size: int = Field(1, ge=1)
+    """Ranks that split each packed sequence along its tokens (DeepSpeed-Ulysses: an all-to-all
+    of attention heads around each attention layer, polyrl/training/ulysses.py), so a sequence k
+    times longer trains at about the same activation memory per rank. Must divide world_size;
+    the other world_size / k ways stay data parallel (the mesh: polyrl/training/mesh.py). Needs
+    packed micro-batches (actor.packing auto or on; auto always packs under it) and a model whose
+    attention heads and key-value heads divide by k (docs/training.md, "Sequence parallelism")."""
     offload: bool = False
     """fsdp2 only: keep the parameter shards and optimizer state in host memory, moving each
     layer to the device for its forward/backward (no effect on a CPU platform)."""
@@ -96,6 +103,20 @@ class ActorConfig(Config):
         if self.offload and self.strategy != "fsdp2":
             raise ValueError(f"actor.offload=true needs actor.strategy=fsdp2 ({self.strategy} keeps the "
                              "whole model on the device); set actor.strategy=fsdp2 or actor.offload=false")
+        return self
+
+    @model_validator(mode="after")
+    def _sequence_parallel_fits(self) -> "ActorConfig":
+        k = self.sequence_parallel_size
+        if k == 1:
+            return self
+        if self.world_size % k:
+            raise ValueError(f"actor.sequence_parallel_size={k} does not divide actor.world_size={self.world_size}; "
+                             f"set actor.world_size to a multiple of {k}")
+        if self.packing == "off":
+            raise ValueError(f"actor.sequence_parallel_size={k} splits packed rows: set actor.packing=auto or on")
+        if self.compile == "on":
+            raise ValueError(f"actor.sequence_parallel_size={k} runs eagerly: set actor.compile=auto or off")
         return self
 
     @field_validator("compile", "packing", mode="before")

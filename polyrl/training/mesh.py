@@ -1,0 +1,159 @@
+"""The training ranks as a device mesh: named axes, computed without any process group.
+
+Modelled on torchtitan's `ParallelDims`: the policy's `actor.world_size` ranks are laid out
+row-major over the axes below (outermost first, the last axis varies fastest, so the ranks of a
+sequence-parallel group are neighbours: on one node when ranks are packed by node):
+
+    dp_replicate  data parallel, full replica per rank (actor.strategy=ddp)
+    dp_shard      data parallel, parameters sharded over its ranks (actor.strategy=fsdp2)
+    sp            sequence parallel (DeepSpeed-Ulysses, training/ulysses.py): the ranks of one
+                  group hold the same samples, each a 1/sp slice of every packed row's tokens
+    tp            tensor parallel: declared, not implemented (refused by `validate`)
+
+Which ranks do what:
+
+* The *data* axes (dp_replicate, dp_shard) shard the batch: the driver hands rank r the shard
+  `data_rank(r)` of `data_parallel_size`, the same shard to every rank of one sp group
+  (polyrl/topology/worker_group.py), and keeps one answer per sp group.
+* Sums over samples (token counts, metrics) run over the data axes only: the ranks of one sp
+  group already hold the same, gathered, values (`data_group`).
+* Gradients are summed over the data *and* sp axes (`gradient_group`; torchtitan's
+  dp_shard_cp): each rank of an sp group back-propagates only its own tokens' share.
+
+The module is pure arithmetic, so the dry run shows the groups without starting anything; the
+engines turn them into process groups (training/mesh_groups.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+
+AXES = ("dp_replicate", "dp_shard", "sp", "tp")
+"""Mesh axes, outermost first (ranks are numbered row-major: `tp` varies fastest)."""
+DATA_AXES = ("dp_replicate", "dp_shard")
+"""The axes over which the batch is sharded."""
+
+
+class MeshError(ValueError):
+    """A mesh that does not fit the ranks or is not implemented; the message names the key."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    sp: int = 1
+    tp: int = 1
+
+    def __post_init__(self):
+        for axis in AXES:
+            if getattr(self, axis) < 1:
+                raise MeshError(f"mesh axis {axis}={getattr(self, axis)}: every axis needs at least 1 rank")
+
+    @classmethod
+    def from_actor(cls, actor) -> "ParallelDims":
+        """The mesh of an `ActorConfig` (or a critic's copy of it): `world_size` ranks,
+        `sequence_parallel_size` per sp group, the rest data parallel, replicated (ddp) or
+        sharded (fsdp2)."""
+        world = actor.world_size
+        sp = getattr(actor, "sequence_parallel_size", 1)
+        if world % sp:
+            raise MeshError(f"actor.sequence_parallel_size={sp} does not divide actor.world_size={world}: "
+                            f"set actor.world_size to a multiple of {sp}")
+        dp = world // sp
+        if actor.strategy == "fsdp2":
+            return cls(dp_shard=dp, sp=sp)
+        return cls(dp_replicate=dp, sp=sp)
+
+    # --- sizes ----------------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, axis) for axis in AXES)
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for size in self.shape:
+            n *= size
+        return n
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Shards of the batch: ranks with different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.sp > 1
+
+    # --- coordinates and groups -----------------------------------------------------------------
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """{axis: index} of `rank` (its position in the policy's ranks, 0-based)."""
+        if not 0 <= rank < self.world_size:
+            raise MeshError(f"rank {rank} is outside the mesh of {self.world_size} ranks ({self.describe()})")
+        coords, rest = {}, rank
+        for axis, size in reversed(list(zip(AXES, self.shape))):
+            coords[axis] = rest % size
+            rest //= size
+        return {axis: coords[axis] for axis in AXES}
+
+    def rank_of(self, coordinates: dict[str, int]) -> int:
+        rank = 0
+        for axis, size in zip(AXES, self.shape):
+            rank = rank * size + coordinates.get(axis, 0)
+        return rank
+
+    def data_rank(self, rank: int) -> int:
+        """Which batch shard `rank` trains on (0 .. data_parallel_size - 1)."""
+        c = self.coordinates(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def sequence_rank(self, rank: int) -> int:
+        """`rank`'s slice of each packed row's tokens (0 .. sp - 1)."""
+        return self.coordinates(rank)["sp"]
+
+    def group_of(self, rank: int, axes: tuple[str, ...]) -> tuple[int, ...]:
+        """The ranks that differ from `rank` only along `axes` (`rank` included), ascending."""
+        c = self.coordinates(rank)
+        free = [range(getattr(self, a)) if a in axes else (c[a],) for a in AXES]
+        return tuple(sorted(self.rank_of(dict(zip(AXES, point))) for point in product(*free)))
+
+    def groups_along(self, axes: tuple[str, ...]) -> list[tuple[int, ...]]:
+        """Every group along `axes`, in order of their lowest rank (each rank in exactly one)."""
+        return sorted({self.group_of(r, axes) for r in range(self.world_size)})
+
+    def data_group(self, rank: int) -> tuple[int, ...]:
+        """Ranks whose samples differ and whose sums combine (metrics, token counts)."""
+        return self.group_of(rank, DATA_AXES)
+
+    def sequence_group(self, rank: int) -> tuple[int, ...]:
+        """Ranks that split one row's tokens (the Ulysses all-to-all)."""
+        return self.group_of(rank, ("sp",))
+
+    def gradient_group(self, rank: int) -> tuple[int, ...]:
+        """Ranks whose gradients are summed (and over which fsdp2 shards): data and sp axes."""
+        return self.group_of(rank, (*DATA_AXES, "sp"))
+
+    def groups(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(axis, member ranks) of every group of every axis with more than one rank, outermost
+        axis first: what the dry run shows."""
+        out = []
+        for axis, size in zip(AXES, self.shape):
+            if size > 1:
+                out.extend((axis, members) for members in self.groups_along((axis,)))
+        return out
+
+    def validate(self) -> None:
+        """Refuse what the engines do not implement, with the key to change."""
+        if self.tp > 1:
+            raise MeshError(f"tensor parallelism in training (tp={self.tp}) is not implemented; "
+                            "train with data and sequence parallelism (actor.sequence_parallel_size)")
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            raise MeshError(f"hybrid sharding (dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}) "
+                            "is not implemented; use actor.strategy=ddp or fsdp2 over all data ranks")
+
+    def describe(self) -> str:
+        """One line: the axes with more than one rank, e.g. `4 ranks: dp_shard=2 x sp=2`."""
+        axes = [f"{axis}={size}" for axis, size in zip(AXES, self.shape) if size > 1]
+        return f"{self.world_size} rank{'s' if self.world_size != 1 else ''}: " + (" x ".join(axes) or "single")
