@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 from pathlib import Path
 
 import polyrl
@@ -41,7 +42,17 @@ def run(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise CLIError(f"unknown benchmark '{args.name}'; available: {', '.join(available()) or 'none'} "
                        f"(benchmarks need a source checkout: pip install -e .)")
-    spec = importlib.util.spec_from_file_location(f"polyrl_bench_{args.name}", path)
+    return int(load(args.name).main(args.args) or 0)
+
+
+def load(name: str):
+    """benchmarks/NAME.py as a module, importable siblings included: benchmarks share helpers
+    (`from logprobs import cpu_flags`, `from _tiny import MODELS`) as they do when run as
+    `python benchmarks/NAME.py`, where Python puts their directory first on sys.path."""
+    if str(BENCH_DIR) not in sys.path:
+        sys.path.insert(0, str(BENCH_DIR))
+    spec = importlib.util.spec_from_file_location(f"polyrl_bench_{name}", BENCH_DIR / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there while it executes
     spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return int(module.main(args.args) or 0)
+    return module
