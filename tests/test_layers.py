@@ -1,6 +1,8 @@
-"""Imports point down (docs/architecture.md, "Layers"): a module imports, at module level, only
-modules of its own layer or below. Config modules are leaves (they import nothing but the config
-machinery), so the job schema (polyrl/job.py) may assemble them from any layer."""
+"""Imports point down (docs/architecture.md, "Layers"): a module imports only modules of its own
+layer or below, at module level and inside functions alike, with no exemption. Config modules
+(`*/config.py`, `*_config.py`) are leaves: at module level they import, from polyrl, only the
+config machinery (polyrl.config) and other config modules, so any layer can read a config class
+without importing what it configures."""
 
 from __future__ import annotations
 
@@ -59,18 +61,50 @@ def module_level_imports(tree: ast.Module) -> list[str]:
     return out
 
 
-def test_imports_point_down():
-    wrong = []
+def all_imports(tree: ast.Module) -> list[str]:
+    """Every import in the module, wherever it runs (module level, functions, TYPE_CHECKING)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append(node.module)
+        elif isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+    return out
+
+
+def polyrl_modules() -> list[tuple[str, ast.Module]]:
+    out = []
     for path in sorted(ROOT.rglob("*.py")):
         module = "polyrl." + ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        out.append((module, ast.parse(path.read_text())))
+    return out
+
+
+def test_imports_point_down():
+    wrong = []
+    for module, tree in polyrl_modules():
         own = layer(module)
         if own is None:
             continue
-        for target in module_level_imports(ast.parse(path.read_text())):
+        for target in all_imports(tree):
             theirs = layer(target)
-            if theirs is not None and theirs > own and not is_config_leaf(target):
+            if theirs is not None and theirs > own:
                 wrong.append(f"{module} imports {target}")
-    assert not wrong, "imports pointing up:\n" + "\n".join(wrong)
+    assert not wrong, ("imports pointing up (a config module counts in its package's layer: what a "
+                       "lower layer must read, e.g. job.py validating a topology, belongs in a lower "
+                       "layer):\n" + "\n".join(wrong))
+
+
+def test_config_modules_are_leaves():
+    wrong = []
+    for module, tree in polyrl_modules():
+        if not is_config_leaf(module):
+            continue
+        for target in module_level_imports(tree):
+            if (target.startswith("polyrl.") and target.split(".")[:2] != ["polyrl", "config"]
+                    and not is_config_leaf(target)):
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, "config modules importing more than configs:\n" + "\n".join(wrong)
 
 
 def test_every_package_has_a_layer():
