@@ -17,6 +17,7 @@ from polyrl.config import Config
 from polyrl.data.config import DataConfig
 from polyrl.rewards.config import RewardConfig
 from polyrl.rollout.config import RolloutConfig
+from polyrl.distributed.topologies import TopologySpec, topology_of
 from polyrl.weights.config import WeightSyncConfig
 from polyrl.training.config import ActorConfig, ModelConfig
 from polyrl.training.critic_config import CriticConfig
@@ -157,47 +158,44 @@ class JobConfig(Config):
             raise ValueError(
                 f"actor.mini_batch_size={mini} must divide data.train_batch_size="
                 f"{self.data.train_batch_size} (prompts per optimizer step)")
-        if self.data.train_batch_size % self.actor.world_size and self.rollout.placement == "hybrid":
+        self._check_topology()
+        return self
+
+    def _check_topology(self) -> None:
+        """What the selected topology (polyrl/distributed/topologies.py) allows: one check, from the
+        same table the launch plan reads."""
+        try:
+            spec = self.topology
+            spec.transport(self.weights.transport)
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
+        if spec.colocated_engine and self.rollout.num_replicas > 1:
+            raise ValueError("num_replicas > 1 needs rollout.placement=standalone (hybrid placement runs one "
+                             "engine per trainer rank)")
+        if spec.colocated_engine and self.data.train_batch_size % self.actor.world_size:
             raise ValueError(
                 f"data.train_batch_size={self.data.train_batch_size} must be a multiple of "
                 f"actor.world_size={self.actor.world_size}: each rank's engine generates an equal share")
-        if self.trainer.mode == "async":
-            if self.rollout.placement != "standalone":
-                raise ValueError(
-                    "trainer.mode=async needs rollout.placement=standalone (rollout replicas on "
-                    "their own actors keep generating while the trainer trains); set "
-                    "rollout.placement=standalone")
-        try:
-            self.weights.resolve(self.rollout.placement, self.trainer.mode)
-        except ValueError as exc:
-            raise ValueError(str(exc)) from None
-        return self
 
-    @model_validator(mode="after")
-    def _hybrid_syncs_in_place(self) -> "JobConfig":
-        # a hybrid engine lives in each trainer process and reads the trainer's weights in place;
-        # a collective or object-store transport would be accepted and never used
-        transport = self.weights.transport
-        if self.rollout.placement == "hybrid" and transport in ("broadcast", "object_store"):
-            raise ValueError(
-                f"weights.transport={transport} has no receiver under rollout.placement=hybrid "
-                "(the engine shares the trainer's process and weights); set weights.transport=auto "
-                "(in_place), or rollout.placement=standalone to send weights to replicas")
-        return self
+    @property
+    def topology(self) -> TopologySpec:
+        """The topology rollout.placement x trainer.mode select (polyrl/distributed/topologies.py)."""
+        return topology_of(self)
 
     @property
     def weight_transport(self) -> str:
-        """The transport this run uses (`weights.transport` resolved for placement and mode)."""
-        return self.weights.resolve(self.rollout.placement, self.trainer.mode)
+        """The transport this run uses (`weights.transport` resolved by the topology)."""
+        return self.topology.transport(self.weights.transport)
 
     @property
     def resolved_weights(self) -> WeightSyncConfig:
         """The weights section with `auto` replaced by `weight_transport`; a background publish
-        only in async mode (in sync mode the replicas wait for each version at once, so nothing
-        would overlap, and a foreground publish reports its errors to the trainer directly)."""
+        only where generation overlaps training (streaming): in a synchronous topology the
+        replicas wait for each version at once, so nothing would overlap, and a foreground
+        publish reports its errors to the trainer directly."""
         return self.weights.model_copy(update={
             "transport": self.weight_transport,
-            "background_publish": self.weights.background_publish and self.trainer.mode == "async",
+            "background_publish": self.weights.background_publish and not self.topology.on_policy,
         })
 
     @property

@@ -1,4 +1,9 @@
-"""Rollout configuration: which engine, where it runs, and how it samples."""
+"""Rollout configuration: which engine, where it runs, and how it samples.
+
+A config leaf: it imports only the config machinery at module level; the validators read the
+backend list (polyrl/backends.py, layer 0) when they run. Which topology `placement` selects,
+and what that allows, is decided in polyrl/distributed/topologies.py and checked by the job schema
+(polyrl/job.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +11,6 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from polyrl.backends import ENGINE_PROCESS_BACKENDS, backend_names, check_backend
 from polyrl.config import Config
 
 
@@ -95,15 +99,14 @@ class RolloutConfig(Config):
     @field_validator("backend")
     @classmethod
     def _registered(cls, value: str) -> str:
+        from polyrl.backends import check_backend
+
         return check_backend(value)
 
     @model_validator(mode="after")
     def _check(self) -> "RolloutConfig":
-        if self.placement == "hybrid" and self.num_replicas > 1:
-            raise ValueError(
-                "num_replicas > 1 needs rollout.placement=standalone (hybrid placement runs one "
-                "engine per trainer rank)"
-            )
+        from polyrl.backends import ENGINE_PROCESS_BACKENDS, backend_names
+
         unknown = set(self.engine_kwargs) - set(backend_names())
         if unknown:
             raise ValueError(

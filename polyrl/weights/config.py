@@ -70,19 +70,8 @@ class WeightSyncConfig(Config):
 
     def resolve(self, placement: str, mode: str = "sync") -> str:
         """The transport to use under rollout `placement` (hybrid / standalone) and trainer
-        `mode` (sync / async: a replacement for a dead replica must fetch the current weights,
-        which only the object store can give; `auto` picks it)."""
-        if mode == "async":
-            if self.transport not in ("auto", "object_store"):
-                raise ValueError(
-                    f"weights.transport={self.transport} cannot serve trainer.mode=async: "
-                    "a replacement for a dead replica must fetch the current weights, which a "
-                    "fixed collective group cannot give; use weights.transport=auto (object_store)")
-            return "object_store"
-        if self.transport == "auto":
-            return "in_place" if placement == "hybrid" else "broadcast"
-        if self.transport == "in_place" and placement != "hybrid":
-            raise ValueError(
-                "weights.transport=in_place needs rollout.placement=hybrid (a standalone engine "
-                "lives in another process); use weights.transport=broadcast or object_store")
-        return self.transport
+        `mode`: what the topology they select allows (polyrl/distributed/topologies.py decides; a
+        ValueError names the fix)."""
+        from polyrl.distributed.topologies import select_topology
+
+        return select_topology(placement, mode).transport(self.transport)
