@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # GPU check of the vLLM / SGLang / TensorRT-LLM adapters and of placement: for every installed
 # engine, the adapter tests on the real engine, every actor's device for hybrid and standalone
-# placement (`python -m polyrl.placement.probe`: probe actors started with the run's own Ray
-# options report the GPU Ray gave them), then 2-step GRPO runs (`polyrl train`) in hybrid and
-# standalone placement in bf16 and, where the model allows, hybrid with FP8 rollout. Prints one
-# PASS / FAIL / SKIP line per check and exits non-zero if any check failed.
+# placement (`polyrl placement`: probe actors started with the run's own Ray options report the
+# GPU Ray gave them; TensorRT-LLM's engine starters also place stand-ins of its Ray workers in
+# their bundles), then 2-step GRPO runs (`polyrl train`) in hybrid and standalone placement in
+# bf16 and, where the model allows, hybrid with FP8 rollout. Prints one PASS / FAIL / SKIP line
+# per check and exits non-zero if any check failed.
 #
 #   scripts/gpu_check.sh [MODEL_DIR]
 #   scripts/gpu_check.sh --quick [--json PATH]   # torch only, a few minutes (gpu_quick_check.py)
@@ -93,7 +94,7 @@ devices() {  # name engine [overrides...]: every actor on its planned device
   local t; t=$(budget)
   if [ "$t" -eq 0 ]; then failures=$((failures + 1)); echo "FAIL $name (total timeout ${TOTAL}s reached)"; return; fi
   local log="$work/$name.log"
-  timeout "$t" python -m polyrl.placement.probe model.path="$model" rollout.backend="$engine" \
+  timeout "$t" python -m polyrl placement model.path="$model" rollout.backend="$engine" \
     rollout.max_model_len=256 actor.num_cpus_per_worker=1 "$@" >"$log" 2>&1
   local rc=$?
   grep -E '^(PASS|FAIL) device' "$log" | sed "s/^/  [$name] /"

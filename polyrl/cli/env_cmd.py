@@ -6,8 +6,10 @@ import argparse
 import json
 import os
 
-from polyrl.cli.common import add_config_args, choose_platform, load_job_config
+from polyrl.cli.common import CLIError, add_config_args, choose_platform, load_job_config
 from polyrl.envplan import BACKENDS, MODES, PLACEMENTS, ROLES, PlanContext, build_plan
+from polyrl.envplan.plan import hosts_engine
+from polyrl.envplan.rules import BUNDLE_BACKENDS, PLACEMENT_BUNDLE_VAR
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,6 +28,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--capability", metavar="MAJOR.MINOR",
                    help="simulate a device capability, e.g. 10.0 for GB200")
     p.add_argument("--backend-version", help="assume this engine version (default: installed)")
+    p.add_argument("--bundle", type=int, metavar="INDEX",
+                   help="the environment of a TensorRT-LLM engine starter started in placement-group "
+                   f"bundle INDEX ({PLACEMENT_BUNDLE_VAR}; `polyrl train --dry-run` shows each "
+                   "actor's), e.g. --backend trtllm --platform h100 --bundle 1")
     p.add_argument("--json", action="store_true",
                    help="print an object: variable -> {value, source, reason}")
     add_config_args(p)
@@ -45,8 +51,30 @@ def plan_for(args: argparse.Namespace):
         placement=args.placement or cfg.rollout.placement,
         mode=args.mode or cfg.trainer.mode,
         backend_version=args.backend_version or installed_version(backend),
+        placement_bundle=args.bundle,
     )
+    if args.bundle is not None:
+        check_bundle(ctx)
     return build_plan(ctx, user_env=os.environ, config_env=cfg.env)
+
+
+def check_bundle(ctx: PlanContext) -> None:
+    """`--bundle` where a run tells an actor its bundle (polyrl/topology/launch_plan.py:in_bundles):
+    an engine that starts Ray workers in its starter's bundles, in a process that starts the
+    engine, on a platform whose devices Ray places. Anything else would show a variable no
+    actor gets."""
+    if ctx.placement_bundle < 0:
+        raise CLIError(f"--bundle: expected a bundle index >= 0, got {ctx.placement_bundle}")
+    if ctx.backend not in BUNDLE_BACKENDS:
+        raise CLIError(f"--bundle: only {', '.join(sorted(BUNDLE_BACKENDS))} engine starters are told "
+                       f"their bundle; the {ctx.backend} engine runs in its actor's own reservation "
+                       "(add --backend trtllm)")
+    if not hosts_engine(ctx):
+        raise CLIError(f"--bundle: the {ctx.role} role starts no engine in {ctx.placement} "
+                       "placement; use --role rollout (or --role trainer --placement hybrid)")
+    if not ctx.platform.ray_resource:
+        raise CLIError(f"--bundle: on {ctx.platform.name} TensorRT-LLM places no Ray workers in "
+                       "polyrl's bundles; add --platform cuda or a machine such as h100")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
 
     c = plan.context
     title = (f"environment plan: role={c.role} backend={c.backend} placement={c.placement} "
-             f"mode={c.mode} platform={c.platform.describe()}")
+             f"mode={c.mode} platform={c.platform.describe()}"
+             + (f" bundle={c.placement_bundle}" if c.placement_bundle is not None else ""))
     table = Table(title=title, show_lines=False, expand=False)
     for col in ("variable", "value", "source", "reason"):
         table.add_column(col, overflow="fold")

@@ -11,7 +11,8 @@ from polyrl.cli.common import CLIError, fail, setup_logging
 
 SUBCOMMANDS = {"train": "polyrl.cli.train", "env": "polyrl.cli.env_cmd", "doctor": "polyrl.cli.doctor",
                "serve": "polyrl.cli.serve", "bench": "polyrl.cli.bench", "plot": "polyrl.cli.plot",
-               "sft": "polyrl.cli.sft", "export": "polyrl.cli.export"}
+               "sft": "polyrl.cli.sft", "export": "polyrl.cli.export",
+               "placement": "polyrl.cli.placement_check"}
 """command -> its module (imported when the parser is built; each defines `add_parser`)."""
 
 
