@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Awaitable, Sequence, TypeVar
+from typing import Any, Awaitable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
-from polyrl.rollout.base import RolloutInputError, SamplingParams, StopReason, TokenOutput
+import torch
+
+from polyrl.rollout.base import RolloutInputError, SamplingParams, StopReason, TokenOutput, WeightUpdateError
 
 T = TypeVar("T")
 
@@ -70,6 +73,47 @@ def sampled_logprobs(token_ids: Sequence[int], per_position: Sequence[Any] | Non
         raise RuntimeError(f"engine returned {0 if per_position is None else len(per_position)} "
                            f"log-prob records for {len(token_ids)} tokens")
     return [float(pick(rec, tok)) for rec, tok in zip(per_position, token_ids)]
+
+
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+def update_stream(named_tensors: NamedTensors, version: Any, *, fp8: bool = False,
+                  drain: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The start every adapter's `update_weights` shares: `version` must be an int (checked
+    now, before anything is sent), the (name, tensor) pairs of a mapping or an iterable, each
+    tensor detached and, with `fp8` (polyrl's block FP8 quantized on the sending side),
+    quantized. Lazy (a weight stream is never held whole) unless `drain`: then the source is
+    read to its end here, on the caller's thread, before the quantizer (the SGLang adapter's
+    order: its pieces are consumed on the engine loop's thread)."""
+    if not isinstance(version, int):
+        raise WeightUpdateError(f"version must be an int, got {type(version).__name__}")
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    named: Iterable[tuple[str, torch.Tensor]] = (
+        (n, t.detach() if isinstance(t, torch.Tensor) else t) for n, t in items)
+    if drain:
+        named = list(named)
+    if fp8:
+        from polyrl.weights.fp8 import quantize_named_tensors
+
+        named = quantize_named_tensors(named)
+    return iter(named)
+
+
+@contextlib.contextmanager
+def partial_update_guard(engine: str, version: int,
+                         passthrough: tuple[type[Exception], ...] = ()) -> Iterator[None]:
+    """Turn a failure inside a piece-by-piece update into the one `WeightUpdateError` every
+    adapter raises: the engine may hold a mix of versions now, and the message says so.
+    `passthrough` exceptions (already naming the fix) go through unchanged."""
+    try:
+        yield
+    except passthrough:
+        raise
+    except Exception as exc:
+        raise WeightUpdateError(f"{engine} weight update to version {version} failed part-way "
+                                f"({exc}); the engine's weights are inconsistent until the next "
+                                "successful update") from exc
 
 
 class EngineLoop:

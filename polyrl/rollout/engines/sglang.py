@@ -30,14 +30,21 @@ from __future__ import annotations
 
 import threading
 from types import SimpleNamespace
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 import torch
 from packaging.version import Version
 
 from polyrl.backends import SGLANG_ANY_THREAD_SINCE, SGLANG_WEIGHT_SESSION_SINCE
-from polyrl.rollout.base import SamplingParams, TokenOutput, WeightUpdateError
-from polyrl.rollout.engines.common import DEFAULT_CONTROL_TIMEOUT_S, AsyncEngineAdapter, sampled_logprobs
+from polyrl.rollout.base import SamplingParams, TokenOutput
+from polyrl.rollout.engines.common import (
+    DEFAULT_CONTROL_TIMEOUT_S,
+    AsyncEngineAdapter,
+    NamedTensors,
+    partial_update_guard,
+    sampled_logprobs,
+    update_stream,
+)
 from polyrl.rollout.engines.weight_flush import iter_flushes
 
 SLEEP_TAGS = ("kv_cache", "weights")
@@ -189,19 +196,12 @@ class SGLangEngine(AsyncEngineAdapter):
         return outs
 
     # --- control ---------------------------------------------------------------------------------
-    def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                       version: int) -> None:
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         from sglang.srt.managers import io_struct
         from sglang.srt.utils import MultiprocessingSerializer
 
-        if not isinstance(version, int):
-            raise WeightUpdateError(f"version must be an int, got {type(version).__name__}")
-        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        named: Iterable[tuple[str, torch.Tensor]] = [(n, t.detach()) for n, t in items]
-        if self.fp8:
-            from polyrl.weights.fp8 import quantize_named_tensors
-
-            named = quantize_named_tensors(named)
+        # read whole on this thread, quantized (sending side) as the pieces are cut
+        named = update_stream(named_tensors, version, fp8=self.fp8, drain=True)
 
         io = SimpleNamespace(
             UpdateWeightsFromTensorReqInput=io_struct.UpdateWeightsFromTensorReqInput,
@@ -215,12 +215,8 @@ class SGLangEngine(AsyncEngineAdapter):
             await push_weight_pieces(self._tm, iter_flushes(named, self.bucket_bytes),
                                      tp_size=self.tp_size, session=self.weight_session, io=io)
 
-        try:
+        with partial_update_guard("SGLang", version):
             self._control(push(), f"update_weights to version {version}")
-        except Exception as exc:
-            raise WeightUpdateError(f"SGLang weight update to version {version} failed part-way "
-                                    f"({exc}); the engine's weights are inconsistent until the "
-                                    "next successful update") from exc
         self._version = version
 
     async def _resume(self, tags: list[str]) -> None:

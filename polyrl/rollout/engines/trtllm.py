@@ -23,12 +23,19 @@ from __future__ import annotations
 
 import base64
 import pickle
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import torch
 
 from polyrl.rollout.base import SamplingParams, TokenOutput, WeightUpdateError
-from polyrl.rollout.engines.common import DEFAULT_CONTROL_TIMEOUT_S, AsyncEngineAdapter, sampled_logprobs
+from polyrl.rollout.engines.common import (
+    DEFAULT_CONTROL_TIMEOUT_S,
+    AsyncEngineAdapter,
+    NamedTensors,
+    partial_update_guard,
+    sampled_logprobs,
+    update_stream,
+)
 from polyrl.rollout.engines.weight_flush import PushResult, push_to_replica, read_hf_config
 
 WEIGHT_TAGS = ("sampler", "drafter", "guided_decoder", "spec_resource_manager", "model_extra",
@@ -94,19 +101,27 @@ def quantizes_fp8(launch_args: Mapping[str, Any]) -> bool:
 
     return builds_polyrl_fp8(dict(launch_args), "trtllm")
 
+
 BUNDLE_ENV = "POLYRL_PLACEMENT_BUNDLE"
-"""The placement-group bundle index polyrl's launcher starts an actor in (Ray tells an actor its
-group, not its bundle)."""
+"""The placement-group bundle index polyrl's launcher starts an engine-starting actor in (Ray
+tells an actor its group, not its bundle; the environment plan's `placement` source sets it)."""
 
 
 def placement(tp: int, given: Mapping[str, Any] | None = None,
               env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """`AsyncLLM`'s placement arguments for an engine started in this actor: the placement group
-    it runs in and the bundles of its replica's `tp` devices, which start at its own bundle
-    (polyrl/placement/ray_groups.py gives a node's actors bundles in device order, a replica's
-    ranks side by side, the engine host first). The bundle comes from `given`
-    (`placement_bundle_indices` in the launch arguments) or the `POLYRL_PLACEMENT_BUNDLE`
-    variable. Empty outside a placement group: TRT-LLM then asks Ray for devices as it likes."""
+    it runs in and the bundles of its replica's `tp` devices, which start at its own bundle.
+
+    The actor that starts the engine (a hybrid policy rank, or a standalone replica's leader:
+    a rank like the others, not an engine host) asks Ray for the rest of its device
+    (`1 - TRTLLM_WORKER_GPU_SHARE`, polyrl/rollout/launch_args.py) while its bundle keeps the
+    whole device plus a CPU; TRT-LLM's Ray workers, one per TP rank, each ask for
+    `per_worker_gpu_share` (0.5) of a device in these bundles
+    (polyrl/topology/launch_plan.py:beside_engine_worker). polyrl/placement/ray_groups.py gives
+    a node's actors bundles in device order, a replica's ranks side by side, its leader first.
+    The bundle comes from `given` (`placement_bundle_indices` in the launch arguments) or the
+    `POLYRL_PLACEMENT_BUNDLE` variable. Empty outside a placement group: TRT-LLM then asks Ray
+    for devices as it likes."""
     import os
 
     import ray
@@ -119,7 +134,7 @@ def placement(tp: int, given: Mapping[str, Any] | None = None,
         return {"placement_groups": [group], "placement_bundle_indices": given["placement_bundle_indices"]}
     bundle = (os.environ if env is None else env).get(BUNDLE_ENV)
     if bundle is None or not bundle.isdigit():
-        raise RuntimeError(f"the TensorRT-LLM engine host runs in a placement group but {BUNDLE_ENV} "
+        raise RuntimeError(f"the actor starting TensorRT-LLM runs in a placement group but {BUNDLE_ENV} "
                            "does not name its bundle; set rollout.engine_kwargs.trtllm."
                            "placement_bundle_indices=[[first, ..., last]]")
     index = int(bundle)
@@ -189,8 +204,7 @@ class TRTLLMEngine(AsyncEngineAdapter):
         self._control(self.engine.collective_rpc("update_weights", args=(handles,)),
                       "update_weights" if handles is not None else "finalize update_weights")
 
-    def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                       version: int) -> None:
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         """This process is the whole replica (group=None). Multi-process replicas: every rank
         calls `push_rank_weights` and the leader's adapter is passed as `engine`."""
         push_rank_weights(named_tensors, version, engine=self, group=None, fp8=self.fp8,
@@ -234,36 +248,22 @@ class TRTLLMEngine(AsyncEngineAdapter):
         super().shutdown()
 
 
-def push_rank_weights(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                      version: int, *, engine: TRTLLMEngine | None, group: Any, fp8: bool,
-                      budget_bytes: int, hf_config: Any,
+def push_rank_weights(named_tensors: NamedTensors, version: int, *, engine: TRTLLMEngine | None,
+                      group: Any, fp8: bool, budget_bytes: int, hf_config: Any,
                       timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> PushResult:
     """Every rank of a replica calls this with its weights (its shard, on its device); `engine`
     is the adapter on the replica leader and None elsewhere; `fp8` (rollout.quantization=fp8)
     quantizes on this rank before sending. On success the leader's engine serves `version`."""
-    if not isinstance(version, int):
-        raise WeightUpdateError(f"version must be an int, got {type(version).__name__}")
-    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-    named: Iterable[tuple[str, torch.Tensor]] = ((n, t.detach()) for n, t in items)
-    if fp8:
-        from polyrl.weights.fp8 import quantize_named_tensors
-
-        named = quantize_named_tensors(named)
+    named = update_stream(named_tensors, version, fp8=fp8)
     if engine is not None:
         engine._before_update()
-    try:
+    with partial_update_guard("TensorRT-LLM", version, passthrough=(WeightUpdateError,)):
         result = push_to_replica(
             named, make_payload=device_payload,
             apply=engine._apply if engine is not None else None,
             finish=(lambda: engine._apply(None)) if engine is not None else None,
             budget_bytes=budget_bytes, group=group, hf_config=hf_config, engine=engine,
             timeout_s=timeout_s)
-    except WeightUpdateError:
-        raise
-    except Exception as exc:
-        raise WeightUpdateError(f"TensorRT-LLM weight update to version {version} failed "
-                                f"part-way ({exc}); the engine's weights are inconsistent until "
-                                "the next successful update") from exc
     if engine is not None:
         engine._version = version
     return result

@@ -36,7 +36,14 @@ import logging
 import torch
 
 from polyrl.rollout.base import SamplingParams, TokenOutput, WeightUpdateError
-from polyrl.rollout.engines.common import DEFAULT_CONTROL_TIMEOUT_S, AsyncEngineAdapter, sampled_logprobs
+from polyrl.rollout.engines.common import (
+    DEFAULT_CONTROL_TIMEOUT_S,
+    AsyncEngineAdapter,
+    NamedTensors,
+    partial_update_guard,
+    sampled_logprobs,
+    update_stream,
+)
 from polyrl.rollout.engines.vllm_worker import encode_tensor
 from polyrl.rollout.engines.weight_flush import iter_flushes
 
@@ -196,11 +203,8 @@ class VLLMEngine(AsyncEngineAdapter):
         return outs
 
     # --- control ---------------------------------------------------------------------------------
-    def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                       version: int) -> None:
-        if not isinstance(version, int):
-            raise WeightUpdateError(f"version must be an int, got {type(version).__name__}")
-        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        items: Iterable[tuple[str, torch.Tensor]] = update_stream(named_tensors, version)
         if self.lora_adapters:  # adapters are small: look at the whole update first
             items = list(items)
             if is_adapter_update(n for n, _ in items):
@@ -223,12 +227,8 @@ class VLLMEngine(AsyncEngineAdapter):
             await self.engine.reset_prefix_cache()
             return loaded
 
-        try:
+        with partial_update_guard("vLLM", version):
             self._control(push(), f"update_weights to version {version}")
-        except Exception as exc:  # the engine may hold a mix of versions now: say so
-            raise WeightUpdateError(f"vLLM weight update to version {version} failed part-way "
-                                    f"({exc}); the engine's weights are inconsistent until the "
-                                    "next successful update") from exc
         self._version = version
 
     def _load_adapter(self, items: list[tuple[str, torch.Tensor]], version: int) -> None:

@@ -17,7 +17,8 @@ that passes tensors through).
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -83,6 +84,50 @@ def restore_packed_linear_weights(model: Any) -> int:
     return restored
 
 
+def forwarded_quant_methods(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules whose `quant_method` is not their own but reached through `__getattr__`.
+
+    With `enable_lora`, vLLM wraps each linear layer in a LoRA layer (vllm/lora/layers/base.py,
+    `BaseLayerWithLoRA.__getattr__`) that forwards every public attribute it lacks to its
+    `base_layer`, `quant_method` included. vLLM's `process_weights_after_loading`
+    (vllm/model_executor/model_loader/utils.py) post-processes every module of
+    `model.named_modules()` that answers `quant_method`, so it meets each linear layer twice:
+    as the wrapper, then as its base layer. A module owning `quant_method` (an instance or class
+    attribute) is a real layer; one that only forwards it is a wrapper."""
+    found = []
+    for module in model.modules():
+        if getattr(module, "quant_method", None) is None:
+            continue
+        if "quant_method" in vars(module) or any("quant_method" in vars(c) for c in type(module).__mro__):
+            continue
+        found.append(module)
+    return found
+
+
+@contextlib.contextmanager
+def wrappers_skipped(model: torch.nn.Module) -> Iterator[int]:
+    """For the duration, the LoRA wrappers answer `quant_method = None`, so vLLM's
+    `process_weights_after_loading` post-processes each layer once, as its base layer.
+
+    Why: on the CPU build, processing the wrapper runs `dispatch_cpu_unquantized_gemm(wrapper,
+    remove_weight=True)` (vllm/model_executor/layers/utils.py), whose `layer.weight =
+    nn.Parameter(...)` cannot replace the wrapper's read-only `weight` property
+    (vllm/lora/layers/base_linear.py): `KeyError: "attribute 'weight' already exists"`, every
+    layer after it left unpacked. On any build, processing a wrapper would post-process its base
+    layer's weights a second time (a GPU FP8 method would requantize them). vLLM itself never
+    meets this: it post-processes at load, before it wraps the layers for LoRA. Only the
+    instances' own attribute dictionaries change, and they are restored on exit. Yields how
+    many wrappers were skipped."""
+    wrappers = forwarded_quant_methods(model)
+    for module in wrappers:
+        object.__setattr__(module, "quant_method", None)
+    try:
+        yield len(wrappers)
+    finally:
+        for module in wrappers:
+            vars(module).pop("quant_method", None)
+
+
 class PolyrlWorkerExtension:
     def polyrl_begin_update(self, fp8: bool) -> None:
         """Start a version: FP8 rollout quantizes every bucket here (the receiving side)."""
@@ -106,6 +151,8 @@ class PolyrlWorkerExtension:
         """Post-process the loaded weights (FP8 layers repack here); returns tensors loaded."""
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-        process_weights_after_loading(self.model_runner.model, self.model_config, self.device)
+        model = self.model_runner.model
+        with wrappers_skipped(model):  # enable_lora: each layer once (see wrappers_skipped)
+            process_weights_after_loading(model, self.model_config, self.device)
         self._polyrl_version = version
         return getattr(self, "_polyrl_loaded", 0)

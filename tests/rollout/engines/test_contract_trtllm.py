@@ -59,7 +59,7 @@ def test_sleep_config_is_not_what_these_releases_export(version):
         == ["tensorrt_llm.llmapi:SleepConfig: tensorrt_llm.llmapi has no SleepConfig"]
 
 
-# --- placement: TRT-LLM's workers go into the engine host's bundles (issue 28) ------------------------
+# --- placement: TRT-LLM's workers go into the bundles of the actor that starts it (issue 28) -------------
 
 def test_an_engine_host_in_a_placement_group_hands_trtllm_its_replicas_bundles(ray_session):
     ray = ray_session
