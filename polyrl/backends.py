@@ -4,7 +4,15 @@ Config validation (`rollout.backend`, `rollout.engine_kwargs`), the engine facto
 missing-package hints, the environment plan and `polyrl doctor` all read `ROLLOUT_BACKENDS`,
 so a backend is added in one place: here for the built-in ones, or from a separate package
 through the `polyrl.rollout_backends` entry-point group (`name = "module:EngineClass"`), loaded
-in every process that asks (Ray workers included), or in-process with `register_backend`.
+in every process that asks (Ray workers included), or in-process with `register_backend`. A
+config may also name a backend by import path (`rollout.backend: mypkg.engine:MyEngine`): it is
+resolved, checked and registered under that string in whichever process first asks for it.
+
+Each backend declares what its engine can do (`EngineCapabilities`: tensor parallelism, sleep,
+log-prob numerics, partial rollout, ...) as data, so the trainer, its pre-flight, the dry run
+and `polyrl doctor` ask the capabilities rather than the backend's name, and none of them has
+to import an engine to know. A plugin declares its own: a `capabilities` class attribute on its
+engine class, or a `RolloutBackend` spec it exports (docs/engine_plugins.md).
 
 It also holds what polyrl supports of each engine package: the version range (`supported`),
 checked by `polyrl doctor` and before an engine starts (`check_engine_version`), and the names
@@ -17,15 +25,64 @@ This module sits below rollout, envplan and config users on purpose: it imports 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, Callable, Iterator, Mapping
 
-from polyrl.registry import Registry
+from polyrl.config.targets import IMPORT_PATH_FORMS, is_file_target, is_import_path, split_import_path
+from polyrl.registry import Registry, import_target
 
 ENTRY_POINT_GROUP = "polyrl.rollout_backends"
+
+DTYPE_NAMES = frozenset({"float32", "bfloat16", "float16"})
+"""The dtype names `rollout.dtype` and the actor's dtypes take (polyrl/modeling.py)."""
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What a rollout engine can do, declared as data. Every field defaults to the conservative
+    answer (the engine cannot), so an engine that declares nothing still trains correctly: the
+    loop recomputes old log-probs and the pre-flight refuses layouts it cannot serve."""
+
+    tensor_parallel: bool = False
+    """One replica may span several devices (rollout.tensor_parallel_size > 1)."""
+    sleep: bool = False
+    """`sleep()` frees device memory (KV cache, ...) while the trainer works; without it the
+    call keeps everything resident (still callable)."""
+    trainer_logprob_dtypes: frozenset[str] = frozenset()
+    """The dtypes in which the engine's log-probs are the trainer's own numerics (same weights,
+    same forward, same precision), so rollout log-probs can serve as PPO's old log-probs
+    (actor.old_logprobs=auto) when rollout.dtype, actor.param_dtype and actor.compute_dtype
+    are all one of them. Empty: always recompute."""
+    partial_rollout: bool = False
+    """`abort_all()` returns each request's tokens so far (stop_reason="aborted") and a request
+    resubmitted with them continues it: async.partial_rollout=abort."""
+    lora_adapters: bool = False
+    """Serves a LoRA adapter sent on its own (rollout.lora_mode=adapter)."""
+    fp8: bool = False
+    """Serves block-FP8 weights (rollout.quantization=fp8)."""
+    batch_invariant: bool = False
+    """Has the trainer's batch-invariant forward (rollout.batch_invariant=true)."""
+
+    def __post_init__(self):
+        dtypes = frozenset(self.trainer_logprob_dtypes)
+        if not dtypes <= DTYPE_NAMES:
+            raise ValueError(f"EngineCapabilities.trainer_logprob_dtypes: {sorted(dtypes - DTYPE_NAMES)} "
+                             f"not among {sorted(DTYPE_NAMES)}")
+        object.__setattr__(self, "trainer_logprob_dtypes", dtypes)  # a list or set is accepted
+
+    def logprobs_match_trainer(self, rollout_dtype: str, param_dtype: str, compute_dtype: str) -> bool:
+        """Whether the engine's log-probs equal the trainer's for these dtypes: all three the
+        same, and one the engine declares."""
+        return rollout_dtype == param_dtype == compute_dtype and rollout_dtype in self.trainer_logprob_dtypes
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["trainer_logprob_dtypes"] = sorted(self.trainer_logprob_dtypes)
+        return out
 
 
 @dataclass(frozen=True)
@@ -46,26 +103,58 @@ class RolloutBackend:
     (">=0.5.10,<0.6"); None: any."""
     distribution: str | None = None
     """The package's name on the index when it differs from the import name (tensorrt-llm)."""
+    capabilities: EngineCapabilities = EngineCapabilities()
+    """What the engine can do (see `EngineCapabilities`); read without importing the engine."""
 
     def engine_class(self) -> type:
-        module, _, attr = self.engine.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        module, attr = split_import_path(self.engine)
+        return getattr(import_target(module, "polyrl_user_backend_"), attr)
+
+
+class BackendError(ValueError):
+    """A backend named by import path or entry point that cannot be used, as one line."""
+
+
+ENGINE_MEMBERS = ("abort_all", "eos_token_ids", "from_model", "generate", "generate_batch", "health",
+                  "sleep", "update_weights", "wake_up")
+"""What the `RolloutEngine` protocol (polyrl/rollout/base.py, a layer above this one) requires
+of an engine class; a plugin's class is checked against it. tests/rollout/test_engine_protocol.py
+keeps it equal to the protocol's members."""
 
 
 class _Backends(Registry[RolloutBackend]):
-    """A registry that first loads the entry-point plugins, whatever is asked of it."""
+    """The registered backends (built-in, `register_backend`, entry points) plus those named by
+    import path. Entry-point plugins are loaded first, whatever is asked; each one's target, and
+    each import path, is imported and checked the first time it is asked for (`load_backend`).
+    `names()` lists the registered ones only: an import path is valid without being listed."""
+
+    def __init__(self, kind: str):
+        super().__init__(kind)
+        self._paths: dict[str, RolloutBackend] = {}
 
     def get(self, name: str) -> RolloutBackend:
         _load_entry_points()
-        return super().get(name)
+        if Registry.__contains__(self, name):
+            entry = self._entries[name]
+            if isinstance(entry, str):  # an entry point's "module:attr", resolved on first use
+                self._entries[name] = load_backend(name, entry)
+            return super().get(name)
+        if isinstance(name, str) and is_import_path(name):
+            if name not in self._paths:
+                self._paths[name] = load_backend(name, name)
+            return self._paths[name]
+        return super().get(name)  # RegistryError listing the valid names
 
     def names(self) -> list[str]:
         _load_entry_points()
         return super().names()
 
     def __contains__(self, name: object) -> bool:
-        _load_entry_points()
-        return super().__contains__(name)
+        try:
+            self.get(name)  # type: ignore[arg-type]
+        except (KeyError, ValueError):
+            return False
+        return True
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
@@ -76,13 +165,82 @@ ROLLOUT_BACKENDS: _Backends = _Backends("rollout backend")
 
 def register_backend(name: str, engine: str, *, package: str | None = None, extra: str | None = None,
                      engine_processes: bool = False, supported: str | None = None,
-                     distribution: str | None = None) -> RolloutBackend:
+                     distribution: str | None = None,
+                     capabilities: EngineCapabilities = EngineCapabilities()) -> RolloutBackend:
     """Add a rollout backend; `engine` is the engine class's dotted path ("module:Class")."""
     if ":" not in engine:
         raise ValueError(f"rollout backend '{name}': engine must be a dotted path 'module:Class', "
                          f"got {engine!r}")
     return ROLLOUT_BACKENDS.register(name, RolloutBackend(name, engine, package, extra, engine_processes,
-                                                          supported, distribution))
+                                                          supported, distribution, capabilities))
+
+
+def load_backend(name: str, target: str) -> RolloutBackend:
+    """The backend `target` ("module:attr" or "/path/file.py:attr") points at, under `name`.
+
+    `attr` is either a `RolloutBackend` spec (its engine stays a dotted path, imported when an
+    engine is built, so its capabilities are read without importing the engine) or an engine
+    class, checked against the `RolloutEngine` protocol, whose `capabilities` class attribute
+    (its own, not inherited: a subclass may change what its base did) is its declaration;
+    none declared: `EngineCapabilities()`. Raises BackendError (one line)."""
+    module_name, attr = split_import_path(target)
+    if not module_name:
+        raise BackendError(f"{target!r} is not 'package.module:Name' or '/path/to/file.py:Name'")
+    module = _import_module(target, module_name)
+    if not hasattr(module, attr):
+        raise BackendError(f"{target!r}: {module_name} has no attribute {attr!r}")
+    obj = getattr(module, attr)
+    if isinstance(obj, RolloutBackend):
+        if not is_import_path(obj.engine):
+            raise BackendError(f"{target!r}: its engine must be a dotted path 'module:Class', got {obj.engine!r}")
+        _check_capabilities(obj.capabilities, target)
+        return dataclasses.replace(obj, name=name)
+    if not isinstance(obj, type):
+        raise BackendError(f"{target!r} is {type(obj).__name__}, not a rollout engine class or a "
+                           "RolloutBackend (polyrl.backends)")
+    _check_engine_class(obj, target)
+    declared = vars(obj).get("capabilities", EngineCapabilities())
+    _check_capabilities(declared, target)
+    return RolloutBackend(name, target, capabilities=declared)
+
+
+def _import_module(target: str, module_name: str) -> Any:
+    try:
+        return import_target(module_name, "polyrl_user_backend_")
+    except FileNotFoundError as exc:
+        raise BackendError(f"{target!r}: no file {exc}") from None
+    except ModuleNotFoundError as exc:
+        if not is_file_target(module_name) and exc.name and (module_name + ".").startswith(exc.name + "."):
+            raise BackendError(f"{target!r}: no module {exc.name!r} here; put the directory that "
+                               "holds it on PYTHONPATH, or pip install its package (docs/engine_plugins.md)"
+                               ) from None
+        raise BackendError(f"{target!r}: importing {module_name} raised {_one_line(exc)}") from None
+    except Exception as exc:  # the plugin's own module failed while it was imported
+        raise BackendError(f"{target!r}: importing {module_name} raised {_one_line(exc)}; fix the module") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    """"Type: message (at file, line N)" of the innermost frame."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = f" (at {tb.tb_frame.f_code.co_filename}, line {tb.tb_lineno})" if tb is not None else ""
+    message = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {message}{where}"
+
+
+def _check_engine_class(cls: type, target: str) -> None:
+    missing = [n for n in ENGINE_MEMBERS if not hasattr(cls, n)]
+    if missing:
+        raise BackendError(f"{target!r} is not a rollout engine: {cls.__name__} lacks {', '.join(missing)} "
+                           "(the RolloutEngine protocol, polyrl/rollout/base.py); subclass "
+                           "polyrl.rollout.native.engine:NativeEngine or implement them")
+
+
+def _check_capabilities(capabilities: Any, target: str) -> None:
+    if not isinstance(capabilities, EngineCapabilities):
+        raise BackendError(f"{target!r}: capabilities must be an EngineCapabilities (polyrl.backends), "
+                           f"got {type(capabilities).__name__}")
 
 
 # The ranges: the lowest version whose API has everything the adapter calls (ENGINE_CONTRACTS),
@@ -92,32 +250,51 @@ def register_backend(name: str, engine: str, *, package: str | None = None, extr
 # adapter then builds it on the calling thread, which must be the main one); the weight-update
 # session of 0.5.21+ is opened and closed around every update.
 # TensorRT-LLM: `AsyncLLM` with its placement arguments and `enable_sleep` (1.1, 1.2).
-register_backend("native", "polyrl.rollout.native.engine:NativeEngine")
+# Capabilities: the built-in engine computes log-probs with the trainer's forward, equal in
+# float32 (bf16 / fp16 round differently in its fused kernels; docs/native_engine.md); the GPU
+# engines use kernels of their own in every dtype. Every engine's abort_all returns partial
+# outputs (polyrl/workers/partial_rollout.py continues them).
+register_backend("native", "polyrl.rollout.native.engine:NativeEngine", capabilities=EngineCapabilities(
+    sleep=True, trainer_logprob_dtypes=frozenset({"float32"}), partial_rollout=True, batch_invariant=True))
+_GPU_ENGINE = EngineCapabilities(tensor_parallel=True, sleep=True, partial_rollout=True, fp8=True)
 register_backend("vllm", "polyrl.rollout.engines.vllm:VLLMEngine", package="vllm", extra="vllm",
-                 engine_processes=True, supported=">=0.10.1,<0.34")
+                 engine_processes=True, supported=">=0.10.1,<0.34",
+                 capabilities=dataclasses.replace(_GPU_ENGINE, lora_adapters=True))
 register_backend("sglang", "polyrl.rollout.engines.sglang:SGLangEngine", package="sglang",
-                 extra="sglang", engine_processes=True, supported=">=0.5.6,<0.6")
+                 extra="sglang", engine_processes=True, supported=">=0.5.6,<0.6", capabilities=_GPU_ENGINE)
 register_backend("trtllm", "polyrl.rollout.engines.trtllm:TRTLLMEngine", package="tensorrt_llm",
                  extra="trtllm", engine_processes=True, supported=">=1.1,<1.3",
-                 distribution="tensorrt-llm")
+                 distribution="tensorrt-llm", capabilities=_GPU_ENGINE)
 
 
 @functools.lru_cache(maxsize=1)
 def _load_entry_points() -> None:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if not Registry.__contains__(ROLLOUT_BACKENDS, ep.name):
-            register_backend(ep.name, ep.value)
+            # the target, resolved (imported and checked) when the backend is first asked for
+            Registry.register(ROLLOUT_BACKENDS, ep.name, ep.value)
 
 
 def backend_names() -> list[str]:
+    """The registered backends' names (import-path backends are valid without being listed)."""
     return ROLLOUT_BACKENDS.names()
 
 
 def check_backend(name: str) -> str:
-    """`name` if it is a registered backend, else a ValueError listing the valid ones."""
-    if name not in ROLLOUT_BACKENDS:
-        raise ValueError(f"{name!r} is not one of {', '.join(backend_names())}")
-    return name
+    """`name` if it is a registered backend or the import path of a usable one (imported and
+    checked here), else a one-line ValueError: the valid names, or what is wrong with the
+    plugin (BackendError)."""
+    if is_import_path(name) or name in backend_names():
+        ROLLOUT_BACKENDS.get(name)
+        return name
+    hint = f"; a plugin by import path is {IMPORT_PATH_FORMS}" if "." in str(name) or "/" in str(name) else ""
+    raise ValueError(f"{name!r} is not one of {', '.join(backend_names())}{hint}")
+
+
+def capabilities(name: str) -> EngineCapabilities:
+    """What backend `name`'s engine can do (a registered name or an import path); built-in
+    backends' are data here, so asking imports no engine."""
+    return ROLLOUT_BACKENDS.get(name).capabilities
 
 
 class BackendView(Mapping[str, Any]):
@@ -129,14 +306,25 @@ class BackendView(Mapping[str, Any]):
         self._select, self._value = select, value
 
     def _chosen(self) -> dict[str, RolloutBackend]:
-        backends = (ROLLOUT_BACKENDS.get(n) for n in ROLLOUT_BACKENDS.names())
-        return {b.name: b for b in backends if self._select(b)}
+        out = {}
+        for name in ROLLOUT_BACKENDS.names():
+            try:
+                backend = ROLLOUT_BACKENDS.get(name)
+            except BackendError:  # a broken plugin is no choice; naming it says what is wrong
+                continue
+            if self._select(backend):
+                out[name] = backend
+        return out
 
     def __getitem__(self, name: str) -> Any:
-        chosen = self._chosen()
-        if name not in chosen:
+        """Any backend, an import path included (iteration lists the registered ones)."""
+        try:
+            backend = ROLLOUT_BACKENDS.get(name)
+        except (KeyError, ValueError):
+            raise KeyError(name) from None
+        if not self._select(backend):
             raise KeyError(name)
-        return self._value(chosen[name])
+        return self._value(backend)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._chosen())

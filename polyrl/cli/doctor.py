@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Literal, Mapping
 
-from polyrl.backends import PACKAGED_BACKENDS, ROLLOUT_BACKENDS, version_problem
+from polyrl.backends import (
+    PACKAGED_BACKENDS,
+    ROLLOUT_BACKENDS,
+    BackendError,
+    EngineCapabilities,
+    is_import_path,
+    version_problem,
+)
 from polyrl.cli.common import add_config_args, load_job_config
 from polyrl.envplan import PlanContext, build_plan
 from polyrl.platform import Platform, PlatformError, get_platform
@@ -62,6 +69,41 @@ def engine_version_findings(versions: dict[str, str | None], backend: str) -> li
         problem = version_problem(name, versions.get(package)) if package else None
         if problem:
             found.append(Finding("error" if name == backend else "warn", package, problem))
+    return found
+
+
+CAPABILITY_LABELS = {"tensor_parallel": "tensor parallel", "sleep": "sleep frees memory",
+                     "partial_rollout": "partial rollout", "lora_adapters": "LoRA adapters",
+                     "fp8": "FP8", "batch_invariant": "batch-invariant"}
+"""How doctor names each `EngineCapabilities` flag (trainer_logprob_dtypes is spelled out)."""
+
+
+def describe_capabilities(caps: EngineCapabilities) -> str:
+    """One line: what the engine can and cannot do, and the dtypes of its trainer-exact log-probs."""
+    can = [label for field, label in CAPABILITY_LABELS.items() if getattr(caps, field)]
+    cannot = [label for field, label in CAPABILITY_LABELS.items() if not getattr(caps, field)]
+    dtypes = ", ".join(sorted(caps.trainer_logprob_dtypes)) or "none (old log-probs recomputed)"
+    return (f"can: {', '.join(can) or 'nothing declared'}; cannot: {', '.join(cannot) or '-'}; "
+            f"log-probs equal the trainer's in: {dtypes}")
+
+
+def capability_findings(versions: Mapping[str, str | None], backend: str) -> list[Finding]:
+    """What each installed engine can do (its declared `EngineCapabilities`, polyrl/backends.py),
+    the run's own backend included when it is a plugin named by import path. A plugin that
+    cannot be loaded is an error when the run uses it, else a warning."""
+    names = ROLLOUT_BACKENDS.names()
+    if is_import_path(backend) and backend not in names:
+        names.append(backend)
+    found = []
+    for name in names:
+        try:
+            spec = ROLLOUT_BACKENDS.get(name)
+        except (BackendError, KeyError) as exc:
+            found.append(Finding("error" if name == backend else "warn", f"{name} engine", str(exc)))
+            continue
+        if spec.package is not None and not versions.get(spec.package):
+            continue  # not installed: its package line says so
+        found.append(Finding("info", f"{name} engine", describe_capabilities(spec.capabilities)))
     return found
 
 
@@ -131,6 +173,7 @@ def collect(env: Mapping[str, str] | None = None, backend: str = "native",
         else:
             findings.append(Finding("info", name, "not installed"))
     findings.extend(engine_version_findings(versions, backend))
+    findings.extend(capability_findings(versions, backend))
     findings.append(check_ray(env.get("RAY_ADDRESS")))
     findings.extend(check_environment(platform, env, backend, placement))
     return findings
@@ -139,8 +182,9 @@ def collect(env: Mapping[str, str] | None = None, backend: str = "native",
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("doctor", help="check this machine, its engines and its environment",
                        description="Inspect the real machine: platform and devices, visible-"
-                       "device variables, engine versions, Ray reachability and known-bad "
-                       "settings. Exits 1 when something is an error.")
+                       "device variables, engine versions and what each installed engine can "
+                       "do, Ray reachability and known-bad settings. Exits 1 when something is "
+                       "an error.")
     add_config_args(p)
     p.set_defaults(func=run)
 

@@ -113,7 +113,11 @@ class RolloutEngine(Protocol):
     """What the trainer, the workers and the server call on an engine (the built-in one in
     `native/engine.py`, the GPU adapters in `engines/`). Generation is async (`generate`) or a
     blocking batch (`generate_batch`, what rollout workers call); control calls are
-    synchronous. Engines that can stream tokens also implement `StreamingRolloutEngine`."""
+    synchronous. Engines that can stream tokens also implement `StreamingRolloutEngine`.
+
+    What an engine can do beyond this (tensor parallelism, freeing memory in `sleep`, log-probs
+    in the trainer's numerics, partial rollout, ...) is declared, not probed: its backend's
+    `EngineCapabilities` (polyrl/backends.py), which callers ask instead of the backend's name."""
 
     weight_version: int
     """The version of the weights being served (stamped on every output)."""

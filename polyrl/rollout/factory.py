@@ -15,7 +15,13 @@ from typing import Any
 
 import torch
 
-from polyrl.backends import PACKAGED_BACKENDS, installed_engine_version, version_problem
+from polyrl.backends import (
+    PACKAGED_BACKENDS,
+    ROLLOUT_BACKENDS,
+    BackendError,
+    installed_engine_version,
+    version_problem,
+)
 from polyrl.platform import Platform, current_platform
 from polyrl.rollout.base import ROLLOUT_ENGINES
 from polyrl.rollout.config import RolloutConfig
@@ -30,7 +36,18 @@ class EngineUnavailable(RuntimeError):
 
 def require_backend(backend: str) -> None:
     """One-line error naming the extra to install when an engine is missing, or the version to
-    install when the installed one is outside polyrl's supported range."""
+    install when the installed one is outside polyrl's supported range; for a plugin named by
+    import path (or entry point) that cannot be used, what is wrong with it. In a Ray worker
+    this is where a plugin is first imported."""
+    try:
+        ROLLOUT_BACKENDS.get(backend)
+    except BackendError as exc:
+        raise EngineUnavailable(f"rollout.backend: {exc}") from None
+    except KeyError:
+        raise EngineUnavailable(
+            f"rollout.backend={backend}: no adapter is registered in this polyrl version; "
+            f"available: {', '.join(ROLLOUT_ENGINES.names())}"
+        ) from None
     if backend in EXTRAS:
         module, extra = EXTRAS[backend]
         if importlib.util.find_spec(module) is None:
@@ -40,11 +57,6 @@ def require_backend(backend: str) -> None:
         problem = version_problem(backend, installed_version(backend))
         if problem:
             raise EngineUnavailable(problem)
-    if backend not in ROLLOUT_ENGINES:
-        raise EngineUnavailable(
-            f"rollout.backend={backend}: no adapter is registered in this polyrl version; "
-            f"available: {', '.join(ROLLOUT_ENGINES.names())}"
-        )
 
 
 def installed_version(backend: str) -> str | None:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from polyrl.algorithms import compute_advantages, kl_penalized_rewards, overlong_penalty
+from polyrl.backends import capabilities
 from polyrl.batch import Ragged, RolloutBatch
 from polyrl.builtin import resolve
 from polyrl.config import to_yaml
@@ -60,6 +61,21 @@ logger = logging.getLogger(__name__)
 __all__ = ["Trainer", "TrainingError"]
 
 
+def use_rollout_logprobs(cfg: JobConfig) -> bool:
+    """Whether PPO's old log-probs are the rollout's (no recompute pass): as actor.old_logprobs
+    says, or with "auto" when the behaviour policy is the policy being updated (not async,
+    whose samples may be stale: PPO's old side is then the proximal policy, recomputed) and the
+    engine declares log-probs in the trainer's numerics for the run's dtypes
+    (`EngineCapabilities.trainer_logprob_dtypes`, polyrl/backends.py)."""
+    mode = cfg.actor.old_logprobs
+    if mode != "auto":
+        return mode == "rollout"
+    if cfg.trainer.mode == "async":
+        return False
+    a, r = cfg.actor, cfg.rollout
+    return capabilities(r.backend).logprobs_match_trainer(r.dtype, a.param_dtype, a.compute_dtype)
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
@@ -73,10 +89,11 @@ class Trainer:
     # --- set-up -------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
-        if cfg.rollout.backend == "native" and cfg.rollout.tensor_parallel_size > 1:
-            raise TrainingError("rollout.tensor_parallel_size > 1 needs a GPU engine; the native "
-                                "engine runs one rank per replica (set rollout.tensor_parallel_size=1)")
-        require_backend(cfg.rollout.backend)
+        require_backend(cfg.rollout.backend)  # a plugin that cannot be imported: one line, now
+        if cfg.rollout.tensor_parallel_size > 1 and not capabilities(cfg.rollout.backend).tensor_parallel:
+            raise TrainingError(f"rollout.tensor_parallel_size > 1 needs a GPU engine (one that declares "
+                                f"tensor_parallel); the {cfg.rollout.backend} engine runs one rank per "
+                                "replica (set rollout.tensor_parallel_size=1)")
         check_available(cfg.logging.sinks)  # a missing tensorboard/wandb fails now, not after loading
         check_writable(self.out, need_bytes=0)
         (self.out / "config.yaml").write_text(to_yaml(cfg))
@@ -136,7 +153,7 @@ class Trainer:
         logger.info("starting the actors (%s)", self.topology.name)  # the interrupt tests signal on this line
         self.topology.start()
         self.policy = self.topology.policy
-        self.use_rollout_logprobs = self._use_rollout_logprobs()
+        self.use_rollout_logprobs = use_rollout_logprobs(cfg)
         self.checkpoints = CheckpointWriter(self.out, cfg.trainer.keep_last)
         # model + tokenizer + two Adam moments, fp32, for each kept checkpoint plus the one in flight
         check_writable(self.out, self.policy.num_params * 12 * (cfg.trainer.keep_last + 1),
@@ -155,16 +172,6 @@ class Trainer:
                                               trust_remote_code=self.cfg.model.trust_remote_code)
         except (OSError, ValueError):  # loading the model reports it with the fix
             return None
-
-    def _use_rollout_logprobs(self) -> bool:
-        mode = self.cfg.actor.old_logprobs
-        if mode != "auto":
-            return mode == "rollout"
-        if self.cfg.trainer.mode == "async":  # stale behaviour policy: PPO's old side is proximal
-            return False
-        a, r = self.cfg.actor, self.cfg.rollout
-        # the engine's log-probs equal the trainer's only when both compute in the same dtype
-        return r.backend == "native" and r.dtype == a.param_dtype == a.compute_dtype == "float32"
 
     # --- the loop -----------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from polyrl.agents.preflight import check_agent
+from polyrl.backends import capabilities
 from polyrl.config import ConfigError
 from polyrl.job import JobConfig
 
@@ -28,6 +29,7 @@ def check_job(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any] |
     context-length check)."""
     check_platform(cfg)
     check_placement(cfg)
+    check_engine_capabilities(cfg)
     check_rollout_engine(cfg)
     check_reward_function(cfg)
     check_agent(cfg.agent, train_set, val_set)  # tools, black-box agent, environment names
@@ -52,6 +54,18 @@ def check_rollout_engine(cfg: JobConfig) -> None:
             require_backend(cfg.rollout.backend)
     except (EngineUnavailable, ValueError) as exc:
         raise ConfigError([str(exc)]) from None
+
+
+def check_engine_capabilities(cfg: JobConfig) -> None:
+    """What the run asks of its engine, against what the engine declares
+    (`EngineCapabilities`, polyrl/backends.py; a plugin's own declaration), never its name.
+    Tensor parallelism is checked first of all, by `Trainer.setup` (polyrl/trainer/loop.py)."""
+    backend = cfg.rollout.backend
+    caps = capabilities(backend)
+    if cfg.trainer.mode == "async" and cfg.async_.partial_rollout == "abort" and not caps.partial_rollout:
+        raise ConfigError([f"async.partial_rollout=abort: the {backend} engine declares no partial_rollout "
+                           "(abort_all returning each request's tokens so far, continued later); "
+                           "set async.partial_rollout=wait"])
 
 
 def check_platform(cfg: JobConfig) -> None:

@@ -84,7 +84,9 @@ def test_register_backend_wants_a_dotted_path_and_refuses_duplicates():
 
 def test_the_built_in_backends_carry_what_the_derived_lists_need():
     vllm = ROLLOUT_BACKENDS.get("vllm")
-    assert vllm == RolloutBackend("vllm", "polyrl.rollout.engines.vllm:VLLMEngine", "vllm", "vllm", True, ">=0.10.1,<0.34")
+    assert vllm == RolloutBackend("vllm", "polyrl.rollout.engines.vllm:VLLMEngine", "vllm", "vllm", True, ">=0.10.1,<0.34",
+                                  capabilities=vllm.capabilities)
+    assert vllm.capabilities.tensor_parallel and vllm.capabilities.lora_adapters
     native = ROLLOUT_BACKENDS.get("native")
     assert native.package is None and not native.engine_processes
     assert native.engine_class().__name__ == "NativeEngine"
