@@ -46,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         raise CLIError(f"--timeout: expected a positive number of seconds, got {args.timeout:g}")
     errors = [e for e in plan_launch(cfg, platform).errors if not e.startswith("placement:")]
-    if errors:  # the engine's launch arguments: bad input, whatever the cluster
-        raise CLIError("; ".join(errors))
+    if errors:  # the engine's launch arguments: bad input, whatever the cluster (one line: the
+        raise CLIError(errors[0])  # first actor's; every actor of the engine has the same)
     import ray
 
     ray.init(**plan_job(cfg, platform).ray_init, log_to_driver=False)
