@@ -1,8 +1,15 @@
 """One small registry helper for the places where plugins really plug in.
 
-Platforms, rollout engines, weight transports, advantage estimators, policy losses and rewards
-each own one `Registry`. Duplicates raise, unknown names list the valid choices, and optional
-entries (heavy engines) are registered by dotted path and imported only when first asked for.
+Platforms, rollout engines, weight transports, advantage estimators, policy losses, environments,
+tools and rewards each own one `Registry`. Duplicates raise, unknown names list the valid
+choices, and optional entries (heavy engines) are registered by dotted path and imported only
+when first asked for.
+
+A registry that plugins extend (docs/plugins.md) is built with an entry-point group, whose
+entries (`name = "module:attr"`) it registers the first time it is asked anything, and with
+`import_paths=True`, so a config may also name an object outside polyrl directly as
+"package.module:name" or "/path/to/file.py:name". Both are resolved in whichever process asks
+(the driver's config check, every Ray worker), so nothing has to be registered by hand.
 """
 
 from __future__ import annotations
@@ -10,11 +17,15 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import os
 import sys
 import threading
+from importlib.metadata import entry_points
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Generic, Iterator, TypeVar
+from typing import Any, Callable, Generic, Iterator, TypeVar
+
+from polyrl.config.targets import IMPORT_PATH_FORMS, is_file_target, is_import_path, split_import_path
 
 T = TypeVar("T")
 
@@ -27,9 +38,16 @@ class RegistryError(KeyError):
 
 
 class Registry(Generic[T]):
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, *, entry_point_group: str | None = None, import_paths: bool = False):
+        """`entry_point_group`: packages register entries there (`name = "module:attr"`), loaded
+        on the first question asked; `import_paths`: `get` also takes "module:name" and
+        "/path/to/file.py:name" (imported once per process)."""
         self.kind = kind
+        self.entry_point_group = entry_point_group
+        self.import_paths = import_paths
         self._entries: dict[str, T | str] = {}
+        self._plugins: dict[str, Any] = {}
+        self._entry_points_loaded = entry_point_group is None
 
     def register(self, name: str, obj: T | str | None = None):
         """Register `obj` (or a dotted path "module:attr" loaded lazily) under `name`.
@@ -46,11 +64,20 @@ class Registry(Generic[T]):
         self._entries[name] = obj
         return obj
 
+    def _load_entry_points(self) -> None:
+        if self._entry_points_loaded:
+            return
+        self._entry_points_loaded = True
+        for ep in entry_points(group=self.entry_point_group):  # type: ignore[arg-type]
+            if ep.name not in self._entries:  # one registered in code first keeps its name
+                self._entries[ep.name] = ep.value
+
     def get(self, name: str) -> T:
+        self._load_entry_points()
         if name not in self._entries:
-            raise RegistryError(
-                f"unknown {self.kind} '{name}'; valid choices: {', '.join(self.names())}"
-            )
+            if self.import_paths and is_import_path(name):
+                return self._plugin(name)
+            raise RegistryError(f"unknown {self.kind} '{name}'; valid choices: {self.choices()}")
         entry = self._entries[name]
         if isinstance(entry, str):
             module_name, _, attr = entry.partition(":")
@@ -58,14 +85,49 @@ class Registry(Generic[T]):
             self._entries[name] = entry
         return entry  # type: ignore[return-value]
 
+    def _plugin(self, spec: str) -> Any:
+        """The object an import path names, loaded once per process; a RegistryError of one
+        line (naming the spec and what went wrong) when it cannot be."""
+        if spec in self._plugins:
+            return self._plugins[spec]
+        target, attr = split_import_path(spec)
+        slug = "".join(c if c.isalnum() else "_" for c in self.kind)
+        try:
+            module = import_target(target, f"polyrl_user_{slug}_")
+        except FileNotFoundError as exc:
+            raise RegistryError(f"{self.kind} '{spec}': file {exc} does not exist") from None
+        except ImportError as exc:
+            raise RegistryError(f"{self.kind} '{spec}': cannot import '{target}': {_one_line(exc)}"
+                                " (is its directory on PYTHONPATH? docs/plugins.md)") from None
+        except Exception as exc:  # noqa: BLE001 - the user's module raised while it was imported
+            raise RegistryError(f"{self.kind} '{spec}': importing '{target}' raised "
+                                f"{type(exc).__name__}: {_one_line(exc)}") from None
+        if not hasattr(module, attr):
+            public = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                      and getattr(v, "__module__", None) == module.__name__]
+            raise RegistryError(f"{self.kind} '{spec}': '{target}' has no '{attr}'; defined there: "
+                                f"{', '.join(public) or '(nothing callable)'}")
+        self._plugins[spec] = obj = getattr(module, attr)
+        return obj
+
     def names(self) -> list[str]:
+        """The registered names (entry points included), not the import paths also accepted."""
+        self._load_entry_points()
         return list(self._entries)
 
+    def choices(self) -> str:
+        """The valid choices as an error message lists them."""
+        names = ", ".join(self.names())
+        if not self.import_paths:
+            return names or "(none registered)"
+        return f"{names}, or {IMPORT_PATH_FORMS}" if names else IMPORT_PATH_FORMS
+
     def __contains__(self, name: object) -> bool:
+        self._load_entry_points()
         return name in self._entries
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
+        return iter(self.names())
 
     def items(self) -> Iterator[tuple[str, T]]:
         for name in list(self._entries):
@@ -84,18 +146,15 @@ def lazy(factory: Callable[[], T]) -> Callable[[], T]:
     return get
 
 
-def is_file_target(target: str) -> bool:
-    """"/path/to/file.py" (a user's file) rather than "package.module"."""
-    return target.endswith(".py") or "/" in target or "\\" in target
-
-
 def import_target(target: str, prefix: str) -> ModuleType:
     """The module of a user's "package.module" or "/path/to/file.py" (the part before ":" of a
     reward.custom_function or agent.black_box). A file is loaded once per process, as
     `prefix` + a hash of its path, so two files called reward.py do not collide; one that fails
-    to load is not kept. Raises FileNotFoundError for a missing file, else what the import raises."""
+    to load is not kept. A "package.module" that is nowhere on sys.path is looked for in the
+    directory the process runs in last (`import_module`). Raises FileNotFoundError for a missing
+    file, else what the import raises."""
     if not is_file_target(target):
-        return importlib.import_module(target)
+        return import_module(target)
     path = Path(target).expanduser().resolve()
     if not path.is_file():
         raise FileNotFoundError(str(path))
@@ -115,3 +174,30 @@ def import_target(target: str, prefix: str) -> ModuleType:
 
 
 _FILE_LOADS = threading.RLock()
+
+
+def import_module(name: str) -> ModuleType:
+    """`importlib.import_module`, and if the top-level package is nowhere on sys.path, once more
+    with the directory the process runs in appended to it: `polyrl train` started as a console
+    script does not have that directory on its path (`python -m polyrl` does, and Ray puts the
+    driver's directory on every worker's path), so a plugin package beside the config is found
+    either way. Appended, not prepended: it never shadows an installed module."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        run_dir = os.getcwd()
+        if exc.name != name.partition(".")[0] or run_dir in sys.path or "" in sys.path:
+            raise
+        sys.path.append(run_dir)
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError:
+            sys.path.remove(run_dir)  # not found there either: leave the path as it was
+            raise
+
+
+def _one_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0]
+
+
+__all__ = ["Registry", "RegistryError", "import_module", "import_target", "is_file_target", "lazy"]

@@ -9,13 +9,15 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from polyrl.config import Config
-from polyrl.registry import is_file_target
+from polyrl.config.targets import IMPORT_PATH_FORMS, is_file_target, split_import_path
 
 
 class AgentConfig(Config):
     tools: list[str] = Field(default_factory=list)
-    """Tool functions as "package.module:function" or "/path/to/file.py:function"; the JSON schema
-    each model sees comes from the function's type hints and docstring (polyrl/agents/tools.py)."""
+    """Tool functions as "package.module:function" or "/path/to/file.py:function", or the name of
+    one a package registers in the polyrl.tools entry-point group; the JSON schema each model
+    sees comes from the function's type hints and docstring (polyrl/agents/tools.py,
+    docs/plugins.md)."""
 
     tool_parser: str = "hermes"
     """How tool calls are written: hermes (= qwen: <tool_call>{"name", "arguments"}</tool_call>)."""
@@ -26,7 +28,9 @@ class AgentConfig(Config):
 
     environment: str | None = None
     """Environment for rows that do not name one; null: "tools" when tools are set, else a single
-    turn. Built-in: tools; others are registered in polyrl.agents.ENVIRONMENTS."""
+    turn. Built-in: tools; others are registered in polyrl.agents.ENVIRONMENTS or the
+    polyrl.environments entry-point group, or named by import path as
+    "package.module:MyEnv" or "/path/to/file.py:MyEnv" (docs/plugins.md)."""
 
     environment_key: str = "agent_name"
     """The row's extra_info key that names its environment (verl's agent_name column)."""
@@ -88,11 +92,21 @@ class AgentConfig(Config):
         if self.tool_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_parser '{self.tool_parser}' is not one of {', '.join(TOOL_PARSERS.names())}")
         for spec in self.tools:
-            target = spec.rpartition(":")[0]
+            if ":" not in spec and spec.isidentifier():  # a registered tool's name
+                continue
+            target = split_import_path(spec)[0]
             if not target:
-                raise ValueError(f"tool '{spec}' must look like package.module:function or /path/to/file.py:function")
+                raise ValueError(f"tool '{spec}' must look like package.module:function or /path/to/file.py:function "
+                                 "(or name a tool registered in the polyrl.tools entry-point group)")
             if is_file_target(target) and not Path(target).expanduser().is_file():
                 raise ValueError(f"agent.tools: file {target} does not exist")
+        if self.environment is not None and ":" in self.environment:
+            target = split_import_path(self.environment)[0]
+            if not target:
+                raise ValueError(f"agent.environment '{self.environment}' must be a registered name or "
+                                 f"{IMPORT_PATH_FORMS.replace('name', 'MyEnv')}")
+            if is_file_target(target) and not Path(target).expanduser().is_file():
+                raise ValueError(f"agent.environment: file {target} does not exist")
         if self.black_box is not None:
             target = self.black_box.rpartition(":")[0]
             if not target:

@@ -12,7 +12,10 @@
             return StepResult("higher" if guess < self.target else "lower")
 
 Each trajectory gets a fresh instance (`ENVIRONMENTS.get(name)(**agent.environment_kwargs)`), so
-an environment keeps its episode's state in `self`. The row chooses its environment through
+an environment keeps its episode's state in `self`. Outside polyrl, an environment is a class in
+the user's own file or package, named by import path (`agent.environment:
+mypkg.envs:Guess` or `/path/to/envs.py:Guess`) or registered by a package in the
+`polyrl.environments` entry-point group; each rollout worker imports it (docs/plugins.md). The row chooses its environment through
 `extra_info[agent.environment_key]` (default key "agent_name", verl's column name); rows without
 it use `agent.environment`. An observation is a string (a user turn), one message dict, or a list
 of them; it is appended through the chat template and masked out of the loss.
@@ -68,7 +71,9 @@ class Environment:
         """Called once when the trajectory ends (free processes, files, ...)."""
 
 
-ENVIRONMENTS: Registry[type] = Registry("agent environment")
+ENTRY_POINT_GROUP = "polyrl.environments"
+ENVIRONMENTS: Registry[type] = Registry("agent environment", entry_point_group=ENTRY_POINT_GROUP,
+                                        import_paths=True)
 
 
 def as_messages(observation: Observation | None) -> list[dict]:

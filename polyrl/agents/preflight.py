@@ -33,20 +33,42 @@ def check_agent(cfg: AgentConfig, *datasets: Iterable[Any] | None) -> None:
 
 
 def check_environments(cfg: AgentConfig, rows: Iterable[Any] = ()) -> None:
-    """`agent.environment` and each row's `extra_info[agent.environment_key]` name "tools" or an
-    environment registered in polyrl.agents.ENVIRONMENTS (only where the agent loop runs)."""
-    from polyrl.agents.environments import ENVIRONMENTS
-
+    """`agent.environment` and each row's `extra_info[agent.environment_key]` name "tools", an
+    environment registered in polyrl.agents.ENVIRONMENTS (or its entry-point group), or a class
+    by import path that imports here (only where the agent loop runs)."""
     if not cfg.enabled or cfg.black_box is not None:  # rows' environment names are not read
         return
-    known = lambda name: name == "tools" or name in ENVIRONMENTS  # noqa: E731
-    choices = ", ".join(["tools", *ENVIRONMENTS.names()])
-    if cfg.environment is not None and not known(cfg.environment):
-        raise ConfigError([f"agent.environment={cfg.environment} is not a registered environment; "
-                           f"registered: {choices} (register yours in polyrl.agents.ENVIRONMENTS)"])
+    if cfg.environment is not None:
+        problem = environment_problem(cfg.environment)
+        if problem:
+            raise ConfigError([f"agent.environment={cfg.environment} {problem}"])
+    seen: set[str] = set()
     for row in rows:
         name = (getattr(row, "extra_info", None) or {}).get(cfg.environment_key)
-        if name and not known(name):
+        if not name or name in seen:
+            continue
+        seen.add(name)
+        problem = environment_problem(name)
+        if problem:
             raise ConfigError([f"data row {getattr(row, 'index', '?')} names the environment '{name}' in "
-                               f"extra_info.{cfg.environment_key} (agent.environment_key), which is not "
-                               f"registered; registered: {choices}"])
+                               f"extra_info.{cfg.environment_key} (agent.environment_key), which {problem}"])
+
+
+def environment_problem(name: str) -> str | None:
+    """Why `name` cannot be built as an environment ("is not ...", one line), or None."""
+    from polyrl.agents.environments import ENVIRONMENTS
+    from polyrl.registry import RegistryError
+
+    if name == "tools":
+        return None
+    try:
+        factory = ENVIRONMENTS.get(name)
+    except RegistryError as exc:
+        if name in ENVIRONMENTS or ":" in name:  # registered or an import path: it failed to load
+            return f"is not loadable: {exc}"
+        return (f"is not a registered environment; registered: tools, "
+                f"{'' if ENVIRONMENTS.names() else 'or '}{ENVIRONMENTS.choices()} "
+                "(docs/plugins.md)")
+    if not callable(factory):
+        return f"is not an environment class but a {type(factory).__name__} (docs/plugins.md)"
+    return None

@@ -16,6 +16,10 @@ The schema is the OpenAI / Hugging Face "function" shape that chat templates ren
 system prompt (`apply_chat_template(..., tools=[tool.schema])`). Arguments a model sends are
 checked against the signature before the call, so a wrong argument becomes an error message the
 model can read, not a TypeError deep inside the tool.
+
+`agent.tools` names each tool by import path ("package.module:function" or
+"/path/to/file.py:function"), or by the name a package gives it in the `polyrl.tools`
+entry-point group (`TOOLS`; docs/plugins.md).
 """
 
 from __future__ import annotations
@@ -27,7 +31,11 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-from polyrl.registry import import_target
+from polyrl.registry import Registry, RegistryError, import_target
+
+ENTRY_POINT_GROUP = "polyrl.tools"
+TOOLS: Registry[Callable[..., Any]] = Registry("tool", entry_point_group=ENTRY_POINT_GROUP)
+"""Tools by name: those packages register in the `polyrl.tools` entry-point group (or in code)."""
 
 _JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean",
                                list: "array", tuple: "array", dict: "object", type(None): "null"}
@@ -166,6 +174,17 @@ def load_tool(spec: str | Callable[..., Any] | Tool) -> Tool:
     if callable(spec):
         return Tool.from_function(spec)
     target, _, attr = str(spec).rpartition(":")  # rpartition: a Windows path may hold "C:"
+    if not target and attr and ":" not in str(spec):  # a bare name: a registered tool
+        try:
+            fn = TOOLS.get(attr)
+        except RegistryError:
+            raise ValueError(f"agent.tools: '{spec}' must look like package.module:function or "
+                             "/path/to/file.py:function, or name a tool registered in the polyrl.tools "
+                             f"entry-point group (registered: {', '.join(TOOLS.names()) or 'none'})") from None
+        except Exception as exc:  # noqa: BLE001 - the entry point's module raised while imported
+            raise ValueError(f"agent.tools: '{spec}': loading the registered tool raised "
+                             f"{type(exc).__name__}: {_one_line(exc)}") from None
+        return load_tool(fn)
     if not target or not attr:
         raise ValueError(f"agent.tools: '{spec}' must look like package.module:function or /path/to/file.py:function")
     try:

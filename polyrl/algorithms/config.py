@@ -5,16 +5,19 @@ GRPO, Dr. GRPO (`norm_adv_by_std=False`), RLOO, REINFORCE++ with a group baselin
 critic (`adv_estimator=gae`), GSPO (`policy_loss=gspo|gspo_token`) and DAPO (clip-higher via
 `clip_ratio_high`, `dynamic_sampling`, `overlong`, `loss_agg_mode="token-mean"`).
 Combinations that cannot run are rejected at start; docs/algorithms.md lists every choice.
+The estimator and the policy loss are registry keys: a built-in name, one a package registers by
+entry point, or a user's function by import path (docs/plugins.md), checked here, when the
+config is built, by importing it.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from polyrl.algorithms.off_policy import OffPolicyConfig
-from polyrl.algorithms.overlong import OverlongConfig
+from polyrl.algorithms.off_policy_config import OffPolicyConfig
+from polyrl.algorithms.overlong_config import OverlongConfig
 from polyrl.config import Config
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
@@ -32,10 +35,12 @@ geometric mean over the response, which moves ~1/|y| as much, so such a range ne
 
 
 class AlgorithmConfig(Config):
-    adv_estimator: Literal["grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
+    adv_estimator: str = "grpo"
     """Advantage estimator: grpo (group mean/std), rloo (leave-one-out mean), reinforce_pp
     (REINFORCE++ with group-mean baseline, then whitened over the whole batch), gae (PPO with a
-    critic: generalized advantage estimation from the critic's values; needs a critic)."""
+    critic: generalized advantage estimation from the critic's values; needs a critic), one
+    registered in the polyrl.advantage_estimators entry-point group, or your own function as
+    package.module:function or /path/to/file.py:function (docs/plugins.md)."""
 
     gamma: float = Field(1.0, ge=0, le=1)
     """gae only: discount per policy token (tool output inside a response is not a step)."""
@@ -105,8 +110,10 @@ class AlgorithmConfig(Config):
     """DAPO's overlong reward shaping and filtering (polyrl/algorithms/overlong.py)."""
 
     policy_loss: str = "ppo_clip"
-    """Policy loss from the POLICY_LOSSES registry: ppo_clip, gspo (sequence-level ratio) or
-    gspo_token (GSPO-token: sequence ratio value, per-token gradient and advantages)."""
+    """Policy loss: ppo_clip, gspo (sequence-level ratio), gspo_token (GSPO-token: sequence ratio
+    value, per-token gradient and advantages), one registered in the polyrl.policy_losses
+    entry-point group, or your own function as package.module:function or
+    /path/to/file.py:function (docs/plugins.md)."""
 
     gspo_clip_ratio_low: float = Field(3e-4, ge=0, lt=1)
     """gspo / gspo_token: the sequence ratio is clipped below at 1 - gspo_clip_ratio_low (GSPO
@@ -134,16 +141,27 @@ class AlgorithmConfig(Config):
                 f"dual_clip_c={self.dual_clip_c} must be > 1 (the bound -A*c must lie above the "
                 "clipped loss); set algorithm.dual_clip_c=3 or null to disable"
             )
-        from polyrl.algorithms.losses import POLICY_LOSSES  # lazy: losses import this module
-
-        if self.policy_loss not in POLICY_LOSSES:
-            raise ValueError(
-                f"policy_loss '{self.policy_loss}' is not registered; valid choices: "
-                f"{', '.join(POLICY_LOSSES.names())}"
-            )
         self._check_gspo()
         self._check_value_estimator()
         return self
+
+    @field_validator("adv_estimator")
+    @classmethod
+    def _resolve_estimator(cls, name: str) -> str:
+        """Registered, or an import path that imports to a callable; the error lists the choices."""
+        if name in VALUE_ESTIMATORS:
+            return name
+        # lazy: the registries' modules import this one, and config modules import no others
+        from polyrl.algorithms.advantages import ADV_ESTIMATORS
+
+        return _resolve(ADV_ESTIMATORS, name, extra_choices=VALUE_ESTIMATORS)
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _resolve_policy_loss(cls, name: str) -> str:
+        from polyrl.algorithms.losses import POLICY_LOSSES
+
+        return _resolve(POLICY_LOSSES, name)
 
     def _check_gspo(self) -> None:
         for key in ("gspo_clip_ratio_low", "gspo_clip_ratio_high"):
@@ -194,6 +212,25 @@ class AlgorithmConfig(Config):
     def drops_tied_groups(self) -> bool:
         """Whether groups with all-equal rewards leave the batch (filtered or dynamic sampling)."""
         return self.filter_tied_groups or self.dynamic_sampling
+
+
+def _resolve(registry, name: str, extra_choices: tuple[str, ...] = ()) -> str:
+    """`name` if `registry` resolves it to a callable (importing an import path), else a
+    ValueError of one line: the valid choices, or why the import path did not load."""
+    from polyrl.config.targets import IMPORT_PATH_FORMS
+    from polyrl.registry import RegistryError
+
+    try:
+        obj = registry.get(name)
+    except RegistryError as exc:
+        if name in registry or ":" in name:  # registered or an import path: it failed to load
+            raise ValueError(str(exc)) from None
+        choices = ", ".join([*registry.names(), *extra_choices])
+        raise ValueError(f"{name!r} is not one of {choices}, or {IMPORT_PATH_FORMS}") from None
+    if not callable(obj):
+        raise ValueError(f"{registry.kind} '{name}' names a {type(obj).__name__}, not a function "
+                         "(docs/plugins.md has the signature)")
+    return name
 
 
 def check_samples_per_prompt(cfg: AlgorithmConfig, n: int) -> None:

@@ -24,51 +24,14 @@ All tensors are [B, T] in the response-aligned layout; weights carry no gradient
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-from pydantic import Field, model_validator
 
 from polyrl.algorithms.losses.aggregation import masked_mean
-from polyrl.config import Config
+from polyrl.algorithms.losses.ratio import LOG_RATIO_CLAMP
+from polyrl.algorithms.off_policy_config import OffPolicyConfig
 
-LOG_RATIO_CLAMP = 20.0
-"""exp(20) ~ 5e8: beyond that a ratio carries no information and would overflow products."""
-
-
-class OffPolicyConfig(Config):
-    is_level: Literal["auto", "none", "token", "sequence"] = "auto"
-    """Truncated importance sampling between the trainer's proximal log-probs and the rollout
-    log-probs: per token, per sequence (product of the token ratios), none, or auto (token when
-    trainer.mode=async, none when sync: there the engine runs the trainer's weights)."""
-    is_cap: float = Field(2.0, gt=0)
-    """C: IS weights are truncated to at most this value."""
-    mask_level: Literal["auto", "none", "token", "sequence", "geometric"] = "auto"
-    """Drop from the policy loss tokens (token), whole responses (sequence: product of ratios;
-    geometric: exp of the mean log-ratio, independent of length) whose proximal / rollout ratio
-    lies outside [mask_low, mask_high]; auto: token when trainer.mode=async, none when sync
-    (on the embedded default task it closed the accuracy gap of staleness 1, docs/async.md)."""
-    mask_low: float = Field(0.5, ge=0)
-    """Lower ratio threshold of the mask."""
-    mask_high: float = Field(2.0, gt=0)
-    """Upper ratio threshold of the mask."""
-
-    @model_validator(mode="after")
-    def _check(self) -> "OffPolicyConfig":
-        if self.mask_low >= self.mask_high:
-            raise ValueError(f"off_policy.mask_low={self.mask_low} must be below mask_high="
-                             f"{self.mask_high}; e.g. algorithm.off_policy.mask_low=0.5 mask_high=2")
-        return self
-
-    def resolve(self, mode: str) -> "OffPolicyConfig":
-        """This config with each `auto` replaced by the level trainer.mode=`mode` implies."""
-        implied = "token" if mode == "async" else "none"
-        return self.model_copy(update={k: implied for k in ("is_level", "mask_level")
-                                       if getattr(self, k) == "auto"})
-
-    @property
-    def active(self) -> bool:
-        return self.is_level not in ("none", "auto") or self.mask_level not in ("none", "auto")
+__all__ = ["Correction", "LOG_RATIO_CLAMP", "OffPolicyConfig", "off_policy_correction"]
 
 
 @dataclass

@@ -11,7 +11,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Sequence
 
 from polyrl.envplan.rules import (
     BUNDLE_BACKENDS,
@@ -24,6 +24,7 @@ from polyrl.envplan.rules import (
     EnvRule,
 )
 from polyrl.backends import ROLLOUT_BACKENDS
+from polyrl.envplan.code_paths import PYTHONPATH, RAY_JOB_VAR, python_path_dirs
 from polyrl.platform import Platform
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ BACKENDS = ROLLOUT_BACKENDS  # live: a plugin backend registered later is valid 
 PLACEMENTS = ("hybrid", "standalone")
 MODES = ("sync", "async")
 
-Source = str  # "user-env" | "config" | "platform-default" | "polyrl-default" | "rule:<id>"
+Source = str  # "user-env" | "config" | "platform-default" | "polyrl-default" | "rule:<id>" | "plugins"
 
 _warned: set[tuple[str, str, str]] = set()
 
@@ -150,9 +151,11 @@ def build_plan(
     user_env: Mapping[str, str] | None = None,
     config_env: Mapping[str, str] | None = None,
     rules: tuple[EnvRule, ...] = RULES,
+    code_dirs: Sequence[str] = (),
 ) -> EnvPlan:
     """The plan for `context.role`. Roles other than "job" include the job's variables too, so
-    an actor's runtime env is complete on its own."""
+    an actor's runtime env is complete on its own. `code_dirs`: the directories the config's
+    plugins import from (`polyrl.envplan.code_paths.plugin_dirs`), added to PYTHONPATH."""
     user_env = dict(os.environ if user_env is None else user_env)
     config_env = {k: str(v) for k, v in (config_env or {}).items()}
     explicit = {**user_env, **config_env}
@@ -188,6 +191,10 @@ def build_plan(
         if name.startswith(FORWARDED_PREFIXES) and name not in entries and name != PLACEMENT_BUNDLE_VAR:
             entries[name] = EnvEntry(user_env[name], "user-env",
                                      "set in your environment; forwarded to every polyrl process")
+    if PYTHONPATH not in entries:
+        path = python_path_entry(user_env, code_dirs)
+        if path is not None:
+            entries[PYTHONPATH] = path
     if context.hands_devices and context.visible_devices:
         # the placement decides, not the launching shell: a CUDA_VISIBLE_DEVICES there describes
         # that machine, and any other value would put two replicas on one device
@@ -198,6 +205,28 @@ def build_plan(
             "Ray from rewriting them")
     entries.update(_bundle_entries(context))
     return EnvPlan(context, entries)
+
+
+def python_path_entry(user_env: Mapping[str, str], code_dirs: Sequence[str] = ()) -> EnvEntry | None:
+    """PYTHONPATH for every process: your PYTHONPATH (absolute), then the plugins' directories,
+    so a plugin named `module:name` imports in every Ray worker as it does on the driver
+    (docs/plugins.md). None when there is neither, or inside a `ray job submit` job, whose
+    runtime env places the code and writes PYTHONPATH itself."""
+    if RAY_JOB_VAR in user_env:
+        return None
+    yours = python_path_dirs(user_env)
+    added = [d for d in dict.fromkeys(os.path.abspath(d) for d in code_dirs) if d not in yours]
+    if not yours and not added:
+        return None
+    value = os.pathsep.join([*yours, *added])
+    why = ("so every Ray worker imports the plugins the config names by module path "
+           "(module:name), as the driver does; docs/plugins.md")
+    if not added:
+        return EnvEntry(value, "user-env", f"set in your environment; forwarded to every polyrl process {why}")
+    reason = f"the directories the config's plugins import from ({', '.join(added)})"
+    if yours:
+        reason = f"your PYTHONPATH, then {reason}"
+    return EnvEntry(value, "plugins", f"{reason}, {why}")
 
 
 def _bundle_entries(ctx: PlanContext) -> dict[str, EnvEntry]:

@@ -1,5 +1,10 @@
 """Which platform this process is on: explicit choice > POLYRL_PLATFORM > probing the hardware.
 
+The choice is a registered name (the built-ins, or one a package registers in the
+`polyrl.platforms` entry-point group) or a `Platform` subclass by import path
+(`platform: mypkg.hw:MyPlatform` or `/path/to/hw.py:MyPlatform`), imported in every process that
+asks, Ray workers included (docs/plugins.md).
+
 Probing looks at the torch build (`torch.version.hip`, `torch.version.cuda`, `torch_npu`), device
 count and capability, then falls back to the vendors' smi tools — a CPU-only Ray actor on a GPU
 node sees no devices through torch but must still plan for the node's GPUs.
@@ -13,18 +18,18 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass, replace
-from importlib.metadata import entry_points
 
 from polyrl.platform.base import Platform, PlatformError
-from polyrl.registry import Registry
+from polyrl.registry import Registry, RegistryError
 
-PLATFORMS: Registry[type[Platform]] = Registry("platform")
+ENTRY_POINT_GROUP = "polyrl.platforms"
+PLATFORMS: Registry[type[Platform]] = Registry("platform", entry_point_group=ENTRY_POINT_GROUP, import_paths=True)
 PLATFORMS.register("cpu", "polyrl.platform.platforms:CPUPlatform")
 PLATFORMS.register("cuda", "polyrl.platform.platforms:CUDAPlatform")
 PLATFORMS.register("rocm", "polyrl.platform.platforms:ROCmPlatform")
 PLATFORMS.register("npu", "polyrl.platform.platforms:NPUPlatform")
-
-ENTRY_POINT_GROUP = "polyrl.platforms"
+BUILTIN_PLATFORMS = ("cpu", "cuda", "rocm", "npu")
+"""The platforms detection can tell apart; a plugin platform is used only when asked for."""
 DEFAULT_GPU_PLATFORM = "cuda"
 """What `--capability` alone simulates on a machine without accelerators."""
 
@@ -144,38 +149,39 @@ def detect_platform_name(probe: HardwareProbe) -> str:
     return "cpu"
 
 
-@functools.lru_cache(maxsize=1)
-def _load_entry_points() -> None:
-    """Third-party platforms register through the `polyrl.platforms` entry-point group."""
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name not in PLATFORMS:
-            PLATFORMS.register(ep.name, ep.value)
-
-
 def get_platform(name: str | None = None, probe: HardwareProbe | None = None) -> Platform:
     """The platform to run on.
 
     `name`: an explicit choice ("auto"/None means: POLYRL_PLATFORM, else detect).
     `probe`: the hardware to assume (default: the real machine, probed once per process).
+    A plugin platform (entry point or import path) is trusted to be what the user asked for:
+    detection knows only the built-in ones.
     """
-    _load_entry_points()
     probe = probe or _real_probe()
     requested = name if name not in (None, "", "auto") else os.environ.get("POLYRL_PLATFORM", "")
     detected = detect_platform_name(probe)
     chosen = requested or detected
-    if chosen not in PLATFORMS:
+    try:
+        cls = PLATFORMS.get(chosen)
+    except RegistryError as exc:
+        if chosen in PLATFORMS or ":" in chosen:  # registered or an import path: it failed to load
+            raise PlatformError(str(exc)) from None
         raise PlatformError(
-            f"unknown platform '{chosen}'; registered platforms: {', '.join(PLATFORMS.names())} "
+            f"unknown platform '{chosen}'; registered platforms: {PLATFORMS.choices()} "
             f"(detected here: {detected})"
-        )
-    if requested and requested != "cpu" and requested != detected and not probe.simulated:
+        ) from None
+    if not (isinstance(cls, type) and issubclass(cls, Platform)):
+        raise PlatformError(f"platform '{chosen}' names {cls!r}, not a subclass of "
+                            "polyrl.platform.Platform (docs/plugins.md)")
+    if requested in BUILTIN_PLATFORMS and requested != "cpu" and requested != detected \
+            and not probe.simulated:
         raise PlatformError(
             f"platform '{requested}' was requested but is not available here: detected "
             f"'{detected}' ({_probe_summary(probe)}). Registered platforms: "
             f"{', '.join(PLATFORMS.names())}. Unset POLYRL_PLATFORM / platform, or use "
             f"--platform with --capability to plan for hardware you do not have."
         )
-    return PLATFORMS.get(chosen)(probe)
+    return cls(probe)
 
 
 def current_platform() -> Platform:

@@ -6,17 +6,24 @@ where a dict holds "score" (required) and optionally "acc" plus other numbers. K
 the RewardManager passes when the function accepts them: `finished_with_eos` (did the response
 end with the EOS token) and `data_source`. A verl-style fn(data_source, solution_str,
 ground_truth, extra_info) is recognised by its first parameter's name.
+
+A package scores a data source of its own by registering the function in the `polyrl.rewards`
+entry-point group under the data_source (`"my/dataset" = "mypkg.scoring:score"`); a config names
+one by import path in reward.custom_function (docs/plugins.md). Either is resolved where the
+scorer runs.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from polyrl.registry import Registry, import_target, is_file_target
+from polyrl.config.targets import is_file_target
+from polyrl.registry import Registry, import_target
 
 RewardFn = Callable[..., "float | dict[str, Any]"]
 
-REWARD_FNS: Registry[RewardFn] = Registry("reward data_source")
+ENTRY_POINT_GROUP = "polyrl.rewards"
+REWARD_FNS: Registry[RewardFn] = Registry("reward data_source", entry_point_group=ENTRY_POINT_GROUP)
 REWARD_FNS.register("arithmetic", "polyrl.rewards.arithmetic:arithmetic_score")
 for _source in ("openai/gsm8k", "gsm8k"):
     REWARD_FNS.register(_source, "polyrl.rewards.gsm8k:gsm8k_score")

@@ -23,13 +23,15 @@ def test_dual_clip_must_exceed_one(c):
 
 
 def test_unknown_estimator_lists_choices():
-    with pytest.raises(ConfigError, match="adv_estimator: 'ppo' is not one of grpo, rloo, reinforce_pp, gae"):
+    with pytest.raises(ConfigError, match="adv_estimator: 'ppo' is not one of grpo, rloo, reinforce_pp, gae, "
+                                          "or package.module:name or /path/to/file.py:name"):
         load_config(AlgorithmConfig, overrides=["adv_estimator=ppo"])
 
 
 def test_unknown_policy_loss_lists_choices():
-    with pytest.raises(ValueError, match="valid choices: ppo_clip, gspo, gspo_token"):
-        AlgorithmConfig(policy_loss="nope")
+    with pytest.raises(ConfigError, match="policy_loss: 'nope' is not one of ppo_clip, gspo, gspo_token, "
+                                          "or package.module:name"):
+        load_config(AlgorithmConfig, overrides=["policy_loss=nope"])
 
 
 def test_negative_kl_coef_rejected():

@@ -2,7 +2,9 @@
 
 Every group-baseline (outcome) estimator has the signature
     fn(rewards [B], group_ids [B], response_mask [B, T], *, norm_adv_by_std, eps) -> [B, T]
-and is registered in `ADV_ESTIMATORS` (entries load lazily). GAE (`adv_estimator=gae`,
+and is registered in `ADV_ESTIMATORS` (entries load lazily), by a package in the
+`polyrl.advantage_estimators` entry-point group, or named by import path in the config
+(docs/plugins.md). GAE (`adv_estimator=gae`,
 polyrl/algorithms/advantages/gae.py) also needs the critic's values and returns the critic's
 targets, so it is not in that registry. The trainer calls `compute_advantages(cfg, ...)`, which
 dispatches to either, and also finds tied groups for DAPO dynamic sampling.
@@ -25,7 +27,9 @@ if TYPE_CHECKING:
 
 AdvantageFn = Callable[..., torch.Tensor]
 
-ADV_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
+ENTRY_POINT_GROUP = "polyrl.advantage_estimators"
+ADV_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator", entry_point_group=ENTRY_POINT_GROUP,
+                                                 import_paths=True)
 ADV_ESTIMATORS.register("grpo", "polyrl.algorithms.advantages.grpo:grpo_advantages")
 ADV_ESTIMATORS.register("rloo", "polyrl.algorithms.advantages.rloo:rloo_advantages")
 ADV_ESTIMATORS.register(

@@ -26,13 +26,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from polyrl.algorithms.losses.aggregation import AggMode, aggregate, masked_mean
+from polyrl.algorithms.losses.ratio import LOG_RATIO_CLAMP
 
 if TYPE_CHECKING:
     from polyrl.algorithms.config import AlgorithmConfig
-
-LOG_RATIO_CLAMP = 20.0
-"""Same guard as polyrl/algorithms/losses/ppo.py: exp(20) is already meaningless as a ratio."""
-
 
 def sequence_log_ratio(
     logprob: torch.Tensor,  # [B, T]

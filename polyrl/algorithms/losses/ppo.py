@@ -18,13 +18,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from polyrl.algorithms.losses.aggregation import AggMode, aggregate, masked_mean
+from polyrl.algorithms.losses.ratio import LOG_RATIO_CLAMP
 
 if TYPE_CHECKING:
     from polyrl.algorithms.config import AlgorithmConfig
-
-LOG_RATIO_CLAMP = 20.0
-"""exp(20) ~ 5e8: a ratio beyond that is numerically meaningless and would overflow in fp16."""
-
 
 def ppo_clip_loss(
     logprob: torch.Tensor,  # [B, T] current policy, with grad
