@@ -5,8 +5,10 @@
     options = options_for(live, launch_plan.actors)               # actor name -> .options(...)
 
 `polyrl/topology/launch_plan.py` builds the gangs of a run (`job_gangs`); `polyrl train --dry-run`
-prints each actor's `devices`. Ray-dependent code lives in `ray_groups` and is imported lazily, so
-planning never needs Ray.
+prints each actor's `devices`. Ray-dependent code lives in `ray_groups` and `probe` (the live check
+`polyrl placement` runs: polyrl/cli/placement_check.py) and is imported lazily, so planning never
+needs Ray. This layer takes plans as arguments and imports nothing above it, not even inside a
+function (tests/placement/test_probe_layer.py).
 """
 
 from polyrl.placement.planner import (

@@ -213,8 +213,9 @@ def test_rocm_and_npu_actor_device_map(cluster, platform_name, layout, tp):
 
 
 def test_gpu_check_probe_module_agrees_and_names_a_misplaced_actor(cluster):
-    """`python -m polyrl.placement.probe` (run by scripts/gpu_check.sh on a GPU machine) on the
-    simulated cluster: every actor PASSes; a plan whose ids are shifted is reported per actor."""
+    """The check of `polyrl placement` (polyrl/placement/probe.py; scripts/gpu_check.sh runs it on
+    a GPU machine) on the simulated cluster: every actor PASSes; a plan whose ids are shifted is
+    reported per actor."""
     import dataclasses
 
     from polyrl.placement import Devices
