@@ -57,6 +57,7 @@ def check_environments(cfg: AgentConfig, rows: Iterable[Any] = ()) -> None:
 def environment_problem(name: str) -> str | None:
     """Why `name` cannot be built as an environment ("is not ...", one line), or None."""
     from polyrl.agents.environments import ENVIRONMENTS
+    from polyrl.config.targets import is_import_path
     from polyrl.registry import RegistryError
 
     if name == "tools":
@@ -64,7 +65,7 @@ def environment_problem(name: str) -> str | None:
     try:
         factory = ENVIRONMENTS.get(name)
     except RegistryError as exc:
-        if name in ENVIRONMENTS or ":" in name:  # registered or an import path: it failed to load
+        if name in ENVIRONMENTS or is_import_path(name):  # registered or an import path: it failed to load
             return f"is not loadable: {exc}"
         return (f"is not a registered environment; registered: tools, "
                 f"{'' if ENVIRONMENTS.names() else 'or '}{ENVIRONMENTS.choices()} "

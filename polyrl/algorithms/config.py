@@ -217,13 +217,13 @@ class AlgorithmConfig(Config):
 def _resolve(registry, name: str, extra_choices: tuple[str, ...] = ()) -> str:
     """`name` if `registry` resolves it to a callable (importing an import path), else a
     ValueError of one line: the valid choices, or why the import path did not load."""
-    from polyrl.config.targets import IMPORT_PATH_FORMS
+    from polyrl.config.targets import IMPORT_PATH_FORMS, is_import_path
     from polyrl.registry import RegistryError
 
     try:
         obj = registry.get(name)
     except RegistryError as exc:
-        if name in registry or ":" in name:  # registered or an import path: it failed to load
+        if name in registry or is_import_path(name):  # registered or an import path: it failed to load
             raise ValueError(str(exc)) from None
         choices = ", ".join([*registry.names(), *extra_choices])
         raise ValueError(f"{name!r} is not one of {choices}, or {IMPORT_PATH_FORMS}") from None

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, replace
 
+from polyrl.config.targets import is_import_path
 from polyrl.platform.base import Platform, PlatformError
 from polyrl.registry import Registry, RegistryError
 
@@ -164,7 +165,7 @@ def get_platform(name: str | None = None, probe: HardwareProbe | None = None) ->
     try:
         cls = PLATFORMS.get(chosen)
     except RegistryError as exc:
-        if chosen in PLATFORMS or ":" in chosen:  # registered or an import path: it failed to load
+        if chosen in PLATFORMS or is_import_path(chosen):  # registered or an import path: it failed to load
             raise PlatformError(str(exc)) from None
         raise PlatformError(
             f"unknown platform '{chosen}'; registered platforms: {PLATFORMS.choices()} "
