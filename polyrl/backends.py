@@ -297,6 +297,14 @@ def capabilities(name: str) -> EngineCapabilities:
     return ROLLOUT_BACKENDS.get(name).capabilities
 
 
+def engines_that(capability: str) -> list[str]:
+    """The registered backends whose engine declares `capability` (an `EngineCapabilities`
+    field), for an error that names the choices: `engines_that("fp8")`."""
+    if capability not in {f.name for f in dataclasses.fields(EngineCapabilities)}:
+        raise ValueError(f"{capability!r} is not an EngineCapabilities field")
+    return list(BackendView(lambda b: bool(getattr(b.capabilities, capability))))
+
+
 class BackendView(Mapping[str, Any]):
     """A live read-only view of the backends: `select` keeps some, `value` maps each one. Live,
     so a plugin registered after import is seen wherever the view is used."""

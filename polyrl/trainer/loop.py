@@ -26,6 +26,7 @@ from polyrl.builtin import resolve
 from polyrl.config import to_yaml
 from polyrl.data import build_loaders
 from polyrl.distributed.ray_launch import init_ray
+from polyrl.distributed.topologies import topology_of
 from polyrl.distributed.waits import RemoteActorDied
 from polyrl.modeling import seed_everything
 from polyrl.platform import get_platform
@@ -63,14 +64,14 @@ __all__ = ["Trainer", "TrainingError"]
 
 def use_rollout_logprobs(cfg: JobConfig) -> bool:
     """Whether PPO's old log-probs are the rollout's (no recompute pass): as actor.old_logprobs
-    says, or with "auto" when the behaviour policy is the policy being updated (not async,
-    whose samples may be stale: PPO's old side is then the proximal policy, recomputed) and the
-    engine declares log-probs in the trainer's numerics for the run's dtypes
-    (`EngineCapabilities.trainer_logprob_dtypes`, polyrl/backends.py)."""
+    says, or with "auto" when the topology is on-policy (a streaming run's samples may be stale:
+    PPO's old side is then the proximal policy, recomputed) and the engine declares log-probs in
+    the trainer's numerics for the run's dtypes (`EngineCapabilities.trainer_logprob_dtypes`,
+    polyrl/backends.py)."""
     mode = cfg.actor.old_logprobs
     if mode != "auto":
         return mode == "rollout"
-    if cfg.trainer.mode == "async":
+    if not topology_of(cfg).on_policy:
         return False
     a, r = cfg.actor, cfg.rollout
     return capabilities(r.backend).logprobs_match_trainer(r.dtype, a.param_dtype, a.compute_dtype)
