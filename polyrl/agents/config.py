@@ -120,6 +120,14 @@ class AgentConfig(Config):
         return self
 
     @property
+    def plugin_specs(self) -> list[str]:
+        """The keys naming a user's code by import path: the environment, the tools, the
+        black-box agent (their directories must reach every Ray worker:
+        polyrl/envplan/code_paths.py)."""
+        specs = [self.environment, *self.tools, self.black_box]
+        return [s for s in specs if s is not None and split_import_path(s)[0]]
+
+    @property
     def enabled(self) -> bool:
         """Whether rollouts go through the multi-turn agent loop."""
         return self.default_environment is not None or self.per_row_environments or self.black_box is not None

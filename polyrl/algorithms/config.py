@@ -199,6 +199,14 @@ class AlgorithmConfig(Config):
                     f"baseline still gives them signal: set algorithm.{key}=false")
 
     @property
+    def plugin_specs(self) -> list[str]:
+        """The keys naming a user's code by import path (their directories must reach every Ray
+        worker: polyrl/envplan/code_paths.py)."""
+        from polyrl.config.targets import is_import_path
+
+        return [s for s in (self.adv_estimator, self.policy_loss) if is_import_path(s)]
+
+    @property
     def uses_reference(self) -> bool:
         """Whether a reference policy's log-probs are needed at all."""
         return (self.use_kl_in_reward or self.use_kl_loss) and self.kl_coef > 0

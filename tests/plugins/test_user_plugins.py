@@ -130,3 +130,19 @@ def test_a_plugin_that_does_not_import_is_one_line_naming_the_key(tmp_path, key,
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert f"{field}: " in proc.stderr and f"cannot import '{PACKAGE}.algos'" in proc.stderr, proc.stderr
+
+
+@pytest.mark.skipif(not hasattr(__import__("polyrl.topology.launch_plan").topology.launch_plan, "plugin_code_dirs"),
+                    reason="the launch plan does not pass the plugins' directories to the environment plan yet")
+def test_a_plugin_package_in_the_run_directory_reaches_every_actors_pythonpath(tmp_path):
+    """The console script, run where the package is (not on PYTHONPATH): the config check finds
+    it there, and every actor's PYTHONPATH gets that directory, with the source `plugins`."""
+    write_package(tmp_path)
+    proc = subprocess.run(
+        [*command(), "train", "--dry-run", "--json", "rollout.n=2", *PLUGIN_KEYS[:2]],
+        cwd=tmp_path, env=user_env(None), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(proc.stdout)
+    for env in [plan["job"]["env"], *(actor["env"] for actor in plan["actors"])]:
+        assert env["PYTHONPATH"]["value"] == os.pathsep.join([POLYRL_ROOT, str(tmp_path)])
+        assert env["PYTHONPATH"]["source"] == "plugins" and str(tmp_path) in env["PYTHONPATH"]["reason"]
