@@ -232,3 +232,10 @@ def test_the_rollout_config_asks_a_plugins_capabilities(tmp_path, monkeypatch):
     RolloutConfig(backend=able, placement="standalone", quantization="fp8")
     RolloutConfig(backend=able, engine_kwargs={able: {"max_prefill_tokens": 64}})
     check_replica_layout(RolloutConfig(backend=able, placement="standalone", tensor_parallel_size=2))
+    # the dry run shows a plugin's arguments as the factory builds them (was: "no launch-argument builder")
+    from polyrl.platform import get_platform
+    from polyrl.rollout.launch_args import engine_launch_args
+
+    args = engine_launch_args(RolloutConfig(backend=able, max_model_len=64, engine_kwargs={able: {"seed": 3}}),
+                              "/m", get_platform("cpu"))
+    assert args == {"model_path": "/m", "dtype": "float32", "max_model_len": 64, "max_num_seqs": 256, "seed": 3}
