@@ -1,6 +1,7 @@
 """`polyrl train rollout.backend=vllm` end to end on the bundled task, through the real vLLM (its
-CPU build: scripts/vllm_tier.sh): hybrid learns (held-out accuracy up >= 30 points), standalone
-and async (partial rollouts aborted and resumed through the engine) complete and stamp versions."""
+CPU build: scripts/vllm_tier.sh): hybrid learns (held-out accuracy up >= 30 points), with merged
+weights and with LoRA adapters (rollout.lora_mode=adapter); standalone and async (partial
+rollouts aborted and resumed through the engine) complete and stamp versions."""
 
 from __future__ import annotations
 
@@ -35,6 +36,19 @@ def test_hybrid_learns_the_task(vllm_available, tmp_path):
     assert versions[-1] == 8
     diffs = [r["rollout/logprob_diff_max"] for r in rows if "rollout/logprob_diff_max" in r]
     assert diffs and max(diffs) < 1e-3  # fp32: the engine's log-probs are the trainer's
+
+
+def test_hybrid_lora_adapters_learn_the_task(vllm_available, tmp_path):
+    """rollout.lora_mode=adapter: each step only the adapter travels and vLLM serves it (its log-
+    probs are the trainer's LoRA policy's), and the task is learned as with merged weights."""
+    summary, rows = train(tmp_path, "model.lora_rank=8", "rollout.lora_mode=adapter",
+                          "trainer.total_steps=8", "trainer.val_every=8")
+    rise = summary["final_accuracy"] - summary["initial_accuracy"]
+    print(f"vLLM hybrid, LoRA adapters: held-out accuracy {summary['initial_accuracy']:.3f} -> "
+          f"{summary['final_accuracy']:.3f} in 8 steps ({summary['wall_seconds']} s)")
+    assert rise >= 0.30
+    diffs = [r["rollout/logprob_diff_max"] for r in rows if "rollout/logprob_diff_max" in r]
+    assert len(diffs) == 8 and max(diffs) < 1e-3
 
 
 def test_standalone_completes_and_stamps_versions(vllm_available, tmp_path):
