@@ -30,6 +30,9 @@ from polyrl.batch.rollout_batch import RolloutBatch
 class PackedMicroBatch(MicroBatch):
     position_ids: torch.Tensor | None = None  # [1, T] restarting at 0 per sample
     cu_seq_lens: torch.Tensor | None = None  # [b + 1] int32 sample boundaries (None: dense-mask layout)
+    sequence_shard: object | None = None
+    """Under sequence parallelism, the slice of the row this rank computes (input / position ids
+    hold that slice only; polyrl/training/ulysses.py SequenceShard); None: the whole row."""
 
 
 def collate_packed(batch: RolloutBatch, indices: list[int] | torch.Tensor, device: torch.device,

@@ -19,11 +19,13 @@ from polyrl.batch import Ragged, RolloutBatch, scatter_rows
 from polyrl.batch.packed import collate_layout, plan_layout
 from polyrl.platform import Platform
 from polyrl.training.base import MicroBatch, NonFiniteUpdate, StepResult
-from polyrl.training import batch_invariant, compiled, lora
+from polyrl.training import batch_invariant, compiled, lora, ulysses
 from polyrl.training.lora import merged_named_weights
 from polyrl.training.logprobs import response_logprobs
 from polyrl.training.varlen import setup_packing
 from polyrl.training.config import ActorConfig
+from polyrl.training.mesh import ParallelDims
+from polyrl.training.mesh_groups import mesh_groups
 from polyrl.training.optim import build_optimizer
 from polyrl.weights.base import WeightStream
 
@@ -33,39 +35,75 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 class DDPEngine:
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, platform: Platform,
                  device: torch.device, *, rank: int = 0, world_size: int = 1, group=None,
-                 horizon: int | None = None, head: Callable = response_logprobs):
+                 horizon: int | None = None, head: Callable = response_logprobs,
+                 mesh: ParallelDims | None = None):
         """`horizon`: the run's length in optimizer steps; None builds a frozen engine (a
         reference policy: no gradients, no optimizer state). `head(model, mb, ...)` gives the
-        per-token outputs: log-probs (+ entropy) of a policy, or a critic's values."""
-        self.head = head
-        # LoRA (training/lora.py): the optimizer sees only the adapters; the head runs on the
-        # adapted model itself, not peft's wrapper
-        self.lora = lora.is_lora(model)
-        self.module = model.get_base_model() if self.lora else model
-        self.model, self.cfg, self.platform, self.device = model, cfg, platform, device
-        self.rank, self.world_size, self.group = rank, world_size, group
-        self.num_params = sum(p.numel() for p in model.parameters())
-        self.nonfinite_in_a_row = 0
-        self.optimizer = self.scheduler = None
-        if horizon is None:
-            model.eval().requires_grad_(False)
-        else:
-            model.train()
+        per-token outputs: log-probs (+ entropy) of a policy, or a critic's values. `mesh`: the
+        ranks' layout (training/mesh.py; default: `world_size` ranks split by
+        `actor.sequence_parallel_size`)."""
+        self._init_common(model, cfg, platform, device, rank=rank, world_size=world_size, group=group,
+                          horizon=horizon, head=head, mesh=mesh)
+        if horizon is not None:
             self.optimizer, self.scheduler = build_optimizer(model.parameters(), cfg, horizon)
-        self.compute_dtype = torch.bfloat16 if cfg.compute_dtype == "bfloat16" else torch.float32
         # actor.compile (training/compiled.py): the head traced through the model, backward included
         # a model on the batch-invariant forward (training/batch_invariant.py) runs it eagerly
         invariant = batch_invariant.is_enabled(self.module)
         if invariant and cfg.compile == "on":
             raise ValueError("actor.compile=on: the batch-invariant forward (rollout.batch_invariant=true) "
                              "runs eagerly; set actor.compile=auto or off")
-        self.compiled = not invariant and compiled.should_compile(
+        self.compiled = not invariant and self.sp is None and compiled.should_compile(
             cfg.compile, device=device, compute_dtype=self.compute_dtype, horizon=horizon, lora=self.lora,
             gradient_checkpointing=cfg.gradient_checkpointing)
         self._run_head = compiled.compile_head(head) if self.compiled else head
         self._compile_clock = compiled.compile_seconds() if self.compiled else 0.0
-        self.packing = setup_packing(self.module, cfg.packing, head_reads_packed=head is response_logprobs,
-                                     compiled=self.compiled)
+        self._setup_packing()
+
+    def _init_common(self, model: torch.nn.Module, cfg: ActorConfig, platform: Platform, device: torch.device,
+                     *, rank: int, world_size: int, group, horizon: int | None, head: Callable,
+                     mesh: ParallelDims | None) -> None:
+        """What every engine sets up alike (fsdp2.py too): the model and its LoRA wrapper, the
+        mesh's process groups, train or frozen mode."""
+        self.head = head
+        # LoRA (training/lora.py): the optimizer sees only the adapters; the head runs on the
+        # adapted model itself, not peft's wrapper
+        self.lora = lora.is_lora(model)
+        self.module = model.get_base_model() if self.lora else model
+        self.model, self.cfg, self.platform, self.device = model, cfg, platform, device
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.nonfinite_in_a_row = 0
+        self.optimizer = self.scheduler = None
+        self.compute_dtype = torch.bfloat16 if cfg.compute_dtype == "bfloat16" else torch.float32
+        dims = mesh or ParallelDims.of(cfg.strategy, world_size, cfg.sequence_parallel_size)
+        self.mesh = mesh_groups(dims, group)
+        self.rank = rank
+        self.world_size = dims.data_parallel_size
+        """Ranks with different samples: what sums over samples (`all_reduce`) run over."""
+        self.group = self.mesh.data
+        self.gradient_ranks, self.gradient_group = dims.world_size, self.mesh.gradient
+        self.sp = self.mesh.sequence
+        if self.sp is not None:
+            ulysses.check_heads(self.module, self.sp.size)
+            if batch_invariant.is_enabled(self.module):
+                raise ValueError("actor.sequence_parallel_size > 1 cannot compute log-probs on the batch-invariant "
+                                 "forward (rollout.batch_invariant=true); set one of them off")
+        if horizon is None:
+            model.eval().requires_grad_(False)
+        else:
+            model.train()
+
+    def _setup_packing(self) -> None:
+        """`actor.packing` for this engine; sequence parallelism splits packed rows, so it packs
+        every micro-batch (of the critic too, whose head reads packed rows only then)."""
+        on = "on" if self.sp is not None else self.cfg.packing
+        self.packing = setup_packing(self.module, on, compiled=self.compiled,
+                                     head_reads_packed=self.head is response_logprobs or self.sp is not None)
+
+    def _collate(self, batch: RolloutBatch, indices: list[int], packed: bool) -> MicroBatch:
+        """One micro-batch on this engine's device, cut to this rank's tokens under sequence
+        parallelism (training/ulysses.py)."""
+        mb = collate_layout(batch, indices, self.device, packed)
+        return mb if self.sp is None else ulysses.shard_micro_batch(mb, self.sp)
 
     # --- forward / backward -----------------------------------------------------------------------
     def forward(self, mb: MicroBatch, with_entropy: bool = False,
@@ -83,7 +121,7 @@ class DDPEngine:
         `actor.packing` resolved for this engine (polyrl/batch/packed.py)."""
         packed, plan = plan_layout(batch.lengths, self.cfg.micro_batch_tokens, self.packing)
         for idx in plan:
-            yield collate_layout(batch, idx, self.device, packed)
+            yield self._collate(batch, idx, packed)
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch) -> Ragged:
@@ -133,9 +171,9 @@ class DDPEngine:
         for p in params:  # a rank with no samples this step still joins the all-reduce
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.world_size > 1:  # sum of shares = the global loss's gradient
+        if self.gradient_ranks > 1:  # sum of shares (of samples and of tokens) = the global loss's gradient
             flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat, group=self.group)
+            dist.all_reduce(flat, group=self.gradient_group)
             offset = 0
             for p in params:
                 n = p.grad.numel()

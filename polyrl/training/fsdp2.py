@@ -37,14 +37,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from polyrl.batch import MicroBatch, Ragged, RolloutBatch, collate, scatter_rows
-from polyrl.batch.packed import collate_layout, plan_layout
+from polyrl.batch import MicroBatch, Ragged, RolloutBatch, scatter_rows
+from polyrl.batch.packed import plan_layout
 from polyrl.platform import Platform
 from polyrl.training import checkpoint_io, lora
 from polyrl.training.ddp import _OPS, DDPEngine
 from polyrl.training.logprobs import response_logprobs
-from polyrl.training.varlen import setup_packing
 from polyrl.training.config import ActorConfig
+from polyrl.training.mesh import ParallelDims
 from polyrl.training.optim import build_optimizer
 
 logger = logging.getLogger(__name__)
@@ -92,28 +92,18 @@ class FSDP2Engine(DDPEngine):
 
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, platform: Platform,
                  device: torch.device, *, rank: int = 0, world_size: int = 1, group=None,
-                 horizon: int | None = None, head: Callable = response_logprobs):
-        self.head = head
-        self.model, self.cfg, self.platform, self.device = model, cfg, platform, device
-        # LoRA (training/lora.py): peft's wrapper around the adapted model; the layers to shard,
-        # the root unit and the head are the adapted model's own (as ddp.py)
-        self.lora = lora.is_lora(model)
-        self.module = model.get_base_model() if self.lora else model
-        self.rank, self.world_size = rank, world_size
-        self.num_params = sum(p.numel() for p in model.parameters())
-        self.nonfinite_in_a_row = 0
-        self.optimizer = self.scheduler = None
+                 horizon: int | None = None, head: Callable = response_logprobs,
+                 mesh: ParallelDims | None = None):
+        layers = decoder_layers(model.get_base_model() if lora.is_lora(model) else model)  # a bad model fails cleanly
+        # FSDP2 needs a mesh even on one rank (`_default_group`)
+        group = group if group is not None else _default_group(platform, device, world_size)
+        self._init_common(model, cfg, platform, device, rank=rank, world_size=world_size, group=group,
+                          horizon=horizon, head=head, mesh=mesh)
         self._dummy: MicroBatch | None = None
-        layers = decoder_layers(self.module)  # before anything is changed: a bad model fails cleanly
-        self.group = group if group is not None else _default_group(platform, device, world_size)
-        self.compute_dtype = _DTYPES[cfg.compute_dtype]
+        # parameters are sharded over every rank whose gradients are summed: data and sp axes
+        self.shard_group = self.gradient_group
         self.compiled = False  # actor.compile compiles ddp only (on is refused for fsdp2 in config)
-        if horizon is None:
-            model.eval().requires_grad_(False)
-        else:
-            model.train()
-        self.packing = setup_packing(self.module, cfg.packing, head_reads_packed=head is response_logprobs,
-                                     compiled=self.compiled)
+        self._setup_packing()
         # gradient checkpointing (PolicyWorker enables it before this): transformers checkpoints
         # each layer non-reentrantly by default, under which FSDP2 re-gathers a layer for its
         # recomputation (tests/training/test_fsdp2.py trains with it)
@@ -122,7 +112,7 @@ class FSDP2Engine(DDPEngine):
         # reduce in fp32 whatever the compute dtype; all-gather in the compute dtype
         mp = MixedPrecisionPolicy(param_dtype=None if self.compute_dtype == param_dtype else self.compute_dtype,
                                   reduce_dtype=torch.float32)
-        kwargs = dict(mesh=DeviceMesh.from_group(self.group, device.type), mp_policy=mp)
+        kwargs = dict(mesh=DeviceMesh.from_group(self.shard_group, device.type), mp_policy=mp)
         if cfg.offload and device.type != "cpu":
             kwargs["offload_policy"] = CPUOffloadPolicy()
         elif cfg.offload:
@@ -139,8 +129,8 @@ class FSDP2Engine(DDPEngine):
         if horizon is not None:
             self.optimizer, self.scheduler = build_optimizer(model.parameters(), cfg, horizon)
         # the announce/drain handshake on a CPU group: no device sync per micro-batch
-        self.control = self.group if device.type == "cpu" else dist.new_group(
-            dist.get_process_group_ranks(self.group), backend=platform.cpu_dist_backend(),
+        self.control = self.shard_group if device.type == "cpu" else dist.new_group(
+            dist.get_process_group_ranks(self.shard_group), backend=platform.cpu_dist_backend(),
             use_local_synchronization=True)
 
     # --- forward / backward -----------------------------------------------------------------------
@@ -154,7 +144,7 @@ class FSDP2Engine(DDPEngine):
             return self.root(mb, with_entropy, entropy_grad)
 
     def _announce(self, what: int) -> int:
-        if self.world_size == 1:
+        if self.gradient_ranks == 1:
             return what
         flag = torch.tensor([what], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
@@ -169,8 +159,8 @@ class FSDP2Engine(DDPEngine):
     def _dummy_pass(self, with_grad: bool) -> None:
         """One forward (+ backward) that moves the same collectives as a real micro-batch and adds
         exactly zero to every gradient."""
-        if self._dummy is None:
-            self._dummy = _one_token_micro_batch(self.device)
+        if self._dummy is None:  # packed under sequence parallelism, like every micro-batch then
+            self._dummy = self._collate(_one_token_batch(), [0], packed=self.sp is not None)
         mb = self._dummy
         with torch.set_grad_enabled(with_grad):
             logprob, _ = self._forward(mb)
@@ -189,7 +179,7 @@ class FSDP2Engine(DDPEngine):
         count = self.all_reduce(torch.tensor([len(plan)], dtype=torch.int64), "max")
         for i in range(int(count)):
             if i < len(plan):
-                mb = collate_layout(batch, plan[i], self.device, packed)
+                mb = self._collate(batch, plan[i], packed)
                 lp, _ = self._forward(mb)
                 scatter_rows(out, mb, lp.float().cpu())
             else:
@@ -252,7 +242,7 @@ class FSDP2Engine(DDPEngine):
         schedule and counters; `policy/` (rank 0): the model in Hugging Face format."""
         self._drain()
         self.root.reshard()
-        checkpoint_io.save_sharded(directory, self.model, self.optimizer, self.group)
+        checkpoint_io.save_sharded(directory, self.model, self.optimizer, self.shard_group)
         if self.rank == 0 and self.scheduler is not None:
             torch.save({"scheduler": self.scheduler.state_dict(), "nonfinite_in_a_row": self.nonfinite_in_a_row},
                        directory / checkpoint_io.ENGINE_FILE)
@@ -272,7 +262,7 @@ class FSDP2Engine(DDPEngine):
                              "resume it with actor.strategy=ddp")
         self._drain()
         self.root.reshard()
-        checkpoint_io.load_sharded(directory, self.model, self.optimizer, self.group)
+        checkpoint_io.load_sharded(directory, self.model, self.optimizer, self.shard_group)
         if self.scheduler is not None:
             saved = checkpoint_io.engine_state(directory)
             self.scheduler.load_state_dict(saved["scheduler"])
@@ -288,15 +278,15 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _one_token_micro_batch(device: torch.device) -> MicroBatch:
-    """A micro-batch of one sample (one prompt token, one response token) that trains nothing:
-    collated like any other, its loss mask zero."""
+def _one_token_batch() -> RolloutBatch:
+    """A batch of one sample (one prompt token, one response token) that trains nothing: its
+    loss mask zero."""
     one = Ragged.from_rows([[0]], torch.long)
     zero = torch.zeros(1, dtype=torch.long)
     batch = RolloutBatch(prompt_ids=one, response_ids=one, loss_mask=one.with_values(torch.zeros(1)),
                          group=zero, stop_reason=zero, finished_with_eos=zero.bool(), weight_version=zero,
                          min_version=zero, max_version=zero, continuations=zero)
-    return collate(batch, [0], device)
+    return batch
 
 
 def _default_group(platform: Platform, device: torch.device, world_size: int):

@@ -21,6 +21,7 @@ import torch
 from polyrl.algorithms import entropy_from_logits
 from polyrl.batch import MicroBatch
 from polyrl.training import batch_invariant
+from polyrl.training.ulysses import gather_shards, own_positions
 from polyrl.training.varlen import packed_forward_kwargs, use_varlen_attention
 
 FUSED_MIN_ELEMENTS = 1 << 28
@@ -62,11 +63,13 @@ def response_logprobs(
     b, R = mb.target_ids.shape
     vocab = head.weight.shape[0]
     real = torch.arange(R, device=hidden.device).unsqueeze(0) < mb.response_lengths.to(hidden.device).unsqueeze(1)
+    # sequence parallelism: this rank's hidden rows are a slice of the row, and it computes the
+    # tokens read from there (the rest of the group computes the others; training/ulysses.py)
+    index, real = own_positions(mb, mb.gather_index + row_offset, real)
     threshold = FUSED_MIN_ELEMENTS if torch.is_grad_enabled() else FUSED_MIN_ELEMENTS_NO_GRAD
     if _fusable(head) and b * R * vocab >= threshold:
         # only real response rows: padding past a row's length gets 0 (masked everywhere anyway)
-        rows = (mb.gather_index + row_offset)[real]
-        picked = hidden.reshape(-1, H).index_select(0, rows)  # [n, H]
+        picked = hidden.reshape(-1, H).index_select(0, index[real])  # [n, H]
         lp, ent = fused_logprobs(picked, head.weight, mb.target_ids[real],
                                  with_entropy=with_entropy or entropy_grad)
         logprobs = lp.new_zeros(b, R).masked_scatter(real, lp)
@@ -75,12 +78,11 @@ def response_logprobs(
             if not entropy_grad:
                 ent = ent.detach()
             entropy = ent.new_zeros(b, R).masked_scatter(real, ent)
-        return logprobs, entropy
+        return gather_shards(mb, logprobs), gather_shards(mb, entropy)
     # A packed row mixes short and long samples, so most of its [b, R] is padding past each
     # sample's length: the head runs on its real rows only. A padded micro-batch (length-sorted,
     # little such padding) keeps [b, R], free of data-dependent shapes for actor.compile.
     compact = bool(kwargs)
-    index = mb.gather_index + row_offset
     picked = hidden.reshape(-1, H)[index[real] if compact else index]  # [n, H] or [b, R, H]
     targets = mb.target_ids[real] if compact else mb.target_ids
     logits = head(picked).float()  # [..., V]
@@ -95,7 +97,7 @@ def response_logprobs(
     if compact:
         logprobs = logprobs.new_zeros(b, R).masked_scatter(real, logprobs)
         entropy = None if entropy is None else entropy.new_zeros(b, R).masked_scatter(real, entropy)
-    return logprobs, entropy
+    return gather_shards(mb, logprobs), gather_shards(mb, entropy)
 
 
 def _fusable(head: torch.nn.Module) -> bool:

@@ -56,13 +56,16 @@ class ParallelDims:
         """The mesh of an `ActorConfig` (or a critic's copy of it): `world_size` ranks,
         `sequence_parallel_size` per sp group, the rest data parallel, replicated (ddp) or
         sharded (fsdp2)."""
-        world = actor.world_size
-        sp = getattr(actor, "sequence_parallel_size", 1)
-        if world % sp:
-            raise MeshError(f"actor.sequence_parallel_size={sp} does not divide actor.world_size={world}: "
+        return cls.of(actor.strategy, actor.world_size, getattr(actor, "sequence_parallel_size", 1))
+
+    @classmethod
+    def of(cls, strategy: str, world_size: int, sequence_parallel_size: int = 1) -> "ParallelDims":
+        sp = sequence_parallel_size
+        if world_size % sp:
+            raise MeshError(f"actor.sequence_parallel_size={sp} does not divide actor.world_size={world_size}: "
                             f"set actor.world_size to a multiple of {sp}")
-        dp = world // sp
-        if actor.strategy == "fsdp2":
+        dp = world_size // sp
+        if strategy == "fsdp2":
             return cls(dp_shard=dp, sp=sp)
         return cls(dp_replicate=dp, sp=sp)
 

@@ -11,12 +11,24 @@ from __future__ import annotations
 import torch
 
 from polyrl.batch import MicroBatch
+from polyrl.training.ulysses import gather_shards, own_positions
+from polyrl.training.varlen import packed_forward_kwargs
 
 
 def response_values(model: torch.nn.Module, mb: MicroBatch, **_: object) -> tuple[torch.Tensor, None]:
-    """(values [b, R], None): the engine's head interface (training/ddp.py)."""
-    scores = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits  # [b, L, 1]
-    return scores.squeeze(-1).float().gather(1, mb.gather_index), None
+    """(values [b, R], None): the engine's head interface (training/ddp.py). A packed micro-batch
+    (the critic packs only under sequence parallelism) reads its row as response_logprobs does:
+    this rank's positions of it, summed over the sp group (training/ulysses.py)."""
+    kwargs = packed_forward_kwargs(mb)
+    scores = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, **kwargs).logits  # [b, L, 1]
+    scores = scores.squeeze(-1).float()
+    if not kwargs:
+        return scores.gather(1, mb.gather_index), None
+    real = torch.arange(mb.gather_index.shape[1], device=scores.device).unsqueeze(0) < \
+        mb.response_lengths.to(scores.device).unsqueeze(1)
+    index, real = own_positions(mb, mb.gather_index, real)
+    values = scores.new_zeros(real.shape).masked_scatter(real, scores[0, index[real]])
+    return gather_shards(mb, values), None
 
 
 def load_value_model(path: str, dtype: torch.dtype, trust_remote_code: bool = False) -> torch.nn.Module:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from polyrl.training.ulysses import ulysses_attention
+
 VARLEN_ATTENTION = "polyrl_varlen"
 """The attention implementation name of a model switched by `use_varlen_attention`."""
 
@@ -35,10 +37,17 @@ _registered = False
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                              value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                              scaling: float | None = None, cu_seq_lens_q: torch.Tensor | None = None,
-                             cu_seq_lens_k: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                             cu_seq_lens_k: torch.Tensor | None = None, sequence_shard=None,
+                             **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [b, Hq, T, D], key / value [b, Hkv, T, D]
-    -> ([b, T, Hq, D], None)."""
+    -> ([b, T, Hq, D], None). `sequence_shard` (sequence parallelism): the inputs hold this rank's
+    slice of the row's tokens; the attention runs over the whole row (training/ulysses.py)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if sequence_shard is not None:
+        return ulysses_attention(varlen_attention_forward, module, query, key, value, attention_mask,
+                                 sequence_shard, dropout=dropout, scaling=scaling, cu_seq_lens_q=cu_seq_lens_q,
+                                 cu_seq_lens_k=cu_seq_lens_k, **kwargs)
 
     if cu_seq_lens_q is None and attention_mask is None:
         cu_seq_lens_q = _remembered(_boundaries_from_positions, kwargs.get("position_ids"), query.shape[0])
@@ -202,7 +211,12 @@ def setup_packing(model: torch.nn.Module, setting: str, *, head_reads_packed: bo
 
 def packed_forward_kwargs(mb) -> dict:
     """The model-forward keyword arguments of a micro-batch: position ids and segment boundaries
-    of a packed one (transformers passes them down to every attention call), none of a padded one."""
+    of a packed one (transformers passes them down to every attention call, and replays them in a
+    checkpointed layer's recomputation), plus its sequence shard under sequence parallelism; none
+    of a padded one."""
     if getattr(mb, "cu_seq_lens", None) is None:
         return {}
-    return {"position_ids": mb.position_ids, "cu_seq_lens_q": mb.cu_seq_lens, "cu_seq_lens_k": mb.cu_seq_lens}
+    kwargs = {"position_ids": mb.position_ids, "cu_seq_lens_q": mb.cu_seq_lens, "cu_seq_lens_k": mb.cu_seq_lens}
+    if getattr(mb, "sequence_shard", None) is not None:  # this rank's slice (training/ulysses.py)
+        kwargs["sequence_shard"] = mb.sequence_shard
+    return kwargs

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from polyrl.algorithms import AlgorithmConfig, value_loss
-from polyrl.batch import RolloutBatch, collate, plan_micro_batches, split_evenly
+from polyrl.batch import RolloutBatch, split_evenly
 from polyrl.training.base import TrainingEngine
 from polyrl.training.config import ActorConfig
 
@@ -36,8 +36,8 @@ class CriticUpdate:
                                                 dtype=torch.float64))
         agg = {"num_tokens": max(float(counts[0]), 1.0), "num_seqs": max(float(counts[1]), 1.0)}
         sums = dict.fromkeys(SHARE + LOCAL, 0.0)
-        for idx in plan_micro_batches(mini.lengths, self.actor.micro_batch_tokens):
-            mb = collate(mini, idx, self.device)
+        # padded (packed, and cut to this rank's tokens, under sequence parallelism)
+        for mb in engine.micro_batches(mini):
             values, _ = engine.forward(mb)
             loss, m = value_loss(values, mb.values, mb.returns, mb.response_mask, self.algo.value_clip_range,
                                  loss_agg_mode=self.algo.loss_agg_mode, **agg)

@@ -167,13 +167,15 @@ def fsdp2_extras(rank: int, world_size: int, model_path: str, ddp_ckpt: str, oth
     return out
 
 
-def critic_updates(rank: int, world_size: int, model_path: str, strategy: str) -> list[dict]:
+def critic_updates(rank: int, world_size: int, model_path: str, strategy: str, sp: int = 1) -> list[dict]:
     """The critic (a value head, training/values.py) trained through the engine seam: one
-    update per fixed batch, with random values and returns per token."""
+    update per fixed batch, with random values and returns per token (`sp`: the ranks of a
+    sequence-parallel group, which train on the same shard)."""
     from polyrl.training.values import load_value_model, response_values
     from polyrl.workers.critic import CriticUpdate
 
-    cfg = actor_config(strategy, ppo_epochs=1)
+    cfg = actor_config(strategy, ppo_epochs=1, sequence_parallel_size=sp, world_size=world_size)
+    dp, data_rank = world_size // sp, rank // sp  # sp groups are neighbouring ranks (mesh.py)
     torch.manual_seed(0)  # the value head starts from random: the same on every rank and run
     model = load_value_model(model_path, torch.float32)
     platform = get_platform("cpu")
@@ -188,6 +190,70 @@ def critic_updates(rank: int, world_size: int, model_path: str, strategy: str) -
         T = len(batch.response_ids.values)
         batch = batch.replace(values=batch.response_ids.with_values(torch.randn(T, generator=g)),
                               returns=batch.response_ids.with_values(torch.randn(T, generator=g)))
-        m = critic.update(shard(batch, world_size)[rank], 1)
+        m = critic.update(shard(batch, dp)[data_rank], 1)
         out.append({k: m[k] for k in ("critic/value_loss", "critic/grad_norm")})
     return out
+
+
+def sequence_parallel_facts(rank: int, world_size: int, model_path: str, strategy: str, sp: int,
+                            critic: bool = True) -> dict:
+    """Training under actor.sequence_parallel_size=`sp`: each rank's batch shard is its data rank's
+    (polyrl/training/mesh.py), the same on the ranks of one sp group. The reference log-probs of
+    a batch, the policy's updates, the tokens each rank fed per micro-batch, and the critic's."""
+    from polyrl.training.mesh import ParallelDims
+
+    dims = ParallelDims.of(strategy, world_size, sp)
+
+    def mine(batch: RolloutBatch) -> RolloutBatch:
+        return shard(batch, dims.data_parallel_size)[dims.data_rank(rank)]
+
+    cfg = actor_config(strategy, sequence_parallel_size=sp, world_size=world_size)
+    ref, _ = build(model_path, cfg, rank, world_size, horizon=None)
+    out: dict = {"reference": ref.logprobs(mine(make_batch(5, 5))).values}
+    engine, actor = build(model_path, cfg, rank, world_size)
+    out["fed"] = [(int(mb.input_ids.shape[1]), int(mb.sequence_shard.start))
+                  for mb in engine.micro_batches(mine(make_batch(*BATCHES[0])))]
+    out["metrics"] = []
+    for seed, n in BATCHES:
+        m = actor.update(mine(make_batch(seed, n)), num_mini_batches=1, use_rollout_logprobs=False)
+        out["metrics"].append({k: m[k] for k in SHARE_KEYS})
+    out["weights"] = full_weights(engine)
+    if critic:
+        out["critic"] = critic_updates(rank, world_size, model_path, strategy, sp=sp)
+    return out
+
+
+def one_rank_facts(model_path: str) -> dict:
+    """What `sequence_parallel_facts` computes, on one rank with the packed layout it uses."""
+    cfg = actor_config("ddp", packing="on")
+    ref, _ = build(model_path, cfg, 0, 1, horizon=None)
+    out: dict = {"reference": ref.logprobs(make_batch(5, 5)).values}
+    out.update(train(0, 1, model_path, "ddp", overrides={"packing": "on"}))
+    out["critic"] = critic_updates(0, 1, model_path, "ddp")
+    return out
+
+
+def ulysses_attention_facts(rank: int, world_size: int) -> dict:
+    """The Ulysses exchange alone (training/ulysses.py) around a plain causal SDPA: this rank's
+    slice of the output and of the input gradients, for a fixed random row."""
+    import torch.nn.functional as F
+
+    from polyrl.training.ulysses import SequenceParallel, SequenceShard, ulysses_attention
+
+    g = torch.Generator().manual_seed(0)
+    T, D = 12, 8
+    q = torch.randn(1, 4, T, D, generator=g)
+    k, v = (torch.randn(1, 2, T, D, generator=g) for _ in range(2))
+    weight = torch.randn(1, T, 4, D, generator=g)
+    t = T // world_size
+    cut = slice(rank * t, (rank + 1) * t)
+    mine = [x[:, :, cut].clone().requires_grad_() for x in (q, k, v)]
+
+    def causal(module, q, k, v, mask, **kwargs):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2), None
+
+    shard = SequenceShard(SequenceParallel(dist.group.WORLD, world_size, rank), cut.start, cut.stop)
+    out, _ = ulysses_attention(causal, None, *mine, None, shard)
+    (out * weight[:, cut]).sum().backward()
+    return {"out": out.detach(), "grads": [x.grad for x in mine]}
