@@ -22,7 +22,9 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
+from polyrl.distributed.role import RolePlan
 from polyrl.topology.launch_plan import ActorPlan, LaunchPlan, plan_launch
+from polyrl.training.mesh import ParallelDims
 from polyrl.job import JobConfig
 
 
@@ -37,18 +39,19 @@ def dry_run(cfg: JobConfig, platform: Any, engine_version: str | None, as_json: 
     return 1 if plan.errors else 0
 
 
-def placement_summary(cfg: JobConfig, engine_version: str | None) -> dict[str, Any]:
-    r = cfg.rollout
-    standalone = r.placement == "standalone"
-    return {"placement": r.placement, "mode": cfg.trainer.mode, "backend": r.backend,
+def placement_summary(cfg: JobConfig, plan: LaunchPlan, engine_version: str | None) -> dict[str, Any]:
+    """The run's shape as the plan decided it (its topology, not the config keys)."""
+    r, t = cfg.rollout, plan.topology
+    replicas = 0 if t.colocated_engine else r.num_replicas
+    return {"placement": t.placement, "mode": t.mode, "topology": t.name, "backend": r.backend,
             "engine_version": engine_version, "policy_ranks": cfg.actor.world_size,
-            "rollout_replicas": r.num_replicas if standalone else 0,
-            "tensor_parallel_size": r.tensor_parallel_size,
-            "rollout_ranks": r.num_replicas * r.tensor_parallel_size if standalone else 0}
+            "training_mesh": ParallelDims.from_actor(cfg.actor).describe(),
+            "rollout_replicas": replicas, "tensor_parallel_size": r.tensor_parallel_size,
+            "rollout_ranks": replicas * r.tensor_parallel_size}
 
 
 def plan_json(cfg: JobConfig, plan: LaunchPlan, engine_version: str | None) -> dict[str, Any]:
-    return {"dry_run": True, "placement": placement_summary(cfg, engine_version),
+    return {"dry_run": True, "placement": placement_summary(cfg, plan, engine_version),
             **plan.as_dict(), "config": cfg.model_dump(mode="json")}
 
 
@@ -61,15 +64,16 @@ def render(cfg: JobConfig, plan: LaunchPlan, engine_version: str | None, console
 
     console.rule(Text("resolved config"))
     console.print(Text(to_yaml(cfg).rstrip()))
-    p, s = plan.platform, placement_summary(cfg, engine_version)
+    p, s = plan.platform, placement_summary(cfg, plan, engine_version)
     tree = Tree(Text("launch plan (dry run: no Ray, no model load, no engine import)", style="bold"))
     tree.add(Text(f"platform: {p.describe()}" + (" [simulated]" if p.probe.simulated else "")))
-    rollout = (f"{s['rollout_replicas']} rollout replica(s) x TP {s['tensor_parallel_size']}"
-               if s["placement"] == "standalone" else "engine colocated on each policy rank")
+    rollout = ("engine colocated on each policy rank" if plan.topology.colocated_engine
+               else f"{s['rollout_replicas']} rollout replica(s) x TP {s['tensor_parallel_size']}")
     version = f" {engine_version}" if engine_version else (
         " (version unknown: not installed here; see --engine-version)" if s["backend"] != "native" else "")
     tree.add(Text(f"placement: {s['placement']}, mode {s['mode']}; {s['policy_ranks']} policy "
                   f"rank(s), {rollout}; backend {s['backend']}{version}"))
+    tree.add(Text(f"topology: {topology_text(plan)}; training mesh {s['training_mesh']}"))
     if p.ray_resource:
         have = (f" of {plan.placement.nodes_available} available"
                 if plan.placement and plan.placement.nodes_available else "")
@@ -87,6 +91,8 @@ def render(cfg: JobConfig, plan: LaunchPlan, engine_version: str | None, console
                                f"{actor.env.context.role}"
                                + (f"; max concurrency {actor.max_concurrency}"
                                   if actor.max_concurrency else ""), style="bold"))
+        if actor.plan is not None:
+            branch.add(Text(f"does: {duty_text(actor.plan)}"))
         if actor.devices is not None:
             branch.add(Text("devices: " + "; ".join(_devices_text(n, a) for n, a in members)))
         extra = {k: v for k, v in actor.env.to_json().items() if job_vars.get(k) != v}
@@ -122,11 +128,37 @@ def group_identical(actors: list[ActorPlan]) -> list[tuple[list[tuple[str, Actor
     groups: dict[str, list[ActorPlan]] = defaultdict(list)
     for a in actors:
         d = a.as_dict()
-        key = json.dumps({k: d[k] for k in ("role", "resources", "num_threads", "max_concurrency",
-                                            "env", "engine")},
+        key = json.dumps({**{k: d[k] for k in ("role", "resources", "num_threads", "max_concurrency",
+                                               "env", "engine")},
+                          "duty": duty_text(a.plan) if a.plan else None},
                          sort_keys=True, default=str)
         groups[key].append(a)
     return [([(a.name, a) for a in group], group[0]) for group in groups.values()]
+
+
+def topology_text(plan: LaunchPlan) -> str:
+    t = plan.topology
+    timing = "on-policy (generate, then train)" if t.on_policy else "bounded staleness (generation overlaps training)"
+    transport = next((a.plan.transport for a in plan.actors if a.plan is not None), t.transports[0])
+    return f"{t.name}, {timing}; weights travel {transport} (allowed: {', '.join(t.transports)})"
+
+
+def duty_text(role: RolePlan) -> str:
+    """What a policy or rollout actor does, from its plan (the same for every actor shown)."""
+    parts = ["trains"] if role.role == "policy" else []
+    if role.hosts_engine:
+        parts.append("hosts a colocated rollout engine (asleep while training)" if role.colocated_engine
+                     else "hosts its replica's rollout engine")
+    elif role.role == "rollout":
+        parts.append("hands each version to its replica leader's engine")
+    if role.role == "policy" and role.sends_weights:
+        parts.append(f"sends each weight version ({role.transport})")
+    elif role.role == "rollout":
+        parts.append(f"receives each weight version ({role.transport})")
+    parts.append(f"in a world of {role.world_size} ranks" if role.world_size > 1 else "in no process group")
+    if not role.on_policy:
+        parts.append(f"samples at most {role.max_staleness} version(s) stale")
+    return "; ".join(parts)
 
 
 def _devices_text(name: str, actor: ActorPlan) -> str:

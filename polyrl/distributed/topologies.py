@@ -51,6 +51,12 @@ class TopologySpec:
         return "sync" if self.on_policy else "async"
 
     @property
+    def placement(self) -> str:
+        """The rollout.placement that selects it (hybrid / standalone): the name environment
+        rules are scoped by (polyrl/envplan/rules.py)."""
+        return "hybrid" if self.colocated_engine else "standalone"
+
+    @property
     def shared_world(self) -> bool:
         """Rollout ranks join the policy ranks' process group (weights by collective)."""
         return self.rollout_actors == "ranks"
@@ -107,3 +113,9 @@ def topology_of(cfg: Any) -> TopologySpec:
     """The topology of a job config (a `JobConfig`): the one read of rollout.placement and
     trainer.mode."""
     return select_topology(cfg.rollout.placement, cfg.trainer.mode)
+
+
+def colocated_engine(rollout: Any) -> bool:
+    """Whether a `RolloutConfig`'s engine is colocated with the policy ranks: what the launch
+    arguments assume when no actor plan says (rollout.placement alone decides it)."""
+    return select_topology(rollout.placement).colocated_engine

@@ -14,6 +14,11 @@ object) is added by the adapter at start (`placement_groups`, `placement_bundle_
 
 `check_launch(rollout, platform)` is the one check of a rollout layout every builder runs first,
 so `polyrl train --dry-run` refuses exactly what the launch refuses (issue 28).
+
+Whether the engine is colocated with a policy rank (it sleeps while training and is filled from
+the trainer's weights) is the topology's decision: the launch plan passes its actor's
+`RolePlan.colocated_engine` as `colocated`; a caller that passes none gets what the topology table
+says for `rollout.placement` (`polyrl/distributed/topologies.py:colocated_engine`).
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from typing import Any, Callable
 
 from packaging.version import InvalidVersion, Version
 
+from polyrl.distributed.topologies import colocated_engine
 from polyrl.platform import Platform
 from polyrl.rollout.config import RolloutConfig
 from polyrl.rollout.engines.launch_merge import check_no_nulls, json_object, merge_fp8, model_uses_mla
 
-Builder = Callable[[RolloutConfig, str, Platform, "str | None"], dict[str, Any]]
+Builder = Callable[..., dict[str, Any]]
+"""(rollout, model_path, platform, engine_version=None, *, colocated=None) -> launch arguments."""
 
 VLLM_WORKER_EXTENSION = "polyrl.rollout.engines.vllm_worker.PolyrlWorkerExtension"
 """Loaded by vLLM inside each of its workers (by dotted path: vLLM imports it, not polyrl)."""
@@ -52,36 +59,41 @@ def merge_args(defaults: dict[str, Any], user: dict[str, Any] | None) -> dict[st
     return {k: v for k, v in merged.items() if v is not None}
 
 
-def resolve_load_format(rollout: RolloutConfig) -> str:
+def _colocated(rollout: RolloutConfig, colocated: bool | None) -> bool:
+    return colocated_engine(rollout) if colocated is None else colocated
+
+
+def resolve_load_format(rollout: RolloutConfig, colocated: bool | None = None) -> str:
     """The load format the engine really starts with: "auto" (read the checkpoint), "dummy"
     (random weights, overwritten by the first sync) or another format the user named.
 
     The user's value is `rollout.engine_kwargs.<backend>.load_format` if given (it reaches the
-    engine), else `rollout.load_format`. Unset means "dummy" in hybrid placement (the trainer's
-    weights are copied in right after start) and with FP8 (no FP8 checkpoint exists), else
-    "auto". Outside hybrid placement "dummy" becomes "auto" unless quantization=fp8: nothing
-    would fill the weights before the first rollout (R4, verl PR 6344). The trainer sends the
-    weights before the first rollout exactly when this returns "dummy" outside hybrid placement
-    (`needs_first_sync`)."""
+    engine), else `rollout.load_format`. Unset means "dummy" for a colocated engine (the
+    trainer's weights are copied in right after start) and with FP8 (no FP8 checkpoint exists),
+    else "auto". For an engine that is not colocated "dummy" becomes "auto" unless
+    quantization=fp8: nothing would fill the weights before the first rollout (R4, verl PR 6344).
+    The trainer sends the weights before the first rollout exactly when this returns "dummy"
+    for an engine that is not colocated (`needs_first_sync`)."""
     fp8 = rollout.quantization == "fp8"
-    hybrid = rollout.placement == "hybrid"
+    colocated = _colocated(rollout, colocated)
     key = f"rollout.engine_kwargs.{rollout.backend}.load_format"
     given = (rollout.engine_kwargs.get(rollout.backend) or {}).get("load_format")
     if given is not None and fp8 and given != "dummy":
         raise ValueError(f"{key}={given}: rollout.quantization=fp8 has no FP8 checkpoint to read, "
                          "its weights arrive with the first weight sync; remove the key or set "
                          "it to dummy")
-    fmt = given or rollout.load_format or ("dummy" if hybrid or fp8 else "auto")
-    if fmt == "dummy" and not hybrid and not fp8:
+    fmt = given or rollout.load_format or ("dummy" if colocated or fp8 else "auto")
+    if fmt == "dummy" and not colocated and not fp8:
         return "auto"
     return fmt
 
 
-def needs_first_sync(rollout: RolloutConfig) -> bool:
+def needs_first_sync(rollout: RolloutConfig, colocated: bool | None = None) -> bool:
     """Whether rollout engines outside the trainer start on dummy weights, so the trainer must
-    send the weights once before the first rollout (hybrid engines are filled at start by
+    send the weights once before the first rollout (colocated engines are filled at start by
     `from_model`)."""
-    return rollout.placement != "hybrid" and resolve_load_format(rollout) == "dummy"
+    colocated = _colocated(rollout, colocated)
+    return not colocated and resolve_load_format(rollout, colocated) == "dummy"
 
 
 def parse_engine_version(engine_version: str | None) -> Version | None:
@@ -94,12 +106,12 @@ def parse_engine_version(engine_version: str | None) -> Version | None:
                          "(expected e.g. 0.5.12)") from exc
 
 
-def check_launch(rollout: RolloutConfig, platform: Platform) -> None:
+def check_launch(rollout: RolloutConfig, platform: Platform, colocated: bool | None = None) -> None:
     """Layouts no engine can launch, refused with one line naming the fix. Every builder runs it
     first, so the dry run (which calls the builders) and the launch (the factory calls them too)
     cannot disagree."""
     tp = rollout.tensor_parallel_size
-    if tp > 1 and rollout.placement == "hybrid":
+    if tp > 1 and _colocated(rollout, colocated):
         raise ValueError(f"rollout.tensor_parallel_size={tp} with rollout.placement=hybrid: a hybrid "
                          "engine runs on its trainer rank's one device; use "
                          "rollout.placement=standalone for tensor parallelism")
@@ -188,11 +200,13 @@ def with_fp8(rollout: RolloutConfig, user: dict[str, Any], engine: str,
 # --- native ---------------------------------------------------------------------------------------
 
 def native_args(rollout: RolloutConfig, model_path: str, platform: Platform,
-                engine_version: str | None = None) -> dict[str, Any]:
+                engine_version: str | None = None, *,
+                colocated: bool | None = None) -> dict[str, Any]:
     """`NativeEngine(**args)` (`from_model` takes the same without `model_path`). The user's
     keys override the defaults one by one; a key the engine does not take is an error here,
     not a TypeError inside the rank."""
-    check_launch(rollout, platform)
+    colocated = _colocated(rollout, colocated)
+    check_launch(rollout, platform, colocated)
     user = user_kwargs(rollout, "native")
     unknown = sorted(set(user) - set(NATIVE_ENGINE_KWARGS))
     if unknown:
@@ -208,7 +222,8 @@ def native_args(rollout: RolloutConfig, model_path: str, platform: Platform,
 # --- vLLM (AsyncEngineArgs keyword arguments) -----------------------------------------------------
 
 def vllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
-              engine_version: str | None = None) -> dict[str, Any]:
+              engine_version: str | None = None, *,
+              colocated: bool | None = None) -> dict[str, Any]:
     """`vllm.AsyncEngineArgs(**args)`. FP8 is quantized on the receiving side: the engine is
     built with the block-FP8 quantization config and the worker extension quantizes each bucket
     before `load_weights`.
@@ -217,7 +232,8 @@ def vllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
     vLLM would otherwise pick its Ray executor and wait for bundles polyrl's own actors hold,
     ignoring the devices the engine host sees (issue 28). With one device vLLM runs its worker
     in process ("uni") either way."""
-    check_launch(rollout, platform)
+    colocated = _colocated(rollout, colocated)
+    check_launch(rollout, platform, colocated)
     defaults = {
         "model": model_path,
         "dtype": rollout.dtype,
@@ -229,11 +245,11 @@ def vllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
         "enable_prefix_caching": rollout.enable_prefix_caching,
         "enforce_eager": rollout.enforce_eager,
         # rollout.lora_mode=adapter: the base comes from disk, adapters through vLLM's LoRA API
-        "load_format": "auto" if rollout.lora_mode == "adapter" else resolve_load_format(rollout),
+        "load_format": "auto" if rollout.lora_mode == "adapter" else resolve_load_format(rollout, colocated),
         "enable_lora": rollout.lora_mode == "adapter" or None,
-        # hybrid: the trainer needs the memory back between rollouts (sleep level 1 keeps weights
-        # in host memory, level 2 drops them; see the adapter)
-        "enable_sleep_mode": rollout.placement == "hybrid" or None,
+        # colocated: the trainer needs the memory back between rollouts (sleep level 1 keeps
+        # weights in host memory, level 2 drops them; see the adapter)
+        "enable_sleep_mode": colocated or None,
         "worker_extension_cls": VLLM_WORKER_EXTENSION,
     }
     user = with_fp8(rollout, user_kwargs(rollout, "vllm"), "vllm", "hf_overrides")
@@ -267,12 +283,14 @@ def sglang_attention_backend(platform: Platform, engine_version: str | None,
 
 
 def sglang_args(rollout: RolloutConfig, model_path: str, platform: Platform,
-                engine_version: str | None = None) -> dict[str, Any]:
+                engine_version: str | None = None, *,
+                colocated: bool | None = None) -> dict[str, Any]:
     """`sglang.Engine(**args)`. FP8 is quantized on the sending side (the adapter), the engine
     only needs the block-FP8 layout (`json_model_override_args`)."""
     import json
 
-    check_launch(rollout, platform)
+    colocated = _colocated(rollout, colocated)
+    check_launch(rollout, platform, colocated)
     user = user_kwargs(rollout, "sglang")
     if rollout.quantization == "fp8":
         key = "json_model_override_args"
@@ -290,9 +308,9 @@ def sglang_args(rollout: RolloutConfig, model_path: str, platform: Platform,
         "disable_cuda_graph": rollout.enforce_eager,
         "attention_backend": sglang_attention_backend(platform, engine_version,
                                                       model_uses_mla(model_path)),
-        "load_format": resolve_load_format(rollout),
-        # release/resume_memory_occupation need the memory saver (hybrid: sleep between rollouts)
-        "enable_memory_saver": rollout.placement == "hybrid" or None,
+        "load_format": resolve_load_format(rollout, colocated),
+        # release/resume_memory_occupation need the memory saver (colocated: sleep between rollouts)
+        "enable_memory_saver": colocated or None,
         "log_level": "error",
     }
     return merge_args(defaults, user)
@@ -301,7 +319,8 @@ def sglang_args(rollout: RolloutConfig, model_path: str, platform: Platform,
 # --- TensorRT-LLM (tensorrt_llm LLM / AsyncLLM keyword arguments) ---------------------------------
 
 def trtllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
-                engine_version: str | None = None) -> dict[str, Any]:
+                engine_version: str | None = None, *,
+                colocated: bool | None = None) -> dict[str, Any]:
     """TRT-LLM's PyTorch-backend `LLM(**args)`, with `kv_cache_config` as ONE merged dict:
     `enable_block_reuse` <- enable_prefix_caching, `free_gpu_memory_fraction` <-
     gpu_memory_utilization, then the user's `kv_cache_config` key by key, so user kwargs never
@@ -313,7 +332,8 @@ def trtllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
     into the engine host's placement group instead, `per_worker_gpu_share` of a device each; the
     adapter adds the group and the bundle indices of the replica at start (`trtllm.placement`).
     Sleep (hybrid) is `enable_sleep=True`: 1.1 and 1.2 have no `SleepConfig`."""
-    check_launch(rollout, platform)
+    colocated = _colocated(rollout, colocated)
+    check_launch(rollout, platform, colocated)
     user = with_fp8(rollout, user_kwargs(rollout, "trtllm"), "trtllm", "model_kwargs")
     user_kv = user.pop("kv_cache_config", None) or {}
     if not isinstance(user_kv, dict):
@@ -331,9 +351,9 @@ def trtllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
         "max_seq_len": rollout.max_model_len,
         "max_batch_size": rollout.max_num_seqs,
         "kv_cache_config": kv_cache_config,
-        "load_format": resolve_load_format(rollout),
-        # hybrid: release()/resume() of weights and KV cache between rollouts
-        "enable_sleep": rollout.placement == "hybrid" or None,
+        "load_format": resolve_load_format(rollout, colocated),
+        # colocated: release()/resume() of weights and KV cache between rollouts
+        "enable_sleep": colocated or None,
         "per_worker_gpu_share": TRTLLM_WORKER_GPU_SHARE,
         # one Ray-orchestrated executor per replica, extended with the IPC weight-update RPCs
         "orchestrator_type": "ray",
@@ -349,7 +369,7 @@ BUILDERS: dict[str, Builder] = {"native": native_args, "vllm": vllm_args, "sglan
 
 
 def engine_launch_args(rollout: RolloutConfig, model_path: str, platform: Platform,
-                       engine_version: str | None = None) -> dict[str, Any]:
+                       engine_version: str | None = None, *, colocated: bool | None = None) -> dict[str, Any]:
     """Keyword arguments the engine of `rollout.backend` is constructed with.
 
     `engine_version` is the engine package's version when known (installed, or declared for a
@@ -357,4 +377,4 @@ def engine_launch_args(rollout: RolloutConfig, model_path: str, platform: Platfo
     if rollout.backend not in BUILDERS:
         raise ValueError(f"rollout.backend={rollout.backend}: no launch-argument builder; "
                          f"available: {', '.join(sorted(BUILDERS))}")
-    return BUILDERS[rollout.backend](rollout, model_path, platform, engine_version)
+    return BUILDERS[rollout.backend](rollout, model_path, platform, engine_version, colocated=colocated)

@@ -6,6 +6,10 @@ A topology is one way of placing and timing rollout relative to training:
     disaggregated  (rollout.placement=standalone, trainer.mode=sync)  disaggregated.py
     streaming      (rollout.placement=standalone, trainer.mode=async) streaming.py
 
+What each one is (engine, actors, transports, staleness) is its `spec`
+(polyrl/distributed/topologies.py); its actors are started with their `RolePlan`s from the launch
+plan (polyrl/topology/launch_plan.py).
+
 It owns the actors' launch, producing the next batch of scored samples, publishing a new weight
 version to its engines, generating for validation, its share of the checkpoint, and shutdown.
 `Trainer.train_step` talks to this interface only (docs/architecture.md, "Topologies").
@@ -23,6 +27,7 @@ import ray
 
 from polyrl.algorithms import select_informative
 from polyrl.batch import RolloutBatch
+from polyrl.distributed.topologies import TopologySpec
 from polyrl.distributed.waits import gather
 from polyrl.platform import Platform
 from polyrl.rollout.base import SamplingParams
@@ -61,7 +66,12 @@ class TopologyContext:
 
 
 class Topology(abc.ABC):
-    name: str
+    spec: TopologySpec
+    """What this topology is (its engine, actors, transports, staleness), as data."""
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
     def __init__(self, ctx: TopologyContext):
         self.ctx, self.cfg = ctx, ctx.cfg
@@ -154,12 +164,11 @@ def _device_nodes(platform: Platform) -> int | None:
 
 
 def start_policy(ctx: TopologyContext, launch: Launch, waiter: Waiter = gather) -> PolicyGroup:
-    """Start the policy ranks with their planned options (not set up yet)."""
+    """Start the policy ranks with their planned options and role plans (not set up yet)."""
     cfg = ctx.cfg
     planned = launch.of("policy")
     cls = ray.remote(PolicyWorker)
-    workers = [cls.options(**launch.options[a.name]).remote(cfg, a.rank, cfg.actor.world_size,
-                                                             ctx.total_steps, a.num_threads)
+    workers = [cls.options(**launch.options[a.name]).remote(cfg, a.plan, ctx.total_steps)
                for a in planned]
     return PolicyGroup(workers, [a.name for a in planned], cfg.ray.timeout_s, waiter)
 

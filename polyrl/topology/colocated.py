@@ -1,15 +1,16 @@
-"""Colocated rollout (rollout.placement=hybrid): every policy rank hosts a rollout engine on its
-own device. Generation is split evenly over the ranks' engines; after each update a rank copies
+"""Colocated rollout (rollout.placement=hybrid; `COLOCATED` in polyrl/distributed/topologies.py):
+every policy rank hosts a rollout engine on its own device. Generation is split evenly over the ranks' engines; after each update a rank copies
 its weights into its engine in place (weights/in_place.py), so nothing crosses a process."""
 
 from __future__ import annotations
 
+from polyrl.distributed.topologies import COLOCATED
 from polyrl.topology.base import SyncTopology, plan, rendezvous, setup_all, start_policy
 from polyrl.topology.worker_group import PolicyGroup
 
 
 class ColocatedTopology(SyncTopology):
-    name = "colocated"
+    spec = COLOCATED
 
     def start(self) -> None:
         self.launch = plan(self.ctx)

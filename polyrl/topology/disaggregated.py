@@ -1,5 +1,6 @@
-"""Disaggregated synchronous rollout (rollout.placement=standalone, trainer.mode=sync): rollout
-replicas on their own actors and devices. Trainer ranks and every replica rank share one
+"""Disaggregated synchronous rollout (rollout.placement=standalone, trainer.mode=sync;
+`DISAGGREGATED` in polyrl/distributed/topologies.py): rollout replicas on their own actors and
+devices. Trainer ranks and every replica rank share one
 torch.distributed world (`RankLayout`); each new version travels from the weight-sync leader over
 the run's transport (weights/broadcast.py; same host: shared memory) while every replica
 receives, all under one deadline that names the missing. A replica of several ranks
@@ -10,8 +11,9 @@ from __future__ import annotations
 
 import ray
 
+from polyrl.distributed.topologies import DISAGGREGATED
 from polyrl.distributed.waits import gather
-from polyrl.rollout.launch_args import resolve_load_format
+from polyrl.rollout.launch_args import needs_first_sync
 from polyrl.topology.base import SyncTopology, plan, rendezvous, setup_all, start_policy
 from polyrl.topology.worker_group import WorkerGroup
 from polyrl.weights.object_store import create_mailbox
@@ -19,7 +21,7 @@ from polyrl.workers.rollout_worker import RolloutWorker
 
 
 class DisaggregatedTopology(SyncTopology):
-    name = "disaggregated"
+    spec = DISAGGREGATED
 
     def start(self) -> None:
         cfg = self.cfg
@@ -28,16 +30,16 @@ class DisaggregatedTopology(SyncTopology):
         self.policy = start_policy(self.ctx, self.launch)
         planned = self.launch.of("rollout")
         cls = ray.remote(RolloutWorker)
-        self.rollout = WorkerGroup([cls.options(**self.launch.options[a.name]).remote(cfg, a.rank, a.num_threads)
+        self.rollout = WorkerGroup([cls.options(**self.launch.options[a.name]).remote(cfg, a.plan)
                                     for a in planned], [a.name for a in planned], cfg.ray.timeout_s,
                                    helpers=[mailbox] if mailbox is not None else [])
-        leaders = [i for i, a in enumerate(planned) if a.engine is not None]
+        leaders = [i for i, a in enumerate(planned) if a.plan.hosts_engine]
         self.replicas = WorkerGroup([self.rollout.workers[i] for i in leaders],
                                     [self.rollout.names[i] for i in leaders], cfg.ray.timeout_s)
         address = rendezvous(self.policy, True)
         setup_all(self.policy, self.policy.refs("setup", address, mailbox)
                   + self.rollout.refs("setup", address, mailbox), self.rollout.names)
-        if resolve_load_format(cfg.rollout) == "dummy":
+        if needs_first_sync(cfg.rollout, colocated=self.spec.colocated_engine):
             self.publish(bump=False)  # FP8 replicas start on dummy weights (R4): fill them first
 
     @property

@@ -2,9 +2,13 @@
 
 For the Ray job and for every Ray actor a run starts (each policy rank; each standalone rollout
 rank), the plan holds what the launch uses: the actor's name, its Ray resources, its node and
-device ids (`polyrl.placement`), its environment with provenance (`polyrl.envplan`) and the exact
-engine launch arguments (`polyrl.rollout.launch_args`). `polyrl train --dry-run` prints it; `ActorPlan.ray_options()` is
-the `.options(...)` dict an actor is started with, so the plan a user inspects is the plan that
+device ids (`polyrl.placement`), its environment with provenance (`polyrl.envplan`), the exact
+engine launch arguments (`polyrl.rollout.launch_args`) and, for policy and rollout actors, the
+typed `RolePlan` the actor is started with (polyrl/distributed/role.py: its topology, process
+groups, engine, weight transport, staleness bound). Everything here follows the run's
+`TopologySpec` (`cfg.topology`, polyrl/distributed/topologies.py), never the placement and mode
+keys themselves. `polyrl train --dry-run` prints it; `ActorPlan.ray_options()` is the
+`.options(...)` dict an actor is started with, so the plan a user inspects is the plan that
 runs. Pure: no Ray start, no model load, no engine import — the platform may be simulated.
 
     plan = plan_launch(cfg, get_platform(None, simulated_probe("gb200")))  # a GB200 node
@@ -23,6 +27,8 @@ from typing import Any
 
 from polyrl.builtin import resolve
 from polyrl.distributed.layout import RankLayout
+from polyrl.distributed.role import EngineLaunch, RolePlan
+from polyrl.distributed.topologies import TopologySpec
 from polyrl.distributed.ray_launch import actor_options, plan_for_role
 from polyrl.envplan import EnvPlan
 from polyrl.envplan.rules import ENGINE_BACKENDS
@@ -37,20 +43,6 @@ from polyrl.job import JobConfig
 
 ENV_ROLE = {"policy": "trainer", "rollout": "rollout"}
 """Environment-plan role of each actor role."""
-
-
-@dataclass(frozen=True)
-class EngineLaunch:
-    """The engine an actor starts: its arguments, or why they cannot be built."""
-
-    backend: str
-    args: dict[str, Any] | None = None
-    error: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"backend": self.backend}
-        out.update({"error": self.error} if self.error else {"args": self.args})
-        return out
 
 
 @dataclass(frozen=True)
@@ -84,6 +76,9 @@ class ActorPlan:
     bundle: dict[str, Any] | None = None
     """Resources of its placement-group bundle when they differ from `resources` (an engine
     host's bundle keeps its device reserved in Ray's accounting)."""
+    plan: RolePlan | None = None
+    """What a policy or rollout actor does, handed to it at start (None: the mailbox, the
+    reward worker)."""
 
     @property
     def bundle_resources(self) -> dict[str, Any]:
@@ -103,7 +98,8 @@ class ActorPlan:
                 "devices": self.devices.as_dict() if self.devices else None,
                 "hands": list(self.hands) if self.hands is not None else None,
                 "env": self.env.to_json(),
-                "engine": self.engine.as_dict() if self.engine else None}
+                "engine": self.engine.as_dict() if self.engine else None,
+                "plan": self.plan.as_dict() if self.plan else None}
 
 
 @dataclass(frozen=True)
@@ -124,6 +120,7 @@ class LaunchPlan:
     platform: Platform
     job: JobPlan
     actors: list[ActorPlan]
+    topology: TopologySpec
     notes: list[str] = field(default_factory=list)
     """Facts worth knowing that do not stop the run (engine not installed here, ...)."""
     placement: PlacementPlan | None = None
@@ -166,6 +163,7 @@ class LaunchPlan:
                         "nodes_available": self.placement.nodes_available if self.placement else None,
                         "gangs": self.placement.as_dict()["gangs"] if self.placement else []},
             "job": self.job.as_dict(),
+            "topology": self.topology.as_dict(),
             "process_groups": self.world.as_dict() if self.world else None,
             "actors": [self._actor_dict(a) for a in self.actors],
             "errors": self.errors,
@@ -187,7 +185,8 @@ def devices_reserved(resources: dict[str, Any]) -> float:
 
 
 def _env_kwargs(cfg: JobConfig, engine_version: str | None) -> dict[str, Any]:
-    return dict(backend=cfg.rollout.backend, placement=cfg.rollout.placement, mode=cfg.trainer.mode,
+    spec = cfg.topology  # the environment rules are scoped by placement and mode names (R2)
+    return dict(backend=cfg.rollout.backend, placement=spec.placement, mode=spec.mode,
                 config_env=cfg.env, backend_version=engine_version)
 
 
@@ -212,7 +211,8 @@ def engine_launch(cfg: JobConfig, platform: Platform, engine_version: str | None
     backend = cfg.rollout.backend
     try:
         check_replica_layout(cfg.rollout)  # what `polyrl train` refuses in pre-flight
-        args = engine_launch_args(cfg.rollout, resolve(cfg.model.path), platform, engine_version)
+        args = engine_launch_args(cfg.rollout, resolve(cfg.model.path), platform, engine_version,
+                                  colocated=cfg.topology.colocated_engine)
     except (ValueError, FileNotFoundError) as exc:
         return EngineLaunch(backend, error=str(exc))
     return EngineLaunch(backend, args=args)
@@ -228,9 +228,11 @@ def replica_concurrency(cfg: JobConfig) -> int:
 
 def plan_actors(cfg: JobConfig, platform: Platform, engine_version: str | None = None) -> list[ActorPlan]:
     """Every Ray actor `worker_group.launch` starts for `cfg`, in start order: the policy ranks,
-    then (standalone placement) one actor per rollout rank — in async mode one streaming actor per
-    replica, outside the process group — then the weight mailbox when weights travel through
-    Ray's object store."""
+    then the topology's rollout actors (disaggregated: one per rollout rank, in the policy ranks'
+    world; streaming: one per replica, outside any process group), then the weight mailbox when
+    weights travel through Ray's object store. Each policy and rollout actor carries its
+    `RolePlan` (`role_plans`)."""
+    spec = cfg.topology
     per_actor, _ = cpus_needed(cfg)
     devices = 1 if platform.ray_resource else 0
     resources = platform.ray_actor_options(devices, num_cpus=per_actor)
@@ -239,45 +241,82 @@ def plan_actors(cfg: JobConfig, platform: Platform, engine_version: str | None =
                                                    num_cpus=per_actor)
     env_kw = _env_kwargs(cfg, engine_version)
     engine = engine_launch(cfg, platform, engine_version)
-    hybrid = cfg.rollout.placement == "hybrid"
+    roles = role_plans(cfg, per_actor, engine)
+    colocated = spec.colocated_engine
     # beside a device's TRT-LLM worker an actor asks Ray for the rest of the device while its
     # bundle keeps the whole device (`engine_worker`)
     worker = engine_worker(cfg, platform)
     asks, bundle = beside_engine_worker(resources, worker)
     trainer_env = plan_for_role(platform, ENV_ROLE["policy"], **env_kw)
-    actors = [ActorPlan(f"policy rank {r}", "policy", r, None, dict(asks if hybrid else resources),
-                        per_actor, trainer_env, engine if hybrid else None,
-                        bundle=bundle if hybrid else None)
-              for r in range(cfg.actor.world_size)]
+    actors = [ActorPlan(f"policy rank {r}", "policy", r, None, dict(asks if colocated else resources),
+                        per_actor, trainer_env, role.engine, bundle=bundle if colocated else None, plan=role)
+              for r, role in enumerate(roles["policy"])]
     rollout_env = plan_for_role(platform, ENV_ROLE["rollout"], **env_kw)
-    if cfg.trainer.mode == "async":
-        actors += [ActorPlan(f"rollout replica {i}", "rollout", None, i, dict(replica_resources), per_actor,
-                             rollout_env, engine, max_concurrency=replica_concurrency(cfg))
-                   for i in range(cfg.rollout.num_replicas)]
-    elif not hybrid:
-        layout = RankLayout(num_replicas=cfg.rollout.num_replicas,
-                            tensor_parallel_size=cfg.rollout.tensor_parallel_size,
-                            trainer_world_size=cfg.actor.world_size)
+    if spec.rollout_actors == "replicas":
+        actors += [ActorPlan(f"rollout replica {role.index}", "rollout", None, role.index, dict(replica_resources),
+                             per_actor, rollout_env, role.engine, max_concurrency=replica_concurrency(cfg),
+                             plan=role)
+                   for role in roles["rollout"]]
+    elif spec.rollout_actors == "ranks":
         hosts = engine_hosts(cfg, platform)
-        for r in layout.rollout_ranks():
-            info = layout.rank_info(r)  # one engine per replica, on its leader (rollout_worker.py)
-            name = f"rollout replica {info.replica} (rank {r})"
-            if hosts and info.is_replica_leader:
+        for role in roles["rollout"]:  # one engine per replica, on its leader (rollout_worker.py)
+            name = f"rollout replica {role.index} (rank {role.rank})"
+            if hosts and role.hosts_engine:
                 # the engine host: its bundle keeps its own device reserved, the actor asks for
                 # none and sees every device of its replica (plan_launch fills `hands`)
-                actors.append(ActorPlan(name, "rollout", r, info.replica, _no_devices(resources),
+                actors.append(ActorPlan(name, "rollout", role.rank, role.index, _no_devices(resources),
                                         per_actor, plan_for_role(platform, "rollout", hands_devices=True,
                                                                  **env_kw),
-                                        engine, hands=(), bundle=with_worker_room(resources, worker)))
+                                        role.engine, hands=(), bundle=with_worker_room(resources, worker),
+                                        plan=role))
             else:  # a tp=1 replica (its engine's worker), or a TP rank (the host's worker)
-                actors.append(ActorPlan(name, "rollout", r, info.replica, dict(asks), per_actor,
-                                        rollout_env, engine if info.is_replica_leader else None,
-                                        bundle=bundle))
+                actors.append(ActorPlan(name, "rollout", role.rank, role.index, dict(asks), per_actor,
+                                        rollout_env, role.engine, bundle=bundle, plan=role))
     if cfg.weight_transport == "object_store":  # weights/object_store.py:create_mailbox
         actors.append(ActorPlan("weight mailbox", "mailbox", None, None, {"num_cpus": 0}, 0,
                                 plan_for_role(platform, "job", **env_kw), max_concurrency=64))
     reward = reward_actor(cfg, platform, env_kw)
     return actors + ([reward] if reward else [])
+
+
+def role_plans(cfg: JobConfig, num_threads: int, engine: EngineLaunch | None = None) -> dict[str, list[RolePlan]]:
+    """The `RolePlan` of every policy rank and rollout actor of `cfg`, by role, in start order:
+    what the topology (`cfg.topology`) makes each one do. `engine`: the engine's launch
+    arguments as the plan shows them."""
+    spec = cfg.topology
+    seed, world = cfg.trainer.seed, cfg.actor.world_size
+    common = dict(topology=spec.name, num_threads=num_threads, transport=cfg.weight_transport,
+                  background_publish=cfg.resolved_weights.background_publish, on_policy=spec.on_policy,
+                  max_staleness=0 if spec.on_policy else cfg.async_.max_staleness,
+                  colocated_engine=spec.colocated_engine)
+    if spec.shared_world:  # one world: the policy ranks first, then every replica's ranks
+        layout = RankLayout(num_replicas=cfg.rollout.num_replicas,
+                            tensor_parallel_size=cfg.rollout.tensor_parallel_size, trainer_world_size=world)
+        infos = [layout.rank_info(r) for r in range(layout.world_size)]
+        policy = [RolePlan(role="policy", index=r, rank=r, world_size=layout.world_size, layout=layout,
+                           groups=tuple(infos[r].groups), hosts_engine=False, engine_seed=None,
+                           sends_weights=infos[r].leaders.get("weight_sync") == r, **common)
+                  for r in range(world)]
+        rollout = [RolePlan(role="rollout", index=i.replica, rank=i.rank, world_size=layout.world_size,
+                            layout=layout, groups=tuple(i.groups), hosts_engine=i.is_replica_leader,
+                            engine_seed=seed + 1000 * i.rank if i.is_replica_leader else None,
+                            sends_weights=False, engine=engine if i.is_replica_leader else None, **common)
+                   for i in infos[world:]]
+        return {"policy": policy, "rollout": rollout}
+    policy = [RolePlan(role="policy", index=r, rank=r, world_size=world, layout=None,
+                       groups=("trainer",) if world > 1 else (), hosts_engine=spec.colocated_engine,
+                       engine_seed=seed + 1000 * r if spec.colocated_engine else None,
+                       # colocated: every rank into its own engine; else rank 0 publishes
+                       sends_weights=spec.colocated_engine or r == 0,
+                       engine=engine if spec.colocated_engine else None, **common)
+              for r in range(world)]
+    rollout = []
+    if spec.rollout_actors == "replicas":  # in no process group: a replacement can join any time
+        rollout = [RolePlan(role="rollout", index=i, rank=None, world_size=1, layout=None, groups=(),
+                            hosts_engine=True, engine_seed=seed + 1000 * i, sends_weights=False,
+                            engine=engine, **common)
+                   for i in range(cfg.rollout.num_replicas)]
+    return {"policy": policy, "rollout": rollout}
 
 
 REWARD_ACTOR = "reward model worker"
@@ -341,10 +380,10 @@ def engine_worker_cpus(cfg: JobConfig, platform: Platform) -> int:
     """CPUs the engine's own Ray workers reserve in polyrl's bundles (one worker per device of a
     hybrid policy rank or a standalone sync rollout rank), which a local Ray instance must hold
     too: else its placement groups cannot be reserved on a machine with few cores."""
-    worker = engine_worker(cfg, platform)
-    if worker is None or cfg.trainer.mode == "async":
+    worker, spec = engine_worker(cfg, platform), cfg.topology
+    if worker is None or spec.rollout_actors == "replicas":
         return 0
-    devices = (cfg.actor.world_size if cfg.rollout.placement == "hybrid"
+    devices = (cfg.actor.world_size if spec.colocated_engine
                else cfg.rollout.num_replicas * cfg.rollout.tensor_parallel_size)
     return math.ceil(worker.cpus * devices)
 
@@ -390,7 +429,7 @@ def job_gangs(cfg: JobConfig, actors: list[ActorPlan]) -> list[Gang]:
     member = {a.name: Member(a.name, int(devices_reserved(a.bundle_resources))) for a in actors}
     policy = [a.name for a in actors if a.role == "policy"]
     gangs: list[Gang] = []
-    if cfg.rollout.placement == "hybrid" and tp > 1:
+    if cfg.topology.colocated_engine and tp > 1:
         if len(policy) % tp:
             raise PlacementError(f"actor.world_size={len(policy)} is not a multiple of "
                                  f"rollout.tensor_parallel_size={tp}: in hybrid placement each "
@@ -420,7 +459,7 @@ def plan_launch(cfg: JobConfig, platform: Platform, engine_version: str | None =
     """The whole plan: Ray job, actors with their devices, and notes on what the plan could not
     settle here. `nodes`: the cluster's node count (None: as many as the job needs)."""
     plan = LaunchPlan(platform, plan_job(cfg, platform, engine_version),
-                      plan_actors(cfg, platform, engine_version))
+                      plan_actors(cfg, platform, engine_version), cfg.topology)
     if platform.ray_resource:
         try:
             plan.placement = plan_placement(job_gangs(cfg, plan.actors), plan.devices_per_node, nodes)

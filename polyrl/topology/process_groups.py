@@ -1,9 +1,10 @@
 """The torch.distributed groups a run forms, planned without starting anything (for the dry run).
 
-Mirrors what the processes build: `PolicyWorker._join_process_groups` (polyrl/workers/policy.py)
-and `RolloutWorker.setup` (polyrl/workers/rollout_worker.py) join one world; in standalone sync
-placement it holds the trainer ranks and every rollout rank (`RankLayout`) and `build_groups`
-creates every group of the layout; otherwise the world is the policy ranks alone. The training
+Mirrors what the processes build from their `RolePlan`: `PolicyWorker._join_process_groups`
+(polyrl/workers/policy.py) and `RolloutWorker.setup` (polyrl/workers/rollout_worker.py) join one
+world; where the topology shares it with rollout ranks (disaggregated) it holds the trainer ranks
+and every rollout rank (`RankLayout`) and `build_groups` creates every group of the layout;
+otherwise the world is the policy ranks alone. The training
 engine works on the trainer group: FSDP2 (polyrl/training/fsdp2.py) shards every parameter,
 gradient and optimizer state over it as a 1-D `DeviceMesh.from_group` (no replication across
 nodes), DDP (polyrl/training/ddp.py) all-reduces its gradients over it. FSDP2 on a device adds a
@@ -17,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from polyrl.distributed.layout import RankLayout
 from polyrl.platform import Platform
+from polyrl.training.mesh import DATA_AXES, ParallelDims
 
 
 
@@ -33,7 +34,8 @@ def library_of(platform: Platform, backend: str) -> str:
 @dataclass(frozen=True)
 class GroupPlan:
     kind: str
-    """trainer, fsdp2_control, replica, tp, pp, dp, weight_sync (`RankLayout.all_groups` kinds)."""
+    """trainer, fsdp2_control, replica, tp, pp, dp, weight_sync (`RankLayout.all_groups` kinds),
+    mesh_data, mesh_sp (the training mesh's groups with sequence parallelism)."""
     ranks: tuple[int, ...]
     backend: str
     """torch.distributed backend name (nccl, hccl, gloo)."""
@@ -71,16 +73,13 @@ class WorldPlan:
 
 def plan_world(cfg: Any, platform: Platform, actors: Sequence[Any]) -> WorldPlan | None:
     """The run's world and groups (None: no process group forms: one policy rank and no
-    standalone sync replicas). `actors`: the launch plan's, for each rank's planned node."""
+    rollout ranks in its world). `actors`: the launch plan's, for each rank's planned node."""
     device = bool(platform.ray_resource)
     backend = platform.dist_backend() if device else platform.cpu_dist_backend()
     library = library_of(platform, backend)
     node_of = {a.rank: a.devices.node for a in actors if a.rank is not None and a.devices}
-    standalone_sync = cfg.rollout.placement == "standalone" and cfg.trainer.mode == "sync"
-    if standalone_sync:
-        layout = RankLayout(num_replicas=cfg.rollout.num_replicas,
-                            tensor_parallel_size=cfg.rollout.tensor_parallel_size,
-                            trainer_world_size=cfg.actor.world_size)
+    layout = next((a.plan.layout for a in actors if a.plan is not None and a.plan.layout is not None), None)
+    if layout is not None:  # the topology shares the world with rollout ranks (`RolePlan.layout`)
         kinds, size = layout.all_groups(), layout.world_size
     else:
         size = cfg.actor.world_size
@@ -102,12 +101,35 @@ def plan_world(cfg: Any, platform: Platform, actors: Sequence[Any]) -> WorldPlan
             groups.append(group("fsdp2_control", ranks, "FSDP2's announce / drain handshake before "
                                 "each forward, on the host: no device sync per micro-batch",
                                 on_host=True))
+        if kind == "trainer":
+            groups += [group(k, r, p) for k, r, p in mesh_groups(ParallelDims.from_actor(cfg.actor))]
     return WorldPlan(size, backend, library, groups)
+
+
+def mesh_groups(dims: ParallelDims) -> list[tuple[str, tuple[int, ...], str]]:
+    """(kind, ranks, purpose) of the training mesh's own groups (polyrl/training/mesh.py), which
+    the engines create beside the trainer group only with sequence parallelism
+    (polyrl/training/mesh_groups.py). The trainer ranks are the world's first ranks in every
+    topology, so a mesh rank is its global rank."""
+    if not dims.sequence_parallel:
+        return []
+    out = [("mesh_data", ranks, f"the data axes of the mesh ({dims.describe()}): ranks with different "
+                                "samples, whose token counts and metrics are summed")
+           for ranks in dims.groups_along(DATA_AXES) if len(ranks) > 1]
+    out += [("mesh_sp", ranks, f"one sequence-parallel group of {dims.sp} ranks: each holds 1/{dims.sp} "
+                              "of every packed row's tokens (DeepSpeed-Ulysses all-to-all of heads around "
+                              "attention)")
+            for ranks in dims.groups_along(("sp",))]
+    return out
 
 
 def _purpose(kind: str, cfg: Any, ranks: tuple[int, ...]) -> str:
     n = len(ranks)
     if kind == "trainer":
+        dims = ParallelDims.from_actor(cfg.actor)
+        if dims.sequence_parallel:
+            return (f"the training mesh ({dims.describe()}): gradients summed over its data and sp "
+                    f"axes{' and parameters sharded over them (FSDP2)' if cfg.actor.strategy == 'fsdp2' else ''}")
         if cfg.actor.strategy == "fsdp2":
             return (f"FSDP2 shard group: a 1-D DeviceMesh over the {n} policy ranks; each holds 1/{n} "
                     "of every parameter, gradient and optimizer state; all-gather per layer in "

@@ -40,8 +40,7 @@ class ReplicaPool(WorkerGroup):
         self.restarts = 0
 
     def _new(self, index: int) -> Any:
-        return self.cls.options(**self.options[index]).remote(self.cfg, index, self.specs[index].num_threads,
-                                                              self.mailbox, self.cfg.resolved_weights)
+        return self.cls.options(**self.options[index]).remote(self.cfg, self.specs[index].plan, self.mailbox)
 
     def restart(self, index: int) -> Any:
         """Replace replica `index` with a new actor; returns the ref of its setup (which fetches

@@ -25,7 +25,7 @@ def reward_worker_cpus(cfg: JobConfig) -> int:
 
 
 def num_rollout_ranks(cfg: JobConfig) -> int:
-    if cfg.rollout.placement != "standalone":
+    if cfg.topology.colocated_engine:  # the engines live in the policy ranks
         return 0
     return cfg.rollout.num_replicas * cfg.rollout.tensor_parallel_size
 

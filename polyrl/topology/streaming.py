@@ -1,5 +1,6 @@
-"""Streaming rollout (trainer.mode=async, standalone replicas): replicas keep generating while the
-policy trains, under a staleness bound (rollout_stream.py, docs/async.md).
+"""Streaming rollout (trainer.mode=async, standalone replicas; `STREAMING` in
+polyrl/distributed/topologies.py): replicas keep generating while the policy trains, under a
+staleness bound (rollout_stream.py, docs/async.md).
 
 The policy group is built with the stream's `gather` as its waiter, so every wait on the policy
 (update, log-probs, checkpoint) keeps the replicas fed: an explicit constructor argument, decided
@@ -14,9 +15,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from polyrl.batch import RolloutBatch
+from polyrl.distributed.topologies import STREAMING
 from polyrl.distributed.waits import gather
 from polyrl.rollout.base import SamplingParams
-from polyrl.rollout.launch_args import resolve_load_format
+from polyrl.rollout.launch_args import needs_first_sync
 from polyrl.topology.base import (Topology, TrainingError, attach_prompts, plan, rendezvous, setup_all, start_policy,
                                   train_sampling)
 from polyrl.topology.replica_pool import ReplicaPool
@@ -25,7 +27,7 @@ from polyrl.weights.object_store import create_mailbox
 
 
 class StreamingTopology(Topology):
-    name = "streaming"
+    spec = STREAMING
 
     def start(self) -> None:
         cfg, ctx = self.cfg, self.ctx
@@ -38,7 +40,7 @@ class StreamingTopology(Topology):
         versions = setup_all(self.policy, self.policy.refs("setup", address, mailbox)
                              + self.pool.refs("setup"), self.pool.names)
         self.pool.versions = list(versions)
-        if resolve_load_format(cfg.rollout) == "dummy":
+        if needs_first_sync(cfg.rollout, colocated=self.spec.colocated_engine):
             self._fill_replicas()
         self.last_batch_at = time.perf_counter()
 

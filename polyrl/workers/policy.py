@@ -1,10 +1,12 @@
 """The policy worker: one rank of policy training, with its colocated rollout engine.
 
-Runs inside a Ray actor (a topology starts it with `ray.remote`). The model is trained through a
-training engine (training/base.py; `DDPEngine` for actor.strategy=ddp), the PPO update is
-`PPOActor` (actor.py), the reference policy is a frozen engine. In hybrid placement the rollout
-engine lives in the same process and shares the rank's device: after each update the weights are
-copied into it in place (version-stamped) and its KV cache is freed while training.
+Runs inside a Ray actor (a topology starts it with `ray.remote` and its `RolePlan`,
+polyrl/distributed/role.py). The model is trained through a training engine (training/base.py;
+`DDPEngine` for actor.strategy=ddp), the PPO update is `PPOActor` (actor.py), the reference
+policy is a frozen engine. What the rank does besides training is its plan's, not the config's:
+which world it joins, whether it hosts a colocated rollout engine (same process and device:
+after each update the weights are copied into it in place, version-stamped, and its KV cache is
+freed while training), whether it sends weights and over which transport.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ import torch.distributed as dist
 
 from polyrl.batch import Ragged, RolloutBatch
 from polyrl.distributed.layout import build_groups, group_leader
+from polyrl.distributed.role import RolePlan
 from polyrl.platform import get_platform
 from polyrl.rollout.factory import build_colocated_engine
 from polyrl.training import batch_invariant, build_engine
 from polyrl.training.lora import adapters_disabled, apply_lora
-from polyrl.weights import build_transport
 from polyrl.modeling import torch_dtype
 from polyrl.training.values import load_value_model, response_values
 from polyrl.workers.actor import PPOActor
@@ -32,18 +34,18 @@ from polyrl.rollout.base import SamplingParams
 from polyrl.workers.generation import rollout_rows
 from polyrl.training.model_loading import load_causal_lm, load_tokenizer
 from polyrl.training.optim import total_optimizer_steps
-from polyrl.workers.rollout_worker import rollout_layout, transport_context
+from polyrl.workers.rollout_worker import open_transport
 from polyrl.job import JobConfig
 
 logger = logging.getLogger(__name__)
 
 
 class PolicyWorker:
-    def __init__(self, cfg: JobConfig, rank: int, world_size: int, total_steps: int, num_threads: int):
-        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+    def __init__(self, cfg: JobConfig, role: RolePlan, total_steps: int):
+        self.cfg, self.role = cfg, role
+        self.rank, self.world_size = role.index, cfg.actor.world_size
         self.total_steps = total_steps
-        self.standalone = cfg.rollout.placement == "standalone"
-        torch.set_num_threads(num_threads)
+        torch.set_num_threads(role.num_threads)
         self.platform = get_platform(cfg.platform)
         self.device = self.platform.reserved_device()  # from the Ray reservation
         self.version = 0
@@ -61,18 +63,17 @@ class PolicyWorker:
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
     def setup(self, dist_init: str | None, mailbox: Any = None) -> int:
-        cfg, rank = self.cfg, self.rank
+        cfg, rank, role = self.cfg, self.rank, self.role
         torch.manual_seed(cfg.trainer.seed + rank)
         train_group = self._join_process_groups(dist_init, mailbox)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
         model = self._load_model()
         self.rollout_engine = None
-        if not self.standalone:  # built from the plain model (it copies the weights), before LoRA
+        if role.colocated_engine:  # built from the plain model (it copies the weights), before LoRA
             self.rollout_engine = build_colocated_engine(cfg.rollout, model, self.tokenizer, self.device,
-                                                         seed=cfg.trainer.seed + 1000 * rank,
-                                                         platform=self.platform)
+                                                         seed=role.engine_seed, platform=self.platform)
             self.rollout_engine.sleep()
-            self.transport = build_transport(cfg.resolved_weights, "hybrid", engine=self.rollout_engine)
+            self.transport = open_transport(role, cfg.weights, engine=self.rollout_engine)
         if cfg.model.enabled:  # LoRA: adapters on the policy; the frozen base is the reference
             model = apply_lora(model, cfg.model)
         if cfg.actor.gradient_checkpointing:
@@ -96,7 +97,7 @@ class PolicyWorker:
                 batch_invariant.enable(reference, cfg.rollout.dtype)
             self.reference = build_engine(reference, cfg.actor, self.platform, self.device, **engine_args)
         self.actor = PPOActor(self.engine, cfg.actor, cfg.algorithm,
-                              cfg.algorithm.off_policy.resolve(cfg.trainer.mode), self.device)
+                              cfg.algorithm.off_policy.resolve(role.mode), self.device)
         self.critic = self._build_critic(horizon, engine_args)
         self.updates = 0
         return self.engine.num_params
@@ -123,28 +124,26 @@ class PolicyWorker:
         return load_causal_lm(cfg.model.path, cfg.actor.param_dtype, cfg.model.trust_remote_code).to(self.device)
 
     def _join_process_groups(self, dist_init: str | None, mailbox: Any):
-        """Join the run's torch.distributed world; returns the trainer ranks' group (None: the
-        whole world). Sets `self.transport` on the rank that sends weights."""
-        cfg, rank = self.cfg, self.rank
+        """Join the world the plan names; returns the trainer ranks' group (None: the whole
+        world). Sets `self.transport` on a rank that sends weights to other processes."""
+        cfg, rank, role = self.cfg, self.rank, self.role
         self.transport = None
         backend = self.platform.group_backend(self.device.type)
         timeout = timedelta(seconds=cfg.ray.timeout_s)
-        if self.standalone and cfg.trainer.mode == "sync":
-            # one world: trainer ranks first, then every rollout replica's ranks
-            layout = rollout_layout(cfg)
-            dist.init_process_group(backend, init_method=dist_init, rank=rank,
-                                    world_size=layout.world_size, timeout=timeout)
-            groups = build_groups(layout, rank, backend=backend, timeout_s=cfg.ray.timeout_s)
-            if rank == groups.leader("weight_sync"):
-                self.transport = build_transport(cfg.resolved_weights, "standalone",
-                                                 **transport_context(cfg, groups.group("weight_sync"), mailbox))
+        if role.layout is not None:  # one world: trainer ranks first, then every replica's ranks
+            dist.init_process_group(backend, init_method=dist_init, rank=role.rank,
+                                    world_size=role.world_size, timeout=timeout)
+            groups = build_groups(role.layout, role.rank, backend=backend, timeout_s=cfg.ray.timeout_s)
+            if role.sends_weights:  # the weight-sync group's leader (R5)
+                self.transport = open_transport(role, cfg.weights, group=groups.group("weight_sync"),
+                                                mailbox=mailbox)
             return groups.group("trainer")
-        # hybrid, or async: replicas join no collective (weights go through the object store)
-        if self.world_size > 1:
+        # the policy ranks alone; replicas, if any, join no collective (the object store)
+        if role.world_size > 1:
             dist.init_process_group(backend, init_method=dist_init, rank=rank,
-                                    world_size=self.world_size, timeout=timeout)
-        if self.standalone and rank == 0:  # async: publish beside the next update (object_store.py)
-            self.transport = build_transport(cfg.resolved_weights, "standalone", mailbox=mailbox)
+                                    world_size=role.world_size, timeout=timeout)
+        if role.sends_weights and not role.colocated_engine:  # publish beside the next update
+            self.transport = open_transport(role, cfg.weights, mailbox=mailbox)
         return None
 
     # --- rollout ------------------------------------------------------------------------------
@@ -188,8 +187,8 @@ class PolicyWorker:
 
     # --- weights ------------------------------------------------------------------------------
     def sync_weights(self, bump: bool = True) -> dict[str, float]:
-        """Hand the updated policy to the engines: in place (hybrid) or, from the weight-sync
-        leader, over the transport to every standalone replica (which call receive_weights)."""
+        """Hand the updated policy to the engines: in place (a colocated engine) or, from the
+        rank that sends, over the transport to every replica (which call receive_weights)."""
         self.version += int(bump)
         # rollout.lora_mode=adapter: only the adapter travels (vLLM applies it); else full weights
         adapter = self.cfg.model.enabled and self.cfg.rollout.lora_mode == "adapter"

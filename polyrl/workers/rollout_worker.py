@@ -1,8 +1,10 @@
-"""A standalone rollout replica: an engine on its own resources that receives each new policy
-version over the weight transport (disaggregated, "standalone" placement).
+"""A rollout rank of the disaggregated topology: an engine on its own resources that receives
+each new policy version over the weight transport. Also the pieces every actor outside the
+policy ranks shares: the replica engine (`build_replica_engine`, which the streaming replica
+builds the same way) and the transport of a plan (`open_transport`).
 
-All processes of a standalone run share one torch.distributed world: the trainer ranks first,
-then every replica's ranks (`RankLayout`). Weights travel inside the "weight_sync" group from its
+All processes of a disaggregated run share one torch.distributed world, its `RolePlan.layout`:
+the trainer ranks first, then every replica's ranks (`RankLayout`). Weights travel inside the "weight_sync" group from its
 leader — the group's local rank 0 mapped to a global rank, never a hard-coded rank 0 (R5).
 
 A replica of k > 1 ranks (rollout.tensor_parallel_size) has one engine, on its replica leader
@@ -25,28 +27,37 @@ import torch
 import torch.distributed as dist
 
 from polyrl.builtin import resolve
-from polyrl.distributed.layout import RankLayout, build_groups
+from polyrl.distributed.layout import build_groups
+from polyrl.distributed.role import RolePlan
 from polyrl.rollout.engines.weight_flush import PushResult, push_shares, read_hf_config
 from polyrl.platform import get_platform
 from polyrl.rollout.factory import build_standalone_engine
-from polyrl.weights import build_transport
+from polyrl.weights import WEIGHT_TRANSPORTS, WeightTransport
 from polyrl.batch import RolloutBatch
 from polyrl.rollout.base import SamplingParams
 from polyrl.workers.generation import rollout_rows
 from polyrl.job import JobConfig
 
 
-def rollout_layout(cfg: JobConfig) -> RankLayout:
-    return RankLayout(num_replicas=cfg.rollout.num_replicas,
-                      tensor_parallel_size=cfg.rollout.tensor_parallel_size,
-                      trainer_world_size=cfg.actor.world_size)
+CONTEXT = {"in_place": ("engine",), "broadcast": ("group",), "object_store": ("mailbox",)}
+"""What each built-in transport is built with (the rest of what a caller holds is left out)."""
 
 
-def transport_context(cfg: JobConfig, group: Any, mailbox: Any) -> dict:
-    """What the run's weight transport needs: the weight-sync group, or the mailbox actor."""
-    if cfg.weight_transport == "object_store":
-        return {"mailbox": mailbox}
-    return {"group": group}
+def open_transport(role: RolePlan, weights: Any, **context: Any) -> WeightTransport:
+    """The transport the plan names, built from the weights section (`WeightSyncConfig`) with
+    the plan's transport and publish mode, and the part of `context` it takes: the colocated
+    engine, the weight-sync group or the mailbox actor."""
+    keys = CONTEXT.get(role.transport)
+    taken = context if keys is None else {k: v for k, v in context.items() if k in keys}
+    return WEIGHT_TRANSPORTS.get(role.transport)(role.weights_config(weights), **taken)
+
+
+def build_replica_engine(cfg: JobConfig, role: RolePlan, device: torch.device, platform: Any) -> Any:
+    """The engine of a rollout actor (a replica leader, a streaming replica): loaded from
+    model.path, later versions arrive over the transport; seeded by the plan."""
+    return build_standalone_engine(cfg.rollout, cfg.model.path, device, seed=role.engine_seed,
+                                   platform=platform, trust_remote_code=cfg.model.trust_remote_code,
+                                   tokenizer_path=cfg.model.tokenizer_path)
 
 
 class ReplicaPush:
@@ -78,35 +89,30 @@ class ReplicaPush:
 
 
 class RolloutWorker:
-    def __init__(self, cfg: JobConfig, global_rank: int, num_threads: int):
-        self.cfg, self.rank = cfg, global_rank
-        torch.set_num_threads(num_threads)
+    def __init__(self, cfg: JobConfig, role: RolePlan):
+        self.cfg, self.role, self.rank = cfg, role, role.rank
+        torch.set_num_threads(role.num_threads)
         self.platform = get_platform(cfg.platform)
         self.device = self.platform.reserved_device()  # from the Ray reservation
 
     def setup(self, dist_init: str, mailbox: Any = None) -> int:
-        cfg = self.cfg
-        layout = rollout_layout(cfg)
+        cfg, role = self.cfg, self.role
+        layout = role.layout
         backend = self.platform.group_backend(self.device.type)
         dist.init_process_group(backend, init_method=dist_init, rank=self.rank,
-                                world_size=layout.world_size, timeout=timedelta(seconds=cfg.ray.timeout_s))
+                                world_size=role.world_size, timeout=timedelta(seconds=cfg.ray.timeout_s))
         groups = build_groups(layout, self.rank, backend=backend, timeout_s=cfg.ray.timeout_s)
         info = groups.info
-        self.replica, self.leader = info.replica, info.is_replica_leader
+        self.replica, self.leader = info.replica, role.hosts_engine
         self.engine = None
-        if self.leader:  # one engine per replica, on its leader
-            self.engine = build_standalone_engine(cfg.rollout, cfg.model.path, self.device,
-                                                  seed=cfg.trainer.seed + 1000 * self.rank,
-                                                  platform=self.platform,
-                                                  trust_remote_code=cfg.model.trust_remote_code,
-                                                  tokenizer_path=cfg.model.tokenizer_path)
+        if role.hosts_engine:  # one engine per replica, on its leader
+            self.engine = build_replica_engine(cfg, role, self.device, self.platform)
             self.tokenizer = self.engine.tokenizer
         self.sink: Any = self.engine
         if layout.ranks_per_replica > 1:
             self.sink = ReplicaPush(cfg, self.engine, groups.group("replica"),
                                     (info.local_rank, layout.ranks_per_replica))
-        self.transport = build_transport(cfg.resolved_weights, "standalone",
-                                         **transport_context(cfg, groups.group("weight_sync"), mailbox))
+        self.transport = open_transport(role, cfg.weights, group=groups.group("weight_sync"), mailbox=mailbox)
         return self.sink.weight_version
 
     def generate(self, rows: list[Any], sampling: SamplingParams, seeds: list[int] | None = None,

@@ -1,4 +1,4 @@
-"""A rollout replica for asynchronous training (trainer.mode=async, standalone placement).
+"""A rollout replica of the streaming topology (generation overlaps training, bounded staleness).
 
 A threaded Ray actor: several `generate_groups` calls run at once (their requests share the
 engine's continuous batching; multi-turn agent rollouts send every turn through the gate) while
@@ -16,21 +16,21 @@ from typing import Any
 
 import torch
 
+from polyrl.distributed.role import RolePlan
 from polyrl.distributed.waits import gather
 from polyrl.platform import get_platform
-from polyrl.rollout.factory import build_standalone_engine
-from polyrl.weights import build_transport
 from polyrl.batch import RolloutBatch
 from polyrl.rollout.base import SamplingParams
 from polyrl.workers.generation import rollout_rows, sampling_params, to_batch
 from polyrl.workers.partial_rollout import GatedEngine, WeightGate, generate_resumable
+from polyrl.workers.rollout_worker import build_replica_engine, open_transport
 from polyrl.job import JobConfig
 
 
 class StreamingReplica:
-    def __init__(self, cfg: JobConfig, index: int, num_threads: int, mailbox: Any, weights_cfg: JobConfig):
-        self.cfg, self.index, self.mailbox, self.weights_cfg = cfg, index, mailbox, weights_cfg
-        torch.set_num_threads(num_threads)
+    def __init__(self, cfg: JobConfig, role: RolePlan, mailbox: Any):
+        self.cfg, self.role, self.index, self.mailbox = cfg, role, role.index, mailbox
+        torch.set_num_threads(role.num_threads)
         self.platform = get_platform(cfg.platform)
         self.device = self.platform.reserved_device()  # from the Ray reservation
         self.busy_s = 0.0
@@ -38,15 +38,11 @@ class StreamingReplica:
     def setup(self) -> int:
         """Build the engine and catch up with the newest published policy version."""
         cfg = self.cfg
-        self.engine = build_standalone_engine(cfg.rollout, cfg.model.path, self.device,
-                                              seed=cfg.trainer.seed + 1000 * self.index,
-                                              platform=self.platform,
-                                              trust_remote_code=cfg.model.trust_remote_code,
-                                              tokenizer_path=cfg.model.tokenizer_path)
+        self.engine = build_replica_engine(cfg, self.role, self.device, self.platform)
         self.tokenizer = self.engine.tokenizer
         self.gate = WeightGate(self.engine, cfg.async_.partial_rollout)
         self.gated = GatedEngine(self.engine, self.gate)
-        self.transport = build_transport(self.weights_cfg, "standalone", mailbox=self.mailbox)
+        self.transport = open_transport(self.role, cfg.weights, mailbox=self.mailbox)
         [latest] = gather([self.mailbox.latest_version.remote()], ["weight mailbox"],
                           phase=f"replica {self.index} start-up", timeout_s=cfg.ray.timeout_s)
         if latest is not None and latest > self.engine.weight_version:

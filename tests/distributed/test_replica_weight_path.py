@@ -52,12 +52,14 @@ def perturb(model, version: int) -> None:
 
 
 def world(rank: int, world_size: int, model_path: str, init: str) -> dict:
-    from polyrl.workers.rollout_worker import RolloutWorker, rollout_layout
+    from polyrl.topology.launch_plan import role_plans
+    from polyrl.workers.rollout_worker import RolloutWorker, open_transport
 
     cfg = config(model_path)
+    roles = role_plans(cfg, num_threads=1)  # what the launch plan hands each actor
     dist.destroy_process_group()  # the production code joins its own world (init_method)
     if rank != 0:
-        worker = RolloutWorker(cfg, rank, 1)
+        worker = RolloutWorker(cfg, roles["rollout"][rank - 1])
         worker.setup(init)
         out = {"leader": worker.leader, "replica": worker.replica}
         for v in VERSIONS:
@@ -69,11 +71,12 @@ def world(rank: int, world_size: int, model_path: str, init: str) -> dict:
 
     from polyrl.distributed.layout import build_groups
     from polyrl.rollout.native.engine import NativeEngine
-    from polyrl.weights import build_transport
 
+    trainer = roles["policy"][0]
+    assert trainer.sends_weights and trainer.layout.world_size == world_size
     dist.init_process_group("gloo", init_method=init, rank=0, world_size=world_size)
-    groups = build_groups(rollout_layout(cfg), 0, backend="gloo", timeout_s=60)
-    transport = build_transport(cfg.resolved_weights, "standalone", group=groups.group("weight_sync"))
+    groups = build_groups(trainer.layout, 0, backend="gloo", timeout_s=60)
+    transport = open_transport(trainer, cfg.weights, group=groups.group("weight_sync"))
     model = AutoModelForCausalLM.from_pretrained(model_path)
     out = {"initial": greedy(NativeEngine.from_model(model, max_model_len=64))}
     for v in VERSIONS:

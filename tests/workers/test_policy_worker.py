@@ -14,6 +14,7 @@ from polyrl.config import load_config
 from polyrl.rollout.base import SamplingParams
 from polyrl.job import JobConfig
 from polyrl.training.base import NonFiniteUpdate
+from polyrl.topology.launch_plan import role_plans
 from polyrl.workers.policy import PolicyWorker
 
 
@@ -21,7 +22,8 @@ from polyrl.workers.policy import PolicyWorker
 def worker(tiny_model, arith_files):
     cfg = load_config(JobConfig, overrides=[f"model.path={tiny_model}", "actor.max_nonfinite_steps=2",
                                             "rollout.max_model_len=64"])
-    w = PolicyWorker(cfg, rank=0, world_size=1, total_steps=10, num_threads=1)
+    [role] = role_plans(cfg, num_threads=1)["policy"]  # colocated: hosts its engine, in place
+    w = PolicyWorker(cfg, role, total_steps=10)
     w.setup(None)
     return w
 
