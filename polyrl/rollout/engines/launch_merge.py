@@ -13,6 +13,8 @@ Used by `polyrl/rollout/launch_args.py`. Three rules, each from a bug class user
   with a warning naming the key.
 - Whether the model uses multi-head latent attention (MLA), which decides SGLang's attention
   backend on SM 8.x.
+- vLLM's memory share on its CPU build (`vllm_memory_share`): there `gpu_memory_utilization` is
+  a share of host RAM, so the GPU default would reserve half the machine.
 """
 
 from __future__ import annotations
@@ -91,3 +93,25 @@ def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         logger.warning(message)
+
+
+VLLM_CPU_MEMORY_SHARE = 0.1
+"""vLLM's `gpu_memory_utilization` on its CPU build when the user chose none: a tenth of host RAM
+for the engine's worker (weights, activations, KV cache)."""
+
+
+def vllm_memory_share(rollout: Any, platform_name: str) -> float:
+    """vLLM's `gpu_memory_utilization` for `rollout` on `platform_name`.
+
+    On the CPU build it is a share of the node's *host RAM* that the worker reserves at start
+    (vllm/v1/worker/cpu_worker.py: total memory x the share, refused when above the free
+    memory), most of it for the KV cache. The GPU default (`rollout.gpu_memory_utilization`,
+    0.5) reserved 11.2 of 23.5 GiB for the bundled tiny model's KV cache, whose allocation and
+    warm-up took 28.7 s of the engine's start, against 1.5 s at 0.1 (docs/gpu_engines.md), and
+    in hybrid placement the trainer shares that RAM. So on CPU an unset value means
+    `VLLM_CPU_MEMORY_SHARE`; a value the user set (`rollout.gpu_memory_utilization`, which
+    pydantic records in `model_fields_set`) is kept, as is
+    `engine_kwargs.vllm.gpu_memory_utilization` (merged over the defaults)."""
+    if platform_name == "cpu" and "gpu_memory_utilization" not in rollout.model_fields_set:
+        return VLLM_CPU_MEMORY_SHARE
+    return rollout.gpu_memory_utilization
