@@ -52,3 +52,72 @@ def test_the_files_the_page_names_exist():
 def test_the_sections_the_conventions_test_cites_exist():
     assert {"Layers", "Contracts", "Conventions", "The environment-plan rules", "Topologies",
             "The batch", "Training engines"} <= set(headings())
+
+
+# --- "Topologies": where topology is decided -----------------------------------------------------
+
+import ast  # noqa: E402
+
+TOPOLOGY_TABLE = "polyrl/distributed/topologies.py"
+PENDING_READS = {
+    "polyrl/trainer/loop.py": "init_ray's environment context (placement and mode names for the env rules)",
+    "polyrl/cli/env_cmd.py": "polyrl env's --placement / --mode defaults",
+    "polyrl/cli/doctor.py": "polyrl doctor's findings scoped by placement",
+}
+"""Modules that still read the keys directly, each to read `cfg.topology` instead (the change is
+written down for their owners); the test fails once one stops, so the list only shrinks."""
+
+
+def topology_key_reads(tree: ast.AST) -> list[int]:
+    """Lines reading `<x>.rollout.placement` or `<x>.trainer.mode` (also on names `rollout` /
+    `trainer`)."""
+    keys = {"placement": "rollout", "mode": "trainer"}
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in keys:
+            base = node.value
+            name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", None)
+            if name == keys[node.attr]:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_topology_is_decided_in_one_place():
+    """Only the topology table reads rollout.placement and trainer.mode; the rest of polyrl
+    reads the spec it returns (`cfg.topology`) or an actor's `RolePlan`."""
+    reads = {path: topology_key_reads(ast.parse(text)) for path, text in sources().items()
+             if path.startswith("polyrl/") and path.endswith(".py")}
+    readers = {path for path, lines in reads.items() if lines}
+    assert TOPOLOGY_TABLE in readers, "the pattern is wrong: the table itself reads the keys"
+    assert readers - {TOPOLOGY_TABLE} - set(PENDING_READS) == set(), {
+        p: reads[p] for p in readers - {TOPOLOGY_TABLE} - set(PENDING_READS)}
+    assert set(PENDING_READS) <= readers, f"no longer reads the keys: drop from PENDING_READS: {set(PENDING_READS) - readers}"
+    assert "topology_of" in DOC.read_text() and TOPOLOGY_TABLE in DOC.read_text()
+
+
+def test_each_topology_class_is_one_entry_of_the_table():
+    from polyrl.distributed.topologies import TOPOLOGY_SPECS
+    from polyrl.topology import TOPOLOGIES
+
+    assert TOPOLOGIES.names() == list(TOPOLOGY_SPECS)
+    for name, spec in TOPOLOGY_SPECS.items():
+        assert TOPOLOGIES.get(name).spec is spec
+
+
+def test_workers_act_on_their_role_plan():
+    """The actors are constructed with a `RolePlan` (polyrl/distributed/role.py), the page's
+    claim, and the replica engine is built in one place for both replica kinds."""
+    import inspect
+
+    from polyrl.distributed.role import RolePlan
+    from polyrl.workers.policy import PolicyWorker
+    from polyrl.workers.rollout_worker import RolloutWorker
+    from polyrl.workers.streaming_replica import StreamingReplica
+
+    for cls in (PolicyWorker, RolloutWorker, StreamingReplica):
+        assert inspect.signature(cls).parameters["role"].annotation in (RolePlan, "RolePlan")
+    builders = [path for path, text in sources().items() if path.startswith("polyrl/")
+                and path.endswith(".py") and "build_standalone_engine(" in text
+                and not path.startswith("polyrl/rollout/factory.py")]
+    assert builders == ["polyrl/workers/rollout_worker.py"]
+    assert "RolePlan" in DOC.read_text()
