@@ -6,12 +6,13 @@ so a backend is added in one place: here for the built-in ones, or from a separa
 through the `polyrl.rollout_backends` entry-point group (`name = "module:EngineClass"`), loaded
 in every process that asks (Ray workers included), or in-process with `register_backend`. A
 config may also name a backend by import path (`rollout.backend: mypkg.engine:MyEngine`): it is
-resolved, checked and registered under that string in whichever process first asks for it.
+imported and checked in whichever process first asks for it (the driver's config check, the
+Ray worker that builds the engine), valid without being listed among the names.
 
 Each backend declares what its engine can do (`EngineCapabilities`: tensor parallelism, sleep,
-log-prob numerics, partial rollout, ...) as data, so the trainer, its pre-flight, the dry run
-and `polyrl doctor` ask the capabilities rather than the backend's name, and none of them has
-to import an engine to know. A plugin declares its own: a `capabilities` class attribute on its
+log-prob numerics, partial rollout, ...) as data, so the trainer, its pre-flight and `polyrl
+doctor` ask the capabilities rather than the backend's name, and none of them has to import an
+engine to know. A plugin declares its own: a `capabilities` class attribute on its
 engine class, or a `RolloutBackend` spec it exports (docs/engine_plugins.md).
 
 It also holds what polyrl supports of each engine package: the version range (`supported`),
@@ -26,10 +27,7 @@ This module sits below rollout, envplan and config users on purpose: it imports 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from typing import Any, Callable, Iterator, Mapping
 
 from polyrl.config.targets import IMPORT_PATH_FORMS, is_file_target, is_import_path, split_import_path
@@ -118,8 +116,8 @@ class BackendError(ValueError):
 ENGINE_MEMBERS = ("abort_all", "eos_token_ids", "from_model", "generate", "generate_batch", "health",
                   "sleep", "update_weights", "wake_up")
 """What the `RolloutEngine` protocol (polyrl/rollout/base.py, a layer above this one) requires
-of an engine class; a plugin's class is checked against it. tests/rollout/test_engine_protocol.py
-keeps it equal to the protocol's members."""
+of an engine class; a plugin's class is checked against it.
+tests/rollout/test_engine_capabilities.py keeps it equal to the protocol's members."""
 
 
 class _Backends(Registry[RolloutBackend]):
@@ -129,12 +127,11 @@ class _Backends(Registry[RolloutBackend]):
     `names()` lists the registered ones only: an import path is valid without being listed."""
 
     def __init__(self, kind: str):
-        super().__init__(kind)
+        super().__init__(kind, entry_point_group=ENTRY_POINT_GROUP)
         self._paths: dict[str, RolloutBackend] = {}
 
     def get(self, name: str) -> RolloutBackend:
-        _load_entry_points()
-        if Registry.__contains__(self, name):
+        if Registry.__contains__(self, name):  # loads the entry points first
             entry = self._entries[name]
             if isinstance(entry, str):  # an entry point's "module:attr", resolved on first use
                 self._entries[name] = load_backend(name, entry)
@@ -144,10 +141,6 @@ class _Backends(Registry[RolloutBackend]):
                 self._paths[name] = load_backend(name, name)
             return self._paths[name]
         return super().get(name)  # RegistryError listing the valid names
-
-    def names(self) -> list[str]:
-        _load_entry_points()
-        return super().names()
 
     def __contains__(self, name: object) -> bool:
         try:
@@ -265,14 +258,6 @@ register_backend("sglang", "polyrl.rollout.engines.sglang:SGLangEngine", package
 register_backend("trtllm", "polyrl.rollout.engines.trtllm:TRTLLMEngine", package="tensorrt_llm",
                  extra="trtllm", engine_processes=True, supported=">=1.1,<1.3",
                  distribution="tensorrt-llm", capabilities=_GPU_ENGINE)
-
-
-@functools.lru_cache(maxsize=1)
-def _load_entry_points() -> None:
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if not Registry.__contains__(ROLLOUT_BACKENDS, ep.name):
-            # the target, resolved (imported and checked) when the backend is first asked for
-            Registry.register(ROLLOUT_BACKENDS, ep.name, ep.value)
 
 
 def backend_names() -> list[str]:
