@@ -44,3 +44,21 @@ def test_async_mode_needs_standalone_placement(tiny_model, arith_files, tmp_path
 
     with pytest.raises(ConfigError, match="trainer.mode=async needs rollout.placement=standalone"):
         job(tiny_model, arith_files, tmp_path, "trainer.mode=async")
+
+
+def test_tensor_parallelism_is_refused_by_what_the_engine_declares(tiny_model, arith_files, tmp_path, monkeypatch):
+    """A plugin engine that declares no tensor_parallel is refused as the built-in engine is, by
+    Trainer.setup before anything starts (was: by the name `native` only, so a plugin reached
+    the pre-flight, which refuses it as a ConfigError). One that declares it passes here (and in
+    the launch arguments: tests/rollout/test_engine_capabilities.py, pending)."""
+    from polyrl.trainer.loop import TrainingError
+
+    (tmp_path / "tp_plugin_engines.py").write_text(
+        "from polyrl.backends import EngineCapabilities\n"
+        "from polyrl.rollout.native.engine import NativeEngine\n\n"
+        "class OneRank(NativeEngine):\n    pass\n\n"
+        "class Sharded(NativeEngine):\n    capabilities = EngineCapabilities(tensor_parallel=True)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tp = ("rollout.placement=standalone", "rollout.tensor_parallel_size=2")
+    with pytest.raises(TrainingError, match="the tp_plugin_engines:OneRank engine runs one rank per replica"):
+        Trainer(job(tiny_model, arith_files, tmp_path / "a", "rollout.backend=tp_plugin_engines:OneRank", *tp)).setup()
