@@ -70,6 +70,8 @@ def test_missing_model_path(train_here, tmp_path):
     ("rollout.n=1", "GRPO needs rollout.n >= 2"),
     ("algorithm.use_kl_loss=true", None),
     ("rollout.backend=vlm", "rollout.backend: 'vlm' is not one of native, vllm, sglang, trtllm"),
+    ("rollout.backend=no_such_pkg.engine:Engine",  # a plugin by import path that is not there
+     "rollout.backend: 'no_such_pkg.engine:Engine': no module 'no_such_pkg' here; put the directory"),
     ("actor.mini_batch_size=3", "actor.mini_batch_size=3 must divide data.train_batch_size=16"),
 ])
 def test_contradictory_config(train_here, override, needle):
