@@ -4,8 +4,9 @@ policy ranks shares: the replica engine (`build_replica_engine`, which the strea
 builds the same way) and the transport of a plan (`open_transport`).
 
 All processes of a disaggregated run share one torch.distributed world, its `RolePlan.layout`:
-the trainer ranks first, then every replica's ranks (`RankLayout`). Weights travel inside the "weight_sync" group from its
-leader — the group's local rank 0 mapped to a global rank, never a hard-coded rank 0 (R5).
+the trainer ranks first, then every replica's ranks (`RankLayout`). Weights travel inside the
+"weight_sync" group from its leader — the group's local rank 0 mapped to a global rank, never a
+hard-coded rank 0 (R5).
 
 A replica of k > 1 ranks (rollout.tensor_parallel_size) has one engine, on its replica leader
 (local rank 0 of the "replica" group). Every rank receives each version over the transport as a
