@@ -11,6 +11,7 @@ import ray
 from polyrl.batch import Ragged, RolloutBatch, shard, split_evenly
 from polyrl.distributed.waits import gather
 from polyrl.rollout.base import SamplingParams
+from polyrl.training.mesh import ParallelDims
 
 Waiter = Callable[..., list]
 """`waiter(refs, names, phase=..., timeout_s=...) -> results`: how a group awaits its answers."""
@@ -68,18 +69,39 @@ class WorkerGroup:
 
 
 class PolicyGroup(WorkerGroup):
+    """The policy ranks. Training calls shard the batch over the mesh's data-parallel ranks
+    (polyrl/training/mesh.py): the ranks of one sequence-parallel group get the same shard, split
+    its rows' tokens among themselves and answer with the same gathered result, of which one is
+    kept."""
+
     num_params: int = 0
 
+    def __init__(self, workers: list, names: list[str], timeout_s: float, waiter: Waiter = gather,
+                 helpers: Sequence[Any] = (), mesh: ParallelDims | None = None):
+        super().__init__(workers, names, timeout_s, waiter, helpers)
+        self.mesh = mesh or ParallelDims(dp_replicate=len(workers))
+        """The ranks' layout (default: every rank data parallel)."""
+        if self.mesh.world_size != len(workers):
+            raise ValueError(f"the policy mesh ({self.mesh.describe()}) does not match its {len(workers)} ranks")
+
+    def _per_rank(self, batch: RolloutBatch) -> list[RolloutBatch]:
+        """Each rank's shard of `batch`: its data-parallel rank's contiguous share."""
+        parts = shard(batch.for_training(), self.mesh.data_parallel_size)
+        return [parts[self.mesh.data_rank(r)] for r in range(self.world_size)]
+
+    def _one_per_shard(self, answers: list) -> list:
+        """The answers of the first rank of each sequence-parallel group, in shard order."""
+        return [a for r, a in enumerate(answers) if self.mesh.sequence_rank(r) == 0]
+
     def logprobs(self, batch: RolloutBatch, which: str) -> Ragged:
-        shards = [(part, which) for part in shard(batch.for_training(), self.world_size)]
-        return Ragged.cat(self.call_sharded("logprobs", shards, phase=f"{which} log-probs"))
+        shards = [(part, which) for part in self._per_rank(batch)]
+        return Ragged.cat(self._one_per_shard(self.call_sharded("logprobs", shards, phase=f"{which} log-probs")))
 
     def values(self, batch: RolloutBatch) -> Ragged:
-        shards = [(part,) for part in shard(batch.for_training(), self.world_size)]
-        return Ragged.cat(self.call_sharded("values", shards, phase="critic values"))
+        shards = [(part,) for part in self._per_rank(batch)]
+        return Ragged.cat(self._one_per_shard(self.call_sharded("values", shards, phase="critic values")))
 
     def update(self, batch: RolloutBatch, num_mini_batches: int, use_rollout_logprobs: bool) -> dict:
-        shards = [(part, num_mini_batches, use_rollout_logprobs)
-                  for part in shard(batch.for_training(), self.world_size)]
+        shards = [(part, num_mini_batches, use_rollout_logprobs) for part in self._per_rank(batch)]
         per_rank = self.call_sharded("update", shards, phase="update")
         return per_rank[0]  # metrics are global (all-reduced) quantities or rank-0 timings

@@ -1,4 +1,5 @@
-"""Training engines: how one model is trained across data-parallel ranks (base.py has the seam).
+"""Training engines: how one model is trained across the policy's ranks (base.py has the seam,
+mesh.py the ranks' layout).
 
 `build_engine` is the one place that maps `actor.strategy` onto an engine class."""
 
@@ -24,8 +25,11 @@ def build_engine(model: torch.nn.Module, cfg: ActorConfig, platform: Platform, d
                  rank: int = 0, world_size: int = 1, group: Any = None,
                  horizon: int | None = None, **options: Any) -> TrainingEngine:
     """The engine of `cfg.strategy` around `model` (loaded, on `device`, identical on every rank).
-    `horizon`: the run's length in optimizer steps; None builds a frozen engine (no optimizer).
-    `options`: engine options such as `head` (training/values.py for a critic)."""
+    `group`: the `world_size` policy ranks (None: the whole world), laid out as `ParallelDims`
+    (training/mesh.py: `cfg.sequence_parallel_size` ranks per sequence-parallel group, or the
+    `mesh` option). `horizon`: the run's length in optimizer steps; None builds a frozen engine
+    (no optimizer). `options`: engine options such as `head` (training/values.py for a critic)
+    or `mesh`."""
     return TRAINING_ENGINES.get(cfg.strategy)(model, cfg, platform, device, rank=rank,
                                              world_size=world_size, group=group, horizon=horizon,
                                              **options)

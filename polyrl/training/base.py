@@ -1,7 +1,8 @@
 """The training-engine seam: how a model is trained across ranks, hidden from what is trained.
 
-An engine owns one model on one rank of a data-parallel group (its parameters, gradients,
-optimizer and schedule, however they are sharded) and offers what an algorithm needs:
+An engine owns one model on one rank of the policy's device mesh (polyrl/training/mesh.py: data
+parallel, replicated or sharded, times sequence parallel) with its parameters, gradients,
+optimizer and schedule, however they are sharded, and offers what an algorithm needs:
 
     forward(mb)                 log-probs (+ entropy) of a micro-batch's response tokens
     backward(loss)              accumulate gradients of one micro-batch's share of the loss
@@ -12,9 +13,12 @@ optimizer and schedule, however they are sharded) and offers what an algorithm n
                                 WeightStream, polyrl/weights/base.py): what a transport sends
                                 without holding more than a bucket of it
     save(dir) / load(dir)       checkpoint state of this rank
-    all_reduce(tensor, op)      a collective over the engine's data-parallel group
+    all_reduce(tensor, op)      a collective over the engine's data-parallel ranks (those with
+                                different samples; a sequence-parallel group's ranks hold the
+                                same, gathered, values and are not summed)
 
-`DDPEngine` (ddp.py) replicates the model and all-reduces gradients. The PPO actor (workers/actor.py)
+`DDPEngine` (ddp.py) replicates the model and all-reduces gradients; `FSDP2Engine` (fsdp2.py)
+shards it; both split packed rows over a sequence-parallel group (ulysses.py). The PPO actor (workers/actor.py)
 and, later, a critic are written against this interface only, so a sharded engine plugs in
 without touching them or the loop (docs/architecture.md, "Training engines").
 """
@@ -48,6 +52,7 @@ class NonFiniteUpdate(RuntimeError):
 
 class TrainingEngine(Protocol):
     world_size: int
+    """Data-parallel ranks: what `all_reduce` sums over."""
     num_params: int
 
     def forward(self, mb: MicroBatch, with_entropy: bool = False,

@@ -3,7 +3,9 @@
 Gradients are summed with one flat all-reduce per optimizer step rather than torch's
 DistributedDataParallel hooks: the loss of each micro-batch is already its share of the global
 mean (aggregation over the global token / sequence count), so a plain sum of gradients is the
-global gradient, and ranks with no samples in a step still join the collective with zeros.
+global gradient, and ranks with no samples in a step still join the collective with zeros. Under
+sequence parallelism (ulysses.py) each rank's gradient is its tokens' share, so the sum runs over
+the data-parallel and sequence-parallel ranks (training/mesh.py `gradient_group`).
 """
 
 from __future__ import annotations

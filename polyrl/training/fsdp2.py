@@ -1,7 +1,8 @@
 """Sharded data-parallel training on PyTorch FSDP2 (actor.strategy=fsdp2).
 
 Each decoder layer is one FSDP unit, the rest of the model (embeddings, final norm, LM head, tied
-or not) is the root unit. Every rank stores 1/N of the parameters, gradients and AdamW state;
+or not) is the root unit. Every rank stores 1/N of the parameters, gradients and AdamW state (N:
+the data-parallel x sequence-parallel ranks, training/mesh.py `gradient_group`);
 a unit's parameters are all-gathered for its forward / backward and its gradients
 reduce-scattered after its backward.
 
