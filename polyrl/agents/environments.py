@@ -13,9 +13,9 @@
 
 Each trajectory gets a fresh instance (`ENVIRONMENTS.get(name)(**agent.environment_kwargs)`), so
 an environment keeps its episode's state in `self`. Outside polyrl, an environment is a class in
-the user's own file or package, named by import path (`agent.environment:
-mypkg.envs:Guess` or `/path/to/envs.py:Guess`) or registered by a package in the
-`polyrl.environments` entry-point group; each rollout worker imports it (docs/plugins.md). The row chooses its environment through
+the user's own file or package, named by import path (`agent.environment: mypkg.envs:Guess` or
+`/path/to/envs.py:Guess`) or registered by a package in the `polyrl.environments` entry-point
+group; each rollout worker imports it (docs/plugins.md). The row chooses its environment through
 `extra_info[agent.environment_key]` (default key "agent_name", verl's column name); rows without
 it use `agent.environment`. An observation is a string (a user turn), one message dict, or a list
 of them; it is appended through the chat template and masked out of the loss.

@@ -70,6 +70,9 @@ def environment_problem(name: str) -> str | None:
         return (f"is not a registered environment; registered: tools, "
                 f"{'' if ENVIRONMENTS.names() else 'or '}{ENVIRONMENTS.choices()} "
                 "(docs/plugins.md)")
+    except Exception as exc:  # noqa: BLE001 - an entry point's module failed to import
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return f"is not loadable: importing it raised {type(exc).__name__}: {first}"
     if not callable(factory):
         return f"is not an environment class but a {type(factory).__name__} (docs/plugins.md)"
     return None

@@ -235,6 +235,9 @@ def _resolve(registry, name: str, extra_choices: tuple[str, ...] = ()) -> str:
             raise ValueError(str(exc)) from None
         choices = ", ".join([*registry.names(), *extra_choices])
         raise ValueError(f"{name!r} is not one of {choices}, or {IMPORT_PATH_FORMS}") from None
+    except Exception as exc:  # noqa: BLE001 - an entry point's module failed to import
+        raise ValueError(f"{registry.kind} '{name}': loading it raised {type(exc).__name__}: "
+                         f"{(str(exc).strip().splitlines() or [''])[0]}") from None
     if not callable(obj):
         raise ValueError(f"{registry.kind} '{name}' names a {type(obj).__name__}, not a function "
                          "(docs/plugins.md has the signature)")

@@ -171,6 +171,8 @@ def get_platform(name: str | None = None, probe: HardwareProbe | None = None) ->
             f"unknown platform '{chosen}'; registered platforms: {PLATFORMS.choices()} "
             f"(detected here: {detected})"
         ) from None
+    except ImportError as exc:  # an entry point's module (or what it imports) is missing
+        raise PlatformError(f"platform '{chosen}': cannot import it: {exc}") from None
     if not (isinstance(cls, type) and issubclass(cls, Platform)):
         raise PlatformError(f"platform '{chosen}' names {cls!r}, not a subclass of "
                             "polyrl.platform.Platform (docs/plugins.md)")

@@ -224,3 +224,22 @@ def test_log_ratio_clamp_is_defined_once():
     defining = [p.relative_to(root).as_posix() for p in root.rglob("*.py")
                 if "LOG_RATIO_CLAMP = " in p.read_text()]
     assert defining == ["algorithms/losses/ratio.py"]
+
+
+def test_an_entry_point_whose_module_does_not_import_is_one_line(plugin_dir):
+    """A plugin package installed without one of its dependencies: the key's check says so in
+    one line instead of a traceback out of the config's validation."""
+    from polyrl.agents import AgentConfig
+    from polyrl.agents.preflight import check_agent
+    from polyrl.algorithms import AlgorithmConfig
+    from polyrl.config import ConfigError, load_config
+
+    (plugin_dir / "toy_plugins.py").write_text("import toy_missing_dependency\n")
+    sys.modules.pop("toy_plugins", None)
+    with pytest.raises(ConfigError) as err:
+        load_config(AlgorithmConfig, overrides=["adv_estimator=toy_adv"])
+    assert err.value.problems == ["adv_estimator: advantage estimator 'toy_adv': loading it raised "
+                                  "ModuleNotFoundError: No module named 'toy_missing_dependency'"]
+    with pytest.raises(ConfigError, match="agent.environment=toy_env is not loadable: importing it raised "
+                                          "ModuleNotFoundError: No module named 'toy_missing_dependency'"):
+        check_agent(AgentConfig(environment="toy_env"))
