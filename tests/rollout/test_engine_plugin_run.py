@@ -1,8 +1,10 @@
-"""A rollout backend named by import path (`rollout.backend: package.module:Class`) runs end to
-end: a user's package outside polyrl, on the PYTHONPATH of a real `polyrl train`, whose engine
-(the built-in engine, subclassed) is imported, built and generates inside the Ray rollout
-worker, not the driver. The engine leaves a marker line for each thing it does, next to its own
-module (tmp_path), so the test reads what happened in the worker process.
+"""A rollout backend from a user's package outside polyrl runs end to end, named by import path
+(`rollout.backend: package.module:Class`) or by the name its distribution registers in the
+`polyrl.rollout_backends` entry-point group: the package is on the PYTHONPATH of a real `polyrl
+train`, and its engine (the built-in engine, subclassed) is imported, built and generates inside
+the Ray actor that hosts rollout (the rollout worker; the policy rank in hybrid placement), not
+the driver. The engine leaves a marker line for each thing it does, next to its own module
+(tmp_path), so the test reads what happened in the worker process.
 
 The smallest embedded-task run (the README's default model and data): one step of 4 prompts x 2
 samples, no validation, no checkpoint, no plot."""
@@ -59,17 +61,22 @@ class MarkedEngine(NativeEngine):
 
 
 def user_package(root: Path) -> Path:
-    """my_engines/marked.py under `root` (what a user keeps beside their configs)."""
+    """my_engines/marked.py under `root` (what a user keeps beside their configs), installed as a
+    distribution whose entry point names the engine `marked`."""
     package = root / "my_engines"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "marked.py").write_text(textwrap.dedent(ENGINE))
+    info = root / "my_engines-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-engines\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[polyrl.rollout_backends]\nmarked = my_engines.marked:MarkedEngine\n")
     return package / "markers.jsonl"
 
 
 def polyrl_train(root: Path, out: Path, *overrides: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    args = [sys.executable, "-m", "polyrl", "train", "rollout.backend=my_engines.marked:MarkedEngine",
+    args = [sys.executable, "-m", "polyrl", "train",
             "data.train_batch_size=4", "rollout.n=2", "data.val_files=[]", "trainer.total_steps=1",
             "trainer.save_at_end=false", "logging.plot_at_end=false", "trainer.progress_bar=false",
             "actor.num_cpus_per_worker=1", "ray.address=local", f"trainer.output_dir={out}", *overrides]
@@ -77,10 +84,14 @@ def polyrl_train(root: Path, out: Path, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.parametrize("placement,worker", [("standalone", "rollout_worker.py"), ("hybrid", "policy.py")])
-def test_an_import_path_backend_trains_inside_the_ray_rollout_worker(tmp_path, placement, worker):
+@pytest.mark.parametrize("backend,placement,worker", [
+    ("my_engines.marked:MarkedEngine", "standalone", "rollout_worker.py"),  # by import path
+    ("marked", "hybrid", "policy.py"),  # by entry point
+])
+def test_a_user_backend_trains_inside_the_ray_actor_hosting_rollout(tmp_path, backend, placement, worker):
     markers = user_package(tmp_path / "site")
-    proc = polyrl_train(tmp_path / "site", tmp_path / "out", f"rollout.placement={placement}")
+    proc = polyrl_train(tmp_path / "site", tmp_path / "out", f"rollout.backend={backend}",
+                        f"rollout.placement={placement}")
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-4000:]
     events = [json.loads(line) for line in markers.read_text().splitlines()]
