@@ -41,6 +41,19 @@ class ToyEnv(Environment):
         return StepResult("seen " + action_text, reward=2.0, done=True)
 
 
+class ToyGame(Environment):
+    """Starts its own episode (the row carries no prompt) and ends it at the first answer."""
+
+    def __init__(self, reward=1.0):
+        self.reward = reward
+
+    def reset(self, row):
+        return [{"role": "user", "content": "40+2="}]
+
+    def step(self, action_text):
+        return StepResult(None, reward=self.reward, done=True)
+
+
 def toy_tool(text: str) -> str:
     """Echo the text.
 
@@ -128,6 +141,26 @@ def test_environment_tool_and_reward_by_entry_point(plugin_dir):
     assert ENVIRONMENTS.get("toy_env")().step("x").observation == "seen x"
     assert load_tools(["toy_tool"])["toy_tool"](text="hi") == "hi"
     assert REWARD_FNS.get("toy_source")("a", "b") == 0.25
+
+
+def test_the_runner_builds_an_environment_named_by_import_path(plugin_dir):
+    """What a rollout worker does with agent.environment=module:Class: imports it, builds one per
+    trajectory with agent.environment_kwargs, and trains on its reward (real engine)."""
+    from polyrl.agents import AgentConfig, run_trajectories_sync
+    from polyrl.builtin import resolve
+    from polyrl.data import PromptSample
+    from polyrl.rollout.base import SamplingParams
+    from polyrl.rollout.native.engine import NativeEngine
+    from polyrl.training.model_loading import load_tokenizer
+
+    engine = NativeEngine(resolve("builtin:tiny-arith"))
+    tokenizer = load_tokenizer("builtin:tiny-arith")
+    cfg = AgentConfig(environment="toy_plugins:ToyGame", environment_kwargs={"reward": 0.5},
+                      max_turns=2, max_response_tokens=16)
+    rows = [PromptSample(0, "game", [], "", "", "42", {})]
+    rollout = run_trajectories_sync(engine, tokenizer, rows, SamplingParams(n=2, max_tokens=4, seed=0), cfg)
+    assert rollout.env_rewards.tolist() == [0.5, 0.5]
+    assert rollout.metrics()["agent/env_errors"] == 0
 
 
 def test_platform_by_entry_point_and_by_import_path(plugin_dir):
