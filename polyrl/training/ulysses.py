@@ -63,6 +63,7 @@ def shard_micro_batch(mb, sp: SequenceParallel):
     if getattr(mb, "cu_seq_lens", None) is None:
         raise ValueError("sequence parallelism splits packed rows with segment boundaries; got a padded micro-batch")
     T = mb.input_ids.shape[1]
+    _same_row_on_every_rank(mb, sp)
     per_rank = -(-T // sp.size)
     pad = per_rank * sp.size - T
     ids, pos, cu = mb.input_ids, mb.position_ids, mb.cu_seq_lens
@@ -73,6 +74,18 @@ def shard_micro_batch(mb, sp: SequenceParallel):
     start, end = sp.index * per_rank, (sp.index + 1) * per_rank
     return replace(mb, input_ids=ids[:, start:end], position_ids=pos[:, start:end], cu_seq_lens=cu,
                    sequence_shard=SequenceShard(sp, start, end))
+
+
+def _same_row_on_every_rank(mb, sp: SequenceParallel) -> None:
+    """The ranks of a group must split the same row: a driver that sharded the batch over every
+    rank (not over the mesh's data ranks) would otherwise exchange heads of unrelated rows."""
+    facts = torch.tensor([mb.cu_seq_lens.numel(), int(mb.cu_seq_lens[-1]), int(mb.input_ids.sum())],
+                         dtype=torch.int64, device=mb.input_ids.device)
+    extremes = torch.cat([facts, -facts])  # one MAX all-reduce gives the maxima and the minima
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=sp.group)
+    if not torch.equal(extremes[:3], -extremes[3:]):
+        raise RuntimeError("the ranks of a sequence-parallel group were given different samples: shard the batch "
+                           "over the data-parallel ranks of the mesh (polyrl/training/mesh.py data_rank)")
 
 
 # --- attention ----------------------------------------------------------------------------------

@@ -196,7 +196,7 @@ def critic_updates(rank: int, world_size: int, model_path: str, strategy: str, s
 
 
 def sequence_parallel_facts(rank: int, world_size: int, model_path: str, strategy: str, sp: int,
-                            critic: bool = True) -> dict:
+                            critic: bool = True, overrides: dict | None = None) -> dict:
     """Training under actor.sequence_parallel_size=`sp`: each rank's batch shard is its data rank's
     (polyrl/training/mesh.py), the same on the ranks of one sp group. The reference log-probs of
     a batch, the policy's updates, the tokens each rank fed per micro-batch, and the critic's."""
@@ -207,7 +207,7 @@ def sequence_parallel_facts(rank: int, world_size: int, model_path: str, strateg
     def mine(batch: RolloutBatch) -> RolloutBatch:
         return shard(batch, dims.data_parallel_size)[dims.data_rank(rank)]
 
-    cfg = actor_config(strategy, sequence_parallel_size=sp, world_size=world_size)
+    cfg = actor_config(strategy, sequence_parallel_size=sp, world_size=world_size, **(overrides or {}))
     ref, _ = build(model_path, cfg, rank, world_size, horizon=None)
     out: dict = {"reference": ref.logprobs(mine(make_batch(5, 5))).values}
     engine, actor = build(model_path, cfg, rank, world_size)
@@ -257,3 +257,14 @@ def ulysses_attention_facts(rank: int, world_size: int) -> dict:
     out, _ = ulysses_attention(causal, None, *mine, None, shard)
     (out * weight[:, cut]).sum().backward()
     return {"out": out.detach(), "grads": [x.grad for x in mine]}
+
+
+def sequence_parallel_misfed(rank: int, world_size: int, model_path: str) -> str:
+    """Two sp ranks given different shards (a driver sharding over every rank): the error."""
+    cfg = actor_config("fsdp2", sequence_parallel_size=2, world_size=world_size)
+    engine, _ = build(model_path, cfg, rank, world_size, horizon=None)
+    try:
+        engine.logprobs(shard(make_batch(5, 5), world_size)[rank])
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"

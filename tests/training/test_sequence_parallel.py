@@ -53,9 +53,11 @@ def test_two_sequence_parallel_ranks_on_fsdp2_equal_one_rank(one_rank, tiny_mode
 
 
 @pytest.mark.slow
-def test_two_sequence_parallel_ranks_on_ddp_equal_one_rank(one_rank, tiny_model, tmp_path):
+def test_two_sequence_parallel_ranks_on_ddp_with_checkpointing_equal_one_rank(one_rank, tiny_model, tmp_path):
+    """Gradient checkpointing replays each layer's forward, all-to-alls included, in the backward."""
     ranks = run_world_ok(engine_ranks.sequence_parallel_facts, 2, tmp_path,
-                         args=(tiny_model, "ddp", 2, False), timeout_s=240, backend_timeout_s=200)
+                         args=(tiny_model, "ddp", 2, False, {"gradient_checkpointing": True}),
+                         timeout_s=240, backend_timeout_s=200)
     same_as_one_rank(ranks, one_rank, sp=2, critic=False)
 
 
@@ -94,3 +96,11 @@ def test_ulysses_exchange_gives_each_rank_its_slice_of_full_attention(tmp_path):
         torch.testing.assert_close(r["out"], out[:, cut].detach(), rtol=1e-6, atol=1e-6)
         for got, full in zip(r["grads"], (q.grad, k.grad, v.grad)):
             torch.testing.assert_close(got, full[:, :, cut], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow  # ~30 s: a two-rank world building fsdp2 engines
+def test_a_sequence_parallel_group_fed_different_samples_is_refused(tiny_model, tmp_path):
+    ranks = run_world_ok(engine_ranks.sequence_parallel_misfed, 2, tmp_path, args=(tiny_model,),
+                         timeout_s=240, backend_timeout_s=200)
+    for message in ranks.values():
+        assert "ranks of a sequence-parallel group were given different samples" in message
