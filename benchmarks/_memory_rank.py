@@ -1,0 +1,174 @@
+"""One gloo rank of `benchmarks/memory.py`: load, one GRPO update, one weight publish, and the
+peak resident memory of each phase above the process's own baseline.
+
+A module of its own (not memory.py) so that the spawned ranks import it by name: `polyrl bench`
+loads memory.py under another module name, which a spawned child could not unpickle.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import re
+from pathlib import Path
+
+MiB = 2**20
+
+
+def _status_kib(field: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M).group(1))
+
+
+def rss() -> int:
+    """Resident bytes now (anonymous + file-backed + shared memory pages)."""
+    return _status_kib("VmRSS") * 1024
+
+
+def peak() -> int:
+    """The kernel's high-water mark of the resident set since the last `reset_peak()`."""
+    return _status_kib("VmHWM") * 1024
+
+
+def reset_peak() -> None:
+    """Set the high-water mark to the current resident set (Linux >= 4.0, `clear_refs` 5)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def make_batch(num_samples: int, prompt_len: int, response_len: int, vocab: int):
+    """A GRPO batch (groups of 4 samples, random tokens and advantages, rollout log-probs) of
+    fixed lengths: the same global batch at every world size, sharded over the ranks."""
+    import torch
+
+    from polyrl.batch import Ragged, RolloutBatch
+
+    g = torch.Generator().manual_seed(0)
+    prompts = Ragged.from_rows([torch.randint(2, vocab, (prompt_len,), generator=g)
+                                for _ in range(num_samples)], torch.long)
+    responses = Ragged.from_rows([torch.randint(2, vocab, (response_len,), generator=g)
+                                  for _ in range(num_samples)], torch.long)
+    zeros = torch.zeros(num_samples, dtype=torch.long)
+    return RolloutBatch(
+        prompt_ids=prompts, response_ids=responses, loss_mask=Ragged.full_like(responses, 1.0, torch.float32),
+        group=torch.arange(num_samples) // 4, stop_reason=zeros,
+        finished_with_eos=torch.ones(num_samples, dtype=torch.bool), weight_version=zeros,
+        min_version=zeros, max_version=zeros, continuations=zeros,
+        rollout_logprobs=responses.with_values(-torch.rand(len(responses.values), generator=g) * 3),
+        advantages=torch.randn(num_samples, generator=g))
+
+
+def warm_up(cfg, platform, device, rank: int, world: int) -> None:
+    """The three phases once on a 2-layer model built in memory, freed before the baseline: the
+    first forward, backward, optimizer step and gather of a process page in torch's code and
+    start its thread pools and allocator arenas (~80-100 MiB here), a cost of the runtime paid
+    once whatever the model, which would otherwise count in the first phase that runs it."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from polyrl.algorithms import AlgorithmConfig
+    from polyrl.algorithms.off_policy import OffPolicyConfig
+    from polyrl.batch import shard
+    from polyrl.training import build_engine
+    from polyrl.workers.actor import PPOActor
+
+    tiny = AutoModelForCausalLM.from_config(Qwen2Config(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+        intermediate_size=128, tie_word_embeddings=True, max_position_embeddings=256), attn_implementation="sdpa")
+    for p in tiny.parameters():
+        dist.broadcast(p.data, src=0)
+    engine = build_engine(tiny.to(device), cfg, platform, device, rank=rank, world_size=world,
+                          group=dist.group.WORLD, horizon=10)
+    actor = PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve("sync"), device)
+    actor.update(shard(make_batch(8, 16, 48, 256), world)[rank], num_mini_batches=1, use_rollout_logprobs=False)
+    for _ in engine.weight_stream():
+        pass
+
+
+def run_rank(rank: int, world: int, model_dir: str, options: dict, store: str, out: str) -> None:
+    """`options`: strategy, bucket_mb, num_samples, prompt_len, response_len, vocab."""
+    import torch
+    import torch.distributed as dist
+    import transformers.models.qwen2.modeling_qwen2  # noqa: F401  (in the baseline, not in `load`)
+
+    from polyrl.algorithms import AlgorithmConfig
+    from polyrl.algorithms.off_policy import OffPolicyConfig
+    from polyrl.batch import shard
+    from polyrl.platform import get_platform
+    from polyrl.training import build_engine
+    from polyrl.training.checkpoint_io import local_state_bytes
+    from polyrl.training.config import ActorConfig
+    from polyrl.training.model_loading import load_causal_lm
+    from polyrl.weights.bucketing import iter_buckets, plan_buckets
+    from polyrl.workers.actor import PPOActor
+
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)
+    platform = get_platform("cpu")
+    device = platform.torch_device(0)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    cfg = ActorConfig(strategy=options["strategy"], world_size=world, lr=1e-5, ppo_epochs=1)
+    batch = make_batch(options["num_samples"], options["prompt_len"], options["response_len"], options["vocab"])
+    mine = shard(batch, world)[rank]
+    warm_up(cfg, platform, device, rank, world)
+    gc.collect()
+    dist.barrier()
+    baseline = rss()
+    result: dict = {"rank": rank, "baseline_mib": baseline / MiB}
+
+    def phase(name: str, body) -> None:
+        gc.collect()
+        start = rss()
+        reset_peak()
+        body()
+        gc.collect()
+        result[f"{name}_mib"] = (peak() - baseline) / MiB  # the issue's measure
+        result[f"{name}_rise_mib"] = max(peak() - start, 0) / MiB  # what the phase adds to what it found
+        result[f"after_{name}_mib"] = (rss() - baseline) / MiB
+        dist.barrier()
+
+    held: dict = {}
+
+    def load() -> None:  # as PolicyWorker.setup loads the policy (polyrl/workers/policy.py)
+        model = load_causal_lm(model_dir, cfg.param_dtype).to(device)
+        if world > 1:  # identical start on every rank
+            for p in model.parameters():
+                dist.broadcast(p.data, src=0)
+        held["engine"] = build_engine(model, cfg, platform, device, rank=rank, world_size=world,
+                                      group=dist.group.WORLD, horizon=10)
+
+    def step() -> None:  # one GRPO update through the PPO actor (one optimizer step)
+        actor = PPOActor(held["engine"], cfg, AlgorithmConfig(), OffPolicyConfig().resolve("sync"), device)
+        actor.update(mine, num_mini_batches=1, use_rollout_logprobs=False)
+
+    def sync() -> None:
+        # One publish as the object-store / broadcast senders pack it (polyrl/weights/
+        # object_store.py, sync mode): buckets planned from the specs, each packed into one
+        # reused scratch buffer from the tensors gathered for it, then dropped where the
+        # transport would put it in the store (a copy outside this process). The other ranks
+        # join each gather (FSDP2's named_weights is a collective) and keep nothing.
+        stream = held["engine"].weight_stream()
+        if rank != 0:
+            for _ in stream:
+                pass
+            return
+        manifest = plan_buckets(stream.specs, 1, max(int(options["bucket_mb"] * MiB), 1))
+        scratch: list = []
+
+        def reuse(b: int, device: torch.device) -> torch.Tensor:
+            need = manifest.buckets[b].nbytes
+            if not scratch or scratch[0].numel() < need:
+                scratch[:] = [torch.empty(need, dtype=torch.uint8, device=device)]
+            return scratch[0]
+
+        for _ in iter_buckets(manifest, stream, reuse):
+            pass
+        result["sync_bytes"] = manifest.total_bytes
+        result["sync_buckets"] = len(manifest.buckets)
+
+    phase("load", load)
+    phase("step", step)
+    phase("sync", sync)
+    engine = held["engine"]
+    result["state"] = {k: v / MiB for k, v in local_state_bytes(engine.model, engine.optimizer).items()}
+    Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()

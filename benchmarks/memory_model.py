@@ -1,0 +1,242 @@
+"""The memory model behind docs/scaling.md and docs/training.md "Memory per rank": per-GPU bytes of
+policy, reference, optimizer, activations and engine KV cache, and weight-sync times.
+
+    polyrl bench memory_model [--json]      # the tables of docs/scaling.md
+
+Pure arithmetic on config.json shapes (no torch); `polyrl bench memory` measures what the same
+formulas predict for a small model on CPU (`predict_bench`, compared in docs/training.md).
+
+FSDP2 over N ranks, P parameters, master dtype of `m` bytes (actor.param_dtype: 4 for float32,
+the default; 2 for bfloat16), compute dtype of `c` bytes:
+
+    parameters      m P / N        gradients  m P / N  (freed after the optimizer step)
+    AdamW           2 m P / N      reference  m P / N  (frozen FSDP2 engine, when KL is used)
+    gathered units  2 c x (largest decoder layer)      (FSDP2 gathers a layer, prefetches the next)
+    activations     T x L x (7 h + 2 kv + 4 I) x c     (T = actor.micro_batch_tokens per rank;
+                    with gradient checkpointing: T x L x h x c + one layer's worth)
+    LM head         8 T V bytes below 2^28 logits (float32 logits + log-softmax); above, fused
+                    in chunks (polyrl/training/logprobs.py FUSED_MIN_ELEMENTS): ~0
+
+Loading today (polyrl/training/model_loading.py, polyrl/workers/policy.py): every rank builds the
+whole model with `from_pretrained` in host memory, moves it whole to its device, then shards it:
+the load peak per rank is m P on the device and m P (+ the mapped safetensors) in host memory, the
+same at every N. Planned (issue #30: meta-device init and sharded loading): m P / N + a tensor.
+
+Weight sync streamed from the shards (polyrl/weights/base.py WeightStream): the sender holds its
+shard plus one or two buckets (weights.bucket_mb) plus the tensor being gathered.
+
+Rollout engine (vLLM / SGLang, tensor parallel t): weights 2 P / t (bfloat16), KV cache per token
+2 x L x kv_heads x head_dim x 2 bytes / t, plus a fixed runtime reserve (CUDA graphs, NCCL,
+allocator) of `ENGINE_RESERVE_GB`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+
+GB = 1e9
+GiB = 2**30
+MiB = 2**20
+
+# config.json of each (Hugging Face Qwen/Qwen2.5-*: hidden_size, num_hidden_layers,
+# num_attention_heads, num_key_value_heads, intermediate_size, vocab_size, tie_word_embeddings)
+QWEN25 = {
+    "Qwen2.5-7B": dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False),
+    "Qwen2.5-32B": dict(vocab_size=152064, hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
+                        num_key_value_heads=8, intermediate_size=27648, tie_word_embeddings=False),
+    "Qwen2.5-72B": dict(vocab_size=152064, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                        num_key_value_heads=8, intermediate_size=29568, tie_word_embeddings=False),
+}
+
+H100_GB = 80.0
+USABLE = 0.9
+"""Share of a GPU's memory a layout may plan on (the CUDA context, NCCL buffers and allocator
+fragmentation take the rest; vLLM's own default gpu_memory_utilization is 0.9)."""
+ENGINE_RESERVE_GB = 4.0
+"""An engine's fixed reserve besides weights and KV: CUDA graphs, sampler, its own buffers."""
+KV_TOKENS = 128 * 4096
+"""KV the rollout needs per engine replica: 128 sequences of 4k tokens in flight."""
+MICRO_BATCH_TOKENS = 8192
+"""actor.micro_batch_tokens (its default)."""
+
+BANDWIDTH_GBPS = {
+    "measured: broadcast, shared memory (CPU, 1 host)": 12.3,
+    "measured: broadcast over gloo/TCP (CPU)": 1.5,
+    "InfiniBand NDR, 1 x 400 Gb/s NIC": 50.0,
+    "NVLink 4 (H100 SXM), one direction": 450.0,
+}
+"""Bytes per second a weight publish moves, GB/s. The two measured rows are docs/benchmarks.md
+"Weight sync" (idle machine, median); the others are the links' nominal rates (NCCL reaches
+~80-90% of them)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    tied: bool
+
+    @classmethod
+    def from_config(cls, c: dict) -> "Shape":
+        return cls(c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
+                   c["num_key_value_heads"], c["intermediate_size"], bool(c.get("tie_word_embeddings", False)))
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        h, kv = self.hidden, self.kv_width
+        return 2 * h * h + h + 2 * (h * kv + kv) + 3 * h * self.intermediate + 2 * h
+
+    @property
+    def params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * self.layer_params + self.hidden
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer, bfloat16."""
+        return 2 * self.layers * self.kv_width * 2
+
+
+def training_bytes(s: Shape, ranks: int, *, master: int = 4, compute: int = 2, reference: bool = False,
+                   tokens: int = MICRO_BATCH_TOKENS, checkpointing: bool = False) -> dict[str, float]:
+    """Per-rank bytes of one FSDP2 policy rank during its update (the peak: gradients alive)."""
+    P, N = s.params, ranks
+    per_token_layer = 7 * s.hidden + 2 * s.kv_width + 4 * s.intermediate
+    if checkpointing:
+        activations = tokens * (s.layers * s.hidden + per_token_layer) * compute
+    else:
+        activations = tokens * s.layers * per_token_layer * compute
+    head = 8 * tokens * s.vocab if tokens * s.vocab < 2**28 else 0
+    return {"parameters": master * P / N, "gradients": master * P / N, "optimizer": 2 * master * P / N,
+            "reference": master * P / N if reference else 0.0,
+            "gathered": 2 * compute * s.layer_params, "activations": activations + head}
+
+
+def engine_bytes(s: Shape, tp: int, kv_tokens: int = KV_TOKENS) -> dict[str, float]:
+    """Per-GPU bytes of one rollout engine replica of tensor parallel `tp` (bfloat16)."""
+    return {"weights": 2 * s.params / tp, "kv_cache": kv_tokens * s.kv_bytes_per_token / tp,
+            "reserve": ENGINE_RESERVE_GB * GB}
+
+
+def load_bytes_today(s: Shape, master: int = 4) -> float:
+    """Every rank holds the whole model once while loading (from_pretrained, then shard)."""
+    return master * s.params
+
+
+def smallest_tp(s: Shape, budget: float, kv_tokens: int = KV_TOKENS) -> int | None:
+    """The smallest tensor-parallel size (1, 2, 4, 8) whose engine fits `budget` bytes per GPU."""
+    for tp in (1, 2, 4, 8):
+        if sum(engine_bytes(s, tp, kv_tokens).values()) <= budget:
+            return tp
+    return None
+
+
+def layout(s: Shape, gpus: int, mode: str, *, reference: bool = True, checkpointing: bool = True,
+           offload: bool = False, master: int = 4) -> dict:
+    """Per-GPU peak of a layout. hybrid: every GPU trains (FSDP2 over all of them) and hosts an
+    engine shard; the engine sleeps (weights and KV released) during the update, the training
+    state stays resident during generation unless `offload`. standalone: half the GPUs train,
+    half generate."""
+    budget = USABLE * H100_GB * GB
+    trainers = gpus if mode == "hybrid" else gpus // 2
+    train = training_bytes(s, trainers, master=master, reference=reference, checkpointing=checkpointing)
+    if offload:  # actor.offload: shards and AdamW state in host memory, one unit on the device
+        train.update(parameters=0.0, gradients=0.0, optimizer=0.0, reference=0.0)
+    update_peak = sum(train.values())
+    resident = train["parameters"] + train["optimizer"] + train["reference"]
+    if mode == "hybrid":
+        tp = smallest_tp(s, budget - resident)
+        engine = engine_bytes(s, tp or 8)
+        generate_peak = resident + sum(engine.values())
+        peak = max(update_peak, generate_peak)
+    else:
+        tp = smallest_tp(s, budget)
+        engine = engine_bytes(s, tp or 8)
+        generate_peak = sum(engine.values())
+        peak = max(update_peak, generate_peak)
+    load_today = load_bytes_today(s) + (engine["weights"] * (tp or 8) if mode == "hybrid" else 0)
+    return {"model": None, "gpus": gpus, "mode": mode, "trainers": trainers, "tp": tp,
+            "update_gb": update_peak / GB, "generate_gb": generate_peak / GB, "peak_gb": peak / GB,
+            "fits": tp is not None and peak <= budget, "load_today_gb": load_today / GB,
+            "load_today_fits": load_today <= budget,
+            "load_sharded_gb": (4 * s.params / trainers + 4 * s.vocab * s.hidden) / GB}
+
+
+def sync_seconds(s: Shape) -> dict[str, float]:
+    """One publish of the bfloat16 weights (2 P bytes) at each bandwidth."""
+    return {name: 2 * s.params / (gbps * GB) for name, gbps in BANDWIDTH_GBPS.items()}
+
+
+def predict_bench(shape: dict, ranks: int, tokens_per_rank: int, bucket_mb: float) -> dict[str, float]:
+    """What the model predicts for `polyrl bench memory` (fp32 master and compute, no reference,
+    no checkpointing), MiB above the baseline: load = the whole fp32 model (today), step = the
+    training peak, sync = what stays after the step (parameters + AdamW) + one bucket or the
+    largest tensor."""
+    s = Shape.from_config({"tie_word_embeddings": True, **shape})
+    train = training_bytes(s, ranks, master=4, compute=4, tokens=tokens_per_rank)
+    largest = 4 * max(s.vocab * s.hidden, s.hidden * s.intermediate)
+    return {"load_mib": load_bytes_today(s) / MiB, "step_mib": sum(train.values()) / MiB,
+            "sync_mib": (train["parameters"] + train["optimizer"] + max(bucket_mb * MiB, largest)) / MiB,
+            "state_mib": (train["parameters"] + train["gradients"] + train["optimizer"]) / MiB}
+
+
+def scaling_rows() -> list[dict]:
+    rows = []
+    for name, config in QWEN25.items():
+        s = Shape.from_config(config)
+        for gpus in (8, 16, 64):
+            for mode in ("hybrid", "standalone"):
+                row = layout(s, gpus, mode)
+                row["model"] = name
+                row["params_b"] = s.params / 1e9
+                row["fits_bf16_master"] = layout(s, gpus, mode, master=2)["fits"]
+                row["fits_offload"] = layout(s, gpus, mode, offload=True)["fits"]
+                rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    rows = scaling_rows()
+    sync = {name: sync_seconds(Shape.from_config(c)) for name, c in QWEN25.items()}
+    if args.json:
+        print(json.dumps({"layouts": rows, "sync_seconds": sync}))
+        return 0
+    print("| model | GPUs | layout | trainers | engine TP | update GB | generate GB | fits 72 GB | "
+          "bf16 master fits | offload fits | load today GB | load sharded GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    yes = {True: "yes", False: "**no**"}
+    for r in rows:
+        print(f"| {r['model']} | {r['gpus']} | {r['mode']} | {r['trainers']} | {r['tp'] or '-'} | "
+              f"{r['update_gb']:.1f} | {r['generate_gb']:.1f} | {yes[r['fits']]} | {yes[r['fits_bf16_master']]} | "
+              f"{yes[r['fits_offload']]} | {r['load_today_gb']:.0f}{'' if r['load_today_fits'] else ' (no)'} | "
+              f"{r['load_sharded_gb']:.1f} |")
+    print()
+    print("| model | bf16 bytes | " + " | ".join(BANDWIDTH_GBPS) + " |")
+    print("|---|---|" + "---|" * len(BANDWIDTH_GBPS))
+    for name, c in QWEN25.items():
+        s = Shape.from_config(c)
+        print(f"| {name} | {2 * s.params / GB:.1f} GB | " +
+              " | ".join(f"{sec:.2f} s" if sec < 10 else f"{sec:.0f} s" for sec in sync[name].values()) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

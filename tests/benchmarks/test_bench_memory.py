@@ -1,0 +1,64 @@
+"""`polyrl bench memory`: per-rank peak resident memory of load / step / sync on real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from polyrl.cli import bench
+
+
+@pytest.fixture(scope="module")
+def memory():
+    return bench.load("memory")
+
+
+@pytest.mark.slow  # 1 + 2 spawned ranks, each importing torch + transformers: ~1-3 min on 2 cores
+@pytest.mark.timeout(1200)
+def test_json_per_world_size_and_fsdp2_shards_the_step(memory, capsys):
+    # 30M, not 5M: a 5M model's state (~70 MiB) is the size of the runtime's own per-process
+    # step overheads (gloo and autograd buffers), so N=2 could not show the sharding
+    assert memory.main(["--params", "30M", "--world-sizes", "1,2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["cpu_flags"] is not None and len(report["load_average"]) == 3
+    assert 25e6 < report["num_params"] < 35e6
+    one, two = report["results"]
+    assert [one["world_size"], two["world_size"]] == [1, 2]
+    for entry in (one, two):
+        assert len(entry["ranks"]) == entry["world_size"]
+        for phase in ("load", "step", "sync"):
+            assert entry[f"{phase}_mib"] > 0
+            assert entry[f"{phase}_mib"] == max(r[f"{phase}_mib"] for r in entry["ranks"])
+            assert entry["ratio_vs_1"][phase] == entry[f"{phase}_mib"] / one[f"{phase}_mib"]
+    # the resident peak of a step holds at least the fp32 parameters + AdamW state it counts
+    model_mib = report["num_params"] * 4 / 2**20
+    assert one["step_mib"] > 3 * model_mib
+    # FSDP2 shards the training state today: half of it per rank at N=2
+    assert two["step_mib"] < one["step_mib"]
+    assert two["ranks"][0]["state"]["optimizer"] < 0.51 * one["ranks"][0]["state"]["optimizer"]
+    assert report["goal"] == {"world_size": 4, "max_ratio": 0.3, "met": None}  # N=4 not run
+
+
+@pytest.mark.parametrize("argv, field", [(["--params", "lots"], "--params"), (["--params", "10k"], "--params"),
+                                         (["--world-sizes", "1,x"], "--world-sizes"),
+                                         (["--world-sizes", "0,2"], "--world-sizes")])
+def test_bad_arguments_name_the_flag_and_exit_2(memory, capsys, argv, field):
+    assert memory.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {field}") and "\n" not in err
+
+
+def test_qwen2_shape_is_about_the_requested_size(memory):
+    for target in (5e6, 30e6, 300e6, 1.5e9):
+        shape = memory.qwen2_shape(int(target))
+        assert 0.8 * target < memory.qwen2_params(shape) < 1.2 * target
+        assert shape["hidden_size"] % shape["num_attention_heads"] == 0
+
+
+def test_goal_compares_n4_with_n1(memory):
+    results = memory.summarise({1: [{f"{p}{s}": 100.0 for p in memory.PHASES for s in ("_mib", "_rise_mib")}],
+                                4: [{"load_mib": 100.0, "step_mib": 26.0, "sync_mib": 31.0, "load_rise_mib": 0,
+                                     "step_rise_mib": 0, "sync_rise_mib": 0}]})
+    assert results[1]["ratio_vs_1"] == {"load": 1.0, "step": 0.26, "sync": 0.31}
+    assert memory.goal(results) == {"load": False, "step": True, "sync": False}

@@ -1,0 +1,59 @@
+"""benchmarks/memory_model.py: the arithmetic behind docs/scaling.md."""
+
+from __future__ import annotations
+
+import pytest
+
+from polyrl.cli import bench
+
+
+@pytest.fixture(scope="module")
+def mm():
+    return bench.load("memory_model")
+
+
+def test_parameter_counts_match_the_published_checkpoints(mm):
+    # the safetensors totals of Qwen/Qwen2.5-{7B,32B,72B} (untied embeddings)
+    counts = {name: mm.Shape.from_config(c).params for name, c in mm.QWEN25.items()}
+    assert counts == {"Qwen2.5-7B": 7_615_616_512, "Qwen2.5-32B": 32_763_876_352, "Qwen2.5-72B": 72_706_203_648}
+
+
+def test_the_same_formula_counts_what_transformers_builds(mm):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    shape = dict(vocab_size=512, hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=352)
+    for tied in (True, False):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(Qwen2Config(**shape, tie_word_embeddings=tied))
+        assert mm.Shape.from_config({**shape, "tie_word_embeddings": tied}).params == model.num_parameters()
+
+
+def test_training_state_shards_and_load_today_does_not(mm):
+    s = mm.Shape.from_config(mm.QWEN25["Qwen2.5-7B"])
+    one, eight = mm.training_bytes(s, 1), mm.training_bytes(s, 8)
+    for key in ("parameters", "gradients", "optimizer"):
+        assert eight[key] == one[key] / 8
+    assert one["parameters"] + one["gradients"] + one["optimizer"] == 16 * s.params  # fp32 master + AdamW
+    assert mm.load_bytes_today(s) == 4 * s.params  # whatever the rank count
+
+
+def test_kv_cache_per_token_of_qwen25_7b(mm):
+    # 28 layers x (K, V) x 4 kv heads x 128 head dim x 2 bytes
+    assert mm.Shape.from_config(mm.QWEN25["Qwen2.5-7B"]).kv_bytes_per_token == 28 * 2 * 4 * 128 * 2
+
+
+def test_72b_does_not_fit_8_gpus_without_offload_and_fits_64(mm):
+    s = mm.Shape.from_config(mm.QWEN25["Qwen2.5-72B"])
+    assert not mm.layout(s, 8, "hybrid")["fits"]
+    assert mm.layout(s, 8, "hybrid", offload=True)["fits"]
+    assert mm.layout(s, 64, "hybrid")["fits"]
+    assert not mm.layout(s, 64, "hybrid")["load_today_fits"]  # 291 GB of fp32 on every rank
+
+
+def test_sync_time_is_bytes_over_bandwidth(mm):
+    s = mm.Shape.from_config(mm.QWEN25["Qwen2.5-7B"])
+    seconds = mm.sync_seconds(s)
+    for name, gbps in mm.BANDWIDTH_GBPS.items():
+        assert seconds[name] == pytest.approx(2 * s.params / (gbps * 1e9))
