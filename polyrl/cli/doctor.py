@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     style = {"ok": "green", "info": "cyan", "warn": "yellow", "error": "bold red"}
     cfg = load_job_config(args)
-    findings = collect(backend=cfg.rollout.backend, placement=cfg.rollout.placement)
+    findings = collect(backend=cfg.rollout.backend, placement=cfg.topology.placement)
     for f in findings:
         console.print(f"[{style[f.level]}]{f.level:>5}[/] {escape(f.topic)}: {escape(f.message)}", highlight=False)
     errors = sum(f.level == "error" for f in findings)

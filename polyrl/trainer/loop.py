@@ -26,7 +26,6 @@ from polyrl.builtin import resolve
 from polyrl.config import to_yaml
 from polyrl.data import build_loaders
 from polyrl.distributed.ray_launch import init_ray
-from polyrl.distributed.topologies import topology_of
 from polyrl.distributed.waits import RemoteActorDied
 from polyrl.modeling import seed_everything
 from polyrl.platform import get_platform
@@ -71,7 +70,7 @@ def use_rollout_logprobs(cfg: JobConfig) -> bool:
     mode = cfg.actor.old_logprobs
     if mode != "auto":
         return mode == "rollout"
-    if not topology_of(cfg).on_policy:
+    if not cfg.topology.on_policy:
         return False
     a, r = cfg.actor, cfg.rollout
     return capabilities(r.backend).logprobs_match_trainer(r.dtype, a.param_dtype, a.compute_dtype)
@@ -138,7 +137,7 @@ class Trainer:
                            "not wrong)", needed // per_actor, per_actor, cores)
         # the ray.init arguments `polyrl train --dry-run` shows
         init_ray(self.platform, **plan_job(cfg, self.platform).ray_init, config_env=cfg.env,
-                 backend=cfg.rollout.backend, placement=cfg.rollout.placement, mode=cfg.trainer.mode)
+                 backend=cfg.rollout.backend, placement=cfg.topology.placement, mode=cfg.topology.mode)
         available = ray.available_resources().get("CPU", 0)
         deadline = time.perf_counter() + 10  # a previous run's killed actors free CPUs lazily
         while available < needed and time.perf_counter() < deadline:

@@ -14,7 +14,6 @@ from typing import Any, Sequence
 from polyrl.agents.preflight import check_agent
 from polyrl.backends import capabilities
 from polyrl.config import ConfigError
-from polyrl.distributed.topologies import topology_of
 from polyrl.job import JobConfig
 
 CONTEXT_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -63,7 +62,7 @@ def check_engine_capabilities(cfg: JobConfig) -> None:
     Tensor parallelism is checked first of all, by `Trainer.setup` (polyrl/trainer/loop.py)."""
     backend = cfg.rollout.backend
     caps = capabilities(backend)
-    streaming = not topology_of(cfg).on_policy  # the replicas take weights mid-generation
+    streaming = not cfg.topology.on_policy  # the replicas take weights mid-generation
     if streaming and cfg.async_.partial_rollout == "abort" and not caps.partial_rollout:
         raise ConfigError([f"async.partial_rollout=abort: the {backend} engine declares no partial_rollout "
                            "(abort_all returning each request's tokens so far, continued later); "
