@@ -86,10 +86,11 @@ gpu_engine_args = engine_args
 def in_process_args(cfg: RolloutConfig, model_path: str, platform: Platform | None) -> dict[str, Any]:
     """Keyword arguments of an engine that runs in this process: the built-in engine's launch
     arguments; a plugin backend without a launch-argument builder gets polyrl's settings plus
-    its `engine_kwargs` as given."""
+    its `engine_kwargs` as given, unless its engine runs processes of its own (a GPU engine's
+    arguments are built per backend: without a builder it is the dry run's error, here too)."""
     from polyrl.rollout.launch_args import BUILDERS
 
-    if cfg.backend in BUILDERS:
+    if cfg.backend in BUILDERS or ROLLOUT_BACKENDS.get(cfg.backend).engine_processes:
         return engine_args(cfg, model_path, platform)
     return {"model_path": model_path, "dtype": cfg.dtype, "max_model_len": cfg.max_model_len,
             "max_num_seqs": cfg.max_num_seqs, **cfg.engine_kwargs.get(cfg.backend, {})}

@@ -119,6 +119,27 @@ def test_a_spec_declares_capabilities_without_its_engine_being_imported(tmp_path
     assert "caps_heavy_engine" not in sys.modules
 
 
+def test_a_plugin_running_engine_processes_is_refused_at_launch_as_in_the_dry_run(tmp_path, monkeypatch):
+    """Its launch arguments are built per backend (polyrl/rollout/launch_args.py); without a
+    builder the dry run shows an error, and the launch refuses it with the same line instead of
+    starting the engine on arguments meant for an in-process one."""
+    from polyrl.platform import get_platform
+    from polyrl.rollout.factory import check_engine_launch
+    from polyrl.rollout.launch_args import engine_launch_args
+
+    spec = plugin(tmp_path, monkeypatch, "caps_gpu_spec", f'''
+        from polyrl.backends import RolloutBackend
+
+        BACKEND = RolloutBackend("gpu", "{NATIVE}", engine_processes=True)
+        ''')
+    cfg = RolloutConfig(backend=f"{spec}:BACKEND", max_model_len=64)
+    with pytest.raises(ValueError, match="no launch-argument builder") as dry_run:
+        engine_launch_args(cfg, "/m", get_platform("cpu"))
+    with pytest.raises(ValueError) as launch:
+        check_engine_launch(cfg, "builtin:tiny-arith", get_platform("cpu"))
+    assert str(launch.value) == str(dry_run.value)
+
+
 @pytest.mark.parametrize("source,target,needle", [
     ("", "caps_bad_missing_mod.engine:E", "no module 'caps_bad_missing_mod' here; put the directory"),
     ("X = 1\n", "caps_bad_attr:Engine", "caps_bad_attr has no attribute 'Engine'"),
