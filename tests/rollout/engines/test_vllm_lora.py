@@ -32,8 +32,10 @@ def engine(vllm_available):
     from polyrl.rollout.config import RolloutConfig
     from polyrl.rollout.factory import build_colocated_engine
 
+    # a tenth of host RAM: on the CPU build the share is of RAM, and half of it is often not free
+    # on a shared machine (vLLM then refuses to start; docs/gpu_engines.md, "Memory on CPU")
     cfg = RolloutConfig(backend="vllm", placement="hybrid", lora_mode="adapter", dtype="float32",
-                        max_model_len=64, max_num_seqs=16, enforce_eager=True)
+                        max_model_len=64, max_num_seqs=16, enforce_eager=True, gpu_memory_utilization=0.1)
     path = resolve("builtin:tiny-arith")
     eng = build_colocated_engine(cfg, _hf_model(), load_tokenizer(path), torch.device("cpu"))
     yield eng
