@@ -136,6 +136,7 @@ def goal(results: list[dict]) -> dict | None:
 def run(params: int, worlds: list[int], bucket_mb: float, tmp: Path) -> dict:
     from _tiny import build_model
     from logprobs import cpu_flags
+    from memory_model import predict_bench
 
     shape = qwen2_shape(params)
     model_dir = tmp / "model"
@@ -143,6 +144,9 @@ def run(params: int, worlds: list[int], bucket_mb: float, tmp: Path) -> dict:
     options = {"strategy": "fsdp2", "bucket_mb": bucket_mb, "vocab": shape["vocab_size"], **BATCH}
     per_world = {world: measure(str(model_dir), world, tmp, options) for world in worlds}
     results = summarise(per_world)
+    tokens = BATCH["num_samples"] * (BATCH["prompt_len"] + BATCH["response_len"])
+    for entry in results:  # benchmarks/memory_model.py's formula for the same run, to compare
+        entry["predicted"] = predict_bench(shape, entry["world_size"], tokens // entry["world_size"], bucket_mb)
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
             "cpu_flags": cpu_flags(), "load_average": list(os.getloadavg()), "num_params": num_params,
             "model_mib": num_params * 4 / MiB, "shape": shape, "dtype": "float32", "strategy": "fsdp2",
@@ -156,11 +160,13 @@ def print_table(report: dict) -> None:
           f"load average {report['load_average'][0]:.1f}")
     print("peak resident MiB above the rank's baseline before the model, max over ranks "
           "(rise: above the phase's start); ratio vs N=1")
-    print(f"{'N':>2} " + " ".join(f"{p + ' MiB':>10} {'rise':>7} {'ratio':>6}" for p in PHASES))
+    print(f"{'N':>2} " + " ".join(f"{p + ' MiB':>10} {'rise':>7} {'ratio':>6} {'model':>7}" for p in PHASES))
     for r in report["results"]:
         ratio = r.get("ratio_vs_1", {})
         print(f"{r['world_size']:>2} " + " ".join(
-            f"{r[p + '_mib']:10.1f} {r[p + '_rise_mib']:7.1f} {ratio.get(p, float('nan')):6.2f}" for p in PHASES))
+            f"{r[p + '_mib']:10.1f} {r[p + '_rise_mib']:7.1f} {ratio.get(p, float('nan')):6.2f} "
+            f"{r['predicted'][p + '_mib']:7.0f}" for p in PHASES))
+    print("model: benchmarks/memory_model.py predict_bench (the same formula as docs/scaling.md)")
     met = report["goal"]["met"]
     if met is None:
         print(f"goal (N={GOAL_WORLD} <= {GOAL_RATIO}x N=1): not checked, run --world-sizes 1,...,{GOAL_WORLD}")

@@ -11,6 +11,8 @@ the default; 2 for bfloat16), compute dtype of `c` bytes:
 
     parameters      m P / N        gradients  m P / N  (freed after the optimizer step)
     AdamW           2 m P / N      reference  m P / N  (frozen FSDP2 engine, when KL is used)
+    AdamW step      m P / N        (foreach AdamW's sqrt of the second moments, a temporary that
+                                    lives while the step runs, after the activations are freed)
     gathered units  2 c x (largest decoder layer)      (FSDP2 gathers a layer, prefetches the next)
     activations     T x L x (7 h + 2 kv + 4 I) x c     (T = actor.micro_batch_tokens per rank;
                     with gradient checkpointing: T x L x h x c + one layer's worth)
@@ -18,9 +20,10 @@ the default; 2 for bfloat16), compute dtype of `c` bytes:
                     in chunks (polyrl/training/logprobs.py FUSED_MIN_ELEMENTS): ~0
 
 Loading today (polyrl/training/model_loading.py, polyrl/workers/policy.py): every rank builds the
-whole model with `from_pretrained` in host memory, moves it whole to its device, then shards it:
-the load peak per rank is m P on the device and m P (+ the mapped safetensors) in host memory, the
-same at every N. Planned (issue #30: meta-device init and sharded loading): m P / N + a tensor.
+whole model with `from_pretrained` in host memory, moves it whole to its device, then shards it
+(FSDP2 copies each rank's shard while the whole model is still alive): the load peak per rank is
+m P (1 + 1/N) in host memory and again on the device, never below m P whatever N (measured
+exactly so on CPU, docs/training.md "Memory per rank"). Planned (issue #30: meta-device init and sharded loading): m P / N + a tensor.
 
 Weight sync streamed from the shards (polyrl/weights/base.py WeightStream): the sender holds its
 shard plus one or two buckets (weights.bucket_mb) plus the tensor being gathered.
@@ -112,19 +115,22 @@ class Shape:
         return 2 * self.layers * self.kv_width * 2
 
 
+def _device_transient(s: Shape, checkpointing: bool, compute: int = 2, tokens: int = MICRO_BATCH_TOKENS) -> float:
+    """What the backward adds to the state: activations, the LM head's logits, two gathered units."""
+    per_token_layer = 7 * s.hidden + 2 * s.kv_width + 4 * s.intermediate
+    layers = (s.layers * s.hidden + per_token_layer) if checkpointing else s.layers * per_token_layer
+    head = 8 * tokens * s.vocab if tokens * s.vocab < 2**28 else 0
+    return tokens * layers * compute + head + 2 * compute * s.layer_params
+
+
 def training_bytes(s: Shape, ranks: int, *, master: int = 4, compute: int = 2, reference: bool = False,
                    tokens: int = MICRO_BATCH_TOKENS, checkpointing: bool = False) -> dict[str, float]:
     """Per-rank bytes of one FSDP2 policy rank during its update (the peak: gradients alive)."""
     P, N = s.params, ranks
-    per_token_layer = 7 * s.hidden + 2 * s.kv_width + 4 * s.intermediate
-    if checkpointing:
-        activations = tokens * (s.layers * s.hidden + per_token_layer) * compute
-    else:
-        activations = tokens * s.layers * per_token_layer * compute
-    head = 8 * tokens * s.vocab if tokens * s.vocab < 2**28 else 0
+    # the backward's peak (activations) and the optimizer step's (its temporary) do not overlap
+    transient = max(_device_transient(s, checkpointing, compute, tokens), master * P / N)
     return {"parameters": master * P / N, "gradients": master * P / N, "optimizer": 2 * master * P / N,
-            "reference": master * P / N if reference else 0.0,
-            "gathered": 2 * compute * s.layer_params, "activations": activations + head}
+            "reference": master * P / N if reference else 0.0, "transient": transient}
 
 
 def engine_bytes(s: Shape, tp: int, kv_tokens: int = KV_TOKENS) -> dict[str, float]:
@@ -133,9 +139,9 @@ def engine_bytes(s: Shape, tp: int, kv_tokens: int = KV_TOKENS) -> dict[str, flo
             "reserve": ENGINE_RESERVE_GB * GB}
 
 
-def load_bytes_today(s: Shape, master: int = 4) -> float:
-    """Every rank holds the whole model once while loading (from_pretrained, then shard)."""
-    return master * s.params
+def load_bytes_today(s: Shape, ranks: int, master: int = 4) -> float:
+    """Every rank holds the whole model while loading (from_pretrained) plus its shard's copy."""
+    return master * s.params * (1 + 1 / ranks)
 
 
 def smallest_tp(s: Shape, budget: float, kv_tokens: int = KV_TOKENS) -> int | None:
@@ -155,8 +161,9 @@ def layout(s: Shape, gpus: int, mode: str, *, reference: bool = True, checkpoint
     budget = USABLE * H100_GB * GB
     trainers = gpus if mode == "hybrid" else gpus // 2
     train = training_bytes(s, trainers, master=master, reference=reference, checkpointing=checkpointing)
-    if offload:  # actor.offload: shards and AdamW state in host memory, one unit on the device
-        train.update(parameters=0.0, gradients=0.0, optimizer=0.0, reference=0.0)
+    if offload:  # actor.offload: shards and AdamW state in host memory (AdamW steps there too)
+        train.update(parameters=0.0, gradients=0.0, optimizer=0.0, reference=0.0,
+                     transient=_device_transient(s, checkpointing))
     update_peak = sum(train.values())
     resident = train["parameters"] + train["optimizer"] + train["reference"]
     if mode == "hybrid":
@@ -169,7 +176,7 @@ def layout(s: Shape, gpus: int, mode: str, *, reference: bool = True, checkpoint
         engine = engine_bytes(s, tp or 8)
         generate_peak = sum(engine.values())
         peak = max(update_peak, generate_peak)
-    load_today = load_bytes_today(s) + (engine["weights"] * (tp or 8) if mode == "hybrid" else 0)
+    load_today = load_bytes_today(s, trainers) + (engine["weights"] * (tp or 8) if mode == "hybrid" else 0)
     return {"model": None, "gpus": gpus, "mode": mode, "trainers": trainers, "tp": tp,
             "update_gb": update_peak / GB, "generate_gb": generate_peak / GB, "peak_gb": peak / GB,
             "fits": tp is not None and peak <= budget, "load_today_gb": load_today / GB,
@@ -184,15 +191,14 @@ def sync_seconds(s: Shape) -> dict[str, float]:
 
 def predict_bench(shape: dict, ranks: int, tokens_per_rank: int, bucket_mb: float) -> dict[str, float]:
     """What the model predicts for `polyrl bench memory` (fp32 master and compute, no reference,
-    no checkpointing), MiB above the baseline: load = the whole fp32 model (today), step = the
-    training peak, sync = what stays after the step (parameters + AdamW) + one bucket or the
-    largest tensor."""
+    no checkpointing), MiB above the baseline: load = the whole model plus this rank's shard
+    (today), step = the training peak, sync = what stays after the step (parameters + AdamW) +
+    one bucket's scratch or, when larger, a gathered largest tensor with its gather buffer."""
     s = Shape.from_config({"tie_word_embeddings": True, **shape})
     train = training_bytes(s, ranks, master=4, compute=4, tokens=tokens_per_rank)
-    largest = 4 * max(s.vocab * s.hidden, s.hidden * s.intermediate)
-    return {"load_mib": load_bytes_today(s) / MiB, "step_mib": sum(train.values()) / MiB,
-            "sync_mib": (train["parameters"] + train["optimizer"] + max(bucket_mb * MiB, largest)) / MiB,
-            "state_mib": (train["parameters"] + train["gradients"] + train["optimizer"]) / MiB}
+    largest = 4 * max(s.vocab * s.hidden, s.hidden * s.intermediate) * (2 if ranks > 1 else 1)
+    return {"load_mib": load_bytes_today(s, ranks) / MiB, "step_mib": sum(train.values()) / MiB,
+            "sync_mib": (train["parameters"] + train["optimizer"] + max(bucket_mb * MiB, largest)) / MiB}
 
 
 def scaling_rows() -> list[dict]:

@@ -36,7 +36,8 @@ def test_training_state_shards_and_load_today_does_not(mm):
     for key in ("parameters", "gradients", "optimizer"):
         assert eight[key] == one[key] / 8
     assert one["parameters"] + one["gradients"] + one["optimizer"] == 16 * s.params  # fp32 master + AdamW
-    assert mm.load_bytes_today(s) == 4 * s.params  # whatever the rank count
+    assert mm.load_bytes_today(s, 1) == 8 * s.params  # the whole model + FSDP2's copy of it as the shard
+    assert mm.load_bytes_today(s, 64) > 4 * s.params  # never below the whole model, whatever N
 
 
 def test_kv_cache_per_token_of_qwen25_7b(mm):
