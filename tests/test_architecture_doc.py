@@ -60,9 +60,7 @@ import ast  # noqa: E402
 
 TOPOLOGY_TABLE = "polyrl/distributed/topologies.py"
 PENDING_READS = {
-    "polyrl/trainer/loop.py": "init_ray's environment context (placement and mode names for the env rules)",
     "polyrl/cli/env_cmd.py": "polyrl env's --placement / --mode defaults",
-    "polyrl/cli/doctor.py": "polyrl doctor's findings scoped by placement",
 }
 """Modules that still read the keys directly, each to read `cfg.topology` instead (the change is
 written down for their owners); the test fails once one stops, so the list only shrinks."""
