@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 
 from polyrl.agents.config import AgentConfig
 from polyrl.algorithms.config import AlgorithmConfig, check_critic, check_rollout
+from polyrl.algorithms.distill_config import DistillConfig
 from polyrl.config import Config
 from polyrl.data.config import DataConfig
 from polyrl.rewards.config import RewardConfig
@@ -114,6 +115,8 @@ class JobConfig(Config):
         train_files=["builtin:arithmetic_train"], val_files=["builtin:arithmetic_val"]))
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    """On-policy distillation from a frozen teacher (docs/algorithms.md)."""
     reward: RewardConfig = Field(default_factory=RewardConfig)
     weights: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     actor: ActorConfig = Field(default_factory=ActorConfig)
