@@ -96,6 +96,11 @@ class PolicyWorker:
             if cfg.rollout.batch_invariant:
                 batch_invariant.enable(reference, cfg.rollout.dtype)
             self.reference = build_engine(reference, cfg.actor, self.platform, self.device, **engine_args)
+        self.teacher = None
+        if cfg.distill.enabled:  # frozen like the reference, its own model even under LoRA
+            teacher = load_causal_lm(cfg.distill.teacher, cfg.actor.param_dtype,
+                                     cfg.model.trust_remote_code).to(self.device)
+            self.teacher = build_engine(teacher, cfg.actor, self.platform, self.device, **engine_args)
         self.actor = PPOActor(self.engine, cfg.actor, cfg.algorithm,
                               cfg.algorithm.off_policy.resolve(role.mode), self.device)
         self.critic = self._build_critic(horizon, engine_args)
@@ -159,7 +164,12 @@ class PolicyWorker:
 
     # --- log-probs and update -------------------------------------------------------------------
     def logprobs(self, batch: RolloutBatch, which: str = "reference") -> Ragged:
-        """Log-probs of each response token under the reference (or current) policy."""
+        """Log-probs of each response token under the reference, the distillation teacher or
+        the current policy (which="reference" | "teacher" | "current")."""
+        if which == "teacher":
+            if self.teacher is None:
+                raise RuntimeError("no teacher model: distill.teacher is not set")
+            return self.teacher.logprobs(batch)
         if which == "reference" and self.cfg.model.enabled:  # LoRA: the base model, adapters off
             with adapters_disabled(self.engine.model):
                 return self.engine.logprobs(batch)
