@@ -20,10 +20,11 @@ import numpy as np
 import torch
 
 from polyrl.algorithms import compute_advantages, kl_penalized_rewards, overlong_penalty
+from polyrl.algorithms.distill import check_teacher_tokenizer, distill_advantages
 from polyrl.backends import capabilities
 from polyrl.batch import Ragged, RolloutBatch
 from polyrl.builtin import resolve
-from polyrl.config import to_yaml
+from polyrl.config import ConfigError, to_yaml
 from polyrl.data import build_loaders
 from polyrl.distributed.ray_launch import init_ray
 from polyrl.distributed.waits import RemoteActorDied
@@ -106,6 +107,12 @@ class Trainer:
         self.train_loader, self.val_loader = build_loaders(data_cfg, self.tokenizer)
         check_job(cfg, self.train_loader.dataset, self.val_loader.dataset if self.val_loader else None,
                   self._model_config())  # one clear line now, not a traceback after Ray started
+        if cfg.distill.enabled:  # the teacher scores the student's token ids: same vocabulary
+            try:
+                check_teacher_tokenizer(cfg.distill.teacher, cfg.model.tokenizer_path or cfg.model.path,
+                                        cfg.model.trust_remote_code)
+            except ValueError as exc:
+                raise ConfigError([str(exc)]) from None
         self.rewards = RewardManager(cfg.reward, platform_name=cfg.platform)
         self.rewards.check_sources(self.train_loader.dataset.data_sources)
         if self.val_loader is not None:
@@ -316,7 +323,11 @@ class Trainer:
         if cfg.algorithm.uses_critic:
             with timer("values"):
                 batch.values = self.policy.values(batch)
-        adv_metrics, tied = self.advantages(batch)
+        teacher = None
+        if cfg.distill.enabled:
+            with timer("teacher"):
+                teacher = self.policy.logprobs(batch, "teacher")
+        adv_metrics, tied = self.advantages(batch, teacher)
         metrics.update(adv_metrics)
         if cfg.algorithm.drops_tied_groups:  # groups with all-equal rewards teach nothing
             batch = batch.select((~tied).nonzero().flatten())
@@ -355,10 +366,11 @@ class Trainer:
             metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
         return metrics
 
-    def advantages(self, batch: RolloutBatch) -> tuple[dict[str, float], torch.Tensor]:
+    def advantages(self, batch: RolloutBatch, teacher: Ragged | None = None) -> tuple[dict[str, float], torch.Tensor]:
         """Advantages per sequence (outcome estimators: stored once) or per token (token-level
-        rewards such as KL in the reward), in place; returns metrics and the [N] mask of samples
-        whose group had all-equal rewards."""
+        rewards such as KL in the reward, GAE, distillation from `teacher`'s log-probs of the
+        sampled tokens), in place; returns metrics and the [N] mask of samples whose group had
+        all-equal rewards."""
         algo = self.cfg.algorithm
         lengths = batch.response_lengths
         mask = batch.loss_mask.padded(max(int(lengths.max()), 1))
@@ -376,6 +388,15 @@ class Trainer:
         if out.returns is not None:  # the critic's targets
             batch.returns = Ragged.from_padded(out.returns, lengths)
         adv = out.advantages
+        if teacher is not None:  # the student's log-probs are the sampler's, as in the KL reward
+            width = mask.shape[1]
+            student = batch.rollout_logprobs
+            if student is None:  # an engine that returned no log-probs: the policy recomputes them
+                student = self.policy.logprobs(batch, "current")
+            adv, distill_metrics = distill_advantages(
+                adv, student.padded(width), teacher.padded(width), mask,
+                coef=self.cfg.distill.coef, reward_weight=self.cfg.distill.reward_weight)
+            metrics.update(distill_metrics)
         first = adv.gather(1, mask.argmax(1, keepdim=True)).squeeze(1)  # at each row's first trained token
         if bool((((adv - first.unsqueeze(1)) * mask).abs() == 0).all()):
             batch.advantages = first
