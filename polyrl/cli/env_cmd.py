@@ -48,8 +48,8 @@ def plan_for(args: argparse.Namespace):
         platform=platform,
         role=args.role,
         backend=backend,
-        placement=args.placement or cfg.rollout.placement,
-        mode=args.mode or cfg.trainer.mode,
+        placement=args.placement or cfg.topology.placement,
+        mode=args.mode or cfg.topology.mode,
         backend_version=args.backend_version or installed_version(backend),
         placement_bundle=args.bundle,
     )

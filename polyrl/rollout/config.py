@@ -89,11 +89,14 @@ class RolloutConfig(Config):
 
     @field_validator("batch_invariant")
     @classmethod
-    def _native_only(cls, value: bool, info) -> bool:
-        backend = info.data.get("backend", "native")
-        if value and backend != "native":
-            raise ValueError(f"rollout.batch_invariant=true needs rollout.backend=native (the built-in "
-                             f"engine); {backend} computes its own log-probs: use algorithm.off_policy instead")
+    def _invariant_engine(cls, value: bool, info) -> bool:
+        from polyrl.backends import capabilities, engines_that
+
+        backend = info.data.get("backend")
+        if value and backend is not None and not capabilities(backend).batch_invariant:
+            raise ValueError(f"rollout.batch_invariant=true needs rollout.backend="
+                             f"{' or '.join(engines_that('batch_invariant'))} (the trainer's batch-invariant "
+                             f"forward); {backend} computes its own log-probs: use algorithm.off_policy instead")
         return value
 
     @field_validator("backend")
@@ -105,25 +108,27 @@ class RolloutConfig(Config):
 
     @model_validator(mode="after")
     def _check(self) -> "RolloutConfig":
-        from polyrl.backends import ENGINE_PROCESS_BACKENDS, backend_names
+        from polyrl.backends import backend_names, capabilities, engines_that
 
-        unknown = set(self.engine_kwargs) - set(backend_names())
+        caps = capabilities(self.backend)
+        unknown = set(self.engine_kwargs) - set(backend_names()) - {self.backend}  # an import path's own
         if unknown:
             raise ValueError(
                 f"engine_kwargs has unknown engine(s) {sorted(unknown)}; "
                 f"use {', '.join(backend_names())}"
             )
         if self.lora_mode == "adapter":
-            if self.backend != "vllm":
-                raise ValueError(f"rollout.lora_mode=adapter needs rollout.backend=vllm (vLLM's LoRA "
-                                 f"adapter path); {self.backend} takes merged weights: unset rollout.lora_mode")
+            if not caps.lora_adapters:
+                raise ValueError(f"rollout.lora_mode=adapter needs rollout.backend="
+                                 f"{' or '.join(engines_that('lora_adapters'))} (an engine serving LoRA adapters); "
+                                 f"{self.backend} takes merged weights: unset rollout.lora_mode")
             if self.quantization is not None or self.load_format == "dummy":
                 raise ValueError("rollout.lora_mode=adapter reads the base model from model.path and "
                                  "only adapters travel: unset rollout.quantization / rollout.load_format=dummy")
         if self.quantization == "fp8":
-            if self.backend not in ENGINE_PROCESS_BACKENDS:
+            if not caps.fp8:
                 raise ValueError("rollout.quantization=fp8 needs a GPU engine: set rollout.backend to "
-                                 f"{' or '.join(ENGINE_PROCESS_BACKENDS)}, or unset rollout.quantization")
+                                 f"{' or '.join(engines_that('fp8'))}, or unset rollout.quantization")
             if self.load_format == "auto":
                 raise ValueError("rollout.quantization=fp8 has no FP8 checkpoint to read: its weights "
                                  "arrive with the first weight sync. Set rollout.load_format=dummy "

@@ -72,28 +72,16 @@ def _is_gpu_adapter(engine_cls: type) -> bool:
     return isinstance(engine_cls, type) and issubclass(engine_cls, AsyncEngineAdapter)
 
 
-def engine_args(cfg: RolloutConfig, model_path: str, platform: Platform | None = None) -> dict[str, Any]:
-    """The launch arguments of `cfg.backend` for the installed engine version (the dry run's)."""
+def engine_args(cfg: RolloutConfig, model_path: str, platform: Platform | None = None,
+                colocated: bool | None = None) -> dict[str, Any]:
+    """The launch arguments of `cfg.backend` for the installed engine version (the dry run's):
+    a builder's for the built-in and GPU engines, polyrl's settings plus `engine_kwargs` for a
+    plugin engine in this process (`launch_args.engine_launch_args`). `colocated`: the engine
+    shares its process with a policy rank (the actor's RolePlan says; None: the topology's)."""
     from polyrl.rollout.launch_args import engine_launch_args
 
     return engine_launch_args(cfg, model_path, platform or current_platform(),
-                              installed_version(cfg.backend))
-
-
-gpu_engine_args = engine_args
-
-
-def in_process_args(cfg: RolloutConfig, model_path: str, platform: Platform | None) -> dict[str, Any]:
-    """Keyword arguments of an engine that runs in this process: the built-in engine's launch
-    arguments; a plugin backend without a launch-argument builder gets polyrl's settings plus
-    its `engine_kwargs` as given, unless its engine runs processes of its own (a GPU engine's
-    arguments are built per backend: without a builder it is the dry run's error, here too)."""
-    from polyrl.rollout.launch_args import BUILDERS
-
-    if cfg.backend in BUILDERS or ROLLOUT_BACKENDS.get(cfg.backend).engine_processes:
-        return engine_args(cfg, model_path, platform)
-    return {"model_path": model_path, "dtype": cfg.dtype, "max_model_len": cfg.max_model_len,
-            "max_num_seqs": cfg.max_num_seqs, **cfg.engine_kwargs.get(cfg.backend, {})}
+                              installed_version(cfg.backend), colocated=colocated)
 
 
 def build_colocated_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer: Any,
@@ -106,11 +94,11 @@ def build_colocated_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer
         if not model_path:
             raise ValueError("the policy model has no config._name_or_path: a GPU engine needs the "
                              "model directory for its config and tokenizer (set model.path)")
-        args = gpu_engine_args(cfg, model_path, platform)
+        args = engine_args(cfg, model_path, platform, colocated=True)
         return engine_cls.from_model(model, launch_args=args, tokenizer=tokenizer, seed=seed,
                                      update_bucket_mb=cfg.update_bucket_mb)
     # the built-in engine: the launch arguments the dry run shows, less the model path
-    args = in_process_args(cfg, "", platform)
+    args = engine_args(cfg, "", platform, colocated=True)
     args.pop("model_path")
     return engine_cls.from_model(model, tokenizer=tokenizer, device=device, seed=seed, **args)
 
@@ -129,9 +117,9 @@ def build_standalone_engine(cfg: RolloutConfig, model_path: str, device: torch.d
     engine_cls = ROLLOUT_ENGINES.get(cfg.backend)
     tokenizer = load_tokenizer(tokenizer_path or model_path, trust_remote_code)
     if _is_gpu_adapter(engine_cls):
-        args = gpu_engine_args(cfg, str(resolve(model_path)), platform)
+        args = engine_args(cfg, str(resolve(model_path)), platform, colocated=False)
         return engine_cls(args, tokenizer=tokenizer, seed=seed, update_bucket_mb=cfg.update_bucket_mb)
-    args = in_process_args(cfg, str(resolve(model_path)), platform)
+    args = engine_args(cfg, str(resolve(model_path)), platform, colocated=False)
     return engine_cls(args.pop("model_path"), tokenizer=tokenizer, device=device, seed=seed, **args)
 
 
@@ -145,4 +133,4 @@ def check_engine_launch(cfg: RolloutConfig, model_path: str, platform: Platform 
 
     require_backend(cfg.backend)
     check_replica_layout(cfg)
-    in_process_args(cfg, str(resolve(model_path)), platform)
+    engine_args(cfg, str(resolve(model_path)), platform)

@@ -30,7 +30,8 @@ from packaging.version import InvalidVersion, Version
 from polyrl.distributed.topologies import colocated_engine
 from polyrl.platform import Platform
 from polyrl.rollout.config import RolloutConfig
-from polyrl.rollout.engines.launch_merge import check_no_nulls, json_object, merge_fp8, model_uses_mla
+from polyrl.rollout.engines.launch_merge import (check_no_nulls, json_object, merge_fp8, model_uses_mla,
+                                                 vllm_memory_share)
 
 Builder = Callable[..., dict[str, Any]]
 """(rollout, model_path, platform, engine_version=None, *, colocated=None) -> launch arguments."""
@@ -125,13 +126,13 @@ def check_replica_layout(rollout: RolloutConfig) -> None:
     needs a GPU engine. Not part of `check_launch`: the built-in engine stands in for a TP engine
     on a replica of several CPU ranks (engine on the leader) in the tests of the replica-leader
     weight path, which build the topology directly."""
-    from polyrl.backends import ENGINE_PROCESS_BACKENDS
+    from polyrl.backends import capabilities, engines_that
 
     tp = rollout.tensor_parallel_size
-    if tp > 1 and rollout.backend not in ENGINE_PROCESS_BACKENDS:
-        raise ValueError(f"rollout.tensor_parallel_size={tp} needs a GPU engine (vllm, sglang, "
-                         f"trtllm); the {rollout.backend} engine runs one rank per replica: set "
-                         "rollout.tensor_parallel_size=1")
+    if tp > 1 and not capabilities(rollout.backend).tensor_parallel:
+        raise ValueError(f"rollout.tensor_parallel_size={tp} needs a GPU engine "
+                         f"({', '.join(engines_that('tensor_parallel'))}); the {rollout.backend} engine "
+                         "runs one rank per replica: set rollout.tensor_parallel_size=1")
 
 
 def user_kwargs(rollout: RolloutConfig, engine: str) -> dict[str, Any]:
@@ -239,7 +240,7 @@ def vllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
         "dtype": rollout.dtype,
         "tensor_parallel_size": rollout.tensor_parallel_size,
         "distributed_executor_backend": "mp" if rollout.tensor_parallel_size > 1 else None,
-        "gpu_memory_utilization": rollout.gpu_memory_utilization,
+        "gpu_memory_utilization": vllm_memory_share(rollout, platform.name),  # CPU: a share of host RAM
         "max_model_len": rollout.max_model_len,
         "max_num_seqs": rollout.max_num_seqs,
         "enable_prefix_caching": rollout.enable_prefix_caching,
@@ -364,6 +365,15 @@ def trtllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
     return merge_args(defaults, user)
 
 
+def plugin_args(rollout: RolloutConfig, model_path: str) -> dict[str, Any]:
+    """The keyword arguments of a plugin engine that runs in the polyrl process and has no builder
+    here (docs/engine_plugins.md): polyrl's settings, then its engine_kwargs as given."""
+    user = dict(rollout.engine_kwargs.get(rollout.backend) or {})
+    check_no_nulls(user, f"rollout.engine_kwargs.{rollout.backend}")
+    return {"model_path": model_path, "dtype": rollout.dtype, "max_model_len": rollout.max_model_len,
+            "max_num_seqs": rollout.max_num_seqs, **user}
+
+
 BUILDERS: dict[str, Builder] = {"native": native_args, "vllm": vllm_args, "sglang": sglang_args,
                                 "trtllm": trtllm_args}
 
@@ -375,6 +385,10 @@ def engine_launch_args(rollout: RolloutConfig, model_path: str, platform: Platfo
     `engine_version` is the engine package's version when known (installed, or declared for a
     dry run); builders whose defaults depend on it document what None means."""
     if rollout.backend not in BUILDERS:
+        from polyrl.backends import ROLLOUT_BACKENDS
+
+        if not ROLLOUT_BACKENDS.get(rollout.backend).engine_processes:  # a plugin in polyrl's process
+            return plugin_args(rollout, model_path)
         raise ValueError(f"rollout.backend={rollout.backend}: no launch-argument builder; "
                          f"available: {', '.join(sorted(BUILDERS))}")
     return BUILDERS[rollout.backend](rollout, model_path, platform, engine_version, colocated=colocated)

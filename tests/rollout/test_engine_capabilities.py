@@ -230,12 +230,6 @@ def test_doctor_lists_what_each_engine_can_do(tmp_path, monkeypatch, capsys):
             "LoRA adapters, FP8, batch-invariant; log-probs equal the trainer's in: bfloat16, float32") in out
 
 
-PENDING_CONFIG = pytest.mark.xfail(strict=True, reason=(
-    "polyrl/rollout/config.py and polyrl/rollout/launch_args.py still ask the backend's name "
-    "(native / vllm / ENGINE_PROCESS_BACKENDS); the diffs asking the capabilities are with the lead"))
-
-
-@PENDING_CONFIG
 def test_the_rollout_config_asks_a_plugins_capabilities(tmp_path, monkeypatch):
     from polyrl.rollout.launch_args import check_replica_layout
 

@@ -13,7 +13,7 @@ from polyrl.rollout.factory import (
     EXTRAS,
     EngineUnavailable,
     _is_gpu_adapter,
-    gpu_engine_args,
+    engine_args,
     installed_version,
     require_backend,
 )
@@ -54,7 +54,7 @@ def test_gpu_adapters_are_told_apart_from_native():
 def test_gpu_engine_args_are_the_dry_run_args(backend):
     cfg = RolloutConfig(backend=backend, dtype="bfloat16")
     platform = get_platform(None, SIMULATED_PROBES["h100"])
-    assert gpu_engine_args(cfg, "/m", platform) == engine_launch_args(
+    assert engine_args(cfg, "/m", platform) == engine_launch_args(
         cfg, "/m", platform, installed_version(backend))
 
 
@@ -132,7 +132,7 @@ def test_hybrid_tensor_parallel_fails_the_dry_run_and_the_launch_alike(backend):
     plan = plan_launch(job, h100, "0.5.12")
     assert len(plan.errors) == 2  # both policy ranks host an engine
     with pytest.raises(ValueError) as launch:
-        gpu_engine_args(job.rollout, "/m", h100)
+        engine_args(job.rollout, "/m", h100)
     assert plan.errors[0] == f"policy rank 0: {launch.value}"
 
 

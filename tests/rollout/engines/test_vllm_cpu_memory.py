@@ -35,8 +35,6 @@ def test_the_default_survives_a_copy_and_the_config_loader():
     assert vllm_memory_share(chosen, "cpu") == 0.5
 
 
-@pytest.mark.xfail(strict=True, reason="needs launch_args.vllm_args to call launch_merge.vllm_memory_share "
-                                       "(issue 28 task 4; the lead owns polyrl/rollout/launch_args.py)")
 def test_launch_args_on_cpu_use_the_cpu_share():
     cpu = get_platform(None, SIMULATED_PROBES["cpu"])
     h100 = get_platform(None, SIMULATED_PROBES["h100"])
