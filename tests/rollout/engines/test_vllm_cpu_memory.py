@@ -4,7 +4,6 @@ default's half; a value the user sets is kept."""
 
 from __future__ import annotations
 
-import pytest
 
 from polyrl.platform import SIMULATED_PROBES, get_platform
 from polyrl.rollout.config import RolloutConfig
