@@ -4,7 +4,6 @@ default's half; a value the user sets is kept."""
 
 from __future__ import annotations
 
-
 from polyrl.platform import SIMULATED_PROBES, get_platform
 from polyrl.rollout.config import RolloutConfig
 from polyrl.rollout.engines.launch_merge import VLLM_CPU_MEMORY_SHARE, vllm_memory_share
