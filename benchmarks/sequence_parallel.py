@@ -70,7 +70,8 @@ def _rank(rank: int, world: int, strategy: str, model_dir: str, length: int, sto
     prompt = Ragged.from_rows([torch.randint(2, 100, (half,), generator=g)], torch.long)
     response = Ragged.from_rows([torch.randint(2, 100, (length - half + 1,), generator=g)], torch.long)
     zero = torch.zeros(1, dtype=torch.long)
-    batch = RolloutBatch(prompt_ids=prompt, response_ids=response, loss_mask=Ragged.full_like(response, 1.0, torch.float32),
+    batch = RolloutBatch(prompt_ids=prompt, response_ids=response,
+                         loss_mask=Ragged.full_like(response, 1.0, torch.float32),
                          group=zero, stop_reason=zero, finished_with_eos=zero.bool(), weight_version=zero,
                          min_version=zero, max_version=zero, continuations=zero)
     (mb,) = list(engine.micro_batches(batch))  # fed: prompt + response - 1 = `length` tokens
@@ -139,8 +140,8 @@ def main() -> None:
                          "saved_mib": max(r["saved"] for r in ranks) / MiB,
                          "tensors_mib": max(r["tensors"] for r in ranks) / MiB,
                          "peak_mib": max(r["peak"] for r in ranks) / MiB})
-    meta = {"model": args.size, "params": params, "strategy": args.strategy, "k": k, "cpu": host.processor() or host.machine(),
-            "cpu_flags": cpu_flags(), "cores": os.cpu_count()}
+    meta = {"model": args.size, "params": params, "strategy": args.strategy, "k": k,
+            "cpu": host.processor() or host.machine(), "cpu_flags": cpu_flags(), "cores": os.cpu_count()}
     if args.json:
         print(json.dumps({"meta": meta, "rows": rows}, indent=1))
         return
