@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         params = parse_params(args.params)
         worlds = sorted({int(n) for n in args.world_sizes.split(",")})
     except ValueError as exc:
-        text = str(exc) if str(exc).startswith("--") else f"--world-sizes: '{args.world_sizes}' is not a list such as 1,2,4"
+        text = str(exc) if str(exc).startswith("--") else \
+            f"--world-sizes: '{args.world_sizes}' is not a list such as 1,2,4"
         print(f"error: {text}", file=sys.stderr)
         return 2
     if not worlds or worlds[0] < 1:

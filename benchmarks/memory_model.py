@@ -21,9 +21,10 @@ the default; 2 for bfloat16), compute dtype of `c` bytes:
 
 Loading today (polyrl/training/model_loading.py, polyrl/workers/policy.py): every rank builds the
 whole model with `from_pretrained` in host memory, moves it whole to its device, then shards it
-(FSDP2 copies each rank's shard while the whole model is still alive): the load peak per rank is
-m P (1 + 1/N) in host memory and again on the device, never below m P whatever N (measured
-exactly so on CPU, docs/training.md "Memory per rank"). Planned (issue #30: meta-device init and sharded loading): m P / N + a tensor.
+(FSDP2 copies each rank's shard while the whole model is still alive): per rank m P of host
+memory and m P (1 + 1/N) on the device (on a CPU, one and the same: measured to within 0.2%,
+docs/training.md "Memory per rank"), never below m P whatever N. Planned (issue #30: meta-device init and
+sharded loading): m P / N + a tensor.
 
 Weight sync streamed from the shards (polyrl/weights/base.py WeightStream): the sender holds its
 shard plus one or two buckets (weights.bucket_mb) plus the tensor being gathered.
