@@ -34,13 +34,14 @@ def plan_for_role(
     backend_version: str | None = None,
     hands_devices: bool = False,
     visible_devices: tuple[int, ...] = (),
+    code_dirs: tuple[str, ...] = (),
 ) -> EnvPlan:
     """The environment of an actor of `role`; `hands_devices`: it reserves no devices through
     Ray and gives its engine processes the devices of its placement (`visible_devices`) itself
-    (`PlanContext`)."""
+    (`PlanContext`); `code_dirs`: where the config's plugins import from (PYTHONPATH)."""
     ctx = PlanContext(platform, role, backend, placement, mode, backend_version,  # type: ignore[arg-type]
                       hands_devices, tuple(visible_devices))
-    return build_plan(ctx, user_env=os.environ, config_env=config_env or {})
+    return build_plan(ctx, user_env=os.environ, config_env=config_env or {}, code_dirs=code_dirs)
 
 
 def submitted_env_vars(environ: Mapping[str, str]) -> dict[str, str]:

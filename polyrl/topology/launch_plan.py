@@ -31,7 +31,8 @@ from polyrl.distributed.role import EngineLaunch, RolePlan
 from polyrl.distributed.topologies import TopologySpec
 from polyrl.distributed.ray_launch import actor_options, plan_for_role
 from polyrl.envplan import EnvPlan
-from polyrl.envplan.rules import ENGINE_BACKENDS
+from polyrl.envplan.code_paths import plugin_dirs
+from polyrl.envplan.rules import BUNDLE_BACKENDS, ENGINE_BACKENDS
 from polyrl.placement import Devices, Gang, Member, PlacementError, PlacementPlan, plan_placement
 from polyrl.platform import Platform
 from polyrl.rollout.factory import EXTRAS
@@ -187,7 +188,14 @@ def devices_reserved(resources: dict[str, Any]) -> float:
 def _env_kwargs(cfg: JobConfig, engine_version: str | None) -> dict[str, Any]:
     spec = cfg.topology  # the environment rules are scoped by placement and mode names (R2)
     return dict(backend=cfg.rollout.backend, placement=spec.placement, mode=spec.mode,
-                config_env=cfg.env, backend_version=engine_version)
+                config_env=cfg.env, backend_version=engine_version, code_dirs=plugin_code_dirs(cfg))
+
+
+def plugin_code_dirs(cfg: JobConfig) -> tuple[str, ...]:
+    """The directories the config's plugins (import paths) are found in, for every actor's
+    PYTHONPATH (polyrl/envplan/code_paths.py, docs/plugins.md)."""
+    return tuple(plugin_dirs([*cfg.algorithm.plugin_specs, *cfg.agent.plugin_specs,
+                              cfg.reward.custom_function, cfg.platform]))
 
 
 def plan_job(cfg: JobConfig, platform: Platform, engine_version: str | None = None) -> JobPlan:
@@ -253,9 +261,13 @@ def plan_actors(cfg: JobConfig, platform: Platform, engine_version: str | None =
               for r, role in enumerate(roles["policy"])]
     rollout_env = plan_for_role(platform, ENV_ROLE["rollout"], **env_kw)
     if spec.rollout_actors == "replicas":
-        actors += [ActorPlan(f"rollout replica {role.index}", "rollout", None, role.index, dict(replica_resources),
-                             per_actor, rollout_env, role.engine, max_concurrency=replica_concurrency(cfg),
-                             plan=role)
+        # a TP-1 replica beside its engine's worker shares its device as a rank does (TP > 1 is
+        # refused: job_gangs)
+        beside = worker is not None and cfg.rollout.tensor_parallel_size == 1
+        actors += [ActorPlan(f"rollout replica {role.index}", "rollout", None, role.index,
+                             dict(asks if beside else replica_resources), per_actor, rollout_env,
+                             role.engine, max_concurrency=replica_concurrency(cfg),
+                             bundle=bundle if beside else None, plan=role)
                    for role in roles["rollout"]]
     elif spec.rollout_actors == "ranks":
         hosts = engine_hosts(cfg, platform)
@@ -369,8 +381,8 @@ class EngineWorker:
 def engine_worker(cfg: JobConfig, platform: Platform) -> EngineWorker | None:
     """The Ray worker an engine starts per device in polyrl's bundles: TensorRT-LLM's, with
     `per_worker_gpu_share` (polyrl/rollout/launch_args.py), on a device platform. None for
-    engines that run in the polyrl actor's own reservation. Async replicas (one actor holding a
-    replica's devices in one bundle) are not covered (docs/gpu_engines.md)."""
+    engines that run in the polyrl actor's own reservation. An async replica is one actor: with
+    TP 1 it shares its device as a rank does; TP > 1 is refused (`job_gangs`)."""
     if cfg.rollout.backend == "trtllm" and platform.ray_resource:
         return EngineWorker(TRTLLM_WORKER_GPU_SHARE, TRTLLM_WORKER_CPUS)
     return None
@@ -378,10 +390,11 @@ def engine_worker(cfg: JobConfig, platform: Platform) -> EngineWorker | None:
 
 def engine_worker_cpus(cfg: JobConfig, platform: Platform) -> int:
     """CPUs the engine's own Ray workers reserve in polyrl's bundles (one worker per device of a
-    hybrid policy rank or a standalone sync rollout rank), which a local Ray instance must hold
-    too: else its placement groups cannot be reserved on a machine with few cores."""
+    hybrid policy rank, a standalone rollout rank or an async TP-1 replica), which a local Ray
+    instance must hold too: else its placement groups cannot be reserved on a machine with few
+    cores."""
     worker, spec = engine_worker(cfg, platform), cfg.topology
-    if worker is None or spec.rollout_actors == "replicas":
+    if worker is None:
         return 0
     devices = (cfg.actor.world_size if spec.colocated_engine
                else cfg.rollout.num_replicas * cfg.rollout.tensor_parallel_size)
@@ -440,6 +453,13 @@ def job_gangs(cfg: JobConfig, actors: list[ActorPlan]) -> list[Gang]:
     else:
         gangs += [Gang(n, (member[n],)) for n in policy]
     rollout = [a for a in actors if a.role == "rollout"]
+    if (rollout and tp > 1 and cfg.topology.rollout_actors == "replicas"
+            and cfg.rollout.backend in BUNDLE_BACKENDS):
+        raise PlacementError(f"rollout.tensor_parallel_size={tp} with trainer.mode=async and "
+                             f"rollout.backend={cfg.rollout.backend}: an async replica is one actor "
+                             f"holding its {tp} devices in one bundle, and TensorRT-LLM places one "
+                             "Ray worker per device in bundles of their own; set "
+                             "rollout.tensor_parallel_size=1 (more replicas) or trainer.mode=sync")
     for replica in sorted({a.replica for a in rollout}):
         names = [a.name for a in rollout if a.replica == replica]
         gangs.append(Gang(f"rollout replica {replica}", tuple(member[n] for n in names),
@@ -477,9 +497,9 @@ def plan_launch(cfg: JobConfig, platform: Platform, engine_version: str | None =
 
 
 def in_bundles(placement: PlacementPlan, actors: list[ActorPlan]) -> list[ActorPlan]:
-    """Each actor that starts an engine in a bundle with room beside it (`bundle`: an async
-    replica's has none) with its planned bundle index in its environment (`EnvPlan.in_bundle`:
-    only for engines that read it, TensorRT-LLM). The index is the actor's position in its
+    """Each actor that starts an engine in a bundle with room beside it (`bundle`) with its
+    planned bundle index in its environment (`EnvPlan.in_bundle`: only for engines that read
+    it, TensorRT-LLM). The index is the actor's position in its
     node's `node_actors`, the bundle order `create_placement` reserves; the launch sets the live
     index again (polyrl/placement/ray_groups.py:options_for)."""
     index = {name: i for node in range(placement.nodes_used)

@@ -48,7 +48,7 @@ from polyrl.trainer.checkpoint import (
 )
 from polyrl.job import JobConfig
 from polyrl.trainer.interrupts import TrainingInterrupted, stop_on_signals
-from polyrl.topology.launch_plan import plan_job
+from polyrl.topology.launch_plan import plan_job, plugin_code_dirs
 from polyrl.trainer.metrics import MetricsWriter, PhaseTimer, response_metrics
 from polyrl.trainer.plots import plot_run, print_summary
 from polyrl.trainer.preflight import check_job
@@ -144,7 +144,8 @@ class Trainer:
                            "not wrong)", needed // per_actor, per_actor, cores)
         # the ray.init arguments `polyrl train --dry-run` shows
         init_ray(self.platform, **plan_job(cfg, self.platform).ray_init, config_env=cfg.env,
-                 backend=cfg.rollout.backend, placement=cfg.topology.placement, mode=cfg.topology.mode)
+                 backend=cfg.rollout.backend, placement=cfg.topology.placement, mode=cfg.topology.mode,
+                 code_dirs=plugin_code_dirs(cfg))
         available = ray.available_resources().get("CPU", 0)
         deadline = time.perf_counter() + 10  # a previous run's killed actors free CPUs lazily
         while available < needed and time.perf_counter() < deadline:

@@ -109,17 +109,11 @@ def test_engine_starting_actors_are_told_their_planned_bundle():
     assert not any(PLACEMENT_BUNDLE_VAR in a.env for a in planned("standalone", 2, 2, "vllm").actors)
 
 
-ASYNC_FIX = ("async TensorRT-LLM replicas still ask Ray for their whole devices with no room in "
-             "their bundle (polyrl/topology/launch_plan.py:plan_actors, engine_worker_cpus, "
-             "job_gangs): the fix is the diff in the placement helper's report, for the lead")
-
-
 def placement_entries(actor) -> dict[str, str]:
     """The variables the placement decides (bundle, NOSET), as the dry run shows them."""
     return {k: e.value for k, e in actor.env.entries.items() if e.source == "placement"}
 
 
-@pytest.mark.xfail(strict=True, reason=ASYNC_FIX)
 def test_async_replicas_get_the_trtllm_placement_of_sync_ones():
     """An async TP-1 replica starts TRT-LLM in its actor like a sync standalone TP-1 replica, so it
     needs the same placement: it asks Ray for 1 - share of its device, its bundle keeps the whole
@@ -145,7 +139,6 @@ def test_async_replicas_get_the_trtllm_placement_of_sync_ones():
     assert plan_job(cfg, H100).ray_init.get("num_cpus", 0) >= engine_worker_cpus(cfg, H100)
 
 
-@pytest.mark.xfail(strict=True, reason=ASYNC_FIX)
 def test_the_async_dry_run_shows_the_trtllm_shares_and_bundles(capsys):
     """`polyrl train --dry-run --json --platform h100 rollout.backend=trtllm
     rollout.placement=standalone trainer.mode=async` (in-process: polyrl.cli.main.main, the function
@@ -167,7 +160,6 @@ def test_the_async_dry_run_shows_the_trtllm_shares_and_bundles(capsys):
                                                (1, {"num_cpus": 1, "num_gpus": 0.5}, "2")]
 
 
-@pytest.mark.xfail(strict=True, reason=ASYNC_FIX)
 def test_async_trtllm_tensor_parallel_replicas_are_refused_with_the_fix():
     """An async replica is one actor holding its k devices in one bundle; TensorRT-LLM puts one
     worker per device into k bundles starting at the replica's own, i.e. into the next replicas'
@@ -366,7 +358,7 @@ def starters_of(plan) -> set[str]:
 @pytest.mark.slow  # a simulated multi-node Ray cluster
 @pytest.mark.parametrize("layout,tp,nodes", [
     ("hybrid", 1, 1), ("standalone", 2, 2),
-    pytest.param("async", 1, 1, marks=pytest.mark.xfail(strict=True, reason=ASYNC_FIX))])
+    ("async", 1, 1)])
 def test_the_placement_probe_passes_trtllm_engine_starters(cluster, layout, tp, nodes):
     """`polyrl placement` (polyrl/placement/probe.py; scripts/gpu_check.sh runs it) on TRT-LLM
     jobs: each engine starter holds its share of its device, keeps the whole node visible as its

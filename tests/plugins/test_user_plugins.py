@@ -132,8 +132,6 @@ def test_a_plugin_that_does_not_import_is_one_line_naming_the_key(tmp_path, key,
     assert f"{field}: " in proc.stderr and f"cannot import '{PACKAGE}.algos'" in proc.stderr, proc.stderr
 
 
-@pytest.mark.skipif(not hasattr(__import__("polyrl.topology.launch_plan").topology.launch_plan, "plugin_code_dirs"),
-                    reason="the launch plan does not pass the plugins' directories to the environment plan yet")
 def test_a_plugin_package_in_the_run_directory_reaches_every_actors_pythonpath(tmp_path):
     """The console script, run where the package is (not on PYTHONPATH): the config check finds
     it there, and every actor's PYTHONPATH gets that directory, with the source `plugins`."""
