@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from polyrl.cli.main import main
+from polyrl.cli.train import EMBEDDED_DEFAULT
 from polyrl.config import load_config
 from polyrl.job import JobConfig
 from polyrl.trainer.loop import Trainer
@@ -53,9 +54,15 @@ def test_standalone_teacher_is_refused_as_not_built(train_here, tmp_path):
     assert_one_line_before_ray(out, "distill.placement=standalone", "not built yet")
 
 
+def test_recipe_distils_the_bundled_model_purely():
+    cfg = load_config(JobConfig, files=[Path(__file__).resolve().parents[2] / "configs" / "distill_arith.yaml"])
+    assert cfg.distill.enabled and cfg.distill.reward_weight == 0 and cfg.distill.coef == 1
+    assert cfg.model.path == "builtin:tiny-arith" and cfg.trainer.total_steps == 20
+
+
 def embedded(out: Path, steps: int, *overrides: str) -> JobConfig:
     """The embedded default (bundled model and task) for `steps` steps, no validation."""
-    return load_config(JobConfig, overrides=[
+    return load_config(JobConfig, files=[EMBEDDED_DEFAULT], overrides=[
         f"trainer.total_steps={steps}", "trainer.val_every=0", "trainer.val_before_train=false",
         "trainer.progress_bar=false", "logging.plot_at_end=false", "logging.samples_every=0",
         f"trainer.output_dir={out}", *overrides])
