@@ -103,3 +103,15 @@ def test_lora_student_distils_from_its_own_frozen_teacher(teacher, tmp_path):
     kl = metric(out, "distill/reverse_kl")
     assert len(kl) == 2 and kl[0] > 0.3, kl  # the teacher, not the LoRA base (which is the student)
     assert all(g > 0 for g in metric(out, "actor/grad_norm")), "no update reached the adapters"
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_the_teacher_and_scores_like_one_rank(teacher, tmp_path):
+    # the same seeded first batch, scored by a whole teacher on one rank and by a teacher
+    # sharded over two fsdp2 ranks: the same reverse KL
+    kl = {}
+    for name, layout in (("ddp", ()), ("fsdp2", ("actor.strategy=fsdp2", "actor.world_size=2"))):
+        out = tmp_path / name
+        Trainer(embedded(out, 1, f"distill.teacher={teacher}", "distill.reward_weight=0", *layout)).fit()
+        kl[name] = metric(out, "distill/reverse_kl")
+    assert kl["ddp"][0] > 0.3 and kl["fsdp2"][0] == pytest.approx(kl["ddp"][0], rel=1e-4), kl
