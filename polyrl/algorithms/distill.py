@@ -3,8 +3,9 @@
 The per-token reward is the negative reverse KL sample on the student's own tokens,
     r_t = -coef * (log pi_student(y_t) - log pi_teacher(y_t)),
 and it enters as a token-level advantage (no critic, no discounting: each token's signal is its
-own, as in on-policy distillation, arXiv:2306.13649), added to the estimator's outcome
-advantages scaled by `reward_weight`. Only loss-mask tokens (the ones the student sampled; tool
+own), added to the estimator's outcome advantages scaled by `reward_weight`. Its policy gradient
+minimises KL(student || teacher) on the student's own samples, the reverse KL of GKD
+(arXiv:2306.13649). Only loss-mask tokens (the ones the student sampled; tool
 or environment output in multi-turn samples is masked out) carry it. All inputs are [B, T]
 response-aligned; no gradient flows through any of it. The config is distill_config.py.
 """
