@@ -27,7 +27,8 @@ GPUS = {  # recipe -> H100s it was sized for (one node each)
     "tools_gsm8k_qwen2.5_3b_8gpu.yaml": 8,
     "gsm8k_qwen_gpu.yaml": 8,
 }
-EMBEDDED_TASK = {"dapo_arith.yaml", "tools_calculator.yaml", "distill_arith.yaml"}  # the bundled model and data, any machine
+# the bundled model and data, any machine
+EMBEDDED_TASK = {"dapo_arith.yaml", "tools_calculator.yaml", "distill_arith.yaml"}
 SFT = {"sft_chat_qwen_gpu.yaml"}  # `polyrl sft` configs, not `polyrl train`
 
 
