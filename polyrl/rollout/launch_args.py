@@ -9,8 +9,8 @@ are merged into the user's dicts key by key (`polyrl/rollout/engines/launch_merg
 
 What each builder returns is what the adapter passes on unchanged, with two exceptions for
 TRT-LLM: `kv_cache_config` is a plain dict here (so it can be printed and compared) and becomes
-`KvCacheConfig(**d)` in the adapter, and the placement group the engine host runs in (a live Ray
-object) is added by the adapter at start (`placement_groups`, `placement_bundle_indices`).
+`KvCacheConfig(**d)` in the adapter, and the placement group the actor starting the engine runs in
+(a live Ray object) is added by the adapter at start (`placement_groups`, `placement_bundle_indices`).
 
 `check_launch(rollout, platform)` is the one check of a rollout layout every builder runs first,
 so `polyrl train --dry-run` refuses exactly what the launch refuses (issue 28).
@@ -43,8 +43,8 @@ TRTLLM_WORKER_EXTENSION = "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
 SGLANG_FLASHINFER_SINCE = Version("0.5.12")
 """From this SGLang version on, FA3 CUDA-graph capture is broken: default to flashinfer (R3)."""
 TRTLLM_WORKER_GPU_SHARE = 0.5
-"""The share of its device each TensorRT-LLM worker asks Ray for inside the engine host's
-placement-group bundles (`per_worker_gpu_share`); the polyrl actor on the same device must hold
+"""The share of its device each TensorRT-LLM worker asks Ray for inside the bundles of the
+polyrl actor that starts the engine (`per_worker_gpu_share`); the polyrl actor on the same device must hold
 no more than the rest of it, or the worker waits for a device that never frees."""
 NATIVE_ENGINE_KWARGS = ("max_prefill_tokens", "prefix_cache_tokens", "max_model_len", "max_num_seqs",
                         "dtype")
@@ -330,7 +330,7 @@ def trtllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
     Placement (issue 28): TRT-LLM's Ray orchestrator starts one worker actor per TP rank, and
     without placement arguments each asks Ray for a whole GPU that polyrl's actors already hold
     (start hangs, or lands on another device and the IPC device UUIDs mismatch). The workers go
-    into the engine host's placement group instead, `per_worker_gpu_share` of a device each; the
+    into the placement group of the actor starting the engine instead, `per_worker_gpu_share` of a device each; the
     adapter adds the group and the bundle indices of the replica at start (`trtllm.placement`).
     Sleep (hybrid) is `enable_sleep=True`: 1.1 and 1.2 have no `SleepConfig`."""
     colocated = _colocated(rollout, colocated)

@@ -88,8 +88,8 @@ def test_the_worker_cpu_is_rays_default_for_an_actor_naming_only_gpus():
 
 def test_engine_starting_actors_are_told_their_planned_bundle():
     """1 policy rank + 4 TP-2 replicas on two 8-GPU nodes: a node's bundles follow its device
-    order, so replica 0's engine host has bundle 1 (after policy rank 0) and replica 3's, the
-    first actor of node 1, bundle 0. Only the engine hosts get the variable; vLLM gets none."""
+    order, so replica 0's engine starter has bundle 1 (after policy rank 0) and replica 3's, the
+    first actor of node 1, bundle 0. Only the engine starters get the variable; vLLM gets none."""
     plan = planned("standalone", 2, 2)
     bundles = {a.name: a.env.values().get(PLACEMENT_BUNDLE_VAR) for a in plan.actors}
     assert {n: b for n, b in bundles.items() if b is not None} == {
