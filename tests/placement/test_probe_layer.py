@@ -11,26 +11,15 @@ import sys
 from pathlib import Path
 
 import polyrl
-from test_layers import layer  # tests/ is on sys.path (tests/conftest.py): the one layer order
+from test_layers import all_imports, layer  # tests/ is on sys.path (tests/conftest.py): the one layer order
 
 PLACEMENT = Path(polyrl.__file__).parent / "placement"
-
-
-def every_import(tree: ast.AST) -> list[str]:
-    """Each module an import statement anywhere in the tree names (functions and classes too)."""
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.append(node.module)
-        elif isinstance(node, ast.Import):
-            out += [a.name for a in node.names]
-    return out
 
 
 def test_placement_imports_nothing_above_it_anywhere():
     own = layer("polyrl.placement")
     up = [f"{path.name} imports {target}" for path in sorted(PLACEMENT.rglob("*.py"))
-          for target in every_import(ast.parse(path.read_text()))
+          for target in all_imports(ast.parse(path.read_text()))
           if (layer(target) or 0) > own]
     assert up == []
 

@@ -9,28 +9,13 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from cli_runs import train_here  # noqa: F401  (a fixture)
 
 
 def train(*args):
     """`polyrl train ARGS` as a user runs it, in a process of its own."""
     return subprocess.run([sys.executable, "-m", "polyrl", "train", "trainer.progress_bar=false", *args],
                           capture_output=True, text=True, timeout=300, env=dict(os.environ))
-
-
-@pytest.fixture
-def train_here(capsys, caplog, tmp_path):
-    """`polyrl train ARGS` in this process, through the function `python -m polyrl` exits with
-    (polyrl.cli.main.main): the same code path without a new interpreter importing torch and
-    Ray (~5 s each). Every failure here fails before Ray starts. A traceback either escapes
-    main() (the test errors) or is logged: the log is checked with stderr."""
-    from polyrl.cli.main import main
-
-    def run(*args):
-        code = main(["train", "trainer.progress_bar=false", f"trainer.output_dir={tmp_path / 'out'}", *args])
-        out = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, out.out, out.err + caplog.text)
-
-    return run
 
 
 def assert_clean_error(out, *needles):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,17 +15,7 @@ from polyrl.cli.train import EMBEDDED_DEFAULT
 from polyrl.config import load_config
 from polyrl.job import JobConfig
 from polyrl.trainer.loop import Trainer
-
-
-@pytest.fixture
-def train_here(capsys, caplog, tmp_path):
-    """`polyrl train ARGS` in this process, as `python -m polyrl` runs it (polyrl.cli.main.main)."""
-    def run(*args):
-        code = main(["train", "trainer.progress_bar=false", f"trainer.output_dir={tmp_path / 'out'}", *args])
-        out = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, out.out, out.err + caplog.text)
-
-    return run
+from cli_runs import train_here  # noqa: F401  (a fixture)
 
 
 def assert_one_line_before_ray(out, *needles):
