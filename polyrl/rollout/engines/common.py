@@ -16,7 +16,7 @@ import contextlib
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Awaitable, Iterable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -26,6 +26,11 @@ T = TypeVar("T")
 
 DEFAULT_CONTROL_TIMEOUT_S = 900.0
 """Deadline of a control call (weight update, sleep, wake-up, abort) on the engine's loop."""
+
+ABORT_RESEND_S = 0.02
+"""How often `abort_all` sends its abort again while a request it aborts is still running: an
+engine can be handed a request id before it registers it (vLLM's `add_request` awaits input
+processing first) and ignores an abort of an id it does not know yet."""
 
 _STOP = {"stop": "stop", "eos": "stop", "stop_token": "stop", "stop_string": "stop",
          # vLLM >= 0.33 ends a sample caught in a loop with "repetition": the engine chose to end
@@ -168,7 +173,7 @@ class AsyncEngineAdapter:
         self._eos = _eos_token_ids(self.model_path, self.tokenizer)
         self._version = 0
         self._sleeping = False
-        self._inflight: set[str] = set()
+        self._inflight: dict[str, asyncio.Task] = {}  # request id -> its task on the engine loop
         self._loop = EngineLoop(f"polyrl-{self.backend}-engine")
 
     @classmethod
@@ -216,11 +221,14 @@ class AsyncEngineAdapter:
         return list(self._loop.run(all_prompts(), None, f"{self.backend} generate_batch"))
 
     async def _tracked(self, prompt: list[int], sampling: SamplingParams, request_id: str) -> list[TokenOutput]:
-        self._inflight.add(request_id)
+        task = asyncio.current_task()
+        assert task is not None  # always run as a task on the engine loop
+        self._inflight[request_id] = task
         try:
             outs = await self._generate_one(prompt, sampling, request_id)
         finally:
-            self._inflight.discard(request_id)
+            if self._inflight.get(request_id) is task:
+                del self._inflight[request_id]
         for out in outs:
             out.prompt_tokens = len(prompt)
         return outs
@@ -237,6 +245,25 @@ class AsyncEngineAdapter:
                            top_logprobs=top, text=text)
 
     # --- control helpers -------------------------------------------------------------------------
+    def _abort_until_ended(self, send_abort: Callable[[list[str]], Awaitable[Any]]) -> int:
+        """Abort every request in flight now and return (how many) once each has ended.
+
+        `send_abort(ids)` asks the engine to abort those ids. It is sent again every
+        `ABORT_RESEND_S` to the ids still running: a request can be tracked here before the
+        engine has registered its id, and the engine ignores the abort of an id it does not know,
+        so one abort would miss it and it would run to its end. Requests started after this
+        call are not touched. The whole wait has the control deadline."""
+
+        async def abort() -> int:
+            targets = dict(self._inflight)  # read on the loop: the only thread that changes it
+            running = set(targets.values())
+            while running:
+                await send_abort(sorted(i for i, t in targets.items() if t in running))
+                _, running = await asyncio.wait(running, timeout=ABORT_RESEND_S)
+            return len(targets)
+
+        return self._control(abort(), "abort")
+
     def _control(self, coro: Awaitable[T], what: str) -> T:
         return self._loop.run(coro, self.control_timeout_s, f"{self.backend} {what}")
 

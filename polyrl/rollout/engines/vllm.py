@@ -305,10 +305,8 @@ class VLLMEngine(AsyncEngineAdapter):
         self._sleeping = False
 
     def abort_all(self) -> int:
-        ids = sorted(self._inflight)
-        if ids:
-            self._control(self.engine.abort(ids), "abort")
-        return len(ids)
+        # re-sent until each request has ended: vLLM registers an id only after input processing
+        return self._abort_until_ended(self.engine.abort)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

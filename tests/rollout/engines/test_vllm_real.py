@@ -143,6 +143,45 @@ def test_abort_all_with_requests_in_flight(engine):
     assert engine.generate_batch([PROMPTS[0]], GREEDY)[0][0].stop_reason == "length"
 
 
+def test_abort_all_reaches_requests_still_entering_the_engine(engine, monkeypatch):
+    """vLLM's add_request awaits input processing before it registers a request id, and its
+    abort ignores ids it does not know: an abort_all landing in that gap used to leave the
+    request running to its end. The adapter's own step into vLLM (`_generate_one`) is held until
+    abort_all's first abort has reached vLLM, so every request registers after that abort."""
+    long = SamplingParams(n=2, max_tokens=55, temperature=1.0, ignore_eos=True)
+    prompts = [PROMPTS[0]] * 4
+    first_abort_sent = asyncio.Event()  # set and awaited on the engine's loop only
+    all_tracked = threading.Event()
+    entered = []
+    real_abort, real_generate_one = engine.engine.abort, engine._generate_one
+
+    async def abort_then_release(request_ids, *args, **kwargs):
+        await real_abort(request_ids, *args, **kwargs)  # the real abort, observed
+        first_abort_sent.set()
+
+    async def enter_after_first_abort(prompt, sampling, request_id):
+        entered.append(request_id)
+        if len(entered) == len(prompts):
+            all_tracked.set()
+        await first_abort_sent.wait()
+        return await real_generate_one(prompt, sampling, request_id)
+
+    monkeypatch.setattr(engine.engine, "abort", abort_then_release)
+    monkeypatch.setattr(engine, "_generate_one", enter_after_first_abort)
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("outs", engine.generate_batch(prompts, long)))
+    worker.start()
+    assert all_tracked.wait(timeout=120), "the requests never reached the adapter's engine step"
+    aborted = engine.abort_all()
+    running_after = engine.health()["running"]
+    worker.join()
+    outs = [o for g in result["outs"] for o in g]
+    assert aborted == len(prompts) and len(outs) == 2 * len(prompts)
+    assert [o.stop_reason for o in outs] == ["aborted"] * len(outs)
+    assert all(len(o.token_ids) < long.max_tokens for o in outs)
+    assert running_after == 0  # abort_all returns once every request it aborted has ended
+
+
 def test_sleep_on_the_cpu_build_stops_generation_until_wake(engine):
     if engine.sleep_frees_memory:
         pytest.skip("this vLLM build has a real sleep mode (a GPU build)")
