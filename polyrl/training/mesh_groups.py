@@ -47,11 +47,17 @@ def mesh_groups(dims: ParallelDims, group: Any = None) -> MeshGroups:
     if len(members) != dims.world_size:
         raise ValueError(f"the mesh ({dims.describe()}) does not match the {len(members)} trainer ranks")
     me = members.index(dist.get_rank())
-    as_global = lambda ranks: tuple(members[r] for r in ranks)  # noqa: E731
+
+    def of(mesh_ranks: tuple[int, ...]):
+        ranks = tuple(members[r] for r in mesh_ranks)
+        # a group of every trainer rank is the trainer group itself: torch (2.13, gloo) hangs
+        # creating a locally synchronised group with the ranks of one created by every rank
+        # (a sync standalone world's "trainer" group, polyrl/distributed/layout.py)
+        return group if list(ranks) == members else _group(ranks)
+
     # the same order on every rank: data group, then sp group
-    data = _group(as_global(dims.data_group(me)))
-    sp_ranks = as_global(dims.sequence_group(me))
-    sequence = SequenceParallel(_group(sp_ranks), dims.sp, dims.sequence_rank(me))
+    data = of(dims.data_group(me))
+    sequence = SequenceParallel(of(dims.sequence_group(me)), dims.sp, dims.sequence_rank(me))
     return MeshGroups(dims, me, data, group, sequence)
 
 

@@ -268,3 +268,22 @@ def sequence_parallel_misfed(rank: int, world_size: int, model_path: str) -> str
     except RuntimeError as exc:
         return str(exc)
     return "no error"
+
+
+def mesh_beside_other_ranks(rank: int, world_size: int) -> dict | None:
+    """A sync standalone world: ranks 0, 1 train, rank 2 is a rollout replica; every rank makes
+    the layout's groups (polyrl/distributed/layout.py build_groups), then the trainer ranks
+    build their mesh's groups (sp=2 over both: the group of every trainer rank)."""
+    from polyrl.training.mesh import ParallelDims
+    from polyrl.training.mesh_groups import mesh_groups
+
+    from polyrl.distributed.layout import RankLayout, build_groups
+
+    layout = RankLayout(num_replicas=1, tensor_parallel_size=1, trainer_world_size=2)
+    trainer = build_groups(layout, rank, backend="gloo").groups.get("trainer")
+    if rank >= 2:
+        return None
+    groups = mesh_groups(ParallelDims(sp=2), trainer)
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t, group=groups.sequence.group)
+    return {"sum": float(t), "sp_index": groups.sequence.index}

@@ -104,3 +104,11 @@ def test_a_sequence_parallel_group_fed_different_samples_is_refused(tiny_model, 
                          timeout_s=240, backend_timeout_s=200)
     for message in ranks.values():
         assert "ranks of a sequence-parallel group were given different samples" in message
+
+
+def test_mesh_groups_form_beside_ranks_outside_the_trainer(tmp_path):
+    """Ranks outside the trainer take no part in its mesh's groups (was: a hang creating an sp
+    group with the trainer group's ranks, seen in a sync standalone run)."""
+    ranks = run_world_ok(engine_ranks.mesh_beside_other_ranks, 3, tmp_path, timeout_s=60, backend_timeout_s=30)
+    assert ranks[0] == {"sum": 3.0, "sp_index": 0} and ranks[1] == {"sum": 3.0, "sp_index": 1}
+    assert ranks[2] is None
