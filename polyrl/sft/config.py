@@ -144,6 +144,9 @@ class SFTConfig(Config):
         if set_keys:
             raise ValueError(f"actor.{set_keys[0]} has no meaning in polyrl sft (one optimizer "
                              "step per data.train_batch_size conversations); remove it")
+        if self.actor.sequence_parallel_size > 1:  # sft shards its rows over every rank
+            raise ValueError("actor.sequence_parallel_size: polyrl sft does not split sequences over "
+                             "ranks (only polyrl train does); remove it")
         return self
 
     @property

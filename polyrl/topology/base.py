@@ -34,6 +34,7 @@ from polyrl.rollout.base import SamplingParams
 from polyrl.rewards.reward_model import use_planned_options
 from polyrl.topology.launch_plan import REWARD_ACTOR, ActorPlan, plan_launch
 from polyrl.topology.worker_group import PolicyGroup, Waiter
+from polyrl.training.mesh import ParallelDims
 from polyrl.workers.policy import PolicyWorker
 
 if TYPE_CHECKING:
@@ -170,7 +171,9 @@ def start_policy(ctx: TopologyContext, launch: Launch, waiter: Waiter = gather) 
     cls = ray.remote(PolicyWorker)
     workers = [cls.options(**launch.options[a.name]).remote(cfg, a.plan, ctx.total_steps)
                for a in planned]
-    return PolicyGroup(workers, [a.name for a in planned], cfg.ray.timeout_s, waiter)
+    # the same shard to every rank of a sequence-parallel group (polyrl/training/mesh.py)
+    return PolicyGroup(workers, [a.name for a in planned], cfg.ray.timeout_s, waiter,
+                       mesh=ParallelDims.from_actor(cfg.actor))
 
 
 def rendezvous(policy: PolicyGroup, needed: bool) -> str | None:

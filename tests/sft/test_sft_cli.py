@@ -29,6 +29,8 @@ def test_config_errors_are_one_line_with_suggestions(capsys, tmp_path):
     assert "did you mean 'data.truncation'?" in capsys.readouterr().err
     assert main(["sft", "actor.ppo_epochs=2"]) == 2
     assert "actor.ppo_epochs has no meaning in polyrl sft" in capsys.readouterr().err
+    assert main(["sft", "actor.world_size=2", "actor.sequence_parallel_size=2"]) == 2
+    assert "actor.sequence_parallel_size: polyrl sft does not split sequences" in capsys.readouterr().err
     assert main(["sft", "data.prompt_key=q"]) == 2
     assert "set both data.prompt_key and data.response_key" in capsys.readouterr().err
     missing = tmp_path / "nope.jsonl"
