@@ -86,7 +86,8 @@ class ActorConfig(Config):
     set it for a cluster whose nodes differ from the machine you launch from."""
     old_logprobs: Literal["auto", "rollout", "recompute"] = "auto"
     """Where the PPO ratio's old log-probs come from: auto uses the engine's when rollout is
-    on-policy and the engine computes in the trainer's dtype, else recomputes."""
+    on-policy and the engine declares its log-probs equal to the trainer's in the run's dtype
+    (docs/engine_plugins.md), else recomputes."""
     gradient_checkpointing: bool = False
     """Trade compute for memory in the policy forward."""
     max_nonfinite_steps: int = Field(3, ge=1)
