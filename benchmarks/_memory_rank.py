@@ -94,7 +94,7 @@ def run_rank(rank: int, world: int, model_dir: str, options: dict, store: str, o
     from polyrl.algorithms.off_policy import OffPolicyConfig
     from polyrl.batch import shard
     from polyrl.platform import get_platform
-    from polyrl.training import build_engine
+    from polyrl.training import build_engine, sharded_load
     from polyrl.training.checkpoint_io import local_state_bytes
     from polyrl.training.config import ActorConfig
     from polyrl.training.model_loading import load_causal_lm
@@ -129,10 +129,13 @@ def run_rank(rank: int, world: int, model_dir: str, options: dict, store: str, o
     held: dict = {}
 
     def load() -> None:  # as PolicyWorker.setup loads the policy (polyrl/workers/policy.py)
-        model = load_causal_lm(model_dir, cfg.param_dtype).to(device)
-        if world > 1:  # identical start on every rank
-            for p in model.parameters():
-                dist.broadcast(p.data, src=0)
+        # fsdp2: on the meta device, each rank reading its own shards (training/sharded_load.py)
+        model = load_causal_lm(model_dir, cfg.param_dtype, deferred=cfg.strategy == "fsdp2")
+        if not sharded_load.is_deferred(model):
+            model = model.to(device)
+            if world > 1:  # identical start on every rank
+                for p in model.parameters():
+                    dist.broadcast(p.data, src=0)
         held["engine"] = build_engine(model, cfg, platform, device, rank=rank, world_size=world,
                                       group=dist.group.WORLD, horizon=10)
 

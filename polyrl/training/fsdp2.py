@@ -21,6 +21,10 @@ Three differences from the replicated engine (ddp.py), each for a reason:
 * `named_weights()` gathers one full tensor at a time (DTensor.full_tensor) and every rank of
   the group must iterate it together (`gathers_weights`).
 
+Loading: a model from `load_causal_lm(..., deferred=True)` arrives on the meta device and each
+rank reads only its own shards from the safetensors files once they are laid out
+(sharded_load.py), so no rank ever holds the whole model.
+
 Checkpoints: `torch.distributed.checkpoint` for the sharded model + optimizer (any world size can
 read them) and, like the DDP engine, a Hugging Face `policy/` directory gathered tensor by tensor
 (checkpoint_io.py).
@@ -41,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from polyrl.batch import MicroBatch, Ragged, RolloutBatch, scatter_rows
 from polyrl.batch.packed import plan_layout
 from polyrl.platform import Platform
-from polyrl.training import checkpoint_io, lora
+from polyrl.training import checkpoint_io, lora, sharded_load
 from polyrl.training.ddp import _OPS, DDPEngine
 from polyrl.training.logprobs import response_logprobs
 from polyrl.training.config import ActorConfig
@@ -127,6 +131,9 @@ class FSDP2Engine(DDPEngine):
                 # a plain sum (see the module docstring); force SUM because gloo has no PREMUL_SUM
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)
+        if sharded_load.is_deferred(self.module):  # built on the meta device: read this rank's shards only
+            sharded_load.materialize(self.module, torch.device("cpu") if "offload_policy" in kwargs else device,
+                                     root=self.root)
         if horizon is not None:
             self.optimizer, self.scheduler = build_optimizer(model.parameters(), cfg, horizon)
         # the announce/drain handshake on a CPU group: no device sync per micro-batch

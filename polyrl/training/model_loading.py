@@ -9,6 +9,7 @@ import torch
 from polyrl import modeling
 from polyrl.builtin import resolve
 from polyrl.modeling import DTYPES, torch_dtype  # noqa: F401  (DTYPES re-exported)
+from polyrl.training import sharded_load
 
 
 class ModelLoadError(RuntimeError):
@@ -37,11 +38,21 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tok
 
 
-def load_causal_lm(path: str, dtype: str = "float32", trust_remote_code: bool = False) -> torch.nn.Module:
+def load_causal_lm(path: str, dtype: str = "float32", trust_remote_code: bool = False, *,
+                   deferred: bool = False) -> torch.nn.Module:
+    """The causal LM of `path`, on the CPU. `deferred`: on the meta device instead, weights read when
+    the engine lays them out (`build_engine`; actor.strategy=fsdp2 reads each rank's shards only,
+    training/sharded_load.py), unless the checkpoint cannot be read that way exactly (not
+    safetensors, names or shapes transformers would convert): then loaded whole as without it.
+    A deferred model goes to `build_engine` as is (no `.to(device)`, no broadcast: every rank
+    reads the same files)."""
     from transformers import AutoModelForCausalLM
 
     directory = model_dir(path)
     try:
+        if deferred and (model := sharded_load.deferred_causal_lm(directory, torch_dtype(dtype),
+                                                                  trust_remote_code)) is not None:
+            return model
         model = AutoModelForCausalLM.from_pretrained(
             str(directory), dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
             attn_implementation="sdpa",
