@@ -24,7 +24,7 @@ from polyrl.distributed.layout import build_groups, group_leader
 from polyrl.distributed.role import RolePlan
 from polyrl.platform import get_platform
 from polyrl.rollout.factory import build_colocated_engine
-from polyrl.training import batch_invariant, build_engine
+from polyrl.training import batch_invariant, build_engine, sharded_load
 from polyrl.training.lora import adapters_disabled, apply_lora
 from polyrl.modeling import torch_dtype
 from polyrl.training.values import load_value_model, response_values
@@ -67,7 +67,9 @@ class PolicyWorker:
         torch.manual_seed(cfg.trainer.seed + rank)
         train_group = self._join_process_groups(dist_init, mailbox)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
-        model = self._load_model()
+        # fsdp2: on the meta device, each rank reading its own shards when sharded; whole where
+        # the colocated engine copies the full weights or peft wraps the model before sharding
+        model = self._load_model(deferred=not role.colocated_engine and not cfg.model.enabled)
         self.rollout_engine = None
         if role.colocated_engine:  # built from the plain model (it copies the weights), before LoRA
             self.rollout_engine = build_colocated_engine(cfg.rollout, model, self.tokenizer, self.device,
@@ -78,7 +80,8 @@ class PolicyWorker:
             model = apply_lora(model, cfg.model)
         if cfg.actor.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        if self.world_size > 1:  # identical start on every rank, whatever each rank's RNG did
+        if self.world_size > 1 and not sharded_load.is_deferred(model):  # identical start on every
+            # rank, whatever each rank's RNG did (a deferred model: every rank reads the same files)
             src = group_leader(train_group or dist.group.WORLD)
             for p in model.parameters():
                 dist.broadcast(p.data, src=src, group=train_group)
@@ -92,14 +95,13 @@ class PolicyWorker:
         self.engine = build_engine(model, actor_cfg, self.platform, self.device, horizon=horizon, **engine_args)
         self.reference = None
         if cfg.algorithm.uses_reference and not cfg.model.enabled:  # frozen: no grads, no optimizer
-            reference = self._load_model()
+            reference = self._load_model(deferred=True)
             if cfg.rollout.batch_invariant:
                 batch_invariant.enable(reference, cfg.rollout.dtype)
             self.reference = build_engine(reference, cfg.actor, self.platform, self.device, **engine_args)
         self.teacher = None
         if cfg.distill.enabled:  # frozen like the reference, its own model even under LoRA
-            teacher = load_causal_lm(cfg.distill.teacher, cfg.actor.param_dtype,
-                                     cfg.model.trust_remote_code).to(self.device)
+            teacher = self._load_model(cfg.distill.teacher, deferred=True)
             self.teacher = build_engine(teacher, cfg.actor, self.platform, self.device, **engine_args)
         self.actor = PPOActor(self.engine, cfg.actor, cfg.algorithm,
                               cfg.algorithm.off_policy.resolve(role.mode), self.device)
@@ -124,9 +126,14 @@ class PolicyWorker:
                               head=response_values, **engine_args)
         return CriticUpdate(engine, critic_cfg, cfg.algorithm, self.device)
 
-    def _load_model(self) -> torch.nn.Module:
+    def _load_model(self, path: str | None = None, deferred: bool = False) -> torch.nn.Module:
+        """The policy's model (or `path`'s) on this worker's device; `deferred` under
+        actor.strategy=fsdp2: on the meta device, read shard by shard by the engine
+        (training/sharded_load.py)."""
         cfg = self.cfg
-        return load_causal_lm(cfg.model.path, cfg.actor.param_dtype, cfg.model.trust_remote_code).to(self.device)
+        model = load_causal_lm(path or cfg.model.path, cfg.actor.param_dtype, cfg.model.trust_remote_code,
+                               deferred=deferred and cfg.actor.strategy == "fsdp2")
+        return model if sharded_load.is_deferred(model) else model.to(self.device)
 
     def _join_process_groups(self, dist_init: str | None, mailbox: Any):
         """Join the world the plan names; returns the trainer ranks' group (None: the whole
