@@ -11,7 +11,8 @@ checkpoint lacks) is not deferred: the caller loads it whole as before.
 What `from_pretrained` does besides reading tensors, done here the same way:
 * tied weights (lm_head = embed_tokens): one shared Parameter, read once under its first name;
 * non-persistent buffers (rotary `inv_freq`): not in the checkpoint; transformers fills them in
-  `_init_weights` of their (parameter-less) module after loading, and so do we;
+  `_init_weights` of their rotary module after loading, and so do we (a model with other
+  computed buffers is loaded whole);
 * generation_config.json and eval mode.
 """
 
@@ -105,14 +106,22 @@ def _persistent_buffers(model: torch.nn.Module):
 
 def _checkpoint_covers(model: torch.nn.Module, stored: dict[str, StoredTensor]) -> bool:
     """Every parameter (a tied one once) and persistent buffer is in the checkpoint under its
-    module name with its shape and a dtype we read, and every non-persistent buffer has a module
-    transformers initialises it in (one without parameters of its own)."""
+    module name with its shape and a dtype we read, and every non-persistent buffer is a rotary
+    embedding's, which `materialize` computes as from_pretrained does."""
     wanted = dict(model.named_parameters()) | dict(_persistent_buffers(model))
     for name, tensor in wanted.items():
         entry = stored.get(name)
         if entry is None or entry.dtype is None or entry.shape != tuple(tensor.shape):
             return False
-    return all(not any(True for _ in m.parameters(recurse=False)) for m in _modules_with_computed_buffers(model))
+    return all(_rotary(m) for m in _modules_with_computed_buffers(model))
+
+
+def _rotary(module: torch.nn.Module) -> bool:
+    """A module whose non-persistent buffers transformers' `_init_weights` recomputes after
+    loading (its rotary-embedding branch: inv_freq and original_inv_freq, no parameters); a model
+    with any other computed buffer is loaded whole."""
+    return ("RotaryEmbedding" in type(module).__name__ and hasattr(module, "original_inv_freq")
+            and not any(True for _ in module.parameters(recurse=False)))
 
 
 def _modules_with_computed_buffers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -149,6 +149,8 @@ def test_ddp_materializes_a_deferred_model_whole(tmp_path):
     got = dict(engine.named_weights())
     assert all(torch.equal(got[k], v) for k, v in whole.named_parameters())
     assert engine.module.lm_head.weight is engine.module.model.embed_tokens.weight
+    buffers = dict(engine.module.named_buffers())
+    assert buffers and all(torch.equal(buffers[k], v) for k, v in whole.named_buffers())  # rotary inv_freq
 
 
 @pytest.mark.slow
