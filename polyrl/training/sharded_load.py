@@ -125,7 +125,8 @@ def _rotary(module: torch.nn.Module) -> bool:
 
 
 def _modules_with_computed_buffers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if m._non_persistent_buffers_set & set(n for n, _ in m.named_buffers(recurse=False))]
+    return [m for m in model.modules()
+            if m._non_persistent_buffers_set & {n for n, _ in m.named_buffers(recurse=False)}]
 
 
 @torch.no_grad()
