@@ -141,8 +141,15 @@ def engine_bytes(s: Shape, tp: int, kv_tokens: int = KV_TOKENS) -> dict[str, flo
 
 
 def load_bytes_today(s: Shape, ranks: int, master: int = 4) -> float:
-    """Every rank holds the whole model while loading (from_pretrained) plus its shard's copy."""
+    """A whole load (from_pretrained on every rank, then FSDP2 copies its shard out of it): what
+    hybrid placement, LoRA and ddp still do (the colocated engine starts from the whole model)."""
     return master * s.params * (1 + 1 / ranks)
+
+
+def load_bytes_sharded(s: Shape, ranks: int, master: int = 4) -> float:
+    """fsdp2 without a colocated engine (polyrl/training/sharded_load.py): each rank builds the
+    model on the meta device and reads only its own rows, so the peak is its shard."""
+    return master * s.params / ranks
 
 
 def smallest_tp(s: Shape, budget: float, kv_tokens: int = KV_TOKENS) -> int | None:
@@ -177,7 +184,9 @@ def layout(s: Shape, gpus: int, mode: str, *, reference: bool = True, checkpoint
         engine = engine_bytes(s, tp or 8)
         generate_peak = sum(engine.values())
         peak = max(update_peak, generate_peak)
-    load_today = load_bytes_today(s, trainers) + (engine["weights"] * (tp or 8) if mode == "hybrid" else 0)
+    # hybrid still loads whole (its engine is built from the policy's module); standalone shards
+    load_today = (load_bytes_today(s, trainers) + engine["weights"] * (tp or 8) if mode == "hybrid"
+                  else load_bytes_sharded(s, trainers) + 4 * s.vocab * s.hidden)
     return {"model": None, "gpus": gpus, "mode": mode, "trainers": trainers, "tp": tp,
             "update_gb": update_peak / GB, "generate_gb": generate_peak / GB, "peak_gb": peak / GB,
             "fits": tp is not None and peak <= budget, "load_today_gb": load_today / GB,
@@ -192,13 +201,13 @@ def sync_seconds(s: Shape) -> dict[str, float]:
 
 def predict_bench(shape: dict, ranks: int, tokens_per_rank: int, bucket_mb: float) -> dict[str, float]:
     """What the model predicts for `polyrl bench memory` (fp32 master and compute, no reference,
-    no checkpointing), MiB above the baseline: load = the whole model plus this rank's shard
-    (today), step = the training peak, sync = what stays after the step (parameters + AdamW) +
+    no checkpointing), MiB above the baseline: load = this rank's shard (sharded loading), step =
+    the training peak, sync = what stays after the step (parameters + AdamW) +
     one bucket's scratch or, when larger, a gathered largest tensor with its gather buffer."""
     s = Shape.from_config({"tie_word_embeddings": True, **shape})
     train = training_bytes(s, ranks, master=4, compute=4, tokens=tokens_per_rank)
     largest = 4 * max(s.vocab * s.hidden, s.hidden * s.intermediate) * (2 if ranks > 1 else 1)
-    return {"load_mib": load_bytes_today(s, ranks) / MiB, "step_mib": sum(train.values()) / MiB,
+    return {"load_mib": load_bytes_sharded(s, ranks) / MiB, "step_mib": sum(train.values()) / MiB,
             "sync_mib": (train["parameters"] + train["optimizer"] + max(bucket_mb * MiB, largest)) / MiB}
 
 

@@ -51,6 +51,7 @@ def test_72b_does_not_fit_8_gpus_without_offload_and_fits_64(mm):
     assert mm.layout(s, 8, "hybrid", offload=True)["fits"]
     assert mm.layout(s, 64, "hybrid")["fits"]
     assert not mm.layout(s, 64, "hybrid")["load_today_fits"]  # 291 GB of fp32 on every rank
+    assert mm.layout(s, 64, "standalone")["load_today_fits"]  # fsdp2 loads sharded without an engine beside it
 
 
 def test_sync_time_is_bytes_over_bandwidth(mm):
