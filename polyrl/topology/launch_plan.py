@@ -64,8 +64,6 @@ class ActorPlan:
     num_threads: int
     """torch threads the actor is constructed with (equal to its CPU reservation)."""
     env: EnvPlan
-    engine: EngineLaunch | None = None
-    """The rollout engine this actor starts, if any."""
     max_concurrency: int | None = None
     """Ray calls the actor serves at once (async replicas generate while a weight update runs)."""
     devices: Devices | None = None
@@ -80,6 +78,11 @@ class ActorPlan:
     plan: RolePlan | None = None
     """What a policy or rollout actor does, handed to it at start (None: the mailbox, the
     reward worker)."""
+
+    @property
+    def engine(self) -> EngineLaunch | None:
+        """The rollout engine this actor starts, if any: its role plan's."""
+        return self.plan.engine if self.plan is not None else None
 
     @property
     def bundle_resources(self) -> dict[str, Any]:
@@ -257,7 +260,7 @@ def plan_actors(cfg: JobConfig, platform: Platform, engine_version: str | None =
     asks, bundle = beside_engine_worker(resources, worker)
     trainer_env = plan_for_role(platform, ENV_ROLE["policy"], **env_kw)
     actors = [ActorPlan(f"policy rank {r}", "policy", r, None, dict(asks if colocated else resources),
-                        per_actor, trainer_env, role.engine, bundle=bundle if colocated else None, plan=role)
+                        per_actor, trainer_env, bundle=bundle if colocated else None, plan=role)
               for r, role in enumerate(roles["policy"])]
     rollout_env = plan_for_role(platform, ENV_ROLE["rollout"], **env_kw)
     if spec.rollout_actors == "replicas":
@@ -266,7 +269,7 @@ def plan_actors(cfg: JobConfig, platform: Platform, engine_version: str | None =
         beside = worker is not None and cfg.rollout.tensor_parallel_size == 1
         actors += [ActorPlan(f"rollout replica {role.index}", "rollout", None, role.index,
                              dict(asks if beside else replica_resources), per_actor, rollout_env,
-                             role.engine, max_concurrency=replica_concurrency(cfg),
+                             max_concurrency=replica_concurrency(cfg),
                              bundle=bundle if beside else None, plan=role)
                    for role in roles["rollout"]]
     elif spec.rollout_actors == "ranks":
@@ -279,11 +282,11 @@ def plan_actors(cfg: JobConfig, platform: Platform, engine_version: str | None =
                 actors.append(ActorPlan(name, "rollout", role.rank, role.index, _no_devices(resources),
                                         per_actor, plan_for_role(platform, "rollout", hands_devices=True,
                                                                  **env_kw),
-                                        role.engine, hands=(), bundle=with_worker_room(resources, worker),
+                                        hands=(), bundle=with_worker_room(resources, worker),
                                         plan=role))
             else:  # a tp=1 replica (its engine's worker), or a TP rank (the host's worker)
                 actors.append(ActorPlan(name, "rollout", role.rank, role.index, dict(asks), per_actor,
-                                        rollout_env, role.engine, bundle=bundle, plan=role))
+                                        rollout_env, bundle=bundle, plan=role))
     if cfg.weight_transport == "object_store":  # weights/object_store.py:create_mailbox
         actors.append(ActorPlan("weight mailbox", "mailbox", None, None, {"num_cpus": 0}, 0,
                                 plan_for_role(platform, "job", **env_kw), max_concurrency=64))
