@@ -8,9 +8,11 @@ computed for them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from polyrl.batch.images import image_counts
 from polyrl.batch.ragged import Ragged
 from polyrl.batch.rollout_batch import RolloutBatch
 
@@ -32,6 +34,14 @@ class MicroBatch:
     """[b] positions of these samples in the batch they were cut from."""
     response_lengths: torch.Tensor
     """[b] real response tokens per row (entries past it are padding)."""
+    images: Any | None = None
+    """The rows' images (`ImageInputs`, polyrl/data/multimodal.py) concatenated in row order: what
+    the model's vision tower reads in one call; None when no row has any."""
+    image_counts: torch.Tensor | None = None
+    """[b] images per row (which grid rows are whose), set with `images`."""
+    prompt_lengths: torch.Tensor | None = None
+    """[b] prompt tokens per row, set with `images`: image placeholders count only there (a
+    sampled response token is text, whatever its id)."""
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +74,11 @@ def collate(batch: RolloutBatch, indices: list[int] | torch.Tensor, device: torc
         return None if r is None else r.padded(R).float().to(device)
 
     old = sub.old_logprobs if sub.old_logprobs is not None else sub.rollout_logprobs
+    images = counts = None
+    if sub.images is not None and any(x is not None for x in sub.images):
+        from polyrl.data.multimodal import ImageInputs
+
+        images, counts = ImageInputs.concat(sub.images).to(device), image_counts(sub.images)
     return MicroBatch(
         input_ids=input_ids.to(device), attention_mask=attention.long().to(device),
         gather_index=gather_index.to(device), target_ids=response.to(device),
@@ -71,6 +86,7 @@ def collate(batch: RolloutBatch, indices: list[int] | torch.Tensor, device: torc
         rollout_logprobs=rows(sub.rollout_logprobs), advantages=rows(sub.token_advantage_rows()),
         ref_logprobs=rows(sub.ref_logprobs), values=rows(sub.values), returns=rows(sub.returns),
         indices=idx, response_lengths=R_len,
+        images=images, image_counts=counts, prompt_lengths=None if images is None else P,
     )
 
 

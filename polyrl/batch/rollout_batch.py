@@ -14,7 +14,7 @@ Lifecycle (`docs/architecture.md`, "The batch"):
     driver   -> rewards, acc (scoring); ref_logprobs; advantages or token_advantages
     trainer  -> old_logprobs (proximal, when an update takes several optimizer steps)
 Driver-only fields (`texts`, `prompts`) are dropped by `for_training()` before the batch goes to
-the policy ranks.
+the policy ranks; the prompts' images stay, as `images` (polyrl/batch/images.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from polyrl.batch import images as image_column
 from polyrl.batch.ragged import Ragged
 
 AGENT_LIMITS = ("", "turns", "response_tokens", "tool_seconds", "context")
@@ -116,6 +117,10 @@ class RolloutBatch:
     """[N] float32: one advantage per sequence (outcome estimators), broadcast over its tokens."""
     token_advantages: Ragged | None = None
     """Per-token advantages (token-level rewards such as KL in the reward); wins over `advantages`."""
+    images: list[Any] | None = None
+    """Per sample, its prompt's `ImageInputs` (polyrl/data/multimodal.py) or None (text-only);
+    None for a batch without images. Set from `prompts` by `for_training()`; the forward feeds
+    each micro-batch's samples' images to the model (polyrl/training/vlm.py)."""
     agent: AgentColumns | None = None
     """Multi-turn rollouts: per-trajectory turns, tool calls, errors, limits, environment rewards."""
     texts: list[str] | None = None
@@ -176,6 +181,8 @@ class RolloutBatch:
         out = {}
         for f in dataclasses.fields(RolloutBatch):
             vs = [getattr(p, f.name) for p in parts]
+            if f.name == "images" and any(v is not None for v in vs):  # text-only parts: no images
+                vs = [[None] * len(p) if v is None else v for p, v in zip(parts, vs)]
             present = [v is not None for v in vs]
             if not any(present):
                 out[f.name] = None
@@ -193,8 +200,27 @@ class RolloutBatch:
         return dataclasses.replace(self, **changes)
 
     def for_training(self) -> RolloutBatch:
-        """Without the driver-only fields: what the policy ranks need."""
-        return self.replace(texts=None, prompts=None)
+        """Without the driver-only fields: what the policy ranks need (the prompts' images kept
+        as `images`)."""
+        images = self.images if self.images is not None else image_column.images_of(self.prompts)
+        return self.replace(texts=None, prompts=None, images=images)
+
+    # --- pickling: images as a few numpy arrays (polyrl/batch/images.py) ---------------------------
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if state.get("images") is not None:
+            state["images"] = _PackedImages(image_column.pack(state["images"]))
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        if isinstance(state.get("images"), _PackedImages):
+            state["images"] = image_column.unpack(*state["images"].arrays)
+        self.__dict__.update(state)
+
+
+@dataclass
+class _PackedImages:
+    arrays: tuple
 
 
 def split_evenly(items: list, parts: int) -> list[list]:

@@ -20,7 +20,7 @@ import torch
 
 from polyrl.algorithms import entropy_from_logits
 from polyrl.batch import MicroBatch
-from polyrl.training import batch_invariant
+from polyrl.training import batch_invariant, vlm
 from polyrl.training.ulysses import gather_shards, own_positions
 from polyrl.training.varlen import packed_forward_kwargs, use_varlen_attention
 
@@ -48,14 +48,20 @@ def response_logprobs(
     The entropy carries gradient only when `entropy_grad` (an entropy bonus in the loss).
     A model switched to the batch-invariant forward (`rollout.batch_invariant`) computes them
     with it (training/batch_invariant.py)."""
+    images = getattr(mb, "images", None) is not None
     if batch_invariant.is_enabled(model):
+        if images:
+            raise ValueError("rollout.batch_invariant=true has no forward for images; set it to false")
         return batch_invariant.invariant_response_logprobs(model, mb, with_entropy, entropy_grad)
     kwargs = packed_forward_kwargs(mb)
     if kwargs:  # a packed row with segment boundaries (polyrl/batch/packed.py)
         use_varlen_attention(model)
     elif getattr(mb, "position_ids", None) is not None:  # packed with a dense block-diagonal mask
         kwargs["position_ids"] = mb.position_ids
-    hidden = model.base_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, **kwargs).last_hidden_state
+    if images or vlm.runs_tower_every_forward(model):  # the vision tower and M-RoPE (training/vlm.py)
+        hidden = vlm.image_forward(model, mb, kwargs)
+    else:
+        hidden = model.base_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, **kwargs).last_hidden_state
     H = hidden.shape[-1]
     # gather_index indexes each row of a padded batch, or the single row of a packed one
     row_offset = 0 if hidden.shape[0] == 1 else torch.arange(hidden.shape[0], device=hidden.device).unsqueeze(1) * hidden.shape[1]
