@@ -30,13 +30,33 @@ from polyrl.job import JobConfig
 
 def dry_run(cfg: JobConfig, platform: Any, engine_version: str | None, as_json: bool,
             nodes: int | None = None) -> int:
-    """Print the plan; `nodes`: simulate a cluster of that many nodes (None: as many as needed)."""
+    """Print the plan; `nodes`: simulate a cluster of that many nodes (None: as many as needed).
+    A model too big for the planned ranks is refused first, as the run's pre-flight refuses it."""
+    check_memory_fits(cfg, platform)
     plan = plan_launch(cfg, platform, engine_version, nodes)
     if as_json:
         print(json.dumps(plan_json(cfg, plan, engine_version), indent=2, default=str))
     else:
         render(cfg, plan, engine_version, Console(soft_wrap=False))
     return 1 if plan.errors else 0
+
+
+def check_memory_fits(cfg: JobConfig, platform: Any) -> None:
+    """The pre-flight's memory check (polyrl/trainer/preflight.py `check_memory`) on the planned
+    platform, from the model's config.json; a model directory not on this machine is not checked."""
+    from polyrl.cli.common import CLIError
+    from polyrl.config import ConfigError
+    from polyrl.trainer.preflight import check_memory
+    from polyrl.training.model_loading import ModelLoadError, model_dir
+
+    try:
+        config = json.loads((model_dir(cfg.model.path) / "config.json").read_text())
+    except (ModelLoadError, OSError, ValueError):
+        return
+    try:
+        check_memory(cfg, config, platform)
+    except ConfigError as exc:
+        raise CLIError("; ".join(exc.problems)) from None
 
 
 def placement_summary(cfg: JobConfig, plan: LaunchPlan, engine_version: str | None) -> dict[str, Any]:

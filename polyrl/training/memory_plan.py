@@ -1,0 +1,475 @@
+"""The memory model: per-rank bytes of policy, reference, optimizer, activations and engine, the
+pre-flight floor a run needs per rank, and weight-sync times.
+
+Pure arithmetic on config.json shapes. It backs docs/scaling.md (whose tables
+`polyrl bench memory_model` prints, benchmarks/memory_model.py), the memory pre-flight
+(polyrl/trainer/preflight.py `check_memory`, also run by `polyrl train --dry-run`), and is checked
+against `polyrl bench memory` (`predict_bench`, compared in docs/training.md "Memory per rank").
+
+FSDP2 over N ranks, P parameters, master dtype of `m` bytes (actor.param_dtype: 4 for float32,
+the default; 2 for bfloat16), compute dtype of `c` bytes:
+
+    parameters      m P / N        gradients  m P / N  (freed after the optimizer step)
+    AdamW           2 m P / N      reference  m P / N  (frozen FSDP2 engine, when KL is used)
+    AdamW step      m P / N        (foreach AdamW's sqrt of the second moments, a temporary that
+                                    lives while the step runs, after the activations are freed)
+    gathered units  2 c x (largest decoder layer)      (FSDP2 gathers a layer, prefetches the next)
+    activations     T x L x (7 h + 2 kv + 4 I) x c     (T = actor.micro_batch_tokens per rank;
+                    with gradient checkpointing: T x L x h x c + one layer's worth)
+    LM head         8 T V bytes below 2^28 logits (float32 logits + log-softmax); above, fused
+                    in chunks (polyrl/training/logprobs.py FUSED_MIN_ELEMENTS): ~0
+
+Loading (polyrl/workers/policy.py): fsdp2 without a colocated engine or LoRA builds the model on
+the meta device and each rank reads only its rows (polyrl/training/sharded_load.py): m P / N.
+Everywhere else every rank builds the whole model and moves it to its device, then FSDP2 copies
+the rank's shard out of it: m P (1 + 1/N) (on a CPU host and device are one and the same:
+measured to within 0.2%, docs/training.md "Memory per rank"), never below m P whatever N.
+
+Weight sync streamed from the shards (polyrl/weights/base.py WeightStream): the sender holds its
+shard plus one or two buckets (weights.bucket_mb) plus the tensor being gathered.
+
+Rollout engine (vLLM / SGLang, tensor parallel t): weights 2 P / t (bfloat16), KV cache per token
+2 x L x kv_heads x head_dim x 2 bytes / t, plus a fixed runtime reserve (CUDA graphs, NCCL,
+allocator) of `ENGINE_RESERVE_GB`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+GiB = 2**30
+MiB = 2**20
+
+# config.json of each (Hugging Face Qwen/Qwen2.5-*: hidden_size, num_hidden_layers,
+# num_attention_heads, num_key_value_heads, intermediate_size, vocab_size, tie_word_embeddings)
+QWEN25 = {
+    "Qwen2.5-7B": dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False),
+    "Qwen2.5-32B": dict(vocab_size=152064, hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
+                        num_key_value_heads=8, intermediate_size=27648, tie_word_embeddings=False),
+    "Qwen2.5-72B": dict(vocab_size=152064, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                        num_key_value_heads=8, intermediate_size=29568, tie_word_embeddings=False),
+}
+
+H100_GB = 80.0
+USABLE = 0.9
+"""Share of a GPU's memory a layout may plan on (the CUDA context, NCCL buffers and allocator
+fragmentation take the rest; vLLM's own default gpu_memory_utilization is 0.9)."""
+ENGINE_RESERVE_GB = 4.0
+"""An engine's fixed reserve besides weights and KV: CUDA graphs, sampler, its own buffers."""
+KV_TOKENS = 128 * 4096
+"""KV the rollout needs per engine replica: 128 sequences of 4k tokens in flight."""
+MICRO_BATCH_TOKENS = 8192
+"""actor.micro_batch_tokens (its default)."""
+
+BANDWIDTH_GBPS = {
+    "measured: broadcast, shared memory (CPU, 1 host)": 12.3,
+    "measured: broadcast over gloo/TCP (CPU)": 1.5,
+    "InfiniBand NDR, 1 x 400 Gb/s NIC": 50.0,
+    "NVLink 4 (H100 SXM), one direction": 450.0,
+}
+"""Bytes per second a weight publish moves, GB/s. The two measured rows are docs/benchmarks.md
+"Weight sync" (idle machine, median); the others are the links' nominal rates (NCCL reaches
+~80-90% of them)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    tied: bool
+    attention_bias: str = "qkv"
+    """Which attention projections have biases: "qkv" (Qwen2), "qkvo" (Llama with
+    attention_bias), "" (none)."""
+    mlp_bias: bool = False
+    counted: int | None = None
+    """The parameter count when it was counted on the meta device (`count_on_meta`), not derived."""
+    counted_layer: int | None = None
+    """Parameters of one decoder layer when counted on the meta device."""
+
+    @classmethod
+    def from_config(cls, c: dict) -> "Shape":
+        """Qwen2-shaped (the default, as the QWEN25 dicts) or Llama-shaped (`model_type: llama`:
+        its attention_bias and mlp_bias)."""
+        llama = c.get("model_type") == "llama"
+        bias = ("qkvo" if c.get("attention_bias") else "") if llama else "qkv"
+        return cls(c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
+                   c["num_key_value_heads"], c["intermediate_size"], bool(c.get("tie_word_embeddings", False)),
+                   attention_bias=bias, mlp_bias=llama and bool(c.get("mlp_bias")))
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        if self.counted_layer is not None:
+            return self.counted_layer
+        h, kv, i = self.hidden, self.kv_width, self.intermediate
+        bias = {"qkv": h + 2 * kv, "qkvo": 2 * h + 2 * kv, "": 0}[self.attention_bias]
+        mlp_bias = 2 * i + h if self.mlp_bias else 0
+        return 2 * h * h + 2 * h * kv + bias + 3 * h * i + mlp_bias + 2 * h
+
+    @property
+    def params(self) -> int:
+        if self.counted is not None:
+            return self.counted
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * self.layer_params + self.hidden
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer, bfloat16."""
+        return 2 * self.layers * self.kv_width * 2
+
+
+def _device_transient(s: Shape, checkpointing: bool, compute: int = 2, tokens: int = MICRO_BATCH_TOKENS) -> float:
+    """What the backward adds to the state: activations, the LM head's logits, two gathered units."""
+    per_token_layer = 7 * s.hidden + 2 * s.kv_width + 4 * s.intermediate
+    layers = (s.layers * s.hidden + per_token_layer) if checkpointing else s.layers * per_token_layer
+    head = 8 * tokens * s.vocab if tokens * s.vocab < 2**28 else 0
+    return tokens * layers * compute + head + 2 * compute * s.layer_params
+
+
+def training_bytes(s: Shape, ranks: int, *, master: int = 4, compute: int = 2, reference: bool = False,
+                   tokens: int = MICRO_BATCH_TOKENS, checkpointing: bool = False) -> dict[str, float]:
+    """Per-rank bytes of one FSDP2 policy rank during its update (the peak: gradients alive)."""
+    P, N = s.params, ranks
+    # the backward's peak (activations) and the optimizer step's (its temporary) do not overlap
+    transient = max(_device_transient(s, checkpointing, compute, tokens), master * P / N)
+    return {"parameters": master * P / N, "gradients": master * P / N, "optimizer": 2 * master * P / N,
+            "reference": master * P / N if reference else 0.0, "transient": transient}
+
+
+def engine_bytes(s: Shape, tp: int, kv_tokens: int = KV_TOKENS) -> dict[str, float]:
+    """Per-GPU bytes of one rollout engine replica of tensor parallel `tp` (bfloat16)."""
+    return {"weights": 2 * s.params / tp, "kv_cache": kv_tokens * s.kv_bytes_per_token / tp,
+            "reserve": ENGINE_RESERVE_GB * GB}
+
+
+def load_bytes_today(s: Shape, ranks: int, master: int = 4) -> float:
+    """A whole load (from_pretrained on every rank, then FSDP2 copies its shard out of it): what
+    hybrid placement, LoRA and ddp still do (the colocated engine starts from the whole model)."""
+    return master * s.params * (1 + 1 / ranks)
+
+
+def load_bytes_sharded(s: Shape, ranks: int, master: int = 4) -> float:
+    """fsdp2 without a colocated engine (polyrl/training/sharded_load.py): each rank builds the
+    model on the meta device and reads only its own rows, so the peak is its shard."""
+    return master * s.params / ranks
+
+
+def smallest_tp(s: Shape, budget: float, kv_tokens: int = KV_TOKENS) -> int | None:
+    """The smallest tensor-parallel size (1, 2, 4, 8) whose engine fits `budget` bytes per GPU."""
+    for tp in (1, 2, 4, 8):
+        if sum(engine_bytes(s, tp, kv_tokens).values()) <= budget:
+            return tp
+    return None
+
+
+def layout(s: Shape, gpus: int, mode: str, *, reference: bool = True, checkpointing: bool = True,
+           offload: bool = False, master: int = 4) -> dict:
+    """Per-GPU peak of a layout. hybrid: every GPU trains (FSDP2 over all of them) and hosts an
+    engine shard; the engine sleeps (weights and KV released) during the update, the training
+    state stays resident during generation unless `offload`. standalone: half the GPUs train,
+    half generate."""
+    budget = USABLE * H100_GB * GB
+    trainers = gpus if mode == "hybrid" else gpus // 2
+    train = training_bytes(s, trainers, master=master, reference=reference, checkpointing=checkpointing)
+    if offload:  # actor.offload: shards and AdamW state in host memory (AdamW steps there too)
+        train.update(parameters=0.0, gradients=0.0, optimizer=0.0, reference=0.0,
+                     transient=_device_transient(s, checkpointing))
+    update_peak = sum(train.values())
+    resident = train["parameters"] + train["optimizer"] + train["reference"]
+    if mode == "hybrid":
+        tp = smallest_tp(s, budget - resident)
+        engine = engine_bytes(s, tp or 8)
+        generate_peak = resident + sum(engine.values())
+        peak = max(update_peak, generate_peak)
+    else:
+        tp = smallest_tp(s, budget)
+        engine = engine_bytes(s, tp or 8)
+        generate_peak = sum(engine.values())
+        peak = max(update_peak, generate_peak)
+    # hybrid still loads whole (its engine is built from the policy's module); standalone shards
+    load_today = (load_bytes_today(s, trainers) + engine["weights"] * (tp or 8) if mode == "hybrid"
+                  else load_bytes_sharded(s, trainers) + 4 * s.vocab * s.hidden)
+    return {"model": None, "gpus": gpus, "mode": mode, "trainers": trainers, "tp": tp,
+            "update_gb": update_peak / GB, "generate_gb": generate_peak / GB, "peak_gb": peak / GB,
+            "fits": tp is not None and peak <= budget, "load_today_gb": load_today / GB,
+            "load_today_fits": load_today <= budget,
+            "load_sharded_gb": (4 * s.params / trainers + 4 * s.vocab * s.hidden) / GB}
+
+
+def sync_seconds(s: Shape) -> dict[str, float]:
+    """One publish of the bfloat16 weights (2 P bytes) at each bandwidth."""
+    return {name: 2 * s.params / (gbps * GB) for name, gbps in BANDWIDTH_GBPS.items()}
+
+
+def predict_bench(shape: dict, ranks: int, tokens_per_rank: int, bucket_mb: float) -> dict[str, float]:
+    """What the model predicts for `polyrl bench memory` (fp32 master and compute, no reference,
+    no checkpointing), MiB above the baseline: load = this rank's shard (sharded loading), step =
+    the training peak, sync = what stays after the step (parameters + AdamW) +
+    one bucket's scratch or, when larger, a gathered largest tensor with its gather buffer."""
+    s = Shape.from_config({"tie_word_embeddings": True, **shape})
+    train = training_bytes(s, ranks, master=4, compute=4, tokens=tokens_per_rank)
+    largest = 4 * max(s.vocab * s.hidden, s.hidden * s.intermediate) * (2 if ranks > 1 else 1)
+    return {"load_mib": load_bytes_sharded(s, ranks) / MiB, "step_mib": sum(train.values()) / MiB,
+            "sync_mib": (train["parameters"] + train["optimizer"] + max(bucket_mb * MiB, largest)) / MiB}
+
+
+def scaling_rows() -> list[dict]:
+    rows = []
+    for name, config in QWEN25.items():
+        s = Shape.from_config(config)
+        for gpus in (8, 16, 64):
+            for mode in ("hybrid", "standalone"):
+                row = layout(s, gpus, mode)
+                row["model"] = name
+                row["params_b"] = s.params / 1e9
+                row["fits_bf16_master"] = layout(s, gpus, mode, master=2)["fits"]
+                row["fits_offload"] = layout(s, gpus, mode, offload=True)["fits"]
+                rows.append(row)
+    return rows
+
+
+
+# --- the pre-flight floor: what a policy rank needs at least ------------------------------------
+# Only terms the code surely allocates are counted (the activations and the LM head are estimates
+# that over-predict small models, docs/scaling.md): a run refused by this floor cannot fit, and a
+# run it lets through may still need activation memory on top.
+
+FORMULA_MODEL_TYPES = ("qwen2", "llama")
+"""config.json model types whose parameters `Shape` counts by formula (no torch, no transformers:
+the dry run stays light); other models are counted on the meta device."""
+LORA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MAX_RANKS = 4096
+"""The largest actor.world_size the pre-flight considers when it looks for one that fits."""
+
+SIMULATED_DEVICE_MEMORY: dict[str, int] = {
+    "NVIDIA H100 80GB HBM3": 81559 * MiB,  # what nvidia-smi and torch report
+    "NVIDIA GB200": 186 * 10**9,
+    "NVIDIA GB300": 288 * 10**9,
+    "AMD Instinct MI300X": 192 * 10**9,
+    "Ascend910B": 64 * 10**9,
+}
+"""Device memory of the machines `--platform` simulates (polyrl/platform/detect.py SIMULATED_PROBES,
+by device name): the reported capacity for the H100, the vendors' nominal one for the others."""
+
+
+def model_shape(config: Any, trust_remote_code: bool = False) -> Shape | None:
+    """The shape and exact parameter count of the model a config.json describes (a dict or a
+    transformers config): by formula for Qwen2 / Llama layouts, else counted on the meta device
+    (`count_on_meta`); None when neither can tell (not a causal LM transformers knows)."""
+    c = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    if any(not isinstance(c.get(k), int) for k in keys):
+        return None
+    c.setdefault("num_key_value_heads", c["num_attention_heads"])
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    shape = Shape.from_config(c)
+    if c.get("model_type") in FORMULA_MODEL_TYPES and head_dim * c["num_attention_heads"] == c["hidden_size"]:
+        return shape
+    counted = count_on_meta(config, trust_remote_code)
+    if counted is None:
+        return None
+    total, per_layer = counted
+    return replace(shape, counted=total, counted_layer=per_layer)
+
+
+def count_on_meta(config: Any, trust_remote_code: bool = False) -> tuple[int, int] | None:
+    """(parameters, parameters of one decoder layer) of the causal LM `config` describes, built
+    on the meta device with one and with two decoder layers (a whole 72B model takes seconds to
+    build even there; the layers repeat, so the count extrapolates exactly)."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        return None
+    c = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    layers = c["num_hidden_layers"]
+
+    def count(n: int) -> int:
+        d = {**c, "num_hidden_layers": n}
+        if isinstance(d.get("layer_types"), list):
+            d["layer_types"] = d["layer_types"][:n]
+        model_type = d.pop("model_type", None)
+        cfg = (type(config).from_dict(d) if hasattr(config, "to_dict")
+               else AutoConfig.for_model(model_type, **d))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code)
+        return model.num_parameters()
+
+    try:
+        one, two = count(1), count(2)
+    except Exception:  # an architecture transformers cannot build from this config: no count
+        return None
+    return one + (layers - 1) * (two - one), two - one
+
+
+def lora_params(s: Shape, rank: int, targets: Any = "all-linear") -> int:
+    """Adapter parameters of LoRA rank `rank` on the decoder's linear layers `targets`
+    ("all-linear" or module names; names outside the attention and MLP projections add none)."""
+    h, kv, i = s.hidden, s.kv_width, s.intermediate
+    sizes = {"q_proj": h + h, "k_proj": h + kv, "v_proj": h + kv, "o_proj": h + h,
+             "gate_proj": h + i, "up_proj": h + i, "down_proj": i + h}
+    names = LORA_LINEARS if targets == "all-linear" else [t.split(".")[-1] for t in targets]
+    return rank * s.layers * sum(sizes.get(n, 0) for n in set(names))
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The settings that change what a policy rank holds (each a config key)."""
+
+    world_size: int
+    strategy: str  # actor.strategy: ddp | fsdp2
+    offload: bool  # actor.offload
+    master: int  # bytes of actor.param_dtype
+    lora_rank: int  # model.lora_rank
+    hybrid: bool  # rollout.placement=hybrid: an engine in every policy rank
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What the pre-flight takes as given: the run's other settings and the machine."""
+
+    compute: int  # bytes of actor.compute_dtype
+    reference: bool  # a KL term: a frozen reference beside the policy
+    lora_targets: Any
+    engine: str  # "share": takes rollout.gpu_memory_utilization of the device (vLLM, SGLang);
+    # "copy": keeps its own copy of the weights, awake or asleep (the native engine); else "weights"
+    engine_dtype: int  # bytes of rollout.dtype
+    tensor_parallel: int
+    memory_share: float  # rollout.gpu_memory_utilization
+    device_bytes: int  # one device's memory; on a CPU the host's
+    on_device: bool  # False: a CPU host, shared by every rank (offload moves nothing)
+    other_ranks: int = 0  # CPU: standalone rollout ranks sharing the host
+
+
+def available_bytes(k: Knobs, f: Setting) -> float:
+    """Memory one policy rank may use: its device, or on a CPU its share of the host."""
+    return f.device_bytes if f.on_device else f.device_bytes / (k.world_size + f.other_ranks)
+
+
+def rank_floor(s: Shape, k: Knobs, f: Setting) -> dict[str, dict[str, float]]:
+    """Bytes a policy rank surely holds in each phase: `load` (the model, as PolicyWorker loads it),
+    `engine start` (hybrid: the whole model beside its engine, awake), `update` (one optimizer step)
+    and `generate` (hybrid: the training state resident beside the awake engine)."""
+    P, m = s.params, k.master
+    N = k.world_size if k.strategy == "fsdp2" else 1
+    adapters = lora_params(s, k.lora_rank, f.lora_targets) if k.lora_rank else 0
+    trainable = adapters if k.lora_rank else P
+    offload = k.offload and k.strategy == "fsdp2" and f.on_device
+    on_device = 0.0 if offload else 1.0
+    if not k.hybrid:
+        awake = asleep = 0.0
+    elif f.engine == "copy":
+        awake = asleep = f.engine_dtype * P
+    elif f.engine == "share" and f.on_device:
+        awake, asleep = f.memory_share * f.device_bytes, 0.0
+    else:
+        awake, asleep = f.engine_dtype * P / f.tensor_parallel, 0.0
+    state = {"parameters": on_device * m * (P + adapters) / N, "gradients": on_device * m * trainable / N,
+             "AdamW": on_device * 2 * m * trainable / N,
+             "reference": on_device * m * P / N if f.reference and not k.lora_rank else 0.0}
+    # step temporaries: foreach AdamW's (the sqrt of the second moments) or, when larger,
+    # FSDP2's two gathered layers in the compute dtype
+    transient = max(on_device * m * trainable / N, 2 * f.compute * s.layer_params if k.strategy == "fsdp2" else 0)
+    sharded = k.strategy == "fsdp2" and not k.hybrid and not k.lora_rank
+    if sharded:
+        load = on_device * m * P / N
+    else:  # whole on the device, then (fsdp2) the shard copied out of it, to the host under offload
+        load = m * P * (1 + on_device / N if k.strategy == "fsdp2" else 1)
+    phases = {"load": {"model load": load, "engine": asleep},
+              "update": {**state, "step temporaries": transient, "engine": asleep}}
+    if k.hybrid:
+        phases["engine start"] = {"whole model": m * P, "engine": awake}
+        phases["generate"] = {"parameters": state["parameters"], "AdamW": state["AdamW"],
+                              "reference": state["reference"], "engine": awake}
+    return phases
+
+
+def rank_need(s: Shape, k: Knobs, f: Setting) -> tuple[float, str]:
+    """The floor's peak over the phases, and the phase that sets it."""
+    totals = {phase: sum(terms.values()) for phase, terms in rank_floor(s, k, f).items()}
+    phase = max(totals, key=totals.get)
+    return totals[phase], phase
+
+
+def fits(s: Shape, k: Knobs, f: Setting) -> bool:
+    return rank_need(s, k, f)[0] <= available_bytes(k, f)
+
+
+def fewest_ranks(s: Shape, k: Knobs, f: Setting) -> int | None:
+    """The smallest actor.world_size above k's under which k (made fsdp2) fits, or None."""
+    for n in range(k.world_size + 1, MAX_RANKS + 1):
+        if fits(s, replace(k, world_size=n, strategy="fsdp2"), f):
+            return n
+    return None
+
+
+def fitting_changes(s: Shape, k: Knobs, f: Setting) -> list[str]:
+    """Settings that would fit, each computed: more ranks, offload, LoRA, bfloat16 master weights,
+    standalone placement; one that fits only with more ranks too says how many."""
+    fsdp2 = [] if k.strategy == "fsdp2" else ["actor.strategy=fsdp2"]
+    changes: list[tuple[list[str], Knobs]] = []
+    if f.on_device and not k.offload:
+        changes.append((fsdp2 + ["actor.offload=true"], replace(k, offload=True, strategy="fsdp2")))
+    if not k.lora_rank:
+        changes.append((["model.lora_rank>0"], replace(k, lora_rank=8)))
+    if k.master > 2:
+        changes.append((["actor.param_dtype=bfloat16"], replace(k, master=2)))
+    if k.hybrid:
+        changes.append((["rollout.placement=standalone"], replace(k, hybrid=False)))
+    out = []
+    if (n := fewest_ranks(s, k, f)) is not None:
+        out.append(fsdp2 + [f"actor.world_size>={n}"])
+    for keys, changed in changes:
+        if fits(s, changed, f):
+            out.append(keys)
+        elif (n := fewest_ranks(s, changed, f)) is not None:
+            out.append(keys + [f"actor.world_size>={n}"] + [key for key in fsdp2 if key not in keys])
+    return [" and ".join(keys) for keys in out]
+
+
+# --- memory of the machine ---------------------------------------------------------------------
+def device_memory_bytes(platform: Any) -> int | None:
+    """Memory of one of `platform`'s devices (a simulated machine's from SIMULATED_DEVICE_MEMORY,
+    a real one's as torch reports it); on a CPU platform the host's (`host_memory_bytes`); None
+    where it cannot be known here (a device this process cannot see, an unknown simulated one)."""
+    if not platform.ray_resource:
+        return host_memory_bytes()
+    probe = platform.probe
+    if probe.simulated:
+        return SIMULATED_DEVICE_MEMORY.get(probe.device_name or "")
+    if not probe.device_count:  # seen through an smi tool only: no torch device to ask
+        return None
+    try:
+        return int(platform.device_module().get_device_properties(0).total_memory)
+    except Exception:  # a platform plugin whose device module has no such call
+        return None
+
+
+def host_memory_bytes() -> int:
+    """This machine's memory, or the container's limit (cgroup v2 memory.max, v1
+    memory.limit_in_bytes) where that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
