@@ -25,18 +25,42 @@ class DistillConfig(Config):
 
     placement: Literal["colocated", "standalone"] = "colocated"
     """colocated: the teacher runs on the policy ranks beside the reference, sharded as
-    actor.strategy shards the policy. standalone (a teacher on its own workers) is not built yet."""
+    actor.strategy shards the policy (no extra devices). standalone: on distill.world_size Ray
+    actors of its own, one device each (a teacher too large to sit beside the policy); each
+    step's samples are sharded over them and their log-probs come back per sample."""
+
+    world_size: int = Field(1, ge=1)
+    """distill.placement=standalone: teacher ranks (one device and actor.num_cpus_per_worker
+    CPUs each), one process group of their own that distill.strategy shards the teacher over."""
+
+    strategy: Literal["ddp", "fsdp2"] | None = None
+    """distill.placement=standalone: how the teacher ranks hold the teacher: ddp whole on every
+    rank, fsdp2 sharded per decoder layer over them. null: actor.strategy. Forwards use the
+    policy's log-prob path (actor.micro_batch_tokens, actor.packing, actor.compute_dtype)."""
+
+    validate_teacher: bool = True
+    """Score the teacher on the validation set once before step 1 (`distill/teacher_val_acc`,
+    with the run's validation sampling), by a rollout engine of rollout.backend loaded from
+    distill.teacher where the teacher lives (the policy ranks, or the standalone teacher ranks)
+    and shut down after. Needs data.val_files; false skips it (say, a GPU engine that cannot
+    start beside the policy's)."""
 
     @model_validator(mode="after")
     def _check(self) -> "DistillConfig":
-        if self.placement == "standalone":
-            raise ValueError("distill.placement=standalone (a teacher on its own workers) is not built yet; "
-                             "use distill.placement=colocated")
         if self.enabled and self.coef == 0 and self.reward_weight == 0:
             raise ValueError("distill.coef=0 and distill.reward_weight=0 leave nothing to learn from; "
                              "set distill.coef > 0 (pure distillation: distill.reward_weight=0)")
+        if self.placement == "colocated" and (self.world_size != 1 or self.strategy is not None):
+            key = "distill.world_size" if self.world_size != 1 else "distill.strategy"
+            raise ValueError(f"{key} sizes a standalone teacher; set distill.placement=standalone "
+                             "(colocated, the teacher is sharded over the policy ranks as actor.strategy says)")
         return self
 
     @property
     def enabled(self) -> bool:
         return self.teacher is not None
+
+    @property
+    def standalone_ranks(self) -> int:
+        """Ray actors of the teacher's own (0: none, the teacher is colocated or off)."""
+        return self.world_size if self.enabled and self.placement == "standalone" else 0

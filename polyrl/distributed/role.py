@@ -1,9 +1,9 @@
-"""The typed plan each policy or rollout actor is handed: what it does in its run.
+"""The typed plan each policy, rollout or teacher actor is handed: what it does in its run.
 
 The launch plan (polyrl/topology/launch_plan.py:plan_launch) builds one `RolePlan` per policy
-rank and rollout actor from the run's topology (polyrl/distributed/topologies.py) and starts the
-actor with it; the workers (polyrl/workers/policy.py, rollout_worker.py, streaming_replica.py)
-act on it and never read `rollout.placement` or `trainer.mode`. `polyrl train --dry-run` prints
+rank, rollout actor and standalone distillation teacher rank from the run's topology
+(polyrl/distributed/topologies.py) and starts the actor with it; the workers
+(polyrl/workers/policy.py, rollout_worker.py, streaming_replica.py, teacher.py) act on it and never read `rollout.placement` or `trainer.mode`. `polyrl train --dry-run` prints
 the same plans. Pure data: it pickles into a Ray actor and is compared in tests.
 """
 
@@ -34,13 +34,15 @@ class RolePlan:
     topology: str
     """colocated, disaggregated or streaming (what the actor's run is)."""
     role: str
-    """policy (a training rank) or rollout (a replica's rank, or a whole streaming replica)."""
+    """policy (a training rank), rollout (a replica's rank, or a whole streaming replica) or
+    teacher (a rank of a distillation teacher on its own actors, polyrl/workers/teacher.py)."""
     index: int
-    """The policy rank (0 .. actor.world_size - 1) or the rollout replica."""
+    """The policy rank (0 .. actor.world_size - 1), the rollout replica or the teacher rank."""
     num_threads: int
     """torch threads (equal to the actor's CPU reservation)."""
     rank: int | None
-    """Global torch.distributed rank (None: the actor joins no process group)."""
+    """Global torch.distributed rank (None: the actor joins no process group); a teacher
+    rank's is in the teacher ranks' own world."""
     world_size: int
     """Ranks of the world it joins (1: none forms)."""
     layout: RankLayout | None

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from polyrl.algorithms import select_informative
-from polyrl.batch import RolloutBatch
+from polyrl.batch import RolloutBatch, split_evenly
 from polyrl.distributed.topologies import TopologySpec
 from polyrl.distributed.waits import gather
 from polyrl.platform import Platform
@@ -36,6 +36,7 @@ from polyrl.topology.launch_plan import REWARD_ACTOR, ActorPlan, plan_launch
 from polyrl.topology.worker_group import PolicyGroup, Waiter
 from polyrl.training.mesh import ParallelDims
 from polyrl.workers.policy import PolicyWorker
+from polyrl.workers.teacher import TeacherWorker
 
 if TYPE_CHECKING:
     from polyrl.data import PromptSample
@@ -77,6 +78,8 @@ class Topology(abc.ABC):
     def __init__(self, ctx: TopologyContext):
         self.ctx, self.cfg = ctx, ctx.cfg
         self.policy: PolicyGroup | None = None
+        self.teacher: PolicyGroup | None = None
+        """The distillation teacher's own ranks (distill.placement=standalone; `start_teacher`)."""
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -106,11 +109,22 @@ class Topology(abc.ABC):
         """The policy ranks loaded a checkpoint: engines that do not share their process get it."""
         self.publish(bump=False)
 
+    def start_teacher(self) -> PolicyGroup:
+        """Start the standalone teacher ranks planned with this topology's actors (after
+        `start`); waits on them go through the policy's waiter (streaming: replicas stay fed)."""
+        self.teacher = start_teacher(self.ctx, self.launch, self.policy.waiter)
+        return self.teacher
+
     def shutdown(self) -> None:
         try:
-            if self.policy is not None:
-                self.policy.shutdown()
-                self.policy = None
+            teacher, self.teacher = self.teacher, None
+            try:
+                if teacher is not None:
+                    teacher.shutdown()
+            finally:
+                if self.policy is not None:
+                    self.policy.shutdown()
+                    self.policy = None
         finally:
             launch = getattr(self, "launch", None)
             if launch is not None:
@@ -174,6 +188,31 @@ def start_policy(ctx: TopologyContext, launch: Launch, waiter: Waiter = gather) 
     # the same shard to every rank of a sequence-parallel group (polyrl/training/mesh.py)
     return PolicyGroup(workers, [a.name for a in planned], cfg.ray.timeout_s, waiter,
                        mesh=ParallelDims.from_actor(cfg.actor))
+
+
+def start_teacher(ctx: TopologyContext, launch: Launch, waiter: Waiter = gather) -> PolicyGroup:
+    """The distillation teacher's ranks (polyrl/workers/teacher.py) with their planned options,
+    set up: in a process group of their own, the teacher loaded. Each step's batch is sharded
+    over them as over data-parallel policy ranks, and their log-probs come back per sample."""
+    cfg = ctx.cfg
+    planned = launch.of("teacher")
+    cls = ray.remote(TeacherWorker)
+    workers = [cls.options(**launch.options[a.name]).remote(cfg, a.plan) for a in planned]
+    teacher = PolicyGroup(workers, [a.name for a in planned], cfg.ray.timeout_s, waiter)
+    setup_all(teacher, teacher.refs("setup", rendezvous(teacher, len(workers) > 1)), [])
+    return teacher
+
+
+def teacher_generate(group: PolicyGroup, prompts: Sequence[PromptSample], sampling: SamplingParams,
+                     seeds: list[int], phase: str) -> RolloutBatch:
+    """The distillation teacher's samples for `prompts`, split evenly over the ranks that hold
+    it (the policy ranks, or its own), each sampling with an engine loaded from distill.teacher
+    (`teacher_generate` of polyrl/workers/policy.py and teacher.py)."""
+    shards = []
+    for chunk in split_evenly(list(range(len(prompts))), group.world_size):
+        shards.append(([prompts[i] for i in chunk], sampling, [seeds[i] for i in chunk], chunk[0] if chunk else 0))
+    parts = group.call_sharded("teacher_generate", shards, phase=f"teacher {phase}")
+    return attach_prompts(RolloutBatch.cat([b for b in parts if len(b)]), prompts)
 
 
 def rendezvous(policy: PolicyGroup, needed: bool) -> str | None:

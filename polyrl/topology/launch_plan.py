@@ -42,7 +42,7 @@ from polyrl.topology.process_groups import WorldPlan, plan_world
 from polyrl.topology.resources import cpus_needed
 from polyrl.job import JobConfig
 
-ENV_ROLE = {"policy": "trainer", "rollout": "rollout"}
+ENV_ROLE = {"policy": "trainer", "rollout": "rollout", "teacher": "trainer"}
 """Environment-plan role of each actor role."""
 
 
@@ -76,8 +76,8 @@ class ActorPlan:
     """Resources of its placement-group bundle when they differ from `resources` (an engine
     host's bundle keeps its device reserved in Ray's accounting)."""
     plan: RolePlan | None = None
-    """What a policy or rollout actor does, handed to it at start (None: the mailbox, the
-    reward worker)."""
+    """What a policy, rollout or teacher actor does, handed to it at start (None: the mailbox,
+    the reward worker)."""
 
     @property
     def engine(self) -> EngineLaunch | None:
@@ -241,8 +241,9 @@ def plan_actors(cfg: JobConfig, platform: Platform, engine_version: str | None =
     """Every Ray actor `worker_group.launch` starts for `cfg`, in start order: the policy ranks,
     then the topology's rollout actors (disaggregated: one per rollout rank, in the policy ranks'
     world; streaming: one per replica, outside any process group), then the weight mailbox when
-    weights travel through Ray's object store. Each policy and rollout actor carries its
-    `RolePlan` (`role_plans`)."""
+    weights travel through Ray's object store, then the distillation teacher's own ranks
+    (distill.placement=standalone: one device each, in a process group of their own, so
+    `rank` None). Each policy, rollout and teacher actor carries its `RolePlan` (`role_plans`)."""
     spec = cfg.topology
     per_actor, _ = cpus_needed(cfg)
     devices = 1 if platform.ray_resource else 0
@@ -290,14 +291,18 @@ def plan_actors(cfg: JobConfig, platform: Platform, engine_version: str | None =
     if cfg.weight_transport == "object_store":  # weights/object_store.py:create_mailbox
         actors.append(ActorPlan("weight mailbox", "mailbox", None, None, {"num_cpus": 0}, 0,
                                 plan_for_role(platform, "job", **env_kw), max_concurrency=64))
+    teacher_env = plan_for_role(platform, ENV_ROLE["teacher"], **env_kw)
+    actors += [ActorPlan(f"teacher rank {role.index}", "teacher", None, None, dict(resources), per_actor,
+                         teacher_env, plan=role)
+               for role in roles["teacher"]]
     reward = reward_actor(cfg, platform, env_kw)
     return actors + ([reward] if reward else [])
 
 
 def role_plans(cfg: JobConfig, num_threads: int, engine: EngineLaunch | None = None) -> dict[str, list[RolePlan]]:
-    """The `RolePlan` of every policy rank and rollout actor of `cfg`, by role, in start order:
-    what the topology (`cfg.topology`) makes each one do. `engine`: the engine's launch
-    arguments as the plan shows them."""
+    """The `RolePlan` of every policy rank, rollout actor and standalone teacher rank of `cfg`,
+    by role, in start order: what the topology (`cfg.topology`) makes each one do. `engine`:
+    the engine's launch arguments as the plan shows them."""
     spec = cfg.topology
     seed, world = cfg.trainer.seed, cfg.actor.world_size
     common = dict(topology=spec.name, num_threads=num_threads, transport=cfg.weight_transport,
@@ -317,7 +322,7 @@ def role_plans(cfg: JobConfig, num_threads: int, engine: EngineLaunch | None = N
                             engine_seed=seed + 1000 * i.rank if i.is_replica_leader else None,
                             sends_weights=False, engine=engine if i.is_replica_leader else None, **common)
                    for i in infos[world:]]
-        return {"policy": policy, "rollout": rollout}
+        return {"policy": policy, "rollout": rollout, "teacher": teacher_plans(cfg, common)}
     policy = [RolePlan(role="policy", index=r, rank=r, world_size=world, layout=None,
                        groups=("trainer",) if world > 1 else (), hosts_engine=spec.colocated_engine,
                        engine_seed=seed + 1000 * r if spec.colocated_engine else None,
@@ -331,7 +336,19 @@ def role_plans(cfg: JobConfig, num_threads: int, engine: EngineLaunch | None = N
                             hosts_engine=True, engine_seed=seed + 1000 * i, sends_weights=False,
                             engine=engine, **common)
                    for i in range(cfg.rollout.num_replicas)]
-    return {"policy": policy, "rollout": rollout}
+    return {"policy": policy, "rollout": rollout, "teacher": teacher_plans(cfg, common)}
+
+
+def teacher_plans(cfg: JobConfig, common: dict[str, Any]) -> list[RolePlan]:
+    """distill.placement=standalone: the teacher ranks (polyrl/workers/teacher.py), a world of
+    their own (distill.world_size ranks, group "teacher"); they host no engine and send no
+    weights (the teacher is frozen). Empty otherwise."""
+    n = cfg.distill.standalone_ranks
+    own = {**common, "colocated_engine": False}
+    return [RolePlan(role="teacher", index=r, rank=r, world_size=n, layout=None,
+                     groups=("teacher",) if n > 1 else (), hosts_engine=False, engine_seed=None,
+                     sends_weights=False, **own)
+            for r in range(n)]
 
 
 REWARD_ACTOR = "reward model worker"
@@ -468,6 +485,8 @@ def job_gangs(cfg: JobConfig, actors: list[ActorPlan]) -> list[Gang]:
         gangs.append(Gang(f"rollout replica {replica}", tuple(member[n] for n in names),
                           "rollout.tensor_parallel_size"))
     for a in actors:
+        if a.role == "teacher":  # its own process group: any node, one device each
+            gangs.append(Gang(a.name, (member[a.name],), "distill.world_size"))
         if a.role == "reward":
             devices = devices_reserved(a.resources)
             if devices != int(devices):

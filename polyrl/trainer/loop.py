@@ -14,6 +14,8 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -34,7 +36,7 @@ from polyrl.rewards import RewardManager, RewardRequest
 from polyrl.rollout.base import SamplingParams
 from polyrl.rollout.factory import require_backend
 from polyrl.topology import Topology, TopologyContext, TrainingError, build_topology
-from polyrl.topology.base import prompt_seeds
+from polyrl.topology.base import prompt_seeds, teacher_generate
 from polyrl.topology.resources import cpus_needed
 from polyrl.trainer.checkpoint import (
     CheckpointError,
@@ -86,6 +88,8 @@ class Trainer:
         self.start_time = time.perf_counter()
         self.sample_log: SampleLog | None = None
         self.topology: Topology | None = None
+        self.teacher_val: dict[str, float] | None = None
+        """The distillation teacher's held-out metrics (distill/teacher_val_*), once at the start."""
 
     # --- set-up -------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -161,6 +165,9 @@ class Trainer:
         logger.info("starting the actors (%s)", self.topology.name)  # the interrupt tests signal on this line
         self.topology.start()
         self.policy = self.topology.policy
+        self.teacher = self.policy  # the ranks that hold the distillation teacher
+        if cfg.distill.standalone_ranks:  # distill.placement=standalone: its own ranks
+            self.teacher = self.topology.start_teacher()
         self.use_rollout_logprobs = use_rollout_logprobs(cfg)
         self.checkpoints = CheckpointWriter(self.out, cfg.trainer.keep_last)
         # model + tokenizer + two Adam moments, fp32, for each kept checkpoint plus the one in flight
@@ -203,6 +210,7 @@ class Trainer:
     def shutdown(self) -> None:
         """Stop generating and shut the run's actors down (Ray itself stays up)."""
         topology, self.topology, self.policy = self.topology, None, None
+        self.teacher = None  # the topology shuts a standalone teacher's ranks down with its own
         try:
             if topology is not None:
                 topology.shutdown()
@@ -222,10 +230,14 @@ class Trainer:
         self.sample_log = SampleLog(self.out, resume_step) if cfg.logging.samples_every else None
         writer = MetricsWriter(sinks, self.total_steps, state["step"], cfg.trainer.progress_bar)
         initial, final, final_step = state.get("initial_val"), None, None
+        self.teacher_val = state.get("teacher_val")
         try:
             if first == 1 and self.val_loader is not None and cfg.trainer.val_before_train:
                 initial = self.validate()
-                writer.log(0, initial)
+            if first == 1 and self.val_loader is not None and cfg.distill.enabled and cfg.distill.validate_teacher:
+                self.teacher_val = self.validate_teacher()
+            if first == 1 and (initial or self.teacher_val):
+                writer.log(0, {**(initial or {}), **(self.teacher_val or {})})
             for step in range(first, self.total_steps + 1):
                 metrics = self.train_step(step)
                 if self.val_loader is not None and cfg.trainer.val_every and step % cfg.trainer.val_every == 0:
@@ -253,6 +265,7 @@ class Trainer:
         summary = {
             "initial_accuracy": initial.get("val/acc") if initial else None,
             "final_accuracy": final.get("val/acc") if final else None,
+            "teacher_accuracy": self.teacher_val.get("distill/teacher_val_acc") if self.teacher_val else None,
             "steps": self.total_steps,
             "wall_seconds": round(time.perf_counter() - start + state.get("wall_seconds", 0.0), 2),
             "output_dir": str(self.out),
@@ -298,7 +311,7 @@ class Trainer:
         try:
             self.policy.call("save_checkpoint", str(tmp), phase="checkpoint")
             driver = {"step": step, "data": self.train_loader.state_dict(), "rng": capture_rng(),
-                      "initial_val": initial_val,
+                      "initial_val": initial_val, "teacher_val": self.teacher_val,
                       "wall_seconds": time.perf_counter() - self.start_time}
             driver.update(self.topology.state_dict())  # streaming: drawn but untrained prompts
             path = self.checkpoints.commit(tmp, step, driver, self.cfg.model_dump(mode="json"))
@@ -327,7 +340,7 @@ class Trainer:
         teacher = None
         if cfg.distill.enabled:
             with timer("teacher"):
-                teacher = self.policy.logprobs(batch, "teacher")
+                teacher = self.teacher.logprobs(batch, "teacher")
         adv_metrics, tied = self.advantages(batch, teacher)
         metrics.update(adv_metrics)
         if cfg.algorithm.drops_tied_groups:  # groups with all-equal rewards teach nothing
@@ -415,15 +428,27 @@ class Trainer:
                 raise TrainingError(f"step {step}: {getattr(exc, 'cause', exc)}; {last}") from None
             raise
 
-    def validate(self) -> dict[str, float]:
-        """Held-out accuracy (mean over val_n samples per prompt; pass@k when val_n > 1)."""
+    def validate_teacher(self) -> dict[str, float]:
+        """The distillation teacher's held-out accuracy, by the validation below with the
+        teacher sampling (an engine loaded from distill.teacher where it lives), as
+        distill/teacher_val_acc, ..._reward, ..._response_length (and ..._pass@k)."""
+        out = {f"distill/teacher_{k.replace('/', '_')}": v
+               for k, v in self.validate(partial(teacher_generate, self.teacher)).items()}
+        logger.info("distillation teacher %s: held-out accuracy %.1f%%", self.cfg.distill.teacher,
+                    100 * out["distill/teacher_val_acc"])
+        return out
+
+    def validate(self, generate: Callable[..., RolloutBatch] | None = None) -> dict[str, float]:
+        """Held-out accuracy (mean over val_n samples per prompt; pass@k when val_n > 1) of the
+        current policy, or of whatever `generate(prompts, sampling, seeds, phase)` samples."""
+        generate = generate or self.topology.generate
         r = self.cfg.rollout
         sampling = SamplingParams(temperature=r.val_temperature, top_p=1.0, top_k=-1, n=r.val_n,
                                   max_tokens=r.response_length)
         accs, scores, lengths, passes = [], [], [], []
         for prompts in self.val_loader.epoch_batches():
             seeds = prompt_seeds(self.cfg.trainer.seed, 0, prompts, validation=True)
-            batch = self.topology.generate(prompts, sampling, seeds, "validation")
+            batch = generate(prompts, sampling, seeds, "validation")
             self.score(batch)
             accs += batch.acc.tolist()
             scores += batch.rewards.tolist()

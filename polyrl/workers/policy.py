@@ -35,6 +35,7 @@ from polyrl.workers.generation import rollout_rows
 from polyrl.training.model_loading import load_causal_lm, load_tokenizer
 from polyrl.training.optim import total_optimizer_steps
 from polyrl.workers.rollout_worker import open_transport
+from polyrl.workers.teacher import teacher_engine, teacher_rollout
 from polyrl.job import JobConfig
 
 logger = logging.getLogger(__name__)
@@ -100,9 +101,9 @@ class PolicyWorker:
                 batch_invariant.enable(reference, cfg.rollout.dtype)
             self.reference = build_engine(reference, cfg.actor, self.platform, self.device, **engine_args)
         self.teacher = None
-        if cfg.distill.enabled:  # frozen like the reference, its own model even under LoRA
-            teacher = self._load_model(cfg.distill.teacher, deferred=True)
-            self.teacher = build_engine(teacher, cfg.actor, self.platform, self.device, **engine_args)
+        if cfg.distill.enabled and cfg.distill.placement == "colocated":  # frozen like the
+            # reference, its own model even under LoRA (standalone: workers/teacher.py's ranks)
+            self.teacher = teacher_engine(cfg, cfg.actor, self.platform, self.device, **engine_args)
         self.actor = PPOActor(self.engine, cfg.actor, cfg.algorithm,
                               cfg.algorithm.off_policy.resolve(role.mode), self.device)
         self.critic = self._build_critic(horizon, engine_args)
@@ -169,13 +170,21 @@ class PolicyWorker:
         finally:
             self.rollout_engine.sleep()
 
+    def teacher_generate(self, rows: list[Any], sampling: SamplingParams, seeds: list[int] | None = None,
+                         group_offset: int = 0) -> RolloutBatch:
+        """The distillation teacher's samples for data rows (its validation accuracy), by an
+        engine loaded from distill.teacher for this call (workers/teacher.py)."""
+        return teacher_rollout(self.cfg, self.device, self.platform, self.cfg.trainer.seed + 1000 * self.rank,
+                               rows, sampling, seeds, group_offset)
+
     # --- log-probs and update -------------------------------------------------------------------
     def logprobs(self, batch: RolloutBatch, which: str = "reference") -> Ragged:
         """Log-probs of each response token under the reference, the distillation teacher or
         the current policy (which="reference" | "teacher" | "current")."""
         if which == "teacher":
             if self.teacher is None:
-                raise RuntimeError("no teacher model: distill.teacher is not set")
+                raise RuntimeError("no teacher model on the policy ranks: distill.teacher is not set, "
+                                   "or distill.placement=standalone runs it on its own ranks")
             return self.teacher.logprobs(batch)
         if which == "reference" and self.cfg.model.enabled:  # LoRA: the base model, adapters off
             with adapters_disabled(self.engine.model):
