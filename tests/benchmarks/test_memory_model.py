@@ -1,15 +1,25 @@
-"""benchmarks/memory_model.py: the arithmetic behind docs/scaling.md."""
+"""polyrl/training/memory_plan.py: the arithmetic behind docs/scaling.md and the memory pre-flight
+(benchmarks/memory_model.py prints its tables and re-exports its names)."""
 
 from __future__ import annotations
 
 import pytest
 
 from polyrl.cli import bench
+from polyrl.training import memory_plan
 
 
 @pytest.fixture(scope="module")
 def mm():
-    return bench.load("memory_model")
+    return memory_plan
+
+
+def test_the_benchmark_prints_the_package_model(capsys):
+    script = bench.load("memory_model")
+    for name in ("Shape", "QWEN25", "training_bytes", "layout", "predict_bench", "sync_seconds", "BANDWIDTH_GBPS"):
+        assert getattr(script, name) is getattr(memory_plan, name), name
+    assert script.main(["--json"]) == 0
+    assert '"Qwen2.5-72B"' in capsys.readouterr().out
 
 
 def test_parameter_counts_match_the_published_checkpoints(mm):
@@ -28,6 +38,52 @@ def test_the_same_formula_counts_what_transformers_builds(mm):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(Qwen2Config(**shape, tie_word_embeddings=tied))
         assert mm.Shape.from_config({**shape, "tie_word_embeddings": tied}).params == model.num_parameters()
+
+
+@pytest.mark.parametrize("attention_bias,mlp_bias", [(False, False), (True, True)])
+def test_the_formula_counts_llama_as_transformers_builds_it(mm, attention_bias, mlp_bias):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=512, hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=352, attention_bias=attention_bias,
+                         mlp_bias=mlp_bias)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shape = mm.model_shape(config.to_dict())
+    assert shape.counted is None  # by formula, not on the meta device
+    assert shape.params == model.num_parameters()
+
+
+def test_other_architectures_are_counted_on_the_meta_device(mm):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    # Qwen3: q/k norms and no biases, not the formula's layout; layer_types must follow the layers
+    config = Qwen3Config(vocab_size=512, hidden_size=128, num_hidden_layers=5, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=352, head_dim=48)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    for given in (config, config.to_dict()):  # the trainer's transformers config, the dry run's dict
+        shape = mm.model_shape(given)
+        assert shape.counted == model.num_parameters()
+        assert shape.layer_params == sum(p.numel() for p in model.model.layers[0].parameters())
+    assert mm.model_shape({"model_type": "qwen2", "hidden_size": 8}) is None  # not a shape: not checked
+
+
+def test_lora_adapter_count_is_peft_s(mm):
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    shape = dict(vocab_size=512, hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=352)
+    for targets in ("all-linear", ["q_proj", "v_proj"]):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(Qwen2Config(**shape))
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=targets))
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        assert mm.lora_params(mm.Shape.from_config(shape), 8, targets) == trainable, targets
 
 
 def test_training_state_shards_and_load_today_does_not(mm):
