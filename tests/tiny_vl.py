@@ -132,6 +132,24 @@ def build_tiny_vl(path: Path | None = None, seed: int = 0, **config_kwargs):
     return str(path)
 
 
+def write_tiny_vl_processor_dir(path: Path) -> str:
+    """A model directory with everything the data layer reads (config.json, tokenizer, image
+    processor) and no weights: cheap, for tests that never run the model."""
+    tok = vl_tokenizer()
+    tiny_vl_config(tok).save_pretrained(str(path))
+    tiny_vl_image_processor().save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    return str(path)
+
+
+def png_bytes(image) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def shape_image(colour: str = "red", seed: int = 0, side: int = IMAGE_SIDE):
     """A small PIL image with one filled rectangle (content varies with seed)."""
     from PIL import Image, ImageDraw

@@ -19,15 +19,17 @@ from polyrl.data.rows import BadRows
 from polyrl.data.loader import PromptLoader
 
 
-def build_loaders(cfg: DataConfig, tokenizer: Any) -> tuple[PromptLoader, PromptLoader | None]:
-    """The training loader and, if val_files is set, the validation loader (fixed order)."""
-    train_set = load_dataset(cfg.train_files, tokenizer, cfg, split="train")
+def build_loaders(cfg: DataConfig, tokenizer: Any,
+                  model_dir: str | None = None) -> tuple[PromptLoader, PromptLoader | None]:
+    """The training loader and, if val_files is set, the validation loader (fixed order).
+    `model_dir`: the model whose image processor image rows use (default: the tokenizer's)."""
+    train_set = load_dataset(cfg.train_files, tokenizer, cfg, split="train", model_dir=model_dir)
     train = PromptLoader(
         train_set, cfg.train_batch_size, shuffle=cfg.shuffle, seed=cfg.seed, drop_last=cfg.drop_last
     )
     val = None
     if cfg.val_files:
-        val_set = load_dataset(cfg.val_files, tokenizer, cfg, split="val")
+        val_set = load_dataset(cfg.val_files, tokenizer, cfg, split="val", model_dir=model_dir)
         val = PromptLoader(
             val_set, cfg.val_batch_size or len(val_set), shuffle=False, drop_last=False, name="val"
         )

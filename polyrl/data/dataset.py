@@ -7,6 +7,11 @@ prompts are used as-is and tokenised like `tokenizer(text)` (so a base model sti
 Every row is rendered and tokenised here, at load: a row whose template fails or that renders to
 zero tokens is a bad row (`data.on_bad_row`, polyrl/data/rows.py) found before training starts,
 not when its batch comes up hours later.
+
+A row with images (an `images` column, or image content parts) goes through the model's image
+processor (polyrl/data/vision.py): its ids hold the expanded image placeholders and its
+`PromptSample.images` the pixel patches; an unreadable image or a placeholder count that does not
+match the images is a bad row. Text-only rows never touch the image processor.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from polyrl.data import vision
 from polyrl.data.config import DataConfig
 from polyrl.data.errors import DataFileError
 from polyrl.data.files import read_source_rows
+from polyrl.data.multimodal import ImageInputs
 from polyrl.data.rows import EXAMPLES_LOGGED, BadRows, row_problem
 
 logger = logging.getLogger(__name__)
@@ -36,6 +43,9 @@ class PromptSample:
     """The prompt as stored: messages (for chat-completion style rollouts) or a string."""
     ground_truth: Any
     extra_info: dict[str, Any] | None = None
+    images: ImageInputs | None = None
+    """The prompt's images as the model's processor made them (their placeholders are already
+    expanded in `prompt_ids`); None for a text-only prompt."""
 
 
 def render_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> str:
@@ -67,8 +77,11 @@ class PromptDataset(Sequence[PromptSample]):
         name: str = "<rows>",
         where: Sequence[str] | None = None,
         bad_rows: BadRows | None = None,
+        model_dir: str | None = None,
     ):
         self.name = name
+        self._model_dir = model_dir
+        self._prompter = None  # built on the first image row: text-only data never loads it
         self.prompt_key = prompt_key
         self.bad_rows = bad_rows if bad_rows is not None else BadRows("error")
         where = list(where) if where is not None else [f"{name} row {i}" for i in range(len(rows))]
@@ -77,11 +90,13 @@ class PromptDataset(Sequence[PromptSample]):
         self.samples: list[PromptSample] = []
         self.num_dropped_overlong = 0
         null_truth: list[str] = []
-        for i, row, text, prompt_ids in usable:
+        for i, row, text, prompt_ids, images in usable:
             if len(prompt_ids) > max_prompt_length:
                 if not drop_overlong_prompts:
+                    of_images = (f" ({sum(images.num_placeholder_tokens(self._prompter.merge_size))} "
+                                 "of them image tokens)") if images is not None else ""
                     raise DataFileError(
-                        f"{where[i]}: prompt has {len(prompt_ids)} tokens > "
+                        f"{where[i]}: prompt has {len(prompt_ids)} tokens{of_images} > "
                         f"data.max_prompt_length={max_prompt_length}; raise the limit or set "
                         "data.drop_overlong_prompts=true"
                     )
@@ -97,20 +112,29 @@ class PromptDataset(Sequence[PromptSample]):
                 raw_prompt=row[prompt_key],
                 ground_truth=row["reward_model"]["ground_truth"],
                 extra_info=row.get("extra_info"),
+                images=images,
             ))
         self.num_bad_rows = self.bad_rows.count
         self.num_null_ground_truth = len(null_truth)
         self._report(len(rows) + bad_in_files, max_prompt_length, null_truth)
 
-    def _usable(self, rows, where, tokenizer) -> list[tuple[int, dict, str, list[int]]]:
-        """(index, row, rendered text, token ids) of every row that renders to >= 1 token."""
+    def _usable(self, rows, where, tokenizer) -> list[tuple[int, dict, str, list[int], ImageInputs | None]]:
+        """(index, row, rendered text, token ids, images) of every row that renders to >= 1 token."""
         rendered: list[tuple[int, dict, str]] = []
+        encoded: dict[int, tuple[list[int], ImageInputs | None]] = {}  # image rows, tokenised one by one
         for i, row in enumerate(rows):
             problem = row_problem(row, self.prompt_key)
             text = None
             if problem is None:
                 try:
-                    text = render_prompt(tokenizer, row[self.prompt_key])
+                    if vision.has_images(row, self.prompt_key):
+                        text, encoded[i] = self._encode_image_row(row, tokenizer)
+                    else:
+                        text = render_prompt(tokenizer, row[self.prompt_key])
+                except vision.ImageRowError as exc:
+                    problem = str(exc)
+                except DataFileError:
+                    raise  # the model cannot take images at all: not one row's problem
                 except Exception as exc:  # a template error is the row's problem, not the run's
                     if getattr(tokenizer, "chat_template", None) is None:
                         raise
@@ -119,15 +143,30 @@ class PromptDataset(Sequence[PromptSample]):
                 self.bad_rows.add(where[i], problem)
             else:
                 rendered.append((i, row, text))
-        is_chat = [not isinstance(row[self.prompt_key], str) for _, row, _ in rendered]
-        ids = _tokenize(tokenizer, [text for _, _, text in rendered], is_chat)
+        plain = [(i, row, text) for i, row, text in rendered if i not in encoded]
+        is_chat = [not isinstance(row[self.prompt_key], str) for _, row, _ in plain]
+        for (i, _, _), ids in zip(plain, _tokenize(tokenizer, [text for _, _, text in plain], is_chat)):
+            encoded[i] = (ids, None)
         usable = []
-        for (i, row, text), prompt_ids in zip(rendered, ids):
+        for i, row, text in rendered:
+            prompt_ids, images = encoded[i]
             if prompt_ids:
-                usable.append((i, row, text, prompt_ids))
+                usable.append((i, row, text, prompt_ids, images))
             else:
                 self.bad_rows.add(where[i], f"the prompt renders to 0 tokens ({text!r})")
         return usable
+
+    def _encode_image_row(self, row: dict, tokenizer: Any) -> tuple[str, tuple[list[int], ImageInputs | None]]:
+        if self._prompter is None:
+            model_dir = self._model_dir or getattr(tokenizer, "name_or_path", None)
+            self._prompter = vision.VisionPrompter.from_model_dir(model_dir, tokenizer)
+        if isinstance(row[self.prompt_key], str):
+            raise vision.ImageRowError(f"a row with images needs a chat prompt (a message list) in "
+                                       f"'{self.prompt_key}', so the chat template places the images")
+        messages, inline = vision.with_image_parts(row[self.prompt_key])
+        images = [vision.open_image(entry) for entry in vision.images_for(row, inline)]
+        text = render_prompt(tokenizer, messages)
+        return text, self._prompter.encode(text, images)
 
     def _report(self, total: int, max_prompt_length: int, null_truth: list[str]) -> None:
         self.bad_rows.log(self.name, total)
@@ -179,8 +218,10 @@ def _tokenize(tokenizer: Any, texts: list[str], is_chat: list[bool]) -> list[lis
     return out
 
 
-def load_dataset(files: Sequence[str], tokenizer: Any, cfg: DataConfig, split: str = "train") -> PromptDataset:
-    """Read, concatenate, check, render and filter the files of one split."""
+def load_dataset(files: Sequence[str], tokenizer: Any, cfg: DataConfig, split: str = "train",
+                 model_dir: str | None = None) -> PromptDataset:
+    """Read, concatenate, check, render and filter the files of one split. `model_dir`: where
+    image rows find the image processor (default: the tokenizer's directory)."""
     key = f"data.{split}_files"
     if not files:
         raise DataFileError(f"{key} is empty; set {key}=[path/to/{split}.parquet]")
@@ -199,4 +240,5 @@ def load_dataset(files: Sequence[str], tokenizer: Any, cfg: DataConfig, split: s
         name=", ".join(str(f) for f in files),
         where=[r.where for r in rows],
         bad_rows=bad_rows,
+        model_dir=model_dir,
     )

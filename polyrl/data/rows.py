@@ -104,10 +104,28 @@ def _message_problem(message: Any) -> str | None:
     content = message.get("content")
     if content is None:
         return "has no 'content'"
+    if isinstance(content, list):  # content parts: text and images (polyrl/data/vision.py)
+        return _parts_problem(content)
     if not isinstance(content, str):
-        return f"has content of type {type(content).__name__}; expected a string"
+        return f"has content of type {type(content).__name__}; expected a string or a list of content parts"
     if not content.strip():
         return "has empty content"
+    return None
+
+
+CONTENT_PART_TYPES = ("text", "image", "image_url")
+
+
+def _parts_problem(parts: list[Any]) -> str | None:
+    if not parts:
+        return "has empty content"
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in CONTENT_PART_TYPES:
+            return (f"content part {j} must be a {{'type': ...}} mapping with type one of "
+                    f"{', '.join(CONTENT_PART_TYPES)}, got {part!r:.80}")
+        if kind == "text" and not isinstance(part.get("text"), str):
+            return f"content part {j} is a text part without a 'text' string"
     return None
 
 

@@ -32,6 +32,7 @@ for _source in (
     "DigitalLearningGmbH/MATH-lighteval",
     "HuggingFaceH4/MATH-500",
     "math",
+    "hiyouga/geometry3k",  # verl's Geometry3K preprocessing: a \boxed{} answer (docs/vision.md)
 ):
     REWARD_FNS.register(_source, "polyrl.rewards.math_boxed:math_score")
 
