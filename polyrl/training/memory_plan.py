@@ -272,7 +272,7 @@ def model_shape(config: Any, trust_remote_code: bool = False) -> Shape | None:
     """The shape and exact parameter count of the model a config.json describes (a dict or a
     transformers config): by formula for Qwen2 / Llama layouts, else counted on the meta device
     (`count_on_meta`); None when neither can tell (not a causal LM transformers knows)."""
-    c = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    c = _as_dict(config)
     keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
     if any(not isinstance(c.get(k), int) for k in keys):
         return None
@@ -288,6 +288,13 @@ def model_shape(config: Any, trust_remote_code: bool = False) -> Shape | None:
     return replace(shape, counted=total, counted_layer=per_layer)
 
 
+def _as_dict(config: Any) -> dict:
+    """config.json's keys from a dict, a transformers config or any object with its attributes."""
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    return dict(config) if isinstance(config, dict) else dict(vars(config))
+
+
 def count_on_meta(config: Any, trust_remote_code: bool = False) -> tuple[int, int] | None:
     """(parameters, parameters of one decoder layer) of the causal LM `config` describes, built
     on the meta device with one and with two decoder layers (a whole 72B model takes seconds to
@@ -297,7 +304,7 @@ def count_on_meta(config: Any, trust_remote_code: bool = False) -> tuple[int, in
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
         return None
-    c = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    c = _as_dict(config)
     layers = c["num_hidden_layers"]
 
     def count(n: int) -> int:
