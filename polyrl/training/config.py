@@ -21,6 +21,10 @@ class ModelConfig(LoraConfig):
     """Tokenizer directory if it differs from `path`."""
     trust_remote_code: bool = False
     """Allow model code shipped in the model directory (transformers' trust_remote_code)."""
+    train_vision_tower: bool = False
+    """Vision-language models (Qwen2-VL, Qwen2.5-VL): train the vision encoder too. False keeps
+    it frozen and LoRA's all-linear leaves it without adapters, so RL tunes the language model
+    only (polyrl/training/vlm.py). No effect on a text-only model."""
 
 
 class ActorConfig(Config):

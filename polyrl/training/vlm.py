@@ -63,6 +63,14 @@ def check_supported(config: Any) -> None:
                        f"{' and '.join(SUPPORTED_MODEL_TYPES)} (docs/vision.md)")
 
 
+def model_class(config: Any):
+    """The transformers auto class that builds this config's model (its pre-flight too: LoRA's
+    layer check builds it on the meta device)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vlm_config(config) else AutoModelForCausalLM
+
+
 def load_vlm(directory: str | Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False, *,
              train_vision_tower: bool = False) -> torch.nn.Module:
     """The vision-language model of `directory` on the CPU, SDPA attention (what the packed
