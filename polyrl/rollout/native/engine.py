@@ -1,7 +1,7 @@
 """NativeEngine: polyrl's built-in pure-PyTorch rollout engine (registered as "native").
 
 It runs anywhere torch runs (the CPU default, or any device handed in), loads a local Hugging Face
-decoder directory, and serves concurrent requests with continuous batching. Two front doors share
+decoder (or Qwen2-VL / Qwen2.5-VL vision-language) directory, and serves concurrent requests with continuous batching. Two front doors share
 one `Scheduler`: `await generate(...)` for servers (an asyncio loop steps the scheduler in a worker
 thread so the event loop stays responsive) and `generate_batch(...)` for a trainer thread or Ray
 actor method (steps the scheduler to completion, no event loop needed). `generate_stream(...)` is
@@ -9,6 +9,9 @@ the token-by-token form of `generate`: an async iterator of each decode step's n
 
     engine = NativeEngine("/path/to/Qwen3-0.6B", dtype="bfloat16")
     outs = engine.generate_batch([[1, 2, 3]], SamplingParams(n=4, max_tokens=32))
+
+A vision-language model takes each prompt's images as `images=` (an `ImageInputs` per prompt, or
+None), the prompt ids holding the processor's expanded image placeholders (vision.py).
 """
 
 from __future__ import annotations
@@ -19,12 +22,12 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import torch
 
 from polyrl.modeling import load_tokenizer, torch_dtype
-from polyrl.rollout.base import SamplingParams, TokenOutput, WeightUpdateError
+from polyrl.rollout.base import RolloutInputError, SamplingParams, TokenOutput, WeightUpdateError
 from polyrl.rollout.native.kv_cache import KVCache
 from polyrl.rollout.native.loader import (
     eos_token_ids,
@@ -39,6 +42,9 @@ from polyrl.rollout.native.scheduler import Request, Scheduler
 from polyrl.rollout.native.streaming import StreamUpdate, TokenStream, post_to_loop
 from polyrl.rollout.native.weights import ModelWeights
 from polyrl.weights.base import WeightStream
+
+if TYPE_CHECKING:
+    from polyrl.data.multimodal import ImageInputs
 
 _resolve_dtype = torch_dtype  # the dtype names every layer shares (polyrl/modeling.py)
 
@@ -120,6 +126,9 @@ class NativeEngine:
                max_model_len=None, max_num_seqs=256, max_prefill_tokens=8192, seed=0,
                prefix_cache_tokens=0, batch_invariant=False) -> None:
         self.spec = spec_from_config(config)
+        if batch_invariant and self.spec.vision is not None:
+            raise ValueError(f"native engine: batch_invariant=True is not supported for the vision-language "
+                             f"{self.spec.architecture} yet; set rollout.batch_invariant=false")
         self.dtype, self.device = _resolve_dtype(dtype), torch.device(device)
         limit = self.spec.max_position_embeddings
         self.max_model_len = max_model_len or min(limit, 4096)
@@ -171,13 +180,15 @@ class NativeEngine:
         return dict(self._sched.stats)
 
     async def generate(
-        self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str | None = None
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str | None = None,
+        *, images: ImageInputs | None = None,
     ) -> list[TokenOutput]:
         prompt = self._sched.check(prompt_ids, sampling)
+        checked_images = self._sched.check_images(prompt, images)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         req = Request(request_id or uuid.uuid4().hex, prompt, sampling,
-                      on_done=lambda r: post_to_loop(loop, _resolve, fut, r))
+                      on_done=lambda r: post_to_loop(loop, _resolve, fut, r), images=checked_images)
         self._submit(req, loop)
         try:
             return await fut
@@ -186,7 +197,8 @@ class NativeEngine:
             raise
 
     def generate_stream(
-        self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str | None = None
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str | None = None,
+        *, images: ImageInputs | None = None,
     ) -> TokenStream:
         """Queue one prompt now and return an async iterator of its `StreamUpdate`s.
 
@@ -197,8 +209,9 @@ class NativeEngine:
         stream early cancels the request (see `polyrl.rollout.native.streaming`).
         """
         prompt = self._sched.check(prompt_ids, sampling)
+        checked_images = self._sched.check_images(prompt, images)
         loop = asyncio.get_running_loop()
-        req = Request(request_id or uuid.uuid4().hex, prompt, sampling)
+        req = Request(request_id or uuid.uuid4().hex, prompt, sampling, images=checked_images)
         stream = TokenStream(req.request_id, loop, cancel=lambda: self._cancel(req))
         req.on_step = stream.push
         req.on_done = lambda r: stream.fail(r.error) if r.error is not None else stream.push(
@@ -213,7 +226,7 @@ class NativeEngine:
 
     def _still_torn(self, torn: str | None, names: Iterable[str]) -> str | None:
         """After a torn update, only one that writes every weight makes the engine whole."""
-        return torn if torn is not None and not self._weights.required_names() <= set(names) else None
+        return torn if torn is not None and not self._weights.covers(names) else None
 
     def _submit(self, req: Request, loop: asyncio.AbstractEventLoop) -> None:
         self._check_whole()
@@ -262,17 +275,24 @@ class NativeEngine:
         prompts: Sequence[Sequence[int]],
         sampling: SamplingParams | Sequence[SamplingParams],
         request_ids: Sequence[str] | None = None,
+        *,
+        images: Sequence[ImageInputs | None] | None = None,
     ) -> list[list[TokenOutput]]:
         """Synchronous: run the scheduler until every prompt's n samples are done.
 
         Every prompt is validated before any is queued, so a bad one rejects the whole call.
+        `images`: one entry per prompt (None for a text-only one), or None for all text.
         """
         samplings = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
         if len(samplings) != len(prompts):
             raise ValueError(f"{len(samplings)} sampling params for {len(prompts)} prompts")
+        per_prompt = [None] * len(prompts) if images is None else list(images)
+        if len(per_prompt) != len(prompts):
+            raise RolloutInputError("images", f"{len(per_prompt)} entries for {len(prompts)} prompts")
         checked = [self._sched.check(p, s) for p, s in zip(prompts, samplings)]
+        checked_images = [self._sched.check_images(p, i) for p, i in zip(checked, per_prompt)]
         ids = list(request_ids) if request_ids is not None else [uuid.uuid4().hex for _ in prompts]
-        reqs = [Request(i, p, s) for i, p, s in zip(ids, checked, samplings)]
+        reqs = [Request(i, p, s, images=m) for i, p, s, m in zip(ids, checked, samplings, checked_images)]
         self._check_whole()
         with self._lock:
             if self._sleeping:

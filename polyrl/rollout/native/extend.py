@@ -13,20 +13,27 @@ import torch
 import torch.nn.functional as F
 
 from polyrl.rollout.native.kv_cache import KVCache
-from polyrl.rollout.native.model import DecoderModel
+from polyrl.rollout.native.model import DecoderModel, MultimodalInputs
 
 
-def extend(model: DecoderModel, tokens: list[int], start: int, slot: int, cache: KVCache) -> torch.Tensor:
+def extend(model: DecoderModel, tokens: list[int], start: int, slot: int, cache: KVCache,
+           mm: MultimodalInputs | None = None) -> torch.Tensor:
     """Compute positions start .. start + len(tokens) - 1 of row `slot`; float32 logits [V] at the
-    last one. Positions < start must already hold this prompt's KV."""
+    last one. Positions < start must already hold this prompt's KV. `mm` (a vision-language
+    prompt): M-RoPE ids [3, 1, S] of the new tokens and the features of the images among them."""
     s, device = model.spec, model.device
     S = len(tokens)
     T = start + S
-    cos, sin = model.cos[start:T, None, :], model.sin[start:T, None, :]
     # new token i (position start + i) sees every cached position and new tokens <= i
     visible = torch.arange(T, device=device)[None, :] <= torch.arange(start, T, device=device)[:, None]
     cw = model.w.compute
-    x = F.embedding(torch.tensor([tokens], device=device), model.w.embed)  # [1, S, H]
+    ids = torch.tensor([tokens], device=device)
+    if mm is None:
+        cos, sin = model.cos[start:T, None, :], model.sin[start:T, None, :]
+        x = F.embedding(ids, model.w.embed)  # [1, S, H]
+    else:
+        cos, sin = model.rope(mm.positions)
+        x = model.embed(ids, mm)
     for i, lw in enumerate(cw.layers):
         q, k, v = model._qkv(model._norm(x, lw.input_norm), lw, cw, cos, sin)
         q, k, v = (t.transpose(1, 2).to(cache.dtype) for t in (q, k, v))  # [1, heads, S, hd]

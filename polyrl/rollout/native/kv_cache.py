@@ -60,7 +60,8 @@ class KVCache:
         # previous turn, so its prefill only computes the new tokens. Off while the budget is 0.
         self.prefix_budget = 0
         """Most tokens of finished sequences kept for reuse (0: no reuse)."""
-        self._prefixes: OrderedDict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._prefixes: OrderedDict[tuple[tuple[int, ...], tuple[str, ...]], tuple[torch.Tensor, torch.Tensor]] = \
+            OrderedDict()  # (token ids, image digests) -> (K, V)
         self._prefix_tokens = 0
 
     def _alloc(self, *shape: int) -> torch.Tensor:
@@ -112,37 +113,43 @@ class KVCache:
 
     # -- prefix reuse -----------------------------------------------------------------------------
 
-    def stash(self, slot: int, tokens: list[int]) -> None:
-        """Keep row `slot`'s KV for `tokens` (its first len(tokens) positions) for a later prompt."""
+    def stash(self, slot: int, tokens: list[int], images: tuple[str, ...] = ()) -> None:
+        """Keep row `slot`'s KV for `tokens` (its first len(tokens) positions) for a later prompt.
+        `images`: a digest of each image among the tokens (vision.py), part of the key, since the
+        same ids with other images have other K/V."""
         if not self.prefix_budget or not tokens or len(tokens) > self.prefix_budget:
             return
-        key = tuple(tokens)
+        key = (tuple(tokens), images)
         if key in self._prefixes:
             self._prefixes.move_to_end(key)
             return
-        n = len(key)
+        n = len(tokens)
         self._prefixes[key] = (self.k[:, slot, :, :, :n].clone(), self.v[:, slot, :, :n].clone())
         self._prefix_tokens += n
         while self._prefix_tokens > self.prefix_budget:
-            old, _ = self._prefixes.popitem(last=False)
+            (old, _), _ = self._prefixes.popitem(last=False)
             self._prefix_tokens -= len(old)
 
-    def take_prefix(self, prompt: list[int], slot: int) -> int:
+    def take_prefix(self, prompt: list[int], slot: int, images: tuple[str, ...] = ()) -> int:
         """Copy the longest stashed prefix of `prompt` (shorter than it: the last prompt token
-        must be computed for its logits) into row `slot`; returns its length (0: none).
+        must be computed for its logits) into row `slot`; returns its length (0: none). An entry
+        holding k images matches only a prompt whose first k images (digests `images`) are those.
 
         The entry is removed: the sequence that reuses it stashes its longer self when it ends."""
         best = None
         for key in self._prefixes:
-            if len(key) < len(prompt) and (best is None or len(key) > len(best)) and tuple(prompt[: len(key)]) == key:
+            ids, held = key
+            if (len(ids) < len(prompt) and (best is None or len(ids) > len(best[0]))
+                    and held == images[: len(held)] and tuple(prompt[: len(ids)]) == ids):
                 best = key
         if best is None:
             return 0
         k, v = self._prefixes.pop(best)
-        self._prefix_tokens -= len(best)
-        self.k[:, slot, :, :, : len(best)] = k
-        self.v[:, slot, :, : len(best)] = v
-        return len(best)
+        n = len(best[0])
+        self._prefix_tokens -= n
+        self.k[:, slot, :, :, :n] = k
+        self.v[:, slot, :, :n] = v
+        return n
 
     def clear_prefixes(self) -> None:
         """Forget every stashed prefix (new weights make them stale)."""

@@ -1,7 +1,8 @@
 """Read a local Hugging Face model directory into a `ModelSpec` and a dict of HF-named tensors.
 
 Only configuration, tokenizer and rotary-frequency helpers come from `transformers`; they run at
-load time. The forward pass never touches a transformers module (see `model.py`).
+load time. The decoder's forward never touches a transformers module (see `model.py`); a
+vision-language model's vision tower is transformers' own module (see `vision.py`).
 """
 
 from __future__ import annotations
@@ -13,13 +14,23 @@ from typing import Any
 
 import torch
 
+from polyrl.rollout.native.vision import VISION_ARCHITECTURES, VisionSpec, vision_spec
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    *VISION_ARCHITECTURES,
 )
-"""Decoder-only models the native engine can run: pre-norm RMSNorm, RoPE, GQA, gated MLP."""
+"""Models the native engine can run: decoders with pre-norm RMSNorm, RoPE, GQA and a gated MLP,
+and the vision-language models whose language model is one (Qwen2-VL, Qwen2.5-VL: vision.py)."""
+
+_ARCHITECTURE_OF_TYPE = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+}
 
 _ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
 # RoPE variants whose frequencies do not depend on the running sequence length, so one table
@@ -51,6 +62,8 @@ class ModelSpec:
     """RoPE inverse frequencies, float32, [head_dim // 2]."""
     rope_scaling: float
     """Post-processing factor applied to cos/sin (yarn); 1.0 otherwise."""
+    vision: VisionSpec | None = None
+    """The vision tower and M-RoPE of a vision-language model; None for a text-only one."""
 
     @property
     def q_size(self) -> int:
@@ -82,6 +95,9 @@ def load_config(model_dir: Path):
 def spec_from_config(config: Any) -> ModelSpec:
     """Check the architecture is one we implement and pull out the shapes."""
     archs = list(getattr(config, "architectures", None) or [])
+    if not archs and getattr(config, "model_type", None) in _ARCHITECTURE_OF_TYPE:
+        # a config built in memory (a model made from its config, not loaded) names no architecture
+        archs = [_ARCHITECTURE_OF_TYPE[config.model_type]]
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise ValueError(
@@ -89,6 +105,9 @@ def spec_from_config(config: Any) -> ModelSpec:
             f"(model_type={getattr(config, 'model_type', None)!r}); "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    top = config
+    if arch in VISION_ARCHITECTURES:  # the decoder's shapes live in the text config
+        config = config.text_config
     act = getattr(config, "hidden_act", "silu")
     if act not in _ACTIVATIONS:
         raise ValueError(f"native engine: hidden_act={act!r} unsupported; supported: {_ACTIVATIONS}")
@@ -107,7 +126,8 @@ def spec_from_config(config: Any) -> ModelSpec:
             f"a multiple of num_key_value_heads={num_kv_heads}"
         )
     inv_freq, rope_scaling = _rope_frequencies(config, head_dim)
-    qkv_bias = arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
+    qwen2 = arch in ("Qwen2ForCausalLM", *VISION_ARCHITECTURES)  # q/k/v bias, no o_proj bias
+    qkv_bias = qwen2 or bool(getattr(config, "attention_bias", False))
     return ModelSpec(
         architecture=arch,
         vocab_size=config.vocab_size,
@@ -119,15 +139,16 @@ def spec_from_config(config: Any) -> ModelSpec:
         intermediate_size=config.intermediate_size,
         rms_norm_eps=config.rms_norm_eps,
         hidden_act=act,
-        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        tie_word_embeddings=bool(getattr(top, "tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         # Qwen2 has q/k/v bias but no o_proj bias; Llama's attention_bias covers o_proj too.
-        o_bias=arch != "Qwen2ForCausalLM" and bool(getattr(config, "attention_bias", False)),
+        o_bias=not qwen2 and bool(getattr(config, "attention_bias", False)),
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
         qk_norm=arch == "Qwen3ForCausalLM",
         max_position_embeddings=config.max_position_embeddings,
         inv_freq=inv_freq,
         rope_scaling=rope_scaling,
+        vision=vision_spec(top, arch, head_dim) if arch in VISION_ARCHITECTURES else None,
     )
 
 
@@ -145,6 +166,8 @@ def _rope_parameters(config: Any) -> dict:
 def _rope_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     params = _rope_parameters(config)
     rope_type = params.get("rope_type", "default")
+    if rope_type == "mrope":  # transformers 4's name for Qwen2-VL's default frequencies, split in sections
+        rope_type = "default"
     if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("native engine: partial_rotary_factor != 1 is not supported")
     if rope_type == "default":
@@ -196,6 +219,7 @@ def eos_token_ids(model_dir: Path | None, config: Any, tokenizer: Any) -> frozen
     if model_dir is not None and (model_dir / "generation_config.json").is_file():
         add(json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id"))
     add(getattr(config, "eos_token_id", None))
+    add(getattr(getattr(config, "text_config", None), "eos_token_id", None))  # vision-language configs
     if tokenizer is not None:
         add(getattr(tokenizer, "eos_token_id", None))
     return frozenset(ids)

@@ -13,6 +13,11 @@ batched GEMMs are emulated, 4-6x slower): scores and probabilities are not round
 between, as in a fused attention kernel, so the result is slightly more accurate than the plain
 bf16 path's; its output is rounded back to the model's dtype.
 
+A vision-language model (vision.py) adds two inputs to prefill and prefix-extend, `MultimodalInputs`:
+the vision tower's features, which replace the embeddings of the image-pad tokens, and M-RoPE
+position ids; decode takes each sequence's rope position (cache index + its rope delta). Without
+them (text-only prompts) the forward is the plain one, unchanged.
+
 Shapes: P prompts padded to T tokens in prefill; B live sequences in decode (slots 0..B-1);
 H hidden, nh / nkv query / key-value heads, hd head dim, L attended length.
 """
@@ -20,12 +25,14 @@ H hidden, nh / nkv query / key-value heads, hd head dim, L attended length.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from polyrl.rollout.native.kv_cache import KVCache
 from polyrl.rollout.native.loader import ModelSpec, rope_tables
+from polyrl.rollout.native.vision import encode_images, mrope_tables, section_rows
 from polyrl.rollout.native.weights import ComputeWeights, LayerWeights, ModelWeights
 
 _ACTS = {
@@ -36,6 +43,16 @@ _ACTS = {
 }
 
 
+@dataclass
+class MultimodalInputs:
+    """A vision-language forward's extra inputs over tokens [P, T] (vision.py)."""
+
+    positions: torch.Tensor
+    """M-RoPE ids [3, P, T] (text-only rows: their plain positions in all three rows)."""
+    features: torch.Tensor | None = None
+    """The vision tower's output [image-pad tokens, H], in the order the tokens appear (row by row)."""
+
+
 class DecoderModel:
     def __init__(self, spec: ModelSpec, weights: ModelWeights, *, max_len: int, dtype, device):
         self.spec, self.w = spec, weights
@@ -43,6 +60,28 @@ class DecoderModel:
         self.act = _ACTS[spec.hidden_act]
         self.scale = spec.head_dim**-0.5
         self.device = device
+        self._rows = None if spec.vision is None else section_rows(spec.vision, spec.head_dim, device)
+
+    # -- vision-language ------------------------------------------------------------------------
+
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """The vision tower's features [image tokens, H] of these images, in the embeddings' dtype."""
+        return encode_images(self.w.visual, pixel_values, grid_thw, self.w.embed.dtype)
+
+    def embed(self, tokens: torch.Tensor, mm: MultimodalInputs | None, valid: torch.Tensor | None = None):
+        """Token embeddings [..., H], image-pad tokens (within `valid`) replaced by the features."""
+        x = F.embedding(tokens, self.w.embed)
+        if mm is None or mm.features is None:
+            return x
+        mask = tokens == self.spec.vision.image_token_id
+        if valid is not None:
+            mask &= valid
+        return x.masked_scatter(mask[..., None], mm.features)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / signed sin [..., 1, hd] (broadcast over heads) for M-RoPE ids [3, ...]."""
+        cos, sin = mrope_tables(self.cos, self.sin, self._rows, positions)
+        return cos.unsqueeze(-2), sin.unsqueeze(-2)
 
     # -- shared pieces --------------------------------------------------------------------------
 
@@ -72,7 +111,8 @@ class DecoderModel:
 
     # -- prefill --------------------------------------------------------------------------------
 
-    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache: KVCache):
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache: KVCache,
+                mm: MultimodalInputs | None = None):
         """Right-padded prompts [P, T] -> float32 logits [P, V] at each prompt's last token.
 
         Right padding needs no mask: with a causal mask a real token never sees a later pad.
@@ -80,9 +120,14 @@ class DecoderModel:
         """
         s = self.spec
         P, T = tokens.shape
-        cos, sin = self.cos[:T, None, :], self.sin[:T, None, :]
         cw = self.w.compute  # read once: an update swaps in a whole new set (tensors + matmul)
-        x = F.embedding(tokens, self.w.embed)  # [P, T, H]
+        if mm is None:
+            cos, sin = self.cos[:T, None, :], self.sin[:T, None, :]
+            x = F.embedding(tokens, self.w.embed)  # [P, T, H]
+        else:
+            cos, sin = self.rope(mm.positions)  # [P, T, 1, hd]
+            valid = torch.arange(T, device=tokens.device)[None, :] < lengths[:, None]
+            x = self.embed(tokens, mm, valid)
         for i, lw in enumerate(cw.layers):
             q, k, v = self._qkv(self._norm(x, lw.input_norm), lw, cw, cos, sin)
             # [P, heads, T, hd], in the cache's dtype (fp32 where the matmuls widen bf16 / fp16)
@@ -99,11 +144,14 @@ class DecoderModel:
 
     # -- decode ---------------------------------------------------------------------------------
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, attend_len: int):
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, attend_len: int,
+               rope_positions: torch.Tensor | None = None):
         """One new token per live sequence: tokens, positions [B] -> float32 logits [B, V].
 
         Sequence b lives in cache slot b; its token is written at `positions[b]` and it attends
         to positions <= positions[b]. `attend_len` = max(positions) + 1 (<= the cache's capacity).
+        `rope_positions` [B]: the position each token is rotated by where that is not its cache
+        index (a vision-language prompt's rope delta; the three M-RoPE rows are equal in decode).
         """
         s = self.spec
         B = tokens.shape[0]
@@ -112,7 +160,8 @@ class DecoderModel:
         L = cache.capacity if cache.attends_in_place(attend_len) else attend_len
         nkv, g, hd = s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim
         rows = torch.arange(B, device=tokens.device)
-        cos, sin = self.cos[positions, None, :], self.sin[positions, None, :]
+        rotary = positions if rope_positions is None else rope_positions
+        cos, sin = self.cos[rotary, None, :], self.sin[rotary, None, :]
         # One additive mask for all layers, already in baddbmm's [B * nkv, g, L] shape:
         # 0 where visible, -inf past each sequence's end.
         hidden = torch.arange(L, device=tokens.device)[None, :] > positions[:, None]  # [B, L]

@@ -5,6 +5,11 @@ KV copied to the n sample slots), then one decode step over *every* live sequenc
 finished sequences. Requests join and leave between steps. `step()` holds no lock and never
 raises: a failure fails the affected requests and the engine keeps serving. A request with an
 `on_step` hook (a token stream) is handed each step's new tokens as a `StreamUpdate`.
+
+A request with images (a vision-language model, vision.py) carries its `PromptImages`: its
+prefill runs the vision tower on them (one tower call for every image of the step's prefill) and
+rotates by M-RoPE ids, its decode by cache index + rope delta, and its prefix-cache entries are
+keyed by the images' digests too. Text-only requests take the plain paths.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ import torch
 from polyrl.rollout.base import RolloutInputError, SamplingParams, TokenOutput
 from polyrl.rollout.native.extend import extend
 from polyrl.rollout.native.kv_cache import KVCache
-from polyrl.rollout.native.model import DecoderModel
+from polyrl.rollout.native.model import DecoderModel, MultimodalInputs
 from polyrl.rollout.native.sampling import RowParams, sample
 from polyrl.rollout.native.streaming import SampleDelta, StreamUpdate
+from polyrl.rollout.native.vision import PromptImages, check_images
 
 
 @dataclass(eq=False)
@@ -34,6 +40,8 @@ class Request:
     on_done: Callable[["Request"], None] | None = None
     on_step: Callable[[StreamUpdate], None] | None = None
     """Called from the stepping thread with the tokens each step added (streaming requests)."""
+    images: PromptImages | None = None
+    """The prompt's images (vision-language models; `Scheduler.check_images`), else None."""
     seqs: list["Sequence"] = field(default_factory=list)
     outputs: list[TokenOutput] | None = None
     error: BaseException | None = None
@@ -78,6 +86,8 @@ class Scheduler:
         seed: int,
     ):
         self.model, self.cache = model, cache
+        self.vision = model.spec.vision
+        """The model's vision-language spec (vision.py), None for a text-only model."""
         self.invariant = getattr(model, "invariant", False)
         """The model returns log-probs (invariant_model.py), reported as they are."""
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
@@ -121,6 +131,12 @@ class Scheduler:
         if sampling.stop and self.tokenizer is None:
             raise RolloutInputError("stop", "stop strings need an engine with a tokenizer")
         return prompt
+
+    def check_images(self, prompt: list[int], images: Any) -> PromptImages | None:
+        """Validate a prompt's images (`ImageInputs` or None) against its checked ids."""
+        if images is None and self.vision is None:
+            return None  # a text-only model's text prompt: nothing to look at
+        return check_images(images, prompt, self.vision)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -188,12 +204,16 @@ class Scheduler:
         self.cache.reserve(base + len(new), T)
         # A prompt that extends a stashed sequence (the next turn of a trajectory) computes only
         # its new tokens; the rest are prefilled together as usual.
-        reused = [self.cache.take_prefix(r.prompt, first) for r, first in zip(reqs, firsts)]
+        reused = [self.cache.take_prefix(r.prompt, first, r.images.keys if r.images else ())
+                  for r, first in zip(reqs, firsts)]
+        features = self._image_features(reqs, reused)
         logits: list[torch.Tensor | None] = [None] * len(reqs)
         for j, (r, first, start) in enumerate(zip(reqs, firsts, reused)):
             if start:
+                mm = None if r.images is None else MultimodalInputs(
+                    r.images.positions[:, None, start:].to(device), features[j])
                 logits[j] = (self.model.extend(r.prompt[start:], start, first, self.cache) if self.invariant
-                             else extend(self.model, r.prompt[start:], start, first, self.cache))
+                             else extend(self.model, r.prompt[start:], start, first, self.cache, mm))
         full = [j for j, start in enumerate(reused) if not start]
         if full:
             T = max(len(reqs[j].prompt) for j in full)
@@ -201,8 +221,10 @@ class Scheduler:
             for i, j in enumerate(full):
                 tokens[i, : len(reqs[j].prompt)] = torch.tensor(reqs[j].prompt)
             lengths = torch.tensor([len(reqs[j].prompt) for j in full])
+            mm = self._prefill_inputs([reqs[j] for j in full], [features[j] for j in full], T)
             out = self.model.prefill(tokens.to(device), lengths.to(device),
-                                     torch.tensor([firsts[j] for j in full], device=device), self.cache)
+                                     torch.tensor([firsts[j] for j in full], device=device), self.cache,
+                                     *([mm] if mm is not None else []))
             for i, j in enumerate(full):
                 logits[j] = out[i]
         # The n samples share the prompt's prefill: copy its KV to their slots.
@@ -217,6 +239,35 @@ class Scheduler:
         self.stats["prefix_reused_tokens"] += sum(reused)
         self.stats["prefill_s"] += time.perf_counter() - t0
 
+    def _image_features(self, reqs: list[Request], starts: list[int]) -> list[torch.Tensor | None]:
+        """Per request, the vision tower's features of the image-pad tokens it computes (those at
+        or after its reused prefix), from one tower call for the whole prefill; None without."""
+        wanted = [None if r.images is None else [i for i, (_, end) in enumerate(r.images.spans) if end > start]
+                  for r, start in zip(reqs, starts)]
+        chosen = [(r.images.subset(w)) for r, w in zip(reqs, wanted) if w]
+        if not chosen:
+            return [None] * len(reqs)
+        merged = self.model.encode_images(torch.cat([p for p, _ in chosen]), torch.cat([g for _, g in chosen]))
+        sizes = [sum(e - b for b, e in (r.images.spans[i] for i in w)) if w else 0 for r, w in zip(reqs, wanted)]
+        out: list[torch.Tensor | None] = []
+        for r, w, start, part in zip(reqs, wanted, starts, merged.split(sizes)):
+            # an image that began before `start` is already cached up to there: keep its tail
+            skip = max(0, start - r.images.spans[w[0]][0]) if w else 0
+            out.append(part[skip:] if w else None)
+        return out
+
+    def _prefill_inputs(self, reqs: list[Request], features: list[torch.Tensor | None],
+                        T: int) -> MultimodalInputs | None:
+        """M-RoPE ids [3, P, T] and image features of a prefill batch that holds images."""
+        if all(r.images is None for r in reqs):
+            return None
+        positions = torch.arange(T).expand(3, len(reqs), T).clone()  # text rows and pads: plain
+        for i, r in enumerate(reqs):
+            if r.images is not None:
+                positions[:, i, : len(r.prompt)] = r.images.positions
+        present = [f for f in features if f is not None]
+        return MultimodalInputs(positions.to(self.model.device), torch.cat(present) if present else None)
+
     def _decode(self) -> None:
         t0 = time.perf_counter()
         device = self.model.device
@@ -224,16 +275,24 @@ class Scheduler:
         positions = [s.length - 1 for s in live]
         attend_len = max(positions) + 1
         self.cache.fit(len(live), attend_len)
+        rotary = [] if self.vision is None else self._rope_positions(live, positions)
         logits = self.model.decode(
             torch.tensor([s.tokens[-1] for s in live], device=device),
             torch.tensor(positions, device=device),
             self.cache,
             attend_len,
+            *([torch.tensor(rotary, device=device)] if rotary else []),
         )
         self._append(live, logits)
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(live)
         self.stats["decode_s"] += time.perf_counter() - t0
+
+    @staticmethod
+    def _rope_positions(live: list[Sequence], positions: list[int]) -> list[int]:
+        """Decode rope positions (cache index + rope delta); [] when every delta is 0 (text)."""
+        deltas = [0 if s.request.images is None else s.request.images.rope_delta for s in live]
+        return [p + d for p, d in zip(positions, deltas)] if any(deltas) else []
 
     def _append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         tokens, logprobs, top = sample(logits, [s.row for s in seqs], normalized=self.invariant)
@@ -283,8 +342,9 @@ class Scheduler:
         gone = [s for s in self.running if s.stop_reason is not None]
         if self.cache.prefix_budget:  # before the holes are refilled: keep what may be extended
             for slot, s in enumerate(self.running):
-                if s.stop_reason in ("stop", "length"):
-                    self.cache.stash(slot, s.request.prompt + s.tokens[:-1])  # the last is not cached
+                if s.stop_reason in ("stop", "length") and self._reusable(s):
+                    self.cache.stash(slot, s.request.prompt + s.tokens[:-1],  # the last is not cached
+                                     s.request.images.keys if s.request.images else ())
         keep = len(live)
         holes = [i for i, s in enumerate(self.running[:keep]) if s.stop_reason is not None]
         movers = [i for i, s in enumerate(self.running[keep:], start=keep) if s.stop_reason is None]
@@ -293,6 +353,12 @@ class Scheduler:
             self.running[hole] = self.running[src]
         self.running = self.running[:keep]
         return [r for r in dict.fromkeys(s.request for s in gone) if self._maybe_finish(r)]
+
+    def _reusable(self, s: Sequence) -> bool:
+        """Whether a finished sequence's K/V may serve a later prompt: on a vision-language model
+        not when it sampled an image-pad token (its K/V there is the token's, not an image's, and
+        a later prompt would read it as an image's)."""
+        return self.vision is None or self.vision.image_token_id not in s.tokens
 
     def _maybe_finish(self, req: Request) -> bool:
         if req.done or any(s.stop_reason is None for s in req.seqs):

@@ -5,6 +5,11 @@ instead of 7: on a CPU the per-call overhead is a large share of a small model's
 name maps to a *view* of a fused tensor, so loading from disk and `update_weights` are the same
 copy, and an update never reallocates (views stay valid, nothing else needs to know).
 
+A vision-language model's vision tower (transformers' module, vision.py) registers its
+parameters in the same map under `visual.*`, so it is loaded and updated by the same checked,
+all-or-nothing copy; names in transformers 5's in-memory form (`model.language_model.*`,
+`model.visual.*`) are renamed to the saved form first (`vision.canonical_name`).
+
 The forward reads the matrices through `compute`: for fp32 on a CPU a prepacked copy of each (see
 `matmul.py`), rebuilt after every load or update and swapped in as one object, elsewhere the
 plain tensors themselves.
@@ -22,6 +27,7 @@ import torch
 from polyrl.rollout.base import WeightUpdateError
 from polyrl.rollout.native.loader import ModelSpec
 from polyrl.rollout.native.matmul import PlainMatmul, matmul_for
+from polyrl.rollout.native.vision import build_vision_tower, canonical_name, tower_targets
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +125,12 @@ class ModelWeights:
                 self._add(mlp + "gate_proj.bias", lw.gate_up_bias[:I])
                 self._add(mlp + "up_proj.bias", lw.gate_up_bias[I:])
                 self._add(mlp + "down_proj.bias", lw.down_bias)
+        self.visual = None
+        """transformers' vision tower of a vision-language model (vision.py), else None."""
+        if spec.vision is not None:
+            self.visual = build_vision_tower(spec.vision, dtype, torch.device(device))
+            for name, tensor in tower_targets(self.visual).items():
+                self._add(name, tensor)
         # pack=False: plain F.linear on the plain tensors (the batch-invariant forward reads them)
         self.matmul = matmul_for(self.embed, batch_hint) if pack else PlainMatmul()
         self.compute = self._compute_weights()
@@ -133,24 +145,33 @@ class ModelWeights:
     def _add(self, name: str, view: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
         self.targets[name] = (view, tuple(view.shape) if shape is None else shape)
 
+    def canonical(self, name: str) -> str:
+        """`name` in this map's naming (a vision-language model's names come in two forms)."""
+        return canonical_name(name) if self.visual is not None else name
+
     def required_names(self) -> set[str]:
         names = set(self.targets)
         if self.spec.tie_word_embeddings:
             names.discard("lm_head.weight")
         return names
 
+    def covers(self, names) -> bool:
+        """Whether `names` (in either naming) write every required weight."""
+        return self.required_names() <= {self.canonical(n) for n in names}
+
     def validate(self, named_tensors: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Check every name and shape before anything is written; returns (destination, source)."""
         plan = []
-        for name, tensor in named_tensors.items():
-            if name.endswith(_IGNORED_SUFFIXES):
+        for name, tensor in named_tensors.items():  # errors name the tensor as it was given
+            target = self.canonical(name)
+            if target.endswith(_IGNORED_SUFFIXES):
                 continue
-            if name not in self.targets:
+            if target not in self.targets:
                 raise WeightUpdateError(
                     f"unknown parameter '{name}' for {self.spec.architecture} "
                     f"(expected Hugging Face names like 'model.layers.0.self_attn.q_proj.weight')"
                 )
-            view, shape = self.targets[name]
+            view, shape = self.targets[target]
             if not isinstance(tensor, torch.Tensor):
                 raise WeightUpdateError(f"parameter '{name}': expected a tensor, got {type(tensor).__name__}")
             if tuple(tensor.shape) != shape:
@@ -216,7 +237,7 @@ class ModelWeights:
         *, batch_hint: int = 64, pack: bool = True,
     ) -> ModelWeights:
         weights = cls(spec, dtype, torch.device(device), batch_hint=batch_hint, pack=pack)
-        missing = sorted(weights.required_names() - set(state_dict))
+        missing = sorted(weights.required_names() - {weights.canonical(n) for n in state_dict})
         if missing:
             shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
             raise ValueError(f"native engine: checkpoint is missing parameters: {shown}")

@@ -1,0 +1,202 @@
+"""The native engine serves Qwen2-VL: vision tower at prefill, M-RoPE, rope delta in decode.
+
+Every check is against Hugging Face's own model on the same weights (tests/tiny_vl.py's random
+Qwen2-VL, sharpened so greedy tokens depend on the image and its positions): `generate` for
+greedy tokens, one forward over prompt + response for log-probs (fp32, within 1e-5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from polyrl.data.multimodal import ImageInputs, mm_token_type_ids
+from polyrl.rollout.base import RolloutInputError, SamplingParams, WeightUpdateError
+from polyrl.rollout.native.engine import NativeEngine
+from polyrl.rollout.native.vision import mrope_positions
+from tests.tiny_vl import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, build_tiny_vl, vl_tokenizer
+
+PATCH_DIM = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch
+_TOK = vl_tokenizer()
+# A random model samples `<|image_pad|>` too, which HF's forward then reads as an image's
+# placeholder: the vision tokens are banned here (bias -100) and in HF's generate (suppressed).
+VISION_TOKENS = [_TOK.convert_tokens_to_ids(t) for t in (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)]
+NO_VISION = {t: -100.0 for t in VISION_TOKENS}
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias=NO_VISION)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    model = build_tiny_vl()
+    # the 0.02 init gives near-uniform logits (every prompt greedily repeats one token)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    return model
+
+
+@pytest.fixture(scope="module")
+def engine(hf_model, tmp_path_factory):
+    """Loaded from a saved directory: the checkpoint's names (`model.layers.*`, `visual.*`)."""
+    path = tmp_path_factory.mktemp("tiny_vl")
+    hf_model.save_pretrained(str(path))
+    return NativeEngine(path, tokenizer=False, max_model_len=256)
+
+
+def text(s: str) -> list[int]:
+    return [_TOK.convert_tokens_to_ids(c) for c in s]
+
+
+def image_prompt(config, grids, seed=0, words=("look ", " and ", " ok")) -> tuple[list[int], ImageInputs]:
+    """Ids with each image expanded as the processor does, and random pixels for the grids."""
+    ids = text(words[0])
+    for i, (t, h, w) in enumerate(grids):
+        ids += [config.vision_start_token_id] + [config.image_token_id] * (t * h * w // 4) + [config.vision_end_token_id]
+        ids += text(words[min(i + 1, len(words) - 1)])
+    g = torch.Generator().manual_seed(seed)
+    return ids, ImageInputs(torch.randn(sum(t * h * w for t, h, w in grids), PATCH_DIM, generator=g),
+                            torch.tensor(grids))
+
+
+def _mm(model, ids: torch.Tensor, images: ImageInputs | None) -> dict:
+    if images is None:
+        return {}
+    return dict(pixel_values=images.pixel_values, image_grid_thw=images.image_grid_thw,
+                mm_token_type_ids=mm_token_type_ids(ids, model.config.image_token_id))
+
+
+def hf_greedy(model, ids, images, n=GREEDY.max_tokens) -> list[int]:
+    x = torch.tensor([ids])
+    out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0, suppress_tokens=VISION_TOKENS, **_mm(model, x, images))
+    return out[0, len(ids):].tolist()
+
+
+@torch.no_grad()
+def hf_logprobs(model, ids, images, tokens) -> torch.Tensor:
+    full = torch.tensor([ids + tokens])
+    logits = model(input_ids=full, **_mm(model, full, images)).logits[0, len(ids) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def assert_matches_hf(model, ids, images, out) -> None:
+    assert out.token_ids == hf_greedy(model, ids, images)
+    torch.testing.assert_close(torch.tensor(out.logprobs), hf_logprobs(model, ids, images, out.token_ids),
+                               atol=1e-5, rtol=0)
+
+
+def test_mrope_positions_equal_transformers_get_rope_index(hf_model):
+    # non-square grids and text between and after the images: every branch of the rope index
+    ids, images = image_prompt(hf_model.config, [(1, 4, 6), (1, 6, 2)])
+    x = torch.tensor([ids])
+    want, want_delta = hf_model.model.get_rope_index(x, mm_token_type_ids(x, hf_model.config.image_token_id),
+                                                     image_grid_thw=images.image_grid_thw)
+    got, delta = mrope_positions(ids, images.image_grid_thw, hf_model.config.image_token_id, 2)
+    assert torch.equal(got, want[:, 0]) and delta == int(want_delta) and delta < 0
+
+
+def test_image_prompts_in_one_batch_equal_hf(hf_model, engine):
+    """Two prompts with other images (other grids, lengths: padded prefill) and a text-only
+    prompt, in one batch: each is HF's greedy generation, its log-probs HF's forward."""
+    a = image_prompt(hf_model.config, [(1, 4, 6), (1, 2, 4)], seed=1)
+    b = image_prompt(hf_model.config, [(1, 2, 2)], seed=2)
+    plain = text("no image here")
+    outs = engine.generate_batch([a[0], b[0], plain], GREEDY, images=[a[1], b[1], None])
+    for (ids, images), [out] in zip([a, b, (plain, None)], outs):
+        assert_matches_hf(hf_model, ids, images, out)
+    # the image is what the model reads: the same ids with other pixels generate otherwise
+    [[other]] = engine.generate_batch([a[0]], GREEDY, images=[image_prompt(hf_model.config, [(1, 4, 6), (1, 2, 4)],
+                                                                            seed=3)[1]])
+    assert other.logprobs != outs[0][0].logprobs
+
+
+def test_streaming_an_image_prompt_ends_with_what_generate_batch_returns(hf_model, engine):
+    ids, images = image_prompt(hf_model.config, [(1, 2, 4)], seed=4)
+    sampling = SamplingParams(temperature=1.0, max_tokens=5, n=2, seed=7, ignore_eos=True, logit_bias=NO_VISION)
+
+    async def stream():
+        async with engine.generate_stream(ids, sampling, images=images) as updates:
+            return [u async for u in updates][-1].outputs
+
+    streamed = asyncio.run(stream())
+    [batch] = engine.generate_batch([ids], sampling, images=[images])
+    assert [o.token_ids for o in streamed] == [o.token_ids for o in batch]
+    for out in streamed:  # sampled, not greedy: the log-probs of what was sampled are HF's
+        torch.testing.assert_close(torch.tensor(out.logprobs), hf_logprobs(hf_model, ids, images, out.token_ids),
+                                   atol=1e-5, rtol=0)
+
+
+def test_the_prefix_cache_keys_on_the_images(hf_model):
+    """A next turn with the same ids but other pixels must not reuse the first turn's K/V; with
+    the same pixels it does, and its new tokens (a second image among them) are computed with
+    their M-RoPE ids and features: both equal HF on the whole prompt."""
+    engine = NativeEngine.from_model(hf_model, prefix_cache_tokens=4096, max_model_len=256)
+    cfg = hf_model.config
+    ids, red = image_prompt(cfg, [(1, 4, 4)], seed=5)
+    _, blue = image_prompt(cfg, [(1, 4, 4)], seed=6)
+    _, green = image_prompt(cfg, [(1, 2, 4)], seed=7)
+    [[first]] = engine.generate_batch([ids], GREEDY, images=[red])
+    second_image, _ = image_prompt(cfg, [(1, 2, 4)], words=(" then ", " end"))
+    turn2 = ids + first.token_ids + second_image
+
+    both_blue = ImageInputs.concat([blue, green])
+    [[other]] = engine.generate_batch([turn2], GREEDY, images=[both_blue])
+    assert engine.stats["prefix_reused_tokens"] == 0
+    assert_matches_hf(hf_model, turn2, both_blue, other)
+
+    both_red = ImageInputs.concat([red, green])
+    [[same]] = engine.generate_batch([turn2], GREEDY, images=[both_red])
+    assert engine.stats["prefix_reused_tokens"] == len(ids) + len(first.token_ids) - 1
+    assert_matches_hf(hf_model, turn2, both_red, same)
+
+
+def test_weight_updates_reach_the_vision_tower(hf_model):
+    """In place, under the names a trainer sends (`model.visual.*`, `model.language_model.*`)
+    and the saved ones (`visual.*`); a changed tower changes what is generated, as in HF."""
+    engine = NativeEngine.from_model(hf_model, max_model_len=256)
+    ids, images = image_prompt(hf_model.config, [(1, 4, 6)], seed=8)
+    [[before]] = engine.generate_batch([ids], GREEDY, images=[images])
+    changed = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        changed.model.visual.merger.mlp[2].weight.mul_(-2.0)
+        changed.model.visual.blocks[0].attn.qkv.weight.add_(0.1)
+    tower = engine._weights.visual
+    address = tower.merger.mlp[2].weight.data_ptr()
+
+    engine.update_weights({"model.visual.merger.mlp.2.weight": changed.model.visual.merger.mlp[2].weight,
+                           "visual.blocks.0.attn.qkv.weight": changed.model.visual.blocks[0].attn.qkv.weight}, 1)
+    [[after]] = engine.generate_batch([ids], GREEDY, images=[images])
+    assert tower.merger.mlp[2].weight.data_ptr() == address
+    assert after.logprobs != before.logprobs and after.weight_version == 1
+    assert_matches_hf(changed, ids, images, after)
+
+    # a whole sync as a trainer (or a LoRA merge) names it: named_parameters, tied weights once
+    engine.update_weights(dict(hf_model.named_parameters()), 2)
+    [[back]] = engine.generate_batch([ids], GREEDY, images=[images])
+    assert back.token_ids == before.token_ids and back.logprobs == before.logprobs
+
+    with pytest.raises(WeightUpdateError, match="model.visual.nope"):
+        engine.update_weights({"model.visual.nope": torch.zeros(2)}, 3)
+    assert engine.weight_version == 2
+
+
+def test_bad_image_input_is_refused_naming_images(hf_model, engine, model_dirs):
+    cfg = hf_model.config
+    ids, images = image_prompt(cfg, [(1, 4, 4)])
+    with pytest.raises(RolloutInputError, match="image placeholder run") as err:
+        engine.generate_batch([ids], GREEDY)  # placeholders without images
+    assert err.value.field == "images"
+    with pytest.raises(RolloutInputError, match=r"runs of \[4\] tokens, the images need \[4, 2\]"):
+        engine.generate_batch([ids], GREEDY, images=[ImageInputs.concat([images, image_prompt(cfg, [(1, 2, 4)])[1]])])
+    with pytest.raises(RolloutInputError, match="1 entries for 2 prompts"):
+        engine.generate_batch([ids, ids], GREEDY, images=[images])
+    text_only = NativeEngine(model_dirs["qwen2"], tokenizer=False, max_model_len=64)
+    with pytest.raises(RolloutInputError, match="text-only"):
+        text_only.generate_batch([[3, 4]], GREEDY, images=[images])
+    with pytest.raises(ValueError, match="batch_invariant=True is not supported"):
+        NativeEngine.from_model(hf_model, batch_invariant=True)
