@@ -124,6 +124,9 @@ def image_forward(model: torch.nn.Module, mb: Any, kwargs: dict) -> torch.Tensor
     `kwargs`: the packed layout's attention arguments (training/varlen.py); they reach the
     language model only, never the vision tower, whose attention is per image."""
     base = model.base_model
+    if vision_tower(model) is None:
+        raise VLMError(f"the batch's prompts have images but {type(model).__name__} has no vision tower: give "
+                       "a vision-language model (model.path, or the distillation teacher) or text-only data")
     if getattr(mb, "sequence_shard", None) is not None:
         raise VLMError("actor.sequence_parallel_size > 1 does not split rows with images yet; set it to 1")
     if getattr(mb, "position_ids", None) is not None and getattr(mb, "cu_seq_lens", None) is None:

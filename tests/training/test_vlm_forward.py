@@ -35,6 +35,24 @@ def tiny():
     return model, processor, image_batch(processor)
 
 
+def tiny_qwen2_5_vl():
+    """tests/tiny_vl.py's language model and tokens with a Qwen2.5-VL vision tower (windowed
+    attention in block 0, full attention in block 1; SwiGLU, RMSNorm)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from tests.tiny_vl import tiny_vl_config
+
+    base = tiny_vl_config()
+    tokens = {k: getattr(base, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                            "vision_end_token_id")}
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+    torch.manual_seed(0)
+    config = Qwen2_5_VLConfig(text_config=base.to_dict()["text_config"], vision_config=vision,
+                              tie_word_embeddings=True, **tokens)
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
 def image_batch(processor, samples_per_prompt: int = 1, seed: int = 3) -> RolloutBatch:
     g = torch.Generator().manual_seed(seed)
     rows, images, responses = [], [], []
@@ -80,14 +98,17 @@ def per_sample(model, batch, plan, packed: bool) -> dict[int, torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_micro_batched_logprobs_equal_one_hf_forward_per_sample(tiny, packed):
+def test_micro_batched_logprobs_equal_one_hf_forward_per_sample(tiny, packed, family):
     """Micro-batches of two and of all four samples (images of several prompts in one vision
     call, a text-only sample among them), padded or packed, give each sample the log-probs of
     its own Hugging Face forward with its own images and M-RoPE positions."""
     from polyrl.training import varlen
 
     model, _, batch = tiny
+    if family == "qwen2_5_vl":
+        model = tiny_qwen2_5_vl()
     if packed:
         varlen.use_varlen_attention(model)
     try:
@@ -108,6 +129,17 @@ def test_images_change_the_logprobs(tiny):
     a = per_sample(model, batch, [[0, 3]], packed=False)
     b = per_sample(model, other, [[0, 3]], packed=False)
     assert not torch.allclose(a[0], b[0], atol=1e-4)
+
+
+def test_a_text_only_model_given_images_fails_in_one_line(tiny):
+    from polyrl.training.vlm import VLMError
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    _, _, batch = tiny
+    text_model = Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(VLMError, match="prompts have images but Qwen2ForCausalLM has no vision tower"):
+        per_sample(text_model, batch, [[0]], packed=False)
 
 
 def test_each_sample_keeps_its_images_through_select_cat_and_shards(tiny):
