@@ -187,7 +187,8 @@ def memory_message(cfg: JobConfig, shape: Any, knobs: Any, setting: Any, need: f
     gib = mp.GiB
     terms = mp.rank_floor(shape, knobs, setting)[phase]
     parts = ", ".join(f"{name} {value / gib:.1f}" for name, value in terms.items() if value)
-    run = f"actor.strategy={knobs.strategy}, actor.world_size={knobs.world_size}, actor.param_dtype={cfg.actor.param_dtype}"
+    run = (f"actor.strategy={knobs.strategy}, actor.world_size={knobs.world_size}, "
+           f"actor.param_dtype={cfg.actor.param_dtype}")
     if knobs.offload:
         run += ", actor.offload=true"
     if knobs.lora_rank:
