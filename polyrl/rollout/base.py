@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterable, Iterator, Literal, Mapping, Protocol, Sequence, runtime_checkable
+from typing import (TYPE_CHECKING, Any, AsyncIterator, Iterable, Iterator, Literal, Mapping, Protocol, Sequence,
+                    runtime_checkable)
 
 import torch
 
 from polyrl.backends import ROLLOUT_BACKENDS
+
+if TYPE_CHECKING:
+    from polyrl.data.multimodal import ImageInputs
 
 StopReason = Literal["stop", "length", "aborted"]
 
@@ -115,6 +119,12 @@ class RolloutEngine(Protocol):
     blocking batch (`generate_batch`, what rollout workers call); control calls are
     synchronous. Engines that can stream tokens also implement `StreamingRolloutEngine`.
 
+    Image prompts (vision-language models, issue #31): the generation calls take `images=`, a
+    keyword only, default None: a prompt's `ImageInputs` (polyrl/data/multimodal.py), its ids
+    holding the processor's expanded image placeholders. Text-only callers never pass it, so an
+    engine without image support keeps working for them; one that serves images accepts it on
+    all three calls (the built-in engine: polyrl/rollout/native/vision.py).
+
     What an engine can do beyond this (tensor parallelism, freeing memory in `sleep`, log-probs
     in the trainer's numerics, partial rollout, ...) is declared, not probed: its backend's
     `EngineCapabilities` (polyrl/backends.py), which callers ask instead of the backend's name."""
@@ -137,17 +147,19 @@ class RolloutEngine(Protocol):
         ...
 
     async def generate(
-        self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str | None = None
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str | None = None,
+        *, images: "ImageInputs | None" = None,
     ) -> list[TokenOutput]:
         """n = sampling.n outputs for one prompt."""
         ...
 
     def generate_batch(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams],
-        request_ids: Sequence[str] | None = None,
+        request_ids: Sequence[str] | None = None, *, images: "Sequence[ImageInputs | None] | None" = None,
     ) -> list[list[TokenOutput]]:
         """Blocking: every prompt's n outputs, in prompt order. Every prompt is validated before
-        any is queued, so a bad one rejects the whole call (RolloutInputError)."""
+        any is queued, so a bad one rejects the whole call (RolloutInputError). `images`: one
+        entry per prompt (None for a text-only one)."""
         ...
 
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -180,7 +192,8 @@ class StreamingRolloutEngine(RolloutEngine, Protocol):
     `stream=true` uses it when present, else serves the finished request as one update)."""
 
     def generate_stream(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                        request_id: str | None = None) -> AsyncIterator[Any]:
+                        request_id: str | None = None, *, images: "ImageInputs | None" = None
+                        ) -> AsyncIterator[Any]:
         """An async iterator of the request's updates; the last one holds what `generate`
         returns for the same request and seed."""
         ...
