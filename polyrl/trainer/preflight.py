@@ -132,7 +132,7 @@ def check_placement(cfg: JobConfig, platform: Any = None) -> None:
 
 
 ENGINE_MEMORY = {"native": "copy", "vllm": "share", "sglang": "share"}
-"""How a colocated engine uses its rank's device (polyrl/training/memory_plan.py `Setting.engine`):
+"""How a colocated engine uses its rank's device (polyrl/training/memory_floor.py `Setting.engine`):
 the native engine keeps its own copy of the weights, asleep or awake; vLLM and SGLang take
 rollout.gpu_memory_utilization of the device while awake and free it asleep; any other engine is
 counted by its weights alone while awake (a floor)."""
@@ -141,7 +141,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def check_memory(cfg: JobConfig, model_config: Any | None, platform: Any = None) -> None:
     """A model that cannot fit a policy rank even sharded fails here, naming the memory a rank needs
-    at least, what a rank has and the settings that would fit (polyrl/training/memory_plan.py
+    at least, what a rank has and the settings that would fit (polyrl/training/memory_floor.py
     `rank_floor`, `fitting_changes`). The floor counts what the code surely allocates for the
     policy, its reference and a colocated engine (no activations, critic or teacher), so a run it
     refuses cannot fit. On a device platform a rank has one device; on a CPU a local run's ranks
@@ -150,30 +150,30 @@ def check_memory(cfg: JobConfig, model_config: Any | None, platform: Any = None)
     `platform`: the one to plan for (default: `cfg.platform` on this machine)."""
     from polyrl.platform import get_platform
     from polyrl.topology.resources import num_rollout_ranks
-    from polyrl.training import memory_plan as mp
+    from polyrl.training import memory_floor as mf
 
     if model_config is None:
         return
     platform = platform or get_platform(cfg.platform)
     if not platform.ray_resource and cfg.ray.address not in (None, "local"):
         return
-    device = mp.device_memory_bytes(platform)
-    shape = mp.model_shape(model_config, cfg.model.trust_remote_code) if device else None
+    device = mf.device_memory_bytes(platform)
+    shape = mf.model_shape(model_config, cfg.model.trust_remote_code) if device else None
     if shape is None:
         return
     actor, rollout = cfg.actor, cfg.rollout
     on_device = bool(platform.ray_resource)
-    knobs = mp.Knobs(world_size=actor.world_size, strategy=actor.strategy, offload=actor.offload,
+    knobs = mf.Knobs(world_size=actor.world_size, strategy=actor.strategy, offload=actor.offload,
                      master=DTYPE_BYTES[actor.param_dtype], lora_rank=cfg.model.lora_rank,
                      hybrid=cfg.topology.colocated_engine)
-    setting = mp.Setting(compute=DTYPE_BYTES[actor.compute_dtype], reference=cfg.algorithm.uses_reference,
+    setting = mf.Setting(compute=DTYPE_BYTES[actor.compute_dtype], reference=cfg.algorithm.uses_reference,
                          lora_targets=cfg.model.lora_target_modules,
                          engine=ENGINE_MEMORY.get(rollout.backend, "weights"),
                          engine_dtype=DTYPE_BYTES[rollout.dtype], tensor_parallel=rollout.tensor_parallel_size,
                          memory_share=rollout.gpu_memory_utilization, device_bytes=device, on_device=on_device,
                          other_ranks=0 if on_device else num_rollout_ranks(cfg))
-    need, phase = mp.rank_need(shape, knobs, setting)
-    have = mp.available_bytes(knobs, setting)
+    need, phase = mf.rank_need(shape, knobs, setting)
+    have = mf.available_bytes(knobs, setting)
     if need <= have:
         return
     raise ConfigError([memory_message(cfg, shape, knobs, setting, need, phase, have, platform)])
@@ -182,10 +182,10 @@ def check_memory(cfg: JobConfig, model_config: Any | None, platform: Any = None)
 def memory_message(cfg: JobConfig, shape: Any, knobs: Any, setting: Any, need: float, phase: str,
                    have: float, platform: Any) -> str:
     """One line: the model, the rank's need and what it is made of, what a rank has, what fits."""
-    from polyrl.training import memory_plan as mp
+    from polyrl.training import memory_floor as mf
+    from polyrl.training.memory_plan import GiB as gib
 
-    gib = mp.GiB
-    terms = mp.rank_floor(shape, knobs, setting)[phase]
+    terms = mf.rank_floor(shape, knobs, setting)[phase]
     parts = ", ".join(f"{name} {value / gib:.1f}" for name, value in terms.items() if value)
     run = (f"actor.strategy={knobs.strategy}, actor.world_size={knobs.world_size}, "
            f"actor.param_dtype={cfg.actor.param_dtype}")
@@ -203,7 +203,7 @@ def memory_message(cfg: JobConfig, shape: Any, knobs: Any, setting: Any, need: f
         ranks = knobs.world_size + setting.other_ranks
         where = (f"a rank has {have / gib:.1f} GiB (this machine's {setting.device_bytes / gib:.1f} GiB shared "
                  f"by {ranks} rank{'s' if ranks > 1 else ''})")
-    changes = mp.fitting_changes(shape, knobs, setting)
+    changes = mf.fitting_changes(shape, knobs, setting)
     fix = ("fits: " + "; ".join(changes)) if changes else (
         "nothing fits by more ranks, offload, LoRA, bfloat16 master weights or standalone placement alone: "
         "use a smaller model or devices with more memory")

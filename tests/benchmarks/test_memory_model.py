@@ -1,12 +1,13 @@
-"""polyrl/training/memory_plan.py: the arithmetic behind docs/scaling.md and the memory pre-flight
-(benchmarks/memory_model.py prints its tables and re-exports its names)."""
+"""polyrl/training/memory_plan.py: the arithmetic behind docs/scaling.md (benchmarks/memory_model.py
+prints its tables and re-exports its names), and the parameter counts of the memory pre-flight
+(polyrl/training/memory_floor.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from polyrl.cli import bench
-from polyrl.training import memory_plan
+from polyrl.training import memory_floor, memory_plan
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def test_the_formula_counts_llama_as_transformers_builds_it(mm, attention_bias, 
                          mlp_bias=mlp_bias)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    shape = mm.model_shape(config.to_dict())
+    shape = memory_floor.model_shape(config.to_dict())
     assert shape.counted is None  # by formula, not on the meta device
     assert shape.params == model.num_parameters()
 
@@ -65,10 +66,10 @@ def test_other_architectures_are_counted_on_the_meta_device(mm):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     for given in (config, config.to_dict()):  # the trainer's transformers config, the dry run's dict
-        shape = mm.model_shape(given)
+        shape = memory_floor.model_shape(given)
         assert shape.counted == model.num_parameters()
         assert shape.layer_params == sum(p.numel() for p in model.model.layers[0].parameters())
-    assert mm.model_shape({"model_type": "qwen2", "hidden_size": 8}) is None  # not a shape: not checked
+    assert memory_floor.model_shape({"model_type": "qwen2", "hidden_size": 8}) is None  # not a shape: not checked
 
 
 def test_lora_adapter_count_is_peft_s(mm):
@@ -83,7 +84,7 @@ def test_lora_adapter_count_is_peft_s(mm):
             model = AutoModelForCausalLM.from_config(Qwen2Config(**shape))
         model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=targets))
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        assert mm.lora_params(mm.Shape.from_config(shape), 8, targets) == trainable, targets
+        assert memory_floor.lora_params(mm.Shape.from_config(shape), 8, targets) == trainable, targets
 
 
 def test_training_state_shards_and_load_today_does_not(mm):

@@ -1,5 +1,5 @@
 """A model too big for its policy ranks is refused before Ray starts (polyrl/trainer/preflight.py
-`check_memory`, on polyrl/training/memory_plan.py's floor), by `polyrl train` and by its dry run,
+`check_memory`, on polyrl/training/memory_floor.py), by `polyrl train` and by its dry run,
 naming the memory a rank needs, what it has and the settings that would fit."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from polyrl.cli.main import main
 from polyrl.config import ConfigError, load_config
 from polyrl.job import JobConfig
 from polyrl.trainer.preflight import check_memory
+from polyrl.training import memory_floor as mf
 from polyrl.training import memory_plan as mp
 
 QWEN25_72B = {**mp.QWEN25["Qwen2.5-72B"], "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
@@ -76,16 +77,16 @@ def test_the_floor_is_the_memory_model_s(big_model):
     """The pre-flight's terms are the memory model's (docs/scaling.md): the sharded state of
     `training_bytes`, the sharded load under standalone fsdp2 and the whole load under hybrid."""
     s = mp.Shape.from_config(QWEN25_72B)
-    setting = mp.Setting(compute=2, reference=True, lora_targets="all-linear", engine="share", engine_dtype=2,
+    setting = mf.Setting(compute=2, reference=True, lora_targets="all-linear", engine="share", engine_dtype=2,
                          tensor_parallel=1, memory_share=0.5, device_bytes=H100, on_device=True)
-    knobs = mp.Knobs(world_size=64, strategy="fsdp2", offload=False, master=4, lora_rank=0, hybrid=False)
-    floor = mp.rank_floor(s, knobs, setting)
+    knobs = mf.Knobs(world_size=64, strategy="fsdp2", offload=False, master=4, lora_rank=0, hybrid=False)
+    floor = mf.rank_floor(s, knobs, setting)
     model = mp.training_bytes(s, 64, reference=True)
     assert {k: floor["update"][k] for k in ("parameters", "gradients", "reference")} == \
         {k: model[k] for k in ("parameters", "gradients", "reference")}
     assert floor["update"]["AdamW"] == model["optimizer"]
     assert floor["load"]["model load"] == mp.load_bytes_sharded(s, 64)
-    hybrid = mp.rank_floor(s, replace(knobs, hybrid=True), setting)
+    hybrid = mf.rank_floor(s, replace(knobs, hybrid=True), setting)
     assert hybrid["load"]["model load"] == mp.load_bytes_today(s, 64)
     assert hybrid["generate"]["engine"] == 0.5 * H100  # vLLM's rollout.gpu_memory_utilization
 
@@ -120,7 +121,7 @@ def test_every_change_the_message_names_fits_and_fewer_ranks_do_not():
 def test_a_device_of_unknown_memory_is_not_checked():
     # --capability replaces the simulated machine's name: its memory is not known
     platform = choose_platform("h100", "10.0")
-    assert mp.device_memory_bytes(platform) is None
+    assert mf.device_memory_bytes(platform) is None
     check_memory(job(*STANDALONE), QWEN25_72B, platform)
 
 
@@ -137,6 +138,6 @@ def test_train_refuses_on_cpu_before_ray_starts(train_here, tiny_model, tmp_path
     assert "Traceback" not in out.stderr
     # ddp: fp32 parameters, gradients, AdamW and its temporary; the native engine's fp32 copy
     assert f"need at least {gib(24 * params)} per policy rank during the update" in out.stderr
-    assert f"{gib(mp.host_memory_bytes())} shared by 2 ranks" in out.stderr
+    assert f"{gib(mf.host_memory_bytes())} shared by 2 ranks" in out.stderr
     assert "nothing fits by more ranks" in out.stderr
     assert not ray.is_initialized()
