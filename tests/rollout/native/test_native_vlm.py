@@ -200,3 +200,28 @@ def test_bad_image_input_is_refused_naming_images(hf_model, engine, model_dirs):
         text_only.generate_batch([[3, 4]], GREEDY, images=[images])
     with pytest.raises(ValueError, match="batch_invariant=True is not supported"):
         NativeEngine.from_model(hf_model, batch_invariant=True)
+
+
+def test_qwen2_5_vl_windowed_vision_tower_equals_hf():
+    """Qwen2.5-VL: another vision tower (window attention, gated MLP, RMSNorm), the same decoder
+    and M-RoPE; a 4 x 12 grid spans two attention windows."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    base = build_tiny_vl().config
+    text_config = {k: v for k, v in base.text_config.to_dict().items() if k != "model_type"}
+    config = Qwen2_5_VLConfig(
+        text_config=text_config, tie_word_embeddings=True,
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                           fullatt_block_indexes=[1]),
+        **{k: getattr(base, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                         "vision_end_token_id")})
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    ids, images = image_prompt(config, [(1, 4, 12)], seed=9)
+    [[out]] = NativeEngine.from_model(model, max_model_len=128).generate_batch([ids], GREEDY, images=[images])
+    assert_matches_hf(model, ids, images, out)
