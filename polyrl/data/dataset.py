@@ -163,7 +163,8 @@ class PromptDataset(Sequence[PromptSample]):
         if isinstance(row[self.prompt_key], str):
             raise vision.ImageRowError(f"a row with images needs a chat prompt (a message list) in "
                                        f"'{self.prompt_key}', so the chat template places the images")
-        messages, inline = vision.with_image_parts(row[self.prompt_key])
+        messages, inline = vision.with_image_parts(row[self.prompt_key],
+                                                   placeholders=row.get(vision.IMAGES_KEY) is not None)
         images = [vision.open_image(entry) for entry in vision.images_for(row, inline)]
         text = render_prompt(tokenizer, messages)
         return text, self._prompter.encode(text, images)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,17 +91,39 @@ class VisionPrompter:
     def encode(self, text: str, images: list[Any]) -> tuple[list[int], ImageInputs | None]:
         """Ids of the rendered `text` (one IMAGE_PAD per image, in order) with each pad expanded
         to its image's token count, and the images' processor outputs."""
-        pads = text.count(IMAGE_PAD)
-        if pads != len(images):
-            raise ImageRowError(f"the chat template wrote {pads} image placeholders for {len(images)} images")
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        inputs = self.process(images)
+        return self.expand(ids, inputs)[0], inputs
+
+    def process(self, images: list[Any]) -> ImageInputs | None:
+        """The image processor's pixel patches and grids of `images` (PIL), None for none."""
         if not images:
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), None
+            return None
         out = self.image_processor(images=images, return_tensors="pt")
-        inputs = ImageInputs(out["pixel_values"].float(), out["image_grid_thw"].long())
+        return ImageInputs(out["pixel_values"].float(), out["image_grid_thw"].long())
+
+    def expand(self, ids: list[int], inputs: ImageInputs | None,
+               *aligned: list[int]) -> tuple[list[int], ...]:
+        """`ids` with image i's single IMAGE_PAD repeated t*h*w / merge**2 times, and each list
+        of `aligned` (one value per id, e.g. a loss mask) with 0 at the added positions.
+
+        The same ids `Qwen2VLProcessor` gets by expanding the text before tokenising: the pad is
+        a special token, so the tokenizer cuts the text at it and the text between pads
+        tokenises the same either way."""
+        pads = sum(1 for t in ids if t == self.image_pad_id)
+        images = 0 if inputs is None else inputs.num_images
+        if pads != images:
+            raise ImageRowError(f"the chat template wrote {pads} image placeholders for {images} images")
+        if inputs is None:
+            return (ids, *aligned)
         counts = iter(inputs.num_placeholder_tokens(self.merge_size))
-        # A sentinel first, so a pad already expanded is not expanded again (HF's processor does the same).
-        expanded = re.sub(re.escape(IMAGE_PAD), lambda _: "\0" * next(counts), text).replace("\0", IMAGE_PAD)
-        return list(self.tokenizer(expanded, add_special_tokens=False)["input_ids"]), inputs
+        out: list[list[int]] = [[] for _ in range(1 + len(aligned))]
+        for k, t in enumerate(ids):
+            n = next(counts) if t == self.image_pad_id else 1
+            out[0].extend([t] * n)
+            for column, values in zip(out[1:], aligned):
+                column.extend([values[k]] + [0] * (n - 1))
+        return tuple(out)
 
 
 def has_images(row: dict[str, Any], prompt_key: str) -> bool:
@@ -153,15 +174,17 @@ def open_image(entry: Any):
         raise ImageRowError(f"image{name} cannot be read: {type(exc).__name__}: {exc}") from None
 
 
-def with_image_parts(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+def with_image_parts(messages: list[dict[str, Any]],
+                     placeholders: bool = True) -> tuple[list[dict[str, Any]], list[Any]]:
     """`messages` with every `<image>` in a text split into an image content part (as verl
     does) and every image part reduced to `{"type": "image"}` (what chat templates expect), plus
     one entry per image part, in order: the image the part carries inline (an `image_url` data
-    URL or path, an `image` / `path` field), or None where the row's images column supplies it."""
+    URL or path, an `image` / `path` field), or None where the row's images column supplies it.
+    `placeholders=False` leaves `<image>` in text alone (a row without an images column)."""
     out, inline = [], []
     for message in messages:
         content = message.get("content")
-        if isinstance(content, str) and IMAGE_PLACEHOLDER in content:
+        if placeholders and isinstance(content, str) and IMAGE_PLACEHOLDER in content:
             parts = []
             for i, piece in enumerate(content.split(IMAGE_PLACEHOLDER)):
                 if i:

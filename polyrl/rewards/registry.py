@@ -25,6 +25,7 @@ RewardFn = Callable[..., "float | dict[str, Any]"]
 ENTRY_POINT_GROUP = "polyrl.rewards"
 REWARD_FNS: Registry[RewardFn] = Registry("reward data_source", entry_point_group=ENTRY_POINT_GROUP)
 REWARD_FNS.register("arithmetic", "polyrl.rewards.arithmetic:arithmetic_score")
+REWARD_FNS.register("shapes", "polyrl.rewards.shapes:shapes_score")
 for _source in ("openai/gsm8k", "gsm8k"):
     REWARD_FNS.register(_source, "polyrl.rewards.gsm8k:gsm8k_score")
 for _source in (

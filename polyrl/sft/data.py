@@ -13,6 +13,16 @@ every token after the first (polyrl/batch/micro.py `collate`), the same path RL 
 
 Every row is checked and encoded here, at load, under `data.on_bad_row` (polyrl/data/rows.py
 `BadRows`): an error found at step 5000 is an error found far too late.
+
+Image chats: a message's content may be a list of parts, `{"type": "text", "text": ...}` and
+`{"type": "image"}` / `{"type": "image_url", ...}`, with the images in the row's `images` column
+(verl's schema, `<image>` placeholders in text also accepted there) or inline in the parts (a
+data URL or a local path). They go through the model's image processor exactly as RL prompts do
+(polyrl/data/vision.py); such a row's *prompt* then runs through its last image placeholder, so
+the forward treats every placeholder as image (polyrl/training/vlm.py), and its images ride in
+`RolloutBatch.images`. An assistant turn before the last image would sit in that prompt, out of
+the loss, so such a row is refused rather than silently not trained on; an image chat over
+data.max_length is dropped (truncation=left cannot cut images) or, with truncation=error, an error.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import torch
 
 from polyrl.batch import Ragged, RolloutBatch
 from polyrl.builtin import resolve
-from polyrl.data import BadRows, DataFileError
+from polyrl.data import BadRows, DataFileError, vision
 from polyrl.data.hf_disk import load_split, parse_spec
 from polyrl.sft.config import SFTDataConfig
 from polyrl.sft.template import ChatEncoder, Encoded, TemplateError
@@ -72,16 +82,29 @@ class SFTDataset:
                 f"{prefix}/truncated": self.truncated, f"{prefix}/loss_tokens": self.loss_tokens}
 
 
-def as_batch(encoded: Sequence[Encoded]) -> RolloutBatch:
-    """Conversations as training rows: prompt = first token, response = the rest."""
+def prompt_length(e: Encoded, image_pad_id: int | None) -> int:
+    """Tokens of the row's prompt part: the first token, or through the last image placeholder
+    of an image chat (placeholders take image embeddings in the prompt only)."""
+    if e.images is None or image_pad_id is None:
+        return 1
+    last = max(i for i, t in enumerate(e.input_ids) if t == image_pad_id)
+    return max(1, last + 1)
+
+
+def as_batch(encoded: Sequence[Encoded], image_pad_id: int | None = None) -> RolloutBatch:
+    """Conversations as training rows: prompt = first token (an image chat: through its last
+    image placeholder), response = the rest."""
     n = len(encoded)
     zeros = torch.zeros(n, dtype=torch.long)
+    cut = [prompt_length(e, image_pad_id) for e in encoded]
+    images = [e.images for e in encoded]
     return RolloutBatch(
-        prompt_ids=Ragged.from_rows([e.input_ids[:1] for e in encoded], torch.long),
-        response_ids=Ragged.from_rows([e.input_ids[1:] for e in encoded], torch.long),
-        loss_mask=Ragged.from_rows([e.loss_mask[1:] for e in encoded], torch.float32),
+        prompt_ids=Ragged.from_rows([e.input_ids[:p] for e, p in zip(encoded, cut)], torch.long),
+        response_ids=Ragged.from_rows([e.input_ids[p:] for e, p in zip(encoded, cut)], torch.long),
+        loss_mask=Ragged.from_rows([e.loss_mask[p:] for e, p in zip(encoded, cut)], torch.float32),
         group=torch.arange(n), stop_reason=zeros, finished_with_eos=zeros.bool(),
-        weight_version=zeros, min_version=zeros, max_version=zeros, continuations=zeros)
+        weight_version=zeros, min_version=zeros, max_version=zeros, continuations=zeros,
+        images=images if any(x is not None for x in images) else None)
 
 
 # --- reading files -----------------------------------------------------------------------------
@@ -173,8 +196,8 @@ def conversation(row: dict, cfg: SFTDataConfig) -> tuple[list[dict], list | None
         if role not in cfg.roles:
             raise TemplateError(f"'{key}' message {i} has role {role!r}, not one of "
                                 f"{', '.join(cfg.roles)} (data.roles)")
-        if not isinstance(m.get("content"), str) and not m.get("tool_calls"):
-            raise TemplateError(f"'{key}' message {i} ({role}) has no string content")
+        if not isinstance(m.get("content"), (str, list)) and not m.get("tool_calls"):
+            raise TemplateError(f"'{key}' message {i} ({role}) has no string content or content parts")
         clean.append(m)
     if not any(m["role"] == "assistant" for m in clean):
         raise TemplateError(f"'{key}' has no assistant turn (nothing to train on)")
@@ -261,11 +284,13 @@ def first_fitting(n: int, fits: Callable[[int], bool]) -> int | None:
 
 
 def load_sft_dataset(files: Sequence[str], tokenizer: Any, cfg: SFTDataConfig, max_length: int,
-                     split: str = "train") -> SFTDataset:
+                     split: str = "train", model_dir: str | None = None) -> SFTDataset:
+    """`model_dir`: where image chats find the image processor (default: the tokenizer's)."""
     key = f"data.{split}_files"
     if not files:
         raise DataFileError(f"{key} is empty; set {key}=[path/to/{split}.parquet]")
     encoder = ChatEncoder(tokenizer)
+    images = ImageChats(tokenizer, model_dir)
     bad = BadRows(cfg.on_bad_row)
     rows = [r for f in files for r in read_file(f, cfg, bad)]
     if cfg.max_samples is not None:
@@ -276,21 +301,29 @@ def load_sft_dataset(files: Sequence[str], tokenizer: Any, cfg: SFTDataConfig, m
     for where, row in rows:
         try:
             messages, tools = conversation(row, cfg)
-            enc, truncated = fit(encoder, messages, tools, max_length, cfg.truncation, where)
-        except TemplateError as exc:
+            if images.has_images(row, messages):
+                enc, truncated = images.encode(encoder, row, messages, tools, max_length, cfg.truncation, where)
+            else:
+                enc, truncated = fit(encoder, messages, tools, max_length, cfg.truncation, where)
+        except (TemplateError, vision.ImageRowError) as exc:
             bad.add(where, str(exc))
             continue
         if enc is None:
             out.dropped_overlong += 1
             continue
-        if sum(enc.loss_mask[1:]) == 0:  # only the first token is assistant: nothing is predicted
+        cut = prompt_length(enc, images.pad_id)
+        if sum(enc.loss_mask[:cut]) and cut > 1:
+            bad.add(where, "an assistant turn comes before the last image; polyrl sft trains image "
+                           "chats whose images all come before the first assistant turn")
+            continue
+        if sum(enc.loss_mask[cut:]) == 0:  # only the first token is assistant: nothing is predicted
             bad.add(where, "no assistant token after the first token")
             continue
         out.truncated += truncated
         encoded.append(enc)
         out.where.append(where)
     out.bad_rows = bad.count
-    out.batch = as_batch(encoded)
+    out.batch = as_batch(encoded, images.pad_id)
     bad.log(name, out.rows)
     if out.dropped_overlong or out.truncated:
         logger.warning("%s: %d of %d conversations over data.max_length=%d tokens: %d dropped, "
@@ -302,3 +335,43 @@ def load_sft_dataset(files: Sequence[str], tokenizer: Any, cfg: SFTDataConfig, m
                             f"{out.dropped_overlong} over data.max_length={max_length})"
                             + (f", e.g. {bad.examples[0]}" if bad.examples else ""))
     return out
+
+
+class ImageChats:
+    """Image chats of one load: the model's image processor (polyrl/data/vision.py), loaded on
+    the first image row, so text-only data never needs one."""
+
+    def __init__(self, tokenizer: Any, model_dir: str | None):
+        self.tokenizer = tokenizer
+        self.model_dir = model_dir or getattr(tokenizer, "name_or_path", None)
+        self.prompter: vision.VisionPrompter | None = None
+
+    @property
+    def pad_id(self) -> int | None:
+        return self.prompter.image_pad_id if self.prompter is not None else None
+
+    @staticmethod
+    def has_images(row: dict, messages: list[dict]) -> bool:
+        if row.get(vision.IMAGES_KEY) is not None:
+            return True
+        return any(isinstance(p, dict) and p.get("type") in vision.IMAGE_PARTS
+                   for m in messages if isinstance(m.get("content"), list) for p in m["content"])
+
+    def encode(self, encoder: ChatEncoder, row: dict, messages: list[dict], tools: list | None,
+               max_length: int, truncation: str, where: str) -> tuple[Encoded | None, bool]:
+        """The conversation with its images, placeholders expanded (None: over max_length and
+        dropped; images cannot be cut, so truncation=left drops too)."""
+        if self.prompter is None:
+            self.prompter = vision.VisionPrompter.from_model_dir(self.model_dir, self.tokenizer)
+        messages, inline = vision.with_image_parts(messages, placeholders=row.get(vision.IMAGES_KEY) is not None)
+        pictures = [vision.open_image(entry) for entry in vision.images_for(row, inline)]
+        enc = encoder.encode(messages, tools)
+        inputs = self.prompter.process(pictures)
+        ids, mask = self.prompter.expand(enc.input_ids, inputs, enc.loss_mask)
+        if len(ids) > max_length:
+            if truncation == "error":
+                raise DataFileError(f"{where}: the conversation has {len(ids)} tokens (its images "
+                                    f"expanded) > data.max_length={max_length}; raise it, or set "
+                                    "data.truncation=drop (skip such rows)")
+            return None, False
+        return Encoded(ids, mask, inputs), False

@@ -35,6 +35,9 @@ class Encoded:
     input_ids: list[int]
     loss_mask: list[int]
     """1 on tokens of assistant turns (what the loss covers), 0 elsewhere."""
+    images: Any = None
+    """The conversation's `ImageInputs` (polyrl/data/multimodal.py), its placeholders expanded
+    in `input_ids`; None for a text-only one."""
 
 
 def template_of(tokenizer: Any) -> str:

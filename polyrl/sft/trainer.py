@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,14 @@ from polyrl.trainer.interrupts import TrainingInterrupted, stop_on_signals
 from polyrl.trainer.sinks import build_sinks, check_available, close_all, log_all
 from polyrl.training import build_engine
 from polyrl.training.lora import apply_lora
-from polyrl.training.model_loading import load_causal_lm, load_tokenizer
+from polyrl.modeling import torch_dtype
+from polyrl.training import vlm
+from polyrl.training.model_loading import load_causal_lm, load_tokenizer, model_dir
 
 logger = logging.getLogger(__name__)
+
+PROCESSOR_CONFIG = "preprocessor_config.json"
+"""A vision-language model's image processor settings, copied into every checkpoint's policy/."""
 
 
 class SFTTrainer:
@@ -58,17 +64,25 @@ class SFTTrainer:
             (self.out / "config.yaml").write_text(to_yaml(cfg))
         seed_everything(cfg.trainer.seed)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
-        model = load_causal_lm(cfg.model.path, cfg.actor.param_dtype, cfg.model.trust_remote_code)
+        self.model_dir = model_dir(cfg.model.path)
+        if vlm.is_vlm_dir(self.model_dir):  # image chats: the vision tower trains with model.train_vision_tower
+            model = vlm.load_vlm(self.model_dir, torch_dtype(cfg.actor.param_dtype), cfg.model.trust_remote_code,
+                                 train_vision_tower=cfg.model.train_vision_tower)
+        else:
+            model = load_causal_lm(cfg.model.path, cfg.actor.param_dtype, cfg.model.trust_remote_code)
         actor_cfg = cfg.actor
         if cfg.model.enabled:  # LoRA exactly as a policy rank applies it (workers/policy.py)
             model = apply_lora(model, cfg.model)
             actor_cfg = actor_cfg.model_copy(update={"lr": cfg.actor.lr * cfg.model.lora_lr_scale})
-        context = getattr(model.config, "max_position_embeddings", None) or cfg.data.max_length
+        text_config = getattr(model.config, "text_config", None) or model.config  # a VLM's is nested
+        context = getattr(text_config, "max_position_embeddings", None) or cfg.data.max_length
         self.max_length = min(cfg.data.max_length, context)
-        self.train_set = load_sft_dataset(cfg.data.train_files, self.tokenizer, cfg.data, self.max_length, "train")
+        self.train_set = load_sft_dataset(cfg.data.train_files, self.tokenizer, cfg.data, self.max_length, "train",
+                                          model_dir=str(self.model_dir))
         self.val_set: SFTDataset | None = None
         if cfg.data.val_files:
-            self.val_set = load_sft_dataset(cfg.data.val_files, self.tokenizer, cfg.data, self.max_length, "val")
+            self.val_set = load_sft_dataset(cfg.data.val_files, self.tokenizer, cfg.data, self.max_length, "val",
+                                            model_dir=str(self.model_dir))
         self.loader = PromptLoader(self.train_set, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                    seed=cfg.data.seed, drop_last=cfg.data.drop_last)
         self.total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * len(self.loader)
@@ -210,6 +224,8 @@ class SFTTrainer:
             self._barrier()
             if self.rank == 0:
                 self.tokenizer.save_pretrained(str(tmp / "policy"))
+                if (self.model_dir / PROCESSOR_CONFIG).is_file():  # a VLM's policy/ takes images too
+                    shutil.copyfile(self.model_dir / PROCESSOR_CONFIG, tmp / "policy" / PROCESSOR_CONFIG)
                 driver = {"step": step, "data": self.loader.state_dict(), "rng": capture_rng(),
                           "initial_val": initial_val,
                           "wall_seconds": time.perf_counter() - self.start_time}
