@@ -196,3 +196,27 @@ def test_pickled_batch_holds_each_prompts_pixels_once(tiny):
             torch.testing.assert_close(a.image_grid_thw, b.image_grid_thw)
     assert back.images[0] is back.images[7] and back.images[0] is not back.images[8]
     assert pickle.loads(pickle.dumps(batch.replace(images=None))).images is None
+
+
+def test_gradient_checkpointing_replays_images_and_positions(tiny):
+    """Checkpointed layers (vision blocks and decoder layers) recompute in the backward with the
+    same image embeddings and M-RoPE positions: the same log-probs and gradients, packed."""
+    from polyrl.training import varlen
+
+    _, _, batch = tiny
+    results = []
+    for checkpointing in (False, True):
+        model = build_tiny_vl().train()
+        model.model.visual.requires_grad_(True)
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        varlen.use_varlen_attention(model)
+        mb = collate_packed(batch, [0, 1, 2, 3], CPU)
+        lp, _ = response_logprobs(model, mb)
+        (lp * mb.response_mask).sum().backward()
+        results.append((lp.detach(), {k: p.grad for k, p in model.named_parameters()}))
+    (lp_a, grads_a), (lp_b, grads_b) = results
+    torch.testing.assert_close(lp_b, lp_a, rtol=1e-5, atol=1e-6)
+    assert any(k.startswith("model.visual.") and g.abs().sum() > 0 for k, g in grads_a.items())
+    for k, g in grads_a.items():
+        torch.testing.assert_close(grads_b[k], g, rtol=1e-4, atol=1e-6, msg=k)
