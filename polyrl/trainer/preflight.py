@@ -142,7 +142,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def check_memory(cfg: JobConfig, model_config: Any | None, platform: Any = None) -> None:
     """A model that cannot fit a policy rank even sharded fails here, naming the memory a rank needs
     at least, what a rank has and the settings that would fit (polyrl/training/memory_floor.py
-    `rank_floor`, `fitting_changes`). The floor counts what the code surely allocates for the
+    `rank_floor`, `fitting_changes`), then on a device that an engine rank holds its weights
+    (`check_engine_memory`). The floor counts what the code surely allocates for the
     policy, its reference and a colocated engine (no activations, critic or teacher), so a run it
     refuses cannot fit. On a device platform a rank has one device; on a CPU a local run's ranks
     share the host's memory, and a cluster's CPU nodes (ray.address) are not checked.
@@ -174,9 +175,30 @@ def check_memory(cfg: JobConfig, model_config: Any | None, platform: Any = None)
                          other_ranks=0 if on_device else num_rollout_ranks(cfg))
     need, phase = mf.rank_need(shape, knobs, setting)
     have = mf.available_bytes(knobs, setting)
+    if need > have:
+        raise ConfigError([memory_message(cfg, shape, knobs, setting, need, phase, have, platform)])
+    if on_device:
+        check_engine_memory(cfg, shape, setting, platform)
+
+
+def check_engine_memory(cfg: JobConfig, shape: Any, setting: Any, platform: Any) -> None:
+    """An engine rank must hold its share of the weights (rollout.dtype), before any KV cache:
+    vLLM and SGLang within rollout.gpu_memory_utilization of the device."""
+    from polyrl.training import memory_floor as mf
+    from polyrl.training.memory_plan import GiB as gib
+
+    need, have = mf.engine_need(shape, setting)
     if need <= have:
         return
-    raise ConfigError([memory_message(cfg, shape, knobs, setting, need, phase, have, platform)])
+    r = cfg.rollout
+    within = (f"its rollout.gpu_memory_utilization={r.gpu_memory_utilization} of a {platform.name} device's "
+              f"{setting.device_bytes / gib:.1f} GiB is {have / gib:.1f} GiB" if setting.engine == "share"
+              else f"a {platform.name} device has {have / gib:.1f} GiB")
+    changes = mf.engine_changes(shape, setting, capabilities(r.backend).tensor_parallel)
+    fix = ("fits: " + "; ".join(changes)) if changes else "use a smaller model or devices with more memory"
+    raise ConfigError([f"rollout.backend={r.backend}: the engine's {r.dtype} weights of model.path={cfg.model.path} "
+                       f"({shape.params / 1e9:.2f}B parameters) need {need / gib:.1f} GiB per engine rank at "
+                       f"rollout.tensor_parallel_size={r.tensor_parallel_size}, but {within}; {fix}"])
 
 
 def memory_message(cfg: JobConfig, shape: Any, knobs: Any, setting: Any, need: float, phase: str,

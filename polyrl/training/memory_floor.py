@@ -10,6 +10,7 @@ may still need activation memory on top.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,6 +22,9 @@ FORMULA_MODEL_TYPES = ("qwen2", "llama")
 """config.json model types whose parameters `Shape` counts by formula (no torch, no transformers:
 the dry run stays light); other models are counted on the meta device."""
 LORA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MAX_MEMORY_SHARE = 0.95
+"""The largest rollout.gpu_memory_utilization the pre-flight suggests (the CUDA context and the
+allocator need the rest)."""
 MAX_RANKS = 4096
 """The largest actor.world_size the pre-flight considers when it looks for one that fits."""
 
@@ -214,6 +218,36 @@ def fitting_changes(s: Shape, k: Knobs, f: Setting) -> list[str]:
             out.append(keys)
         elif (n := fewest_ranks(s, changed, f)) is not None:
             out.append(keys + [f"actor.world_size>={n}"] + [key for key in fsdp2 if key not in keys])
+    return [" and ".join(keys) for keys in out]
+
+
+def engine_need(s: Shape, f: Setting) -> tuple[float, float]:
+    """(bytes of one engine rank's weights in rollout.dtype, what that engine rank may hold) on a
+    device: vLLM and SGLang load their shard within rollout.gpu_memory_utilization of the device,
+    the native engine (no tensor parallelism) its whole copy within the device, others their
+    shard within the device."""
+    tp = 1 if f.engine == "copy" else f.tensor_parallel
+    have = f.memory_share * f.device_bytes if f.engine == "share" else f.device_bytes
+    return f.engine_dtype * s.params / tp, have
+
+
+def engine_changes(s: Shape, f: Setting, tensor_parallel: bool) -> list[str]:
+    """Engine settings whose weights would fit, computed: a larger tensor-parallel size (a power of
+    two dividing the attention heads, for an engine that declares tensor_parallel), a larger
+    memory share (vLLM, SGLang), bfloat16 weights."""
+    need, have = engine_need(s, f)
+    out: list[list[str]] = []
+    sizes = [t for t in (2, 4, 8, 16, 32, 64) if t > f.tensor_parallel and s.heads % t == 0]
+    for dtype, label in [(f.engine_dtype, [])] + ([(2, ["rollout.dtype=bfloat16"])] if f.engine_dtype > 2 else []):
+        f_dtype = replace(f, engine_dtype=dtype)
+        if label and engine_need(s, f_dtype)[0] <= have:
+            out.append(label)
+            continue
+        t = next((t for t in sizes if engine_need(s, replace(f_dtype, tensor_parallel=t))[0] <= have), None)
+        if tensor_parallel and t is not None:
+            out.append(label + [f"rollout.tensor_parallel_size>={t}"])
+    if f.engine == "share" and (share := math.ceil(20 * need / f.device_bytes) / 20) <= MAX_MEMORY_SHARE:
+        out.append([f"rollout.gpu_memory_utilization>={share:g}"])
     return [" and ".join(keys) for keys in out]
 
 

@@ -68,7 +68,8 @@ def test_dry_run_refuses_a_model_too_big_for_its_ranks_with_the_numbers(big_mode
     assert f"actor.param_dtype=bfloat16 and actor.world_size>={bf16_ranks}" in err
     assert "Traceback" not in err and err.count("\n") == 1
     # what the message says fits, fits (each change: the next test); one rank fewer does not
-    assert main([*argv, f"actor.world_size={ranks}"]) == 0
+    engine = ["rollout.backend=vllm", "rollout.tensor_parallel_size=8", "--engine-version", "0.11.0"]
+    assert main([*argv, f"actor.world_size={ranks}", *engine]) == 0
     assert main([*argv, f"actor.world_size={ranks - 1}"]) == 2
     capsys.readouterr()
 
@@ -116,6 +117,20 @@ def test_every_change_the_message_names_fits_and_fewer_ranks_do_not():
             fewer = int(ranks[0].split("=")[1]) - 1
             assert refusal(job(*base, *[o for o in overrides if o not in ranks], f"actor.world_size={fewer}"),
                            config) is not None, change
+
+
+def test_an_engine_rank_must_hold_its_weights():
+    base = [*STANDALONE, "actor.world_size=18", "rollout.backend=vllm"]
+    msg = refusal(job(*base), QWEN25_72B)
+    assert msg.startswith("rollout.backend=vllm: the engine's float32 weights of model.path=")
+    assert f"need {gib(4 * P72)} per engine rank at rollout.tensor_parallel_size=1" in msg
+    assert f"rollout.gpu_memory_utilization=0.5 of a cuda device's {gib(H100)} is {gib(H100 / 2)}" in msg
+    # 4 P / 8 and 2 P / 4 bytes fit half of an H100; 4 P / 4 does not
+    assert msg.endswith("fits: rollout.tensor_parallel_size>=8; "
+                        "rollout.dtype=bfloat16 and rollout.tensor_parallel_size>=4")
+    assert refusal(job(*base, "rollout.tensor_parallel_size=8"), QWEN25_72B) is None
+    assert refusal(job(*base, "rollout.tensor_parallel_size=4", "rollout.dtype=bfloat16"), QWEN25_72B) is None
+    assert refusal(job(*base, "rollout.tensor_parallel_size=4"), QWEN25_72B) is not None
 
 
 def test_a_device_of_unknown_memory_is_not_checked():
