@@ -3,8 +3,8 @@
 The launch plan (polyrl/topology/launch_plan.py:plan_launch) builds one `RolePlan` per policy
 rank, rollout actor and standalone distillation teacher rank from the run's topology
 (polyrl/distributed/topologies.py) and starts the actor with it; the workers
-(polyrl/workers/policy.py, rollout_worker.py, streaming_replica.py, teacher.py) act on it and never read `rollout.placement` or `trainer.mode`. `polyrl train --dry-run` prints
-the same plans. Pure data: it pickles into a Ray actor and is compared in tests.
+(polyrl/workers/policy.py, rollout_worker.py, streaming_replica.py, teacher.py) act on it and
+never read `rollout.placement` or `trainer.mode`. `polyrl train --dry-run` prints the same plans. Pure data: it pickles into a Ray actor and is compared in tests.
 """
 
 from __future__ import annotations

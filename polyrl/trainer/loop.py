@@ -234,7 +234,8 @@ class Trainer:
         try:
             if first == 1 and self.val_loader is not None and cfg.trainer.val_before_train:
                 initial = self.validate()
-            if first == 1 and self.val_loader is not None and cfg.distill.enabled and cfg.distill.validate_teacher:
+            if first == 1 and self.val_loader is not None and cfg.distill.enabled \
+                    and cfg.distill.validate_teacher:  # once: a resumed run keeps the first
                 self.teacher_val = self.validate_teacher()
             if first == 1 and (initial or self.teacher_val):
                 writer.log(0, {**(initial or {}), **(self.teacher_val or {})})
