@@ -168,6 +168,9 @@ class Trainer:
         self.teacher = self.policy  # the ranks that hold the distillation teacher
         if cfg.distill.standalone_ranks:  # distill.placement=standalone: its own ranks
             self.teacher = self.topology.start_teacher()
+            logger.info("distillation teacher: %s (%.2fM parameters) on %d rank(s) of its own (%s)",
+                        cfg.distill.teacher, self.teacher.num_params / 1e6, self.teacher.world_size,
+                        cfg.distill.strategy or cfg.actor.strategy)
         self.use_rollout_logprobs = use_rollout_logprobs(cfg)
         self.checkpoints = CheckpointWriter(self.out, cfg.trainer.keep_last)
         # model + tokenizer + two Adam moments, fp32, for each kept checkpoint plus the one in flight
