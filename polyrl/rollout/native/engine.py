@@ -138,6 +138,9 @@ class NativeEngine:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
         self.tokenizer = tokenizer
+        self.model_dir = model_dir
+        """The directory loaded (None when built from an in-memory model): the server reads a
+        vision-language model's image processor there."""
         self.batch_invariant = bool(batch_invariant)
         self._weights = ModelWeights.from_state_dict(self.spec, state, self.dtype, self.device,
                                                      batch_hint=max_num_seqs, pack=not self.batch_invariant)

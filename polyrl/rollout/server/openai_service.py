@@ -5,6 +5,9 @@ sampling fields become `SamplingParams`, and the engine does the rest. Input err
 `RolloutInputError(field, ...)` with the field named as the *client* sent it ("prompt",
 "messages"), which `app.py` turns into HTTP 400.
 
+Chat messages with image content parts (a vision-language model) go through
+`openai_images.py`: expanded ids plus the images, handed to the engine with `images=`.
+
 With `stream=true` the engine's per-request token stream (`generate_stream`) is forwarded as SSE
 chunks while the request runs (see `openai_stream.py`).
 """
@@ -18,6 +21,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from polyrl.rollout.base import RolloutInputError, SamplingParams, TokenOutput
 from polyrl.rollout.server.openai_format import TokenText, envelope, finish_reason, usage
+from polyrl.rollout.server.openai_images import ChatImages, has_image_parts
 from polyrl.rollout.server.openai_stream import FinishedStream, close_all, sse_events
 from polyrl.rollout.server.protocol import (
     COMPLETION_MAX_TOKENS,
@@ -52,6 +56,7 @@ class OpenAIService:
         self.accepted_names = {model_name, *aliases}
         self.tokenizer = getattr(engine, "tokenizer", None)
         self.text = TokenText(self.tokenizer)
+        self.images = ChatImages(engine, self.tokenizer)
         self.max_model_len: int | None = getattr(engine, "max_model_len", None)
 
     def models(self) -> dict:
@@ -131,13 +136,20 @@ class OpenAIService:
         max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), None)
         top = (req.top_logprobs or 0) if req.logprobs else 0
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        messages = [m.as_template_input() for m in req.messages]
+        images = None
+        if has_image_parts(messages) and trajectory is not None:
+            raise RolloutInputError("messages", "image content parts in a recorded trajectory are not supported yet")
         if trajectory is not None:
             prompt, out, sampling = await self.recorder_or_fail().chat_turn(
                 trajectory, self.engine, [m.as_template_input() for m in req.messages], self._render_messages,
                 TurnRequest.of(req, max_tokens, top), text=self.text.text)
             outs = [out]
         else:
-            prompt = self._render_messages([m.as_template_input() for m in req.messages])
+            if has_image_parts(messages):
+                prompt, images = self.images.prompt(messages, self._template_text)
+            else:
+                prompt = self._render_messages(messages)
             if max_tokens is None:  # OpenAI's chat default: as long as the context allows
                 max_tokens = max(1, (self.max_model_len or len(prompt) + 256) - len(prompt))
             sampling = req.sampling(max_tokens, top_logprobs=top)
@@ -146,7 +158,7 @@ class OpenAIService:
             if trajectory is not None:
                 streams = [FinishedStream(outs)]
             else:
-                streams = await self._open_streams([prompt], sampling, rid, field="messages")
+                streams = await self._open_streams([prompt], sampling, rid, field="messages", images=[images])
 
             def choice(index, delta, piece, reason):
                 logprobs = self.text.chat_logprobs(_partial(delta)) if req.logprobs and delta.token_ids else None
@@ -162,7 +174,7 @@ class OpenAIService:
                               choice=choice, prompt_tokens=len(prompt),
                               include_usage=req.include_usage_in_stream, opening=opening)
         if trajectory is None:
-            (outs,) = await self._generate_all([prompt], sampling, rid, field="messages")
+            (outs,) = await self._generate_all([prompt], sampling, rid, field="messages", images=[images])
         choices = [{
             "index": i, "message": {"role": "assistant", "content": self.text.text(out)},
             "logprobs": self.text.chat_logprobs(out) if req.logprobs else None,
@@ -223,23 +235,26 @@ class OpenAIService:
             raise RolloutInputError("messages", "this model has no chat template; use /v1/completions")
 
     def _render_messages(self, messages: list[dict]) -> list[int]:
+        # The template already wrote any BOS / special tokens as text.
+        return self.tokenizer.encode(self._template_text(messages), add_special_tokens=False)
+
+    def _template_text(self, messages: list[dict]) -> str:
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # the template itself rejects the conversation (jinja raise)
             raise RolloutInputError("messages", f"the chat template rejected them: {exc}") from None
-        # The template already wrote any BOS / special tokens as text.
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def _open_streams(self, prompts: list[list[int]], sampling: SamplingParams, rid: str,
-                            field: str) -> list[Any]:
+                            field: str, images: list[Any] | None = None) -> list[Any]:
         """One token stream per prompt, all queued before the response starts (input errors -> 400)."""
         if not hasattr(self.engine, "generate_stream"):
-            results = await self._generate_all(prompts, sampling, rid, field)
+            results = await self._generate_all(prompts, sampling, rid, field, images)
             return [FinishedStream(outs) for outs in results]
         streams: list[Any] = []
         try:
             for i, p in enumerate(prompts):
-                streams.append(self.engine.generate_stream(p, sampling, f"{rid}-{i}"))
+                streams.append(self.engine.generate_stream(p, sampling, f"{rid}-{i}",
+                                                           **_image_kwargs(images, i)))
         except RolloutInputError as exc:
             close_all(streams)
             raise _client_field(exc, field) from None
@@ -249,9 +264,9 @@ class OpenAIService:
         return streams
 
     async def _generate_all(self, prompts: list[list[int]], sampling: SamplingParams, rid: str,
-                            field: str) -> list[list[TokenOutput]]:
+                            field: str, images: list[Any] | None = None) -> list[list[TokenOutput]]:
         """All prompts concurrently; one failure cancels the rest (their slots free at once)."""
-        tasks = [asyncio.ensure_future(self.engine.generate(p, sampling, f"{rid}-{i}"))
+        tasks = [asyncio.ensure_future(self.engine.generate(p, sampling, f"{rid}-{i}", **_image_kwargs(images, i)))
                  for i, p in enumerate(prompts)]
         try:
             return list(await asyncio.gather(*tasks))
@@ -260,6 +275,12 @@ class OpenAIService:
         finally:
             for task in tasks:
                 task.cancel()
+
+
+def _image_kwargs(images: list[Any] | None, i: int) -> dict:
+    """`images=` for prompt i only where it has images: an engine without image support is never
+    handed the keyword by a text request."""
+    return {} if images is None or images[i] is None else {"images": images[i]}
 
 
 def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:

@@ -123,6 +123,10 @@ class CompletionRequest(_SamplingRequest):
         return list(p)  # type: ignore[arg-type]
 
 
+_IMAGE_PARTS = ("image", "image_url")
+"""Content-part types holding an image (polyrl/data/vision.py's IMAGE_PARTS)."""
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -130,9 +134,10 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def as_template_input(self) -> dict[str, Any]:
-        """Plain-text content for the chat template (text parts of a multi-part message joined)."""
+        """Plain-text content for the chat template (text parts of a multi-part message joined);
+        a message with image parts keeps its parts (openai_images.py renders those)."""
         content = self.content
-        if isinstance(content, list):
+        if isinstance(content, list) and not any(part.get("type") in _IMAGE_PARTS for part in content):
             content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
         return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
 
