@@ -33,31 +33,33 @@ def images_of(prompts: Sequence[Any] | None) -> list[ImageInputs | None] | None:
     return out if any(x is not None for x in out) else None
 
 
-def image_counts(images: Sequence[ImageInputs | None]) -> torch.Tensor:
-    """[n] int64: images per sample (0 for a text-only one)."""
-    return torch.tensor([0 if x is None else x.num_images for x in images], dtype=torch.long)
+def distinct(images: Sequence[ImageInputs | None]) -> tuple[list[ImageInputs], torch.Tensor]:
+    """(the distinct objects in order of first appearance, [n] int64 index of each sample's
+    object or -1): the samples of one prompt share its object, so its pixels count once."""
+    seen: dict[int, int] = {}
+    objects: list[ImageInputs] = []
+    index = torch.full((len(images),), -1, dtype=torch.long)
+    for i, x in enumerate(images):
+        if x is not None:
+            if id(x) not in seen:
+                seen[id(x)] = len(objects)
+                objects.append(x)
+            index[i] = seen[id(x)]
+    return objects, index
 
 
 def pack(images: Sequence[ImageInputs | None]) -> tuple[np.ndarray, ...]:
     """(pixels [P, D], grids [I, 3], per distinct object its patch and image offsets, per sample
     the index of its object or -1): every distinct object's tensors once."""
-    distinct: dict[int, int] = {}
-    objects: list[ImageInputs] = []
-    index = np.full(len(images), -1, dtype=np.int64)
-    for i, x in enumerate(images):
-        if x is not None:
-            if id(x) not in distinct:
-                distinct[id(x)] = len(objects)
-                objects.append(x)
-            index[i] = distinct[id(x)]
+    objects, index = distinct(images)
     if not objects:
         return (np.zeros((0, 0), np.float32), np.zeros((0, 3), np.int64), np.zeros(1, np.int64),
-                np.zeros(1, np.int64), index)
+                np.zeros(1, np.int64), index.numpy())
     patches = np.cumsum([0] + [x.pixel_values.shape[0] for x in objects])
     grids = np.cumsum([0] + [x.num_images for x in objects])
     pixels = torch.cat([x.pixel_values for x in objects]).numpy()
     thw = torch.cat([x.image_grid_thw for x in objects]).numpy()
-    return pixels, thw, patches, grids, index
+    return pixels, thw, patches, grids, index.numpy()
 
 
 def unpack(pixels: np.ndarray, thw: np.ndarray, patches: np.ndarray, grids: np.ndarray,

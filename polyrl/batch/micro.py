@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from polyrl.batch.images import image_counts
+from polyrl.batch.images import distinct
 from polyrl.batch.ragged import Ragged
 from polyrl.batch.rollout_batch import RolloutBatch
 
@@ -35,10 +35,13 @@ class MicroBatch:
     response_lengths: torch.Tensor
     """[b] real response tokens per row (entries past it are padding)."""
     images: Any | None = None
-    """The rows' images (`ImageInputs`, polyrl/data/multimodal.py) concatenated in row order: what
-    the model's vision tower reads in one call; None when no row has any."""
-    image_counts: torch.Tensor | None = None
-    """[b] images per row (which grid rows are whose), set with `images`."""
+    """The rows' distinct images (`ImageInputs`, polyrl/data/multimodal.py; the samples of one
+    prompt share theirs) concatenated: what the vision tower encodes in one call, each prompt's
+    images once however many of its samples the micro-batch holds; None when no row has any."""
+    image_index: torch.Tensor | None = None
+    """[b] int64, set with `images`: which of the distinct `ImageInputs` is row i's (-1: none)."""
+    image_objects: torch.Tensor | None = None
+    """[k] int64, set with `images`: images of each distinct `ImageInputs`, in order."""
     prompt_lengths: torch.Tensor | None = None
     """[b] prompt tokens per row, set with `images`: image placeholders count only there (a
     sampled response token is text, whatever its id)."""
@@ -74,11 +77,13 @@ def collate(batch: RolloutBatch, indices: list[int] | torch.Tensor, device: torc
         return None if r is None else r.padded(R).float().to(device)
 
     old = sub.old_logprobs if sub.old_logprobs is not None else sub.rollout_logprobs
-    images = counts = None
+    images = index = per_object = None
     if sub.images is not None and any(x is not None for x in sub.images):
         from polyrl.data.multimodal import ImageInputs
 
-        images, counts = ImageInputs.concat(sub.images).to(device), image_counts(sub.images)
+        objects, index = distinct(sub.images)
+        images = ImageInputs.concat(objects).to(device)
+        per_object = torch.tensor([x.num_images for x in objects], dtype=torch.long)
     return MicroBatch(
         input_ids=input_ids.to(device), attention_mask=attention.long().to(device),
         gather_index=gather_index.to(device), target_ids=response.to(device),
@@ -86,7 +91,7 @@ def collate(batch: RolloutBatch, indices: list[int] | torch.Tensor, device: torc
         rollout_logprobs=rows(sub.rollout_logprobs), advantages=rows(sub.token_advantage_rows()),
         ref_logprobs=rows(sub.ref_logprobs), values=rows(sub.values), returns=rows(sub.returns),
         indices=idx, response_lengths=R_len,
-        images=images, image_counts=counts, prompt_lengths=None if images is None else P,
+        images=images, image_index=index, image_objects=per_object, prompt_lengths=None if images is None else P,
     )
 
 

@@ -8,9 +8,10 @@ tokens instead of rows x longest, with attention costing sum(L_i^2). `collate_pa
 varlen=False)` gives the older layout instead: a dense block-diagonal causal [1, 1, T, T] mask
 for any attention (T^2 scores; kept as the benchmark's baseline, benchmarks/packing.py).
 
-Per-token fields stay response-aligned [b, R] exactly as in `MicroBatch` (the rows' images too,
-concatenated in row order, which is segment order); only `gather_index` changes meaning: it indexes the packed row (position in [0, T)). `response_logprobs`
-(polyrl/training/logprobs.py) reads a packed batch through `position_ids` and `cu_seq_lens`.
+Per-token fields stay response-aligned [b, R] exactly as in `MicroBatch`, and so do the rows'
+images; only `gather_index` changes meaning: it indexes the packed row (position in [0, T)).
+`response_logprobs` (polyrl/training/logprobs.py) reads a packed batch through `position_ids` and
+`cu_seq_lens`.
 
 `plan_layout` / `collate_layout` choose between the padded and the packed layout for
 `actor.packing` (auto packs where the padded plan would be mostly padding, `PACK_MIN_PADDING`).
@@ -65,8 +66,9 @@ def collate_packed(batch: RolloutBatch, indices: list[int] | torch.Tensor, devic
         old_logprobs=dev(mb.old_logprobs), rollout_logprobs=dev(mb.rollout_logprobs),
         advantages=dev(mb.advantages), ref_logprobs=dev(mb.ref_logprobs), values=dev(mb.values),
         returns=dev(mb.returns), indices=mb.indices, response_lengths=mb.response_lengths,
-        images=None if mb.images is None else mb.images.to(device), image_counts=mb.image_counts,
-        prompt_lengths=mb.prompt_lengths, position_ids=position_ids.to(device), cu_seq_lens=dev(cu_seq_lens))
+        images=None if mb.images is None else mb.images.to(device), image_index=mb.image_index,
+        image_objects=mb.image_objects, prompt_lengths=mb.prompt_lengths,
+        position_ids=position_ids.to(device), cu_seq_lens=dev(cu_seq_lens))
 
 
 def plan_packed(lengths: list[int] | torch.Tensor, token_budget: int) -> list[list[int]]:

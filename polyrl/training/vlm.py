@@ -7,7 +7,8 @@ What differs from a causal LM, and nothing else:
   vision tower frozen unless `model.train_vision_tower`;
 - the forward of a micro-batch with images (`image_forward`, called by
   polyrl/training/logprobs.py): the vision tower encodes the micro-batch's images in one call,
-  their embeddings replace the prompt's image placeholders, and the M-RoPE positions come from
+  each prompt's once however many of its samples are there (GRPO's group shares them), their
+  embeddings replace every such sample's image placeholders, and the M-RoPE positions come from
   the model's own rope-index function (`get_rope_index`) per sample, from the ids and the image
   grids, never shipped in the batch. A packed row (polyrl/batch/packed.py) gets each sample's
   positions computed on its own segment and concatenated: M-RoPE positions depend only on the
@@ -136,14 +137,17 @@ def image_forward(model: torch.nn.Module, mb: Any, kwargs: dict) -> torch.Tensor
     kwargs = dict(kwargs)
     if mb.images is not None:
         image_mask = _image_positions(mb, base.config.image_token_id)
-        features = torch.cat(base.get_image_features(mb.images.pixel_values,
-                                                     mb.images.image_grid_thw).pooler_output)
+        # each distinct prompt's images encoded once, then handed to every row of that prompt
+        per_image = base.get_image_features(mb.images.pixel_values, mb.images.image_grid_thw).pooler_output
+        rows = _row_images(mb)
+        features = torch.cat([per_image[j] for images in rows for j in images])
         if int(image_mask.sum()) != features.shape[0]:
             raise VLMError(f"a micro-batch's prompts hold {int(image_mask.sum())} image placeholder tokens but "
                            f"their images make {features.shape[0]}: the prompt ids were not expanded by "
                            "this model's processor")
         embeds = embeds.masked_scatter(image_mask.unsqueeze(-1), features.to(embeds.dtype))
-        kwargs["position_ids"] = mrope_positions(base, mb, image_mask)
+        grids = [mb.images.image_grid_thw[images] for images in rows]
+        kwargs["position_ids"] = mrope_positions(base, mb, image_mask, grids)
     else:  # FSDP2 (runs_tower_every_forward): the tower's collectives, nothing of its output
         embeds = embeds + _blank_image_features(base).sum().to(embeds.dtype) * 0
     out = base(input_ids=None, inputs_embeds=embeds, attention_mask=mb.attention_mask, **kwargs)
@@ -164,23 +168,27 @@ def _image_positions(mb: Any, image_token_id: int) -> torch.Tensor:
     return (ids == image_token_id) & in_prompt
 
 
-def mrope_positions(base: torch.nn.Module, mb: Any, image_mask: torch.Tensor) -> torch.Tensor:
-    """[3, b, L] (packed: [3, 1, T]) M-RoPE position ids from the model's `get_rope_index`: on
-    the padded rows at once, or on each packed sample's segment with its own image grids."""
+def _row_images(mb: Any) -> list[list[int]]:
+    """Per row, the indices of its images among the micro-batch's distinct ones (`mb.images`)."""
+    first = [0, *torch.cumsum(mb.image_objects, 0).tolist()]
+    return [[] if k < 0 else list(range(first[k], first[k + 1])) for k in mb.image_index.tolist()]
+
+
+def mrope_positions(base: torch.nn.Module, mb: Any, image_mask: torch.Tensor,
+                    grids: list[torch.Tensor]) -> torch.Tensor:
+    """[3, b, L] (packed: [3, 1, T]) M-RoPE position ids from the model's `get_rope_index`, given
+    each row's image grids: on the padded rows at once, or on each packed sample's segment."""
     types = image_mask.to(torch.int32)
-    grid = mb.images.image_grid_thw
     if getattr(mb, "cu_seq_lens", None) is None:
-        return base.get_rope_index(mb.input_ids, types, image_grid_thw=grid,
+        return base.get_rope_index(mb.input_ids, types, image_grid_thw=torch.cat(grids),
                                    attention_mask=mb.attention_mask)[0]
     bounds = mb.cu_seq_lens.tolist()
-    first_image = [0, *torch.cumsum(mb.image_counts, 0).tolist()]
     parts = []
-    for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if first_image[i + 1] == first_image[i]:  # text only: the rope index is the plain count
+    for (s, e), grid in zip(zip(bounds[:-1], bounds[1:]), grids):
+        if len(grid) == 0:  # text only: the rope index is the plain count
             parts.append(torch.arange(e - s, device=mb.input_ids.device).view(1, 1, -1).expand(3, 1, -1))
-            continue
-        parts.append(base.get_rope_index(mb.input_ids[:, s:e], types[:, s:e],
-                                         image_grid_thw=grid[first_image[i]:first_image[i + 1]])[0])
+        else:
+            parts.append(base.get_rope_index(mb.input_ids[:, s:e], types[:, s:e], image_grid_thw=grid)[0])
     return torch.cat(parts, dim=2)
 
 

@@ -165,16 +165,39 @@ def test_for_training_takes_the_images_of_the_prompts(tiny):
     assert batch.replace(images=None, prompts=[SimpleNamespace(images=None)] * len(batch)).for_training().images is None
 
 
-def test_micro_batch_gets_its_rows_images_in_row_order(tiny):
+def test_micro_batch_gets_its_rows_images(tiny):
     _, _, batch = tiny
     for packed in (False, True):
         mb = (collate_packed if packed else collate)(batch, [3, 1, 2], CPU)
-        assert mb.image_counts.tolist() == [1, 0, 2]
+        assert mb.image_index.tolist() == [0, -1, 1] and mb.image_objects.tolist() == [1, 2]
         want = [batch.images[3], batch.images[2]]
         torch.testing.assert_close(mb.images.pixel_values, torch.cat([x.pixel_values for x in want]))
         torch.testing.assert_close(mb.images.image_grid_thw, torch.cat([x.image_grid_thw for x in want]))
         assert mb.prompt_lengths.tolist() == batch.prompt_ids.lengths[[3, 1, 2]].tolist()
     assert collate(batch, [1], CPU).images is None  # a text-only micro-batch has none
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_a_group_s_shared_images_are_encoded_once(tiny, packed):
+    """Two samples of each of two prompts (one image; two images) in one micro-batch: the vision
+    tower reads each prompt's pixels once, and every sample scores as its own HF forward."""
+    from polyrl.training import varlen
+
+    model, processor, _ = tiny
+    batch = image_batch(processor, samples_per_prompt=2)
+    rows = [0, 4, 1, 5]
+    mb = (collate_packed if packed else collate)(batch, rows, CPU)
+    once = batch.images[0].pixel_values.shape[0] + batch.images[4].pixel_values.shape[0]
+    assert mb.images.pixel_values.shape[0] == once
+    assert mb.image_index.tolist() == [0, 1, 0, 1]
+    if packed:
+        varlen.use_varlen_attention(model)
+    try:
+        got = per_sample(model, batch, [rows], packed)
+        for i in rows:
+            torch.testing.assert_close(got[i], hf_logprobs(model, batch, i), rtol=1e-5, atol=1e-5, msg=f"sample {i}")
+    finally:
+        model.set_attn_implementation("sdpa")
 
 
 def test_pickled_batch_holds_each_prompts_pixels_once(tiny):
