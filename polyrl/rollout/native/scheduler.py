@@ -136,7 +136,7 @@ class Scheduler:
         """Validate a prompt's images (`ImageInputs` or None) against its checked ids."""
         if images is None and self.vision is None:
             return None  # a text-only model's text prompt: nothing to look at
-        return check_images(images, prompt, self.vision)
+        return check_images(images, prompt, self.vision, digests=self.cache.prefix_budget > 0)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)

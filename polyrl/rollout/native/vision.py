@@ -162,7 +162,8 @@ class PromptImages:
     rope_delta: int
     """Decode position = cache index + rope_delta (all three rows)."""
     keys: tuple[str, ...]
-    """A digest of each image (grid and pixels), in order: the prefix cache keys on them."""
+    """A digest of each image (grid and pixels), in order: the prefix cache keys on them (empty
+    when the engine keeps no prefix cache)."""
     spans: tuple[tuple[int, int], ...]
     """[start, end) of each image's pad tokens in the prompt."""
     patch_offsets: tuple[int, ...]
@@ -188,11 +189,13 @@ def image_digest(pixels: torch.Tensor, grid: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def check_images(images: Any, prompt: list[int], spec: VisionSpec | None) -> PromptImages | None:
+def check_images(images: Any, prompt: list[int], spec: VisionSpec | None, *,
+                 digests: bool = True) -> PromptImages | None:
     """Validate a request's images against its ids; None for a text-only prompt.
 
     The ids must hold one run of `<|image_pad|>` per image, of t*h*w / merge**2 tokens each, as
-    the processor expands them (a run per image is also what `get_rope_index` assumes)."""
+    the processor expands them (a run per image is also what `get_rope_index` assumes).
+    `digests=False` (no prefix cache to key) skips hashing the pixels: `keys` is then empty."""
     if spec is None:
         if images is not None:
             raise RolloutInputError("images", "this model is text-only; serve a vision-language model "
@@ -221,7 +224,8 @@ def check_images(images: Any, prompt: list[int], spec: VisionSpec | None) -> Pro
         raise RolloutInputError("images", f"image_grid_thw describes {patches[-1]} patches, pixel_values "
                                 f"has {pixel_values.shape[0]}")
     positions, delta = mrope_positions(prompt, grid, spec.image_token_id, merge)
-    keys = tuple(image_digest(pixel_values[patches[i]:patches[i + 1]], grid[i]) for i in range(len(counts)))
+    keys = tuple(image_digest(pixel_values[patches[i]:patches[i + 1]], grid[i])
+                 for i in range(len(counts))) if digests else ()
     spans = tuple((start, start + n) for start, n in runs)
     return PromptImages(pixel_values, grid, positions, delta, keys, spans, tuple(patches))
 
