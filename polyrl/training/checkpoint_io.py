@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import struct
+from dataclasses import replace
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -144,15 +145,18 @@ def write_hf_dir(out: Path, named: Iterable[tuple[str, torch.Tensor]] | WeightSt
     (with an index when there are several), config and generation config; `dtype` casts
     floating-point tensors. Given a WeightStream (specs up front, tensors gathered or merged one
     at a time), each file's header is written from the specs and every tensor goes to disk as
-    it arrives, so the writer holds one tensor, never a file's worth. `write=False` only
-    consumes the stream (the other ranks of a gather)."""
+    it arrives, so the writer holds one tensor, never a file's worth; a tensor the stream
+    announces in row slices (`TensorSpec.pieces`) is written slice by slice (a dim-0 slice is a
+    contiguous byte range of the file), so the writer holds one slice, never that tensor.
+    `write=False` only consumes the stream (the other ranks of a gather)."""
     stream = as_stream(named)
+    items = _items(stream)
     if not write:
-        for _ in stream:
+        for _ in items:
             pass
         return
     out.mkdir(parents=True, exist_ok=True)
-    specs = [TensorSpec(s.name, s.shape, dtype if dtype is not None and s.dtype.is_floating_point else s.dtype)
+    specs = [replace(s, dtype=dtype) if dtype is not None and s.dtype.is_floating_point else s
              for s in stream.specs]
     files: list[list[TensorSpec]] = [[]]
     size = 0
@@ -164,7 +168,7 @@ def write_hf_dir(out: Path, named: Iterable[tuple[str, torch.Tensor]] | WeightSt
         size += spec.nbytes
     n = len(files)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    tensors = iter(stream)
+    tensors = items
     parts = []
     for i, file_specs in enumerate(files):
         part = out / f".part-{i:05d}.safetensors"
@@ -211,22 +215,29 @@ def write_safetensors(path: Path, specs: list[TensorSpec], tensors: Iterator[tup
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for spec in specs:
-            item = next(tensors, None)
-            if item is None or item[0] != spec.name:
-                raise ValueError(f"{path.name}: expected '{spec.name}', the stream gave "
-                                 f"{'nothing' if item is None else repr(item[0])}")
-            t = item[1].detach().to("cpu", spec.dtype).contiguous().reshape(-1)
-            del item
-            f.write(t.view(torch.uint8).numpy().data)
-            del t
+            for _ in range(max(len(getattr(spec, "pieces", ())) - 1, 1)):  # its row slices, in order
+                item = next(tensors, None)
+                if item is None or item[0] != spec.name:
+                    raise ValueError(f"{path.name}: expected '{spec.name}', the stream gave "
+                                     f"{'nothing' if item is None else repr(item[0])}")
+                t = item[1].detach().to("cpu", spec.dtype).contiguous().reshape(-1)
+                del item
+                f.write(t.view(torch.uint8).numpy().data)
+                del t
+
+
+def _items(stream: WeightStream) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream's items as produced: row slices of a tensor announced in pieces, else whole."""
+    return stream.pieces() if getattr(stream, "sliced", False) else iter(stream)
 
 
 def model_tensors(model: torch.nn.Module, stream: WeightStream) -> WeightStream:
-    """`stream` (the gathered parameters) followed by the model's persistent buffers."""
+    """`stream` (the gathered parameters, row slices kept as such) followed by the model's
+    persistent buffers."""
     buffers = _persistent_buffers(model)
 
     def tensors():
-        yield from stream
+        yield from _items(stream)
         yield from buffers
     specs = list(stream.specs) + [TensorSpec(n, tuple(b.shape), b.dtype) for n, b in buffers]
     return WeightStream(specs, tensors(), device=stream.device)
