@@ -14,6 +14,7 @@ import torch
 
 from polyrl.data import DataConfig, DataFileError, load_dataset
 from polyrl.data.multimodal import ImageInputs
+from cli_runs import train_here  # noqa: F401  (a fixture)
 from tiny_vl import IMAGE_PAD, png_bytes, shape_image, tiny_vl_processor, write_tiny_vl_processor_dir
 
 GEO3K_SUFFIX = (" You FIRST think about the reasoning process as an internal monologue and then provide "
@@ -191,3 +192,15 @@ def test_a_vlm_without_its_image_processor_names_the_fix(tmp_path, vl_dir, vl_to
     path = write_parquet(tmp_path / "geo.parquet", [geo3k_row(0, [image_entry("red")])])
     with pytest.raises(DataFileError, match="no image processor .*copy preprocessor_config.json"):
         load_dataset([str(path)], vl_tokenizer, DataConfig(), model_dir=str(bare))
+
+
+def test_polyrl_train_refuses_image_rows_on_a_text_model_before_ray(train_here, tmp_path):
+    """`polyrl train` with image rows and the bundled text-only model: exit 2, one line, no Ray."""
+    import ray
+
+    path = write_parquet(tmp_path / "geo.parquet", [geo3k_row(0, [image_entry("red")])])
+    out = train_here("model.path=builtin:tiny-arith", f"data.train_files=[{path}]", "data.val_files=[]")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "is a text-only model (no vision_config in its config.json); set model.path to a " \
+           "vision-language model" in out.stderr
+    assert not ray.is_initialized()
