@@ -30,6 +30,15 @@ def peak() -> int:
     return _status_kib("VmHWM") * 1024
 
 
+def trim_heap() -> None:
+    """Hand the free pages glibc keeps in its heaps back to the kernel (`malloc_trim(0)`): what
+    an earlier phase freed and glibc kept would otherwise count in the next phase's resident
+    peak, though the code holds none of it (and the next phase's allocations reuse it)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def reset_peak() -> None:
     """Set the high-water mark to the current resident set (Linux >= 4.0, `clear_refs` 5)."""
     Path("/proc/self/clear_refs").write_text("5")
@@ -111,13 +120,17 @@ def run_rank(rank: int, world: int, model_dir: str, options: dict, store: str, o
     mine = shard(batch, world)[rank]
     warm_up(cfg, platform, device, rank, world)
     gc.collect()
+    trim_heap()
     dist.barrier()
     baseline = rss()
     result: dict = {"rank": rank, "baseline_mib": baseline / MiB}
 
     def phase(name: str, body) -> None:
         gc.collect()
+        found = rss()
+        trim_heap()
         start = rss()
+        result[f"kept_before_{name}_mib"] = (found - start) / MiB  # free heap glibc had kept
         reset_peak()
         body()
         gc.collect()
@@ -143,18 +156,24 @@ def run_rank(rank: int, world: int, model_dir: str, options: dict, store: str, o
         actor = PPOActor(held["engine"], cfg, AlgorithmConfig(), OffPolicyConfig().resolve("sync"), device)
         actor.update(mine, num_mini_batches=1, use_rollout_logprobs=False)
 
+    bucket_bytes = max(int(options["bucket_mb"] * MiB), 1)
+
     def sync() -> None:
         # One publish as the object-store / broadcast senders pack it (polyrl/weights/
         # object_store.py, sync mode): buckets planned from the specs, each packed into one
         # reused scratch buffer from the tensors gathered for it, then dropped where the
-        # transport would put it in the store (a copy outside this process). The other ranks
-        # join each gather (FSDP2's named_weights is a collective) and keep nothing.
-        stream = held["engine"].weight_stream()
-        if rank != 0:
-            for _ in stream:
+        # transport would put it in the store (a copy outside this process). A tensor bigger
+        # than a bucket comes in row slices, each gathered into a slice-sized buffer (sent as
+        # its own bucket, no copy) and freed before the next (polyrl/training/fsdp2.py). The
+        # other ranks join each gather (a collective) and keep nothing.
+        engine = held["engine"]
+        engine.piece_bytes = bucket_bytes  # as PolicyWorker sets weights.bucket_mb on every rank
+        stream = engine.weight_stream()
+        if rank != 0:  # the same gathers, a slice at a time
+            for _ in stream.pieces():
                 pass
             return
-        manifest = plan_buckets(stream.specs, 1, max(int(options["bucket_mb"] * MiB), 1))
+        manifest = plan_buckets(stream.specs, 1, bucket_bytes)
         scratch: list = []
 
         def reuse(b: int, device: torch.device) -> torch.Tensor:

@@ -19,7 +19,12 @@ Three differences from the replicated engine (ddp.py), each for a reason:
   zero-loss forward + backward for every announcement it hears (`_drain`). Zero loss gives zero
   gradients, so the result is the one DDP computes; the PPO actor needs no change.
 * `named_weights()` gathers one full tensor at a time (DTensor.full_tensor) and every rank of
-  the group must iterate it together (`gathers_weights`).
+  the group must iterate it together (`gathers_weights`). A tensor bigger than `piece_bytes`
+  (the weight-sync bucket) is gathered in dim-0 slices instead, each owner broadcasting its rows
+  of the slice into one slice-sized buffer: `weight_stream()` yields those slices (the sender
+  holds one slice, never the tensor; polyrl/weights/base.py `TensorSpec.pieces`), and
+  `named_weights()` copies them into the whole tensor. The slices are planned from the shapes
+  alone (`row_pieces`), so every rank runs the same gathers whichever of the two it iterates.
 
 Loading: a model from `load_causal_lm(..., deferred=True)` arrives on the meta device and each
 rank reads only its own shards from the safetensors files once they are laid out
@@ -51,6 +56,7 @@ from polyrl.training.logprobs import response_logprobs
 from polyrl.training.config import ActorConfig
 from polyrl.training.mesh import ParallelDims
 from polyrl.training.optim import build_optimizer
+from polyrl.weights.base import TensorSpec, WeightStream, row_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +100,9 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 class FSDP2Engine(DDPEngine):
     gathers_weights = True
     """Every rank of the group must iterate named_weights() together (each tensor is gathered)."""
+    piece_bytes: int = 64 << 20
+    """A parameter bigger than this is gathered in dim-0 slices of at most this many bytes
+    (`weights.bucket_mb`'s default; PolicyWorker sets the run's bucket on every rank alike)."""
 
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, platform: Platform,
                  device: torch.device, *, rank: int = 0, world_size: int = 1, group=None,
@@ -223,18 +232,43 @@ class FSDP2Engine(DDPEngine):
         return tensor
 
     # --- weights and checkpoints --------------------------------------------------------------------
-    @torch.no_grad()
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors, gathered one parameter at a time (a collective: every rank iterates);
         nothing is kept, so a rank holds its shards plus the tensors its consumer keeps. LoRA:
         the merged weights under their Hugging Face names, each from its gathered W, A and B."""
+        return iter(self.weight_stream())  # whole: sliced ones assembled
+
+    def stream_specs(self) -> list[TensorSpec]:
+        """`weight_specs()` as the stream announces them: a parameter bigger than `piece_bytes`
+        with its row slices."""
+        if self.lora:
+            return [TensorSpec(n, tuple(shape), dtype) for n, shape, dtype in self.weight_specs()]
+        return [TensorSpec(name, tuple(p.shape), p.dtype, self._pieces(p)) for name, p in self.model.named_parameters()]
+
+    def weight_stream(self) -> WeightStream:
+        """The weights as a transport sends them: whole tensors, and parameters bigger than
+        `piece_bytes` as their row slices, each gathered when the consumer asks for it."""
+        return WeightStream(self.stream_specs(), self._weight_items(), device=self.device)
+
+    def _pieces(self, p: torch.Tensor) -> tuple[int, ...]:
+        if not (isinstance(p, DTensor) and p.device_mesh.ndim == 1 and p.placements[0].is_shard(0)):
+            return ()
+        return row_pieces(p.shape, p.dtype, self.piece_bytes)
+
+    @torch.no_grad()
+    def _weight_items(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._drain()
         self.root.reshard()
         if self.lora:
             yield from lora.merged_named_weights(self.model, full=_full)
             return
         for name, p in self.model.named_parameters():
-            yield name, _full(p)
+            pieces = self._pieces(p)
+            if not pieces:
+                yield name, _full(p)
+                continue
+            for start, stop in zip(pieces, pieces[1:]):
+                yield name, _gather_rows(p, start, stop, self.device)
 
     @torch.no_grad()
     def adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -254,7 +288,9 @@ class FSDP2Engine(DDPEngine):
         if self.rank == 0 and self.scheduler is not None:
             torch.save({"scheduler": self.scheduler.state_dict(), "nonfinite_in_a_row": self.nonfinite_in_a_row},
                        directory / checkpoint_io.ENGINE_FILE)
-        tensors = checkpoint_io.model_tensors(self.module, self.weight_stream())
+        # whole tensors (checkpoint_io writes tensors, not row slices), gathered one at a time
+        whole = WeightStream(self.weight_specs(), self.named_weights(), device=self.device)
+        tensors = checkpoint_io.model_tensors(self.module, whole)
         checkpoint_io.write_hf_dir(directory / "policy", tensors, self.module.config,
                                    getattr(self.module, "generation_config", None), write=self.rank == 0)
         if self.lora:  # the adapter alone in peft's format, for `polyrl export --adapter-only`
@@ -284,6 +320,33 @@ class FSDP2Engine(DDPEngine):
 def _full(t: torch.Tensor) -> torch.Tensor:
     """A parameter whole: gathered from the shards (a collective) if it is a DTensor."""
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _gather_rows(p: DTensor, start: int, stop: int, device: torch.device) -> torch.Tensor:
+    """Rows [start, stop) of a dim-0 sharded parameter, whole on every rank of its mesh: each
+    rank owning some of them broadcasts them into one buffer of the slice's size (no gather of
+    the full tensor, no padded all-gather buffer). FSDP2 shards dim 0 as torch.chunk does:
+    rank k holds rows [k c, (k + 1) c) with c = ceil(rows / ranks)."""
+    local = p.to_local()
+    group = p.device_mesh.get_group()
+    ranks, me = dist.get_world_size(group), dist.get_rank(group)
+    if ranks == 1:
+        return local[start:stop].detach()
+    chunk = -(-p.shape[0] // ranks)
+    mine = max(0, min(p.shape[0], (me + 1) * chunk) - me * chunk)
+    if local.shape[0] != mine:
+        raise RuntimeError(f"fsdp2: a shard of {local.shape[0]} rows where torch.chunk gives {mine} "
+                           f"(rank {me} of {ranks}, {p.shape[0]} rows)")
+    out = torch.empty((stop - start, *p.shape[1:]), dtype=p.dtype, device=device)
+    for k in range(ranks):
+        lo, hi = max(start, k * chunk), min(stop, (k + 1) * chunk)
+        if lo >= hi:
+            continue
+        rows = out[lo - start: hi - start]
+        if k == me:
+            rows.copy_(local[lo - k * chunk: hi - k * chunk])
+        dist.broadcast(rows, src=dist.get_global_rank(group, k), group=group)
+    return out
 
 
 def _one_token_batch() -> RolloutBatch:

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+
+from polyrl.training import sharded_load
 from polyrl.training.lora_config import LoraConfig
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -92,11 +94,40 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> Any:
     # full module paths, not short names: what we validated is exactly what peft adapts
     peft_cfg = peft.LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.alpha, lora_dropout=cfg.lora_dropout,
                                target_modules=sorted(chosen), bias="none")
+    rng = torch.get_rng_state()
     wrapped = peft.get_peft_model(model, peft_cfg)
+    if sharded_load.is_deferred(model):  # peft moved its adapters to the meta device: values to fill
+        sharded_load.set_initial_values(model, _adapter_init(wrapped.get_base_model(), rng))
     for name, param in wrapped.named_parameters():
         if param.requires_grad and "lora_" not in name:  # peft's contract; fail loudly if it changes
             raise LoraError(f"peft left a base parameter trainable: {name}")
     return wrapped
+
+
+def _adapter_init(model: torch.nn.Module, rng: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The adapter values peft draws when it wraps a loaded model, drawn again from the RNG
+    state it started from (`rng`), in its order: per adapted layer, `lora_A` and `lora_B` built
+    as `nn.Linear` (each drawing its default init), then `reset_lora_parameters` draws A again
+    and zeroes B. On a meta model peft draws the same values and then moves them to the meta
+    device; tests/training/test_sharded_load.py checks these equal a loaded model's."""
+    import math
+
+    from peft.tuners.lora import LoraLayer
+
+    out: dict[str, torch.Tensor] = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(rng)
+        for name, layer in model.named_modules():
+            if not isinstance(layer, LoraLayer):
+                continue
+            for adapter, meta_a in layer.lora_A.items():
+                meta_b = layer.lora_B[adapter]
+                a = torch.nn.Linear(layer.in_features, layer.r[adapter], bias=False)
+                torch.nn.Linear(layer.r[adapter], layer.out_features, bias=False)  # its draw, then zeroed
+                torch.nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))
+                out[f"{name}.lora_A.{adapter}.weight"] = a.weight.detach().to(meta_a.weight.dtype)
+                out[f"{name}.lora_B.{adapter}.weight"] = torch.zeros(meta_b.weight.shape, dtype=meta_b.weight.dtype)
+    return out
 
 
 def is_lora(model: torch.nn.Module) -> bool:

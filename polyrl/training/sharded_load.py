@@ -14,6 +14,12 @@ What `from_pretrained` does besides reading tensors, done here the same way:
   `_init_weights` of their rotary module after loading, and so do we (a model with other
   computed buffers is loaded whole);
 * generation_config.json and eval mode.
+
+Parameters the checkpoint does not hold start from values drawn on the CPU when the model is
+built (`set_initial_values`): LoRA adapters (polyrl/training/lora.py `apply_lora`, which draws
+them exactly as peft would on a loaded model) and a critic's value head (`deferred_value_model`).
+Every rank takes the values of its group's first rank, as the whole load broadcasts them. Under
+peft a parameter's checkpoint name is its name without peft's `.base_layer`.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from torch.distributed.tensor import DTensor
 
 _SOURCE = "_polyrl_deferred_weights"
 """The attribute of a deferred model: {checkpoint name: StoredTensor}."""
+_INITIAL = "_polyrl_deferred_initial"
+"""{parameter name: full initial value (CPU)}: the parameters that are not read from the checkpoint."""
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -93,8 +101,67 @@ def deferred_causal_lm(directory: Path, dtype: torch.dtype, trust_remote_code: b
     return model
 
 
+def deferred_value_model(directory: Path, dtype: torch.dtype, trust_remote_code: bool = False):
+    """The critic's model (polyrl/training/values.py `load_value_model`: the policy architecture
+    with a one-label token-classification head, dropout off) on the meta device, its trunk to be
+    read from `directory` and its head drawn now as transformers initialises a missing weight;
+    None when it must be loaded whole."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    files = checkpoint_files(directory)
+    if files is None:
+        return None
+    config = AutoConfig.from_pretrained(str(directory), num_labels=1, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForTokenClassification.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                            attn_implementation="sdpa")
+    trunk = model.base_model_prefix + "."
+    head = {n for n, _ in model.named_parameters() if not n.startswith(trunk)}  # the new value head
+    if not head or not _checkpoint_covers(model, files, skip=head):
+        return None
+    for m in model.modules():  # as load_value_model: dropout on a regression target only adds noise
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    initial = {}
+    for owner_name in sorted({n.rpartition(".")[0] for n in head}):  # drawn by the model's own initialiser
+        twin = _cpu_twin(model.get_submodule(owner_name))
+        model._init_weights(twin)
+        for name, value in twin.named_parameters(recurse=False):
+            initial[f"{owner_name}.{name}"] = value.detach().to(dtype)
+    model.eval()
+    setattr(model, _SOURCE, files)
+    set_initial_values(model, initial)
+    return model
+
+
+def _cpu_twin(module: torch.nn.Module) -> torch.nn.Module:
+    """An uninitialised CPU copy of a meta module's own parameters (for its initialiser)."""
+    import copy
+
+    twin = copy.deepcopy(module)
+    return twin.to_empty(device="cpu")
+
+
+def set_initial_values(model: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:
+    """Initial values (full, on the CPU, named as in `model`) of parameters a deferred model does
+    not read from its checkpoint; added to those already set."""
+    owner = _owner(model)
+    setattr(owner, _INITIAL, {**getattr(owner, _INITIAL, {}), **values})
+
+
 def is_deferred(model: torch.nn.Module) -> bool:
     return hasattr(model, _SOURCE)
+
+
+def _owner(model: torch.nn.Module) -> torch.nn.Module:
+    """The module that carries the deferred state: `model`, or the model peft wraps."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base if _SOURCE in vars(base) else model
+
+
+def checkpoint_name(name: str) -> str:
+    """A parameter's name in the checkpoint: peft's wrapped layer keeps its weight under `base_layer`."""
+    return name.replace(".base_layer.", ".")
 
 
 def _persistent_buffers(model: torch.nn.Module):
@@ -104,12 +171,15 @@ def _persistent_buffers(model: torch.nn.Module):
                 yield f"{mod_name}.{name}" if mod_name else name, buf
 
 
-def _checkpoint_covers(model: torch.nn.Module, stored: dict[str, StoredTensor]) -> bool:
-    """Every parameter (a tied one once) and persistent buffer is in the checkpoint under its
-    module name with its shape and a dtype we read, and every non-persistent buffer is a rotary
-    embedding's, which `materialize` computes as from_pretrained does."""
+def _checkpoint_covers(model: torch.nn.Module, stored: dict[str, StoredTensor], skip: set[str] = frozenset()) -> bool:
+    """Every parameter (a tied one once; but those in `skip`) and persistent buffer is in the
+    checkpoint under its module name with its shape and a dtype we read, and every
+    non-persistent buffer is a rotary embedding's, which `materialize` computes as
+    from_pretrained does."""
     wanted = dict(model.named_parameters()) | dict(_persistent_buffers(model))
     for name, tensor in wanted.items():
+        if name in skip:
+            continue
         entry = stored.get(name)
         if entry is None or entry.dtype is None or entry.shape != tuple(tensor.shape):
             return False
@@ -132,19 +202,28 @@ def _modules_with_computed_buffers(model: torch.nn.Module) -> list[torch.nn.Modu
 @torch.no_grad()
 def materialize(model: torch.nn.Module, device: torch.device, root: torch.nn.Module | None = None) -> None:
     """Storage on `device` for what this rank holds of `model` (its shards once FSDP2 has
-    sharded it, else everything) and the checkpoint's values in it. `root`: the outermost module
-    to allocate through (the FSDP2 root unit wrapping `model`); `model` names the tensors."""
+    sharded it, else everything) and the checkpoint's values in it (or the initial values of
+    what the checkpoint does not hold). `root`: the outermost module to allocate through (the
+    FSDP2 root unit wrapping `model`); `model` names the tensors."""
+    root = root or model
+    model = _owner(model)  # peft's wrapper: its base model holds every parameter
     stored: dict[str, StoredTensor] = getattr(model, _SOURCE)
+    initial: dict[str, torch.Tensor] = getattr(model, _INITIAL, {})
     tied = _tied_pairs(model)
     # FSDP2's `_apply` re-points each unit's sharded parameters at the new local storage
-    (root or model).to_empty(device=device)
+    root.to_empty(device=device)
     for name, src in tied:  # a plain module's `_apply` may give each user of a shared weight its own
         _set_parameter(model, name, model.get_parameter(src))
     for name, tensor in list(model.named_parameters()) + list(_persistent_buffers(model)):
-        _fill(tensor, stored[name])
+        if name in initial:
+            _fill_initial(tensor, initial[name])
+        else:
+            _fill(tensor, stored[checkpoint_name(name)])
     for module in _modules_with_computed_buffers(model):
         model._init_weights(module)  # what from_pretrained runs for them (rotary inv_freq)
     delattr(model, _SOURCE)
+    if initial:
+        delattr(model, _INITIAL)
 
 
 def _tied_pairs(model: torch.nn.Module) -> list[tuple[str, str]]:
@@ -164,20 +243,39 @@ def _set_parameter(model: torch.nn.Module, name: str, value: torch.nn.Parameter)
     setattr(model.get_submodule(owner), attr, value)
 
 
-def _fill(tensor: torch.Tensor, entry: StoredTensor) -> None:
-    """Copy this rank's part of `tensor` from the checkpoint: for a DTensor the rows torch itself
-    assigns to this rank (FSDP2: an uneven dim-0 chunk, maybe empty), read with plain file reads
-    (an mmap's touched pages would count in the rank's resident memory until it is closed)."""
-    local, first = tensor, 0
-    if isinstance(tensor, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+def _local_rows(tensor: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, int]:
+    """This rank's part of `tensor` and the row of the full tensor it starts at: for a DTensor
+    the rows torch itself assigns to this rank (FSDP2: an uneven dim-0 chunk, maybe empty)."""
+    if not isinstance(tensor, DTensor):
+        return tensor, 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        local = tensor.to_local()
-        shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-        if tuple(shape) != tuple(local.shape) or any(o != 0 for o in offset[1:]) or tuple(shape[1:]) != entry.shape[1:]:
-            raise RuntimeError(f"sharded load: {tuple(local.shape)} at {tuple(offset)} of {entry.shape} "
-                               "is not a dim-0 shard")
-        first = offset[0] if offset else 0
+    local = tensor.to_local()
+    local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    if tuple(local_shape) != tuple(local.shape) or any(o != 0 for o in offset[1:]) or tuple(local_shape[1:]) != shape[1:]:
+        raise RuntimeError(f"sharded load: {tuple(local.shape)} at {tuple(offset)} of {shape} "
+                           "is not a dim-0 shard")
+    return local, offset[0] if offset else 0
+
+
+def _fill_initial(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """This rank's rows of `value`, as its group's first rank drew it (the whole load broadcasts
+    those from the leader: the same values on every rank, whatever each rank's RNG)."""
+    local, first = _local_rows(tensor, tuple(value.shape))
+    if isinstance(tensor, DTensor):
+        import torch.distributed as dist
+
+        group = tensor.device_mesh.get_group()
+        if dist.get_world_size(group) > 1:
+            value = value.to(local.device).contiguous()
+            dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
+    local.copy_(value[first: first + local.shape[0]] if local.dim() else value)
+
+
+def _fill(tensor: torch.Tensor, entry: StoredTensor) -> None:
+    """Copy this rank's part of `tensor` from the checkpoint, read with plain file reads (an
+    mmap's touched pages would count in the rank's resident memory until it is closed)."""
+    local, first = _local_rows(tensor, entry.shape)
     if local.numel() == 0:
         return
     row_elems = local[0].numel() if local.dim() else 1

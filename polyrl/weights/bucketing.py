@@ -16,6 +16,12 @@ budget gets a bucket of its own and is sent without packing (zero copy).
 is being filled; a caller that sends a bucket before asking for the next holds one bucket of
 tensors (plus its scratch). The shared-memory path sees the buckets as one byte stream
 (`stream_layout`): bucket b starts at an aligned offset of one flat staging buffer.
+
+A tensor the stream yields in row slices (`TensorSpec.pieces`, polyrl/weights/base.py) gets one
+slot per slice, each alone in its bucket (sent zero copy), and its buckets lie back to back in
+the flat layout, so on a receiver the slices form the whole tensor where they land: the engine
+gets one view of it, no copy (`StagedWeights.tensors`; buffers that are not one flat layout are
+concatenated).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from polyrl.weights.base import TensorSpec, WeightSyncError, check_tensor
+from polyrl.weights.base import TensorSpec, WeightStream, WeightSyncError, check_tensor
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,8 @@ class TensorSlot:
     offset: int
     """Byte offset inside the bucket (a multiple of ALIGN)."""
     nbytes: int
+    rows: tuple[int, int] | None = None
+    """A row slice [start, stop) of tensor `name` (`shape` is the slice's); None: the whole."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -75,12 +83,15 @@ class WeightManifest:
         return self.slots[spec.first_slot: spec.first_slot + spec.num_slots]
 
     def stream_layout(self) -> tuple[list[int], int]:
-        """Where each bucket starts in one flat buffer (ALIGN-byte aligned), and its length."""
-        starts, end = [], 0
+        """Where each bucket starts in one flat buffer (ALIGN-byte aligned, except that a row
+        slice after the first of its tensor starts where the previous slice ends), and its length."""
+        starts, end, last = [], 0, 0
         for spec in self.buckets:
-            starts.append(end)
-            end = _align(end + spec.nbytes)
-        return starts, end
+            first = self.slots[spec.first_slot]
+            start = last if first.rows is not None and first.rows[0] > 0 else _align(end)
+            starts.append(start)
+            end = last = start + spec.nbytes
+        return starts, _align(end)
 
 
 ALIGN = 64
@@ -104,27 +115,44 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def plan_buckets(specs: Iterable[TensorSpec], version: int, bucket_bytes: int) -> WeightManifest:
     """The manifest of a stream with these specs: tensors in stream order, a new bucket when the
-    next tensor would pass the budget (a tensor bigger than the budget is alone in its bucket)."""
+    next tensor would pass the budget (a tensor bigger than the budget is alone in its bucket,
+    and so is each row slice of a sliced tensor)."""
     slots: list[TensorSlot] = []
     buckets: list[BucketSpec] = []
     start, fill = 0, 0
+
+    def close() -> None:
+        nonlocal start, fill
+        if len(slots) > start:
+            buckets.append(BucketSpec(fill, start, len(slots) - start))
+        start, fill = len(slots), 0
+
     for spec in specs:
+        if spec.pieces:
+            close()
+            for (a, b), shape in zip(zip(spec.pieces, spec.pieces[1:]), spec.piece_shapes()):
+                piece = TensorSpec(spec.name, shape, spec.dtype)
+                slots.append(TensorSlot(spec.name, shape, dtype_name(spec.dtype), len(buckets), 0,
+                                        piece.nbytes, rows=(a, b)))
+                fill = piece.nbytes
+                close()
+            continue
         n = spec.nbytes
         offset = _align(fill)
         if len(slots) > start and offset + n > bucket_bytes:
-            buckets.append(BucketSpec(fill, start, len(slots) - start))
-            start, offset = len(slots), 0
+            close()
+            offset = 0
         slots.append(TensorSlot(spec.name, tuple(spec.shape), dtype_name(spec.dtype), len(buckets), offset, n))
         fill = offset + n
-    if len(slots) > start:
-        buckets.append(BucketSpec(fill, start, len(slots) - start))
+    close()
     return WeightManifest(version, tuple(slots), tuple(buckets))
 
 
 def checked(manifest: WeightManifest, stream: Iterable[tuple[str, torch.Tensor]]
             ) -> Iterator[tuple[TensorSlot, torch.Tensor]]:
-    """(slot, tensor) pairs of `stream`, each checked against its slot, in manifest order."""
-    tensors = iter(stream)
+    """(slot, tensor) pairs of `stream`, each checked against its slot, in manifest order (a
+    WeightStream's items as they come: row slices of a sliced tensor one by one)."""
+    tensors = stream.pieces() if isinstance(stream, WeightStream) else iter(stream)
     for slot in manifest.slots:
         item = next(tensors, None)
         if item is None:
@@ -151,12 +179,16 @@ def iter_buckets(manifest: WeightManifest, stream: Iterable[tuple[str, torch.Ten
         if zero_copy and spec.num_slots == 1:
             _, tensor = next(pairs)
             if tensor.is_contiguous():
-                yield b, as_bytes(tensor.detach().reshape(-1))
+                flat = as_bytes(tensor.detach().reshape(-1))
+                del tensor  # not alive while the next one is gathered (only the caller's bytes are)
+                yield b, flat
+                del flat
                 continue
             out = scratch(b, tensor.device)[: spec.nbytes]
             copy_into(out, manifest.slots[spec.first_slot], tensor)
             del tensor
             yield b, out
+            del out
             continue
         out = None
         for _ in range(spec.num_slots):
@@ -209,9 +241,8 @@ class StagedWeights:
         if not isinstance(manifest, WeightManifest):
             raise WeightSyncError(f"expected a weight manifest, got {type(manifest).__name__}")
         self.manifest = manifest
-        if buffers is None:
-            buffers = [torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
-                       for spec in manifest.buckets]
+        if buffers is None:  # one flat layout: a sliced tensor's buckets are one tensor already
+            buffers = staging_views(manifest, flat_staging(manifest, device))
         if len(buffers) != len(manifest.buckets):
             raise WeightSyncError(f"version {manifest.version}: {len(buffers)} buckets for a manifest "
                                   f"of {len(manifest.buckets)}")
@@ -239,9 +270,17 @@ class StagedWeights:
             raise WeightSyncError(f"version {self.manifest.version} is incomplete: buckets {missing} "
                                   "never arrived; the previous weights stay in service")
         out: dict[str, torch.Tensor] = {}
+        pieces: dict[str, list[torch.Tensor]] = {}
         for slot in self.manifest.slots:
             raw = self.buffers[slot.bucket][slot.offset: slot.offset + slot.nbytes]
-            out[slot.name] = raw.view(slot.torch_dtype).view(slot.shape)
+            if slot.rows is None:
+                out[slot.name] = raw.view(slot.torch_dtype).view(slot.shape)
+            else:
+                pieces.setdefault(slot.name, []).append(raw)
+                out[slot.name] = None  # keeps the manifest's order
+        for name, raws in pieces.items():
+            last = next(s for s in reversed(self.manifest.slots) if s.name == name)
+            out[name] = _joined(raws).view(last.torch_dtype).view(last.rows[1], *last.shape[1:])
         return out
 
     def apply(self, engine: Any) -> int:
@@ -249,3 +288,17 @@ class StagedWeights:
         engine.update_weights(self.tensors(), self.manifest.version)
         return self.manifest.version
 
+
+
+def _joined(raws: list[torch.Tensor]) -> torch.Tensor:
+    """The bytes of consecutive row slices as one tensor: a view when they lie back to back in
+    one storage (the flat layout), else one concatenated copy (separate buffers: object store)."""
+    first = raws[0]
+    storage = first.untyped_storage()
+    adjacent = all(r.untyped_storage().data_ptr() == storage.data_ptr()
+                   and r.data_ptr() == prev.data_ptr() + prev.numel() for prev, r in zip(raws, raws[1:]))
+    if adjacent:
+        total = sum(r.numel() for r in raws)
+        return torch.empty(0, dtype=torch.uint8, device=first.device).set_(
+            storage, first.storage_offset(), (total,))
+    return torch.cat(raws)

@@ -168,3 +168,84 @@ def test_a_rank_never_holds_the_whole_model_while_loading(tmp_path, deferred=Tru
         # loading the whole model first peaks at ~1.5x the model here (docs/benchmarks.md)
         assert r["rise"] < 0.8 * full, (r["rise"] / MiB, full / MiB)
 
+
+
+def lora_and_critic(rank: int, world_size: int, model_path: str) -> dict:
+    """On this rank, loaded deferred (each rank reading its shards) and whole (then broadcast from
+    rank 0, as PolicyWorker does): a LoRA policy's log-probs and its merged weights and adapters
+    after one update; a critic's values and its weights after one update. The random starts
+    (adapters, value head) are drawn from each rank's own seed, as in a run."""
+    import torch.distributed as dist
+
+    from polyrl.algorithms import AlgorithmConfig
+    from polyrl.algorithms.off_policy import OffPolicyConfig
+    from polyrl.batch import shard
+    from polyrl.platform import get_platform
+    from polyrl.training import build_engine, sharded_load
+    from polyrl.training.lora import apply_lora
+    from polyrl.training.lora_config import LoraConfig
+    from polyrl.training.model_loading import load_causal_lm
+    from polyrl.training.values import load_value_model, response_values
+    from polyrl.workers.actor import PPOActor
+    from polyrl.workers.critic import CriticUpdate
+
+    platform = get_platform("cpu")
+    device = platform.torch_device(0)
+    cfg = engine_ranks.actor_config("fsdp2", ppo_epochs=1)
+    batch = engine_ranks.make_batch(5, 7)
+    g = torch.Generator().manual_seed(9)
+    T = len(batch.response_ids.values)
+    batch = batch.replace(values=batch.response_ids.with_values(torch.randn(T, generator=g)),
+                          returns=batch.response_ids.with_values(torch.randn(T, generator=g)))
+    mine = shard(batch, world_size)[rank]
+
+    def same_start(model):  # the whole load's identical start on every rank
+        for p in model.parameters():
+            dist.broadcast(p.data, src=0)
+
+    out: dict = {}
+    for deferred in (True, False):
+        torch.manual_seed(100 + rank)
+        model = load_causal_lm(model_path, deferred=deferred)
+        model = apply_lora(model, LoraConfig(lora_rank=4, lora_target_modules="all-linear"))
+        assert sharded_load.is_deferred(model) == deferred
+        if not deferred:
+            same_start(model)
+        engine = build_engine(model, cfg, platform, device, rank=rank, world_size=world_size,
+                              group=dist.group.WORLD, horizon=8)
+        actor = PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve("sync"), device)
+        lora = {"logprobs": engine.logprobs(batch).values.clone()}
+        actor.update(mine, num_mini_batches=1, use_rollout_logprobs=False)
+        lora["merged"] = engine_ranks.full_weights(engine)
+        lora["adapters"] = {k: v.clone() for k, v in engine.adapter_tensors()}
+
+        torch.manual_seed(200 + rank)
+        value_model = (sharded_load.deferred_value_model(Path(model_path), torch.float32) if deferred
+                       else load_value_model(model_path, torch.float32))
+        assert sharded_load.is_deferred(value_model) == deferred
+        if not deferred:
+            same_start(value_model)
+        critic_engine = build_engine(value_model, cfg, platform, device, rank=rank, world_size=world_size,
+                                     group=dist.group.WORLD, horizon=8, head=response_values)
+        critic = {"values": critic_engine.logprobs(batch).values.clone()}
+        CriticUpdate(critic_engine, cfg, AlgorithmConfig(), device).update(mine, 1)
+        critic["weights"] = engine_ranks.full_weights(critic_engine)
+        out[deferred] = {"lora": lora, "critic": critic}
+    return out
+
+
+@pytest.mark.slow  # one 2-rank world
+def test_lora_and_critic_load_sharded_as_they_load_whole(tmp_path):
+    path = _write_model(tmp_path / "m", tied=False)
+    (tmp_path / "world").mkdir()
+    ranks = run_world_ok(lora_and_critic, 2, tmp_path / "world", args=(path,), timeout_s=300, backend_timeout_s=240)
+    for rank, r in ranks.items():
+        new, old = r[True], r[False]
+        torch.testing.assert_close(new["lora"]["logprobs"], old["lora"]["logprobs"], rtol=0, atol=1e-6)
+        torch.testing.assert_close(new["critic"]["values"], old["critic"]["values"], rtol=0, atol=1e-6)
+        for group in (("lora", "merged"), ("lora", "adapters"), ("critic", "weights")):
+            a, b = new[group[0]][group[1]], old[group[0]][group[1]]
+            assert sorted(a) == sorted(b) and a, group
+            for k in b:
+                torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=f"{group} {k}")
+        assert any(v.abs().max() > 0 for k, v in new["lora"]["adapters"].items() if "lora_B" in k)  # it trained

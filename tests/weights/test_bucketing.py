@@ -9,7 +9,7 @@ import torch
 
 from gloo_world import DictEngine, model_weights, same_weights
 from polyrl.weights import WeightSyncError
-from polyrl.weights.base import TensorSpec, WeightStream, as_stream
+from polyrl.weights.base import TensorSpec, WeightStream, as_stream, row_pieces
 from polyrl.weights.bucketing import (ALIGN, StagedWeights, flat_staging, iter_buckets, plan_buckets,
                                       staging_views)
 
@@ -159,3 +159,77 @@ def test_staging_of_the_wrong_size_is_refused():
     manifest = plan_buckets(as_stream(model_weights(seed=1)).specs, version=1, bucket_bytes=256)
     with pytest.raises(WeightSyncError, match="staging holds"):
         staging_views(manifest, torch.empty(3, dtype=torch.uint8))
+
+
+def test_row_pieces_cut_big_tensors_evenly_from_the_spec_alone():
+    assert row_pieces((1001, 64), torch.float32, 64 * 1024) == (0, 250, 500, 750, 1001)
+    assert row_pieces((10, 4), torch.float32, 160) == ()  # fits whole
+    assert row_pieces((1, 1 << 20), torch.float32, 1024) == ()  # one row cannot be cut
+    with pytest.raises(WeightSyncError, match="row pieces"):
+        WeightStream([TensorSpec("w", (4, 2), torch.float32, (0, 3, 2))], [])
+
+
+def sliced_stream(weights: dict[str, torch.Tensor], budget: int, live: list[int] | None = None):
+    """`weights` as a producer that yields every tensor over `budget` in row slices (fresh
+    copies, as a gather makes them), recording the bytes of slices still alive at each yield."""
+    specs = [TensorSpec(n, tuple(t.shape), t.dtype, row_pieces(t.shape, t.dtype, budget)) for n, t in weights.items()]
+    refs: list = []
+
+    def items():
+        for spec in specs:
+            t = weights[spec.name]
+            for a, b in zip(spec.pieces, spec.pieces[1:]) if spec.pieces else [(0, len(t) if t.dim() else 1)]:
+                piece = t[a:b].clone() if spec.pieces else t.clone()
+                refs.append(weakref.ref(piece))
+                if live is not None:
+                    live.append(sum(r().nbytes for r in refs if r() is not None))
+                yield spec.name, piece
+                del piece
+    return WeightStream(specs, items())
+
+
+def test_sliced_tensor_travels_in_slices_and_arrives_whole():
+    weights = model_weights(seed=4) | {"lm_head.weight": torch.randn(1001, 16)}  # 64 KB, odd rows
+    budget = 8 * 1024
+    probe = sliced_stream(weights, budget)
+    assert [len(s.pieces) - 1 for s in probe.specs if s.pieces] == [8]
+    manifest = plan_buckets(probe.specs, version=2, bucket_bytes=budget)
+    head = [s for s in manifest.slots if s.name == "lm_head.weight"]
+    assert [s.rows for s in head] == [(a, b) for a, b in zip(probe.specs[-1].pieces, probe.specs[-1].pieces[1:])]
+    assert all(manifest.buckets[s.bucket].num_slots == 1 for s in head)  # each slice alone: zero copy
+    starts, _ = manifest.stream_layout()
+    for prev, nxt in zip(head, head[1:]):  # back to back in the flat layout
+        assert starts[nxt.bucket] == starts[prev.bucket] + prev.nbytes
+
+    live: list[int] = []
+    flat_staged = StagedWeights(manifest)  # one flat layout: the slices form the tensor in place
+    separate = StagedWeights(manifest, [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets])
+    for b, packed in iter_buckets(manifest, sliced_stream(weights, budget, live), scratch_pool()):
+        for staged in (flat_staged, separate):
+            staged.buffer(b).copy_(packed)
+            staged.mark(b)
+        del packed
+    # the sender held one slice or one bucket's tensors at a time, never the 64 KB head
+    assert max(live) <= budget < weights["lm_head.weight"].nbytes
+    for staged in (flat_staged, separate):
+        engine = DictEngine({k: torch.zeros_like(v) for k, v in weights.items()})
+        staged.apply(engine)
+        assert engine.weight_version == 2 and same_weights(engine.weights, weights)
+    head_view = flat_staged.tensors()["lm_head.weight"]
+    flat = flat_staged.buffers[0]
+    assert head_view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # a view, no copy
+
+
+def test_iterating_a_sliced_stream_yields_whole_tensors():
+    weights = {"a": torch.randn(3, 2), "big": torch.randn(37, 8)}
+    stream = sliced_stream(weights, budget=200)
+    assert stream.sliced
+    got = dict(stream)
+    assert list(got) == ["a", "big"] and same_weights(got, weights)
+    with pytest.raises(WeightSyncError, match="consumed once"):
+        list(stream)
+    short = sliced_stream(weights, budget=200)
+    items = list(short.pieces())
+    broken = WeightStream(short.specs, items[:-1])  # the last slice never comes
+    with pytest.raises(WeightSyncError, match="ended before 'big'"):
+        list(broken)
