@@ -140,6 +140,13 @@ def available_bytes(k: Knobs, f: Setting) -> float:
     return f.device_bytes if f.on_device else f.device_bytes / (k.world_size + f.other_ranks)
 
 
+def loads_sharded(strategy: str, colocated_engine: bool, lora: bool) -> bool:
+    """Whether the policy is loaded on the meta device and read shard by shard (m P / N) rather
+    than whole: PolicyWorker's choice (polyrl/workers/policy.py `setup`), fsdp2 without a colocated
+    engine (it copies the full weights) or LoRA (peft wraps the loaded model)."""
+    return strategy == "fsdp2" and not colocated_engine and not lora
+
+
 def rank_floor(s: Shape, k: Knobs, f: Setting) -> dict[str, dict[str, float]]:
     """Bytes a policy rank surely holds in each phase: `load` (the model, as PolicyWorker loads it),
     `engine start` (hybrid: the whole model beside its engine, awake), `update` (one optimizer step)
@@ -164,8 +171,7 @@ def rank_floor(s: Shape, k: Knobs, f: Setting) -> dict[str, dict[str, float]]:
     # step temporaries: foreach AdamW's (the sqrt of the second moments) or, when larger,
     # FSDP2's two gathered layers in the compute dtype
     transient = max(on_device * m * trainable / N, 2 * f.compute * s.layer_params if k.strategy == "fsdp2" else 0)
-    sharded = k.strategy == "fsdp2" and not k.hybrid and not k.lora_rank
-    if sharded:
+    if loads_sharded(k.strategy, k.hybrid, bool(k.lora_rank)):
         load = on_device * m * P / N
     else:  # whole on the device, then (fsdp2) the shard copied out of it, to the host under offload
         load = m * P * (1 + on_device / N if k.strategy == "fsdp2" else 1)
