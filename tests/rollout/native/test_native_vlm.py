@@ -17,6 +17,7 @@ from polyrl.data.multimodal import ImageInputs, mm_token_type_ids
 from polyrl.rollout.base import RolloutInputError, SamplingParams, WeightUpdateError
 from polyrl.rollout.native.engine import NativeEngine
 from polyrl.rollout.native.vision import mrope_positions
+from polyrl.weights.base import as_stream
 from tests.tiny_vl import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, build_tiny_vl, vl_tokenizer
 
 PATCH_DIM = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch
@@ -175,8 +176,9 @@ def test_weight_updates_reach_the_vision_tower(hf_model):
     assert after.logprobs != before.logprobs and after.weight_version == 1
     assert_matches_hf(changed, ids, images, after)
 
-    # a whole sync as a trainer (or a LoRA merge) names it: named_parameters, tied weights once
-    engine.update_weights(dict(hf_model.named_parameters()), 2)
+    # a whole sync as a trainer's in-place transport sends it (a WeightStream, loaded tensor by
+    # tensor) under its names: named_parameters, tied weights once (a LoRA merge names the same)
+    engine.update_weights(as_stream(dict(hf_model.named_parameters())), 2)
     [[back]] = engine.generate_batch([ids], GREEDY, images=[images])
     assert back.token_ids == before.token_ids and back.logprobs == before.logprobs
 
