@@ -166,6 +166,9 @@ def topology_text(plan: LaunchPlan) -> str:
 def duty_text(role: RolePlan) -> str:
     """What a policy or rollout actor does, from its plan (the same for every actor shown)."""
     parts = ["trains"] if role.role == "policy" else []
+    if role.role == "teacher":  # distill.placement=standalone (polyrl/workers/teacher.py)
+        parts.append("scores each step's samples with the distillation teacher (log-probs per sample "
+                     "to the driver); its own process group")
     if role.hosts_engine:
         parts.append("hosts a colocated rollout engine (asleep while training)" if role.colocated_engine
                      else "hosts its replica's rollout engine")

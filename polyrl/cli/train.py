@@ -145,7 +145,9 @@ def _fit(cfg) -> int:
         raise CLIError(str(exc)) from None
     before, after = summary["initial_accuracy"], summary["final_accuracy"]
     if before is not None and after is not None:
-        print(f"held-out accuracy: {before:.1%} -> {after:.1%} "
+        teacher = summary.get("teacher_accuracy")
+        versus = f" (the distillation teacher's: {teacher:.1%})" if teacher is not None else ""
+        print(f"held-out accuracy: {before:.1%} -> {after:.1%}{versus} "
               f"({summary['steps']} steps, {summary['wall_seconds']:.0f}s); "
               f"metrics and summary.json in {summary['output_dir']}")
     return 0

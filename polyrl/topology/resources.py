@@ -9,9 +9,10 @@ from polyrl.job import JobConfig
 
 
 def cpus_needed(cfg: JobConfig) -> tuple[int, int]:
-    """(CPUs each rank actor reserves, CPUs all actors reserve together: the ranks plus the
-    reward-model worker's reward.model.num_cpus)."""
-    ranks = cfg.actor.world_size + num_rollout_ranks(cfg)
+    """(CPUs each rank actor reserves, CPUs all actors reserve together: the ranks (policy,
+    standalone rollout, standalone distillation teacher) plus the reward-model worker's
+    reward.model.num_cpus)."""
+    ranks = cfg.actor.world_size + num_rollout_ranks(cfg) + cfg.distill.standalone_ranks
     per = cfg.actor.num_cpus_per_worker or default_threads(ranks)
     return per, per * ranks + reward_worker_cpus(cfg)
 

@@ -34,6 +34,7 @@ from polyrl.rollout.base import SamplingParams
 from polyrl.workers.generation import rollout_rows
 from polyrl.training.model_loading import load_causal_lm, load_tokenizer
 from polyrl.training.optim import total_optimizer_steps
+from polyrl.training.memory_floor import loads_sharded
 from polyrl.workers.rollout_worker import open_transport
 from polyrl.workers.teacher import teacher_engine, teacher_rollout
 from polyrl.job import JobConfig
@@ -70,7 +71,7 @@ class PolicyWorker:
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
         # fsdp2: on the meta device, each rank reading its own shards when sharded; whole where
         # the colocated engine copies the full weights or peft wraps the model before sharding
-        model = self._load_model(deferred=not role.colocated_engine and not cfg.model.enabled)
+        model = self._load_model(deferred=loads_sharded(cfg.actor.strategy, role.colocated_engine, cfg.model.enabled))
         self.rollout_engine = None
         if role.colocated_engine:  # built from the plain model (it copies the weights), before LoRA
             self.rollout_engine = build_colocated_engine(cfg.rollout, model, self.tokenizer, self.device,

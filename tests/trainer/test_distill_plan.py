@@ -35,6 +35,8 @@ def test_standalone_teacher_ranks_get_their_own_devices_and_world(capsys):
         assert a["plan"]["groups"] == ["teacher"] and not a["plan"]["hosts_engine"]
         assert not a["plan"]["sends_weights"] and a["engine"] is None
     assert {g["name"] for g in p["devices"]["gangs"]} >= {"teacher rank 0", "teacher rank 1"}
+    # a local Ray instance holds every rank's CPU: 2 policy + 2 teacher ranks at 1 CPU each
+    assert p["job"]["ray_init"]["num_cpus"] >= 4
 
 
 def test_a_colocated_teacher_adds_no_actor(capsys):
