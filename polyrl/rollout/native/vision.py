@@ -32,7 +32,8 @@ import torch
 from polyrl.rollout.base import RolloutInputError
 
 VISION_ARCHITECTURES = {
-    "Qwen2VLForConditionalGeneration": "transformers.models.qwen2_vl.modeling_qwen2_vl:Qwen2VisionTransformerPretrainedModel",
+    "Qwen2VLForConditionalGeneration":
+        "transformers.models.qwen2_vl.modeling_qwen2_vl:Qwen2VisionTransformerPretrainedModel",
     "Qwen2_5_VLForConditionalGeneration":
         "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel",
 }
@@ -64,6 +65,8 @@ class VisionSpec:
     spatial_merge_size: int
     mrope_section: tuple[int, ...]
     """Frequencies (of head_dim // 2) rotated by the temporal, height and width ids, in turn."""
+    patch_dim: int
+    """Values per pixel patch the tower reads: channels x temporal patch x patch x patch."""
 
 
 def vision_spec(config: Any, architecture: str, head_dim: int) -> VisionSpec:
@@ -72,8 +75,10 @@ def vision_spec(config: Any, architecture: str, head_dim: int) -> VisionSpec:
     if len(section) != 3 or sum(section) != head_dim // 2:
         raise ValueError(f"native engine: mrope_section={list(section)} must be three sizes summing to "
                          f"head_dim // 2 = {head_dim // 2}")
-    return VisionSpec(architecture, config.vision_config, int(config.image_token_id),
-                      int(config.vision_config.spatial_merge_size), section)
+    vc = config.vision_config
+    channels = getattr(vc, "in_channels", None) or getattr(vc, "in_chans", 3)
+    return VisionSpec(architecture, vc, int(config.image_token_id), int(vc.spatial_merge_size), section,
+                      int(channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2)
 
 
 def build_vision_tower(spec: VisionSpec, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
@@ -169,10 +174,6 @@ class PromptImages:
     patch_offsets: tuple[int, ...]
     """Where each image's patches start in pixel_values (len = images + 1)."""
 
-    def images_within(self, start: int) -> list[int]:
-        """Images whose pad tokens lie at or after prompt position `start`."""
-        return [i for i, (s, _) in enumerate(self.spans) if s >= start]
-
     def subset(self, which: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixel_values, grid_thw) of the chosen images (all: the stored tensors)."""
         if len(which) == len(self.spans):
@@ -201,7 +202,7 @@ def check_images(images: Any, prompt: list[int], spec: VisionSpec | None, *,
             raise RolloutInputError("images", "this model is text-only; serve a vision-language model "
                                     "(Qwen2-VL, Qwen2.5-VL) for image prompts")
         return None
-    runs = [(start, sum(1 for _ in run)) for start, run in _runs(prompt, spec.image_token_id)]
+    runs = list(_runs(prompt, spec.image_token_id))
     if images is None:
         if runs:
             raise RolloutInputError("images", f"prompt_ids hold {len(runs)} image placeholder run(s) "
@@ -220,9 +221,9 @@ def check_images(images: Any, prompt: list[int], spec: VisionSpec | None, *,
         raise RolloutInputError("images", f"prompt_ids hold image placeholder runs of {[n for _, n in runs]} "
                                 f"tokens, the images need {counts} (expand each image as the processor does)")
     patches = [0] + list(itertools.accumulate(int(n) for n in grid.prod(dim=1)))
-    if patches[-1] != pixel_values.shape[0]:
-        raise RolloutInputError("images", f"image_grid_thw describes {patches[-1]} patches, pixel_values "
-                                f"has {pixel_values.shape[0]}")
+    if pixel_values.dim() != 2 or tuple(pixel_values.shape) != (patches[-1], spec.patch_dim):
+        raise RolloutInputError("images", f"pixel_values has shape {tuple(pixel_values.shape)}; the grids and "
+                                f"the vision tower need ({patches[-1]}, {spec.patch_dim})")
     positions, delta = mrope_positions(prompt, grid, spec.image_token_id, merge)
     keys = tuple(image_digest(pixel_values[patches[i]:patches[i + 1]], grid[i])
                  for i in range(len(counts))) if digests else ()
@@ -231,9 +232,10 @@ def check_images(images: Any, prompt: list[int], spec: VisionSpec | None, *,
 
 
 def _runs(ids: list[int], token: int):
+    """(start, length) of every run of `token` in `ids`."""
     index = 0
     for is_token, run in itertools.groupby(ids, key=lambda t: t == token):
-        run = list(run)
+        n = sum(1 for _ in run)
         if is_token:
-            yield index, run
-        index += len(run)
+            yield index, n
+        index += n

@@ -57,7 +57,8 @@ def image_prompt(config, grids, seed=0, words=("look ", " and ", " ok")) -> tupl
     """Ids with each image expanded as the processor does, and random pixels for the grids."""
     ids = text(words[0])
     for i, (t, h, w) in enumerate(grids):
-        ids += [config.vision_start_token_id] + [config.image_token_id] * (t * h * w // 4) + [config.vision_end_token_id]
+        pads = [config.image_token_id] * (t * h * w // 4)  # merge 2 x 2
+        ids += [config.vision_start_token_id] + pads + [config.vision_end_token_id]
         ids += text(words[min(i + 1, len(words) - 1)])
     g = torch.Generator().manual_seed(seed)
     return ids, ImageInputs(torch.randn(sum(t * h * w for t, h, w in grids), PATCH_DIM, generator=g),
@@ -195,6 +196,9 @@ def test_bad_image_input_is_refused_naming_images(hf_model, engine, model_dirs):
     assert err.value.field == "images"
     with pytest.raises(RolloutInputError, match=r"runs of \[4\] tokens, the images need \[4, 2\]"):
         engine.generate_batch([ids], GREEDY, images=[ImageInputs.concat([images, image_prompt(cfg, [(1, 2, 4)])[1]])])
+    narrow = ImageInputs(images.pixel_values[:, :100], images.image_grid_thw)
+    with pytest.raises(RolloutInputError, match=r"shape \(16, 100\); the grids and the vision tower need \(16, 1176\)"):
+        engine.generate_batch([ids], GREEDY, images=[narrow])
     with pytest.raises(RolloutInputError, match="1 entries for 2 prompts"):
         engine.generate_batch([ids, ids], GREEDY, images=[images])
     text_only = NativeEngine(model_dirs["qwen2"], tokenizer=False, max_model_len=64)
