@@ -47,10 +47,10 @@ def check_lora_fits(hf_config: Any, cfg: LoraConfig, trust_remote_code: bool = F
     transformers config on the meta device: module names and shapes exist, no weight is read or
     allocated (milliseconds). Raises LoraError; what `from_config` raises for a model transformers
     does not know passes through. For the pre-flight of `polyrl train` and `polyrl sft`."""
-    from transformers import AutoModelForCausalLM
+    from polyrl.training import vlm
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+        model = vlm.model_class(hf_config).from_config(hf_config, trust_remote_code=trust_remote_code)
     targeted_layers(model, cfg)
 
 
@@ -60,8 +60,12 @@ def targeted_layers(model: torch.nn.Module, cfg: LoraConfig) -> dict[str, torch.
     layers = linear_layers(model)
     short_names = sorted({name.rpartition(".")[2] for name in layers})
     if cfg.lora_target_modules == "all-linear":
+        from polyrl.training import vlm
+
         head = _output_head(model)
-        chosen = {n: m for n, m in layers.items() if n != head}  # peft's all-linear keeps the head out
+        # peft's all-linear keeps the head out; a vision-language model's frozen tower too (training/vlm.py)
+        frozen = vlm.lora_excluded(model, getattr(cfg, "train_vision_tower", False))
+        chosen = {n: m for n, m in layers.items() if n != head and n not in frozen}
     else:
         chosen = {}
         for target in cfg.lora_target_modules:

@@ -9,7 +9,7 @@ import torch
 from polyrl import modeling
 from polyrl.builtin import resolve
 from polyrl.modeling import DTYPES, torch_dtype  # noqa: F401  (DTYPES re-exported)
-from polyrl.training import sharded_load
+from polyrl.training import sharded_load, vlm
 
 
 class ModelLoadError(RuntimeError):
@@ -39,16 +39,25 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 
 
 def load_causal_lm(path: str, dtype: str = "float32", trust_remote_code: bool = False, *,
-                   deferred: bool = False) -> torch.nn.Module:
+                   deferred: bool = False, train_vision_tower: bool = False) -> torch.nn.Module:
     """The causal LM of `path`, on the CPU. `deferred`: on the meta device instead, weights read when
     the engine lays them out (`build_engine`; actor.strategy=fsdp2 reads each rank's shards only,
     training/sharded_load.py), unless the checkpoint cannot be read that way exactly (not
     safetensors, names or shapes transformers would convert): then loaded whole as without it.
     A deferred model goes to `build_engine` as is (no `.to(device)`, no broadcast: every rank
-    reads the same files)."""
+    reads the same files). A vision-language model (a config with a vision_config) loads whole
+    through training/vlm.py, its vision tower frozen unless `train_vision_tower`."""
     from transformers import AutoModelForCausalLM
 
     directory = model_dir(path)
+    if vlm.is_vlm_dir(directory):  # AutoModelForCausalLM does not map Qwen2-VL / Qwen2.5-VL
+        try:
+            return vlm.load_vlm(directory, torch_dtype(dtype), trust_remote_code,
+                                train_vision_tower=train_vision_tower)
+        except vlm.VLMError as exc:
+            raise ModelLoadError(str(exc)) from None
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"model.path: cannot load {directory}: {exc}") from None
     try:
         if deferred and (model := sharded_load.deferred_causal_lm(directory, torch_dtype(dtype),
                                                                   trust_remote_code)) is not None:

@@ -134,7 +134,8 @@ class PolicyWorker:
         (training/sharded_load.py)."""
         cfg = self.cfg
         model = load_causal_lm(path or cfg.model.path, cfg.actor.param_dtype, cfg.model.trust_remote_code,
-                               deferred=deferred and cfg.actor.strategy == "fsdp2")
+                               deferred=deferred and cfg.actor.strategy == "fsdp2",
+                               train_vision_tower=cfg.model.train_vision_tower)
         return model if sharded_load.is_deferred(model) else model.to(self.device)
 
     def _join_process_groups(self, dist_init: str | None, mailbox: Any):
