@@ -39,6 +39,7 @@ def check_job(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any] |
     check_model_context(cfg, longest, model_config)
     check_max_model_len(cfg, longest)
     check_lora(cfg, model_config)
+    check_vision(cfg, train_set, val_set, model_config)
 
 
 def check_rollout_engine(cfg: JobConfig) -> None:
@@ -321,6 +322,37 @@ def check_lora(cfg: JobConfig, model_config: Any | None) -> None:
         raise ConfigError([str(exc)]) from None
     except (ValueError, OSError, ImportError):  # not a causal LM transformers knows: loading says so
         return
+
+
+def check_vision(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any] | None,
+                 model_config: Any | None) -> None:
+    """A vision-language model (docs/vision.md): a type polyrl/training/vlm.py drives, and none of
+    the settings its image forward does not take yet, refused here rather than at the first
+    forward minutes into the run."""
+    from polyrl.training.vlm import SUPPORTED_MODEL_TYPES, is_vlm_config
+
+    if model_config is None or not is_vlm_config(model_config):
+        return
+    model_type = getattr(model_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError([f"model.path: a {model_type} vision-language model; polyrl trains "
+                           f"{' and '.join(SUPPORTED_MODEL_TYPES)} (docs/vision.md)"])
+    unsupported = {
+        "actor.sequence_parallel_size": cfg.actor.sequence_parallel_size > 1,
+        "rollout.batch_invariant": cfg.rollout.batch_invariant,
+        "critic.enable": cfg.critic.enable,
+    }
+    for key, on in unsupported.items():
+        if on:
+            raise ConfigError([f"{key}: not supported with a vision-language model yet (docs/vision.md, "
+                               f"'Not supported yet'); leave {key} at its default"])
+    has_images = any(getattr(s, "images", None) is not None for s in (*train_set, *(val_set or ())))
+    if has_images and cfg.agent.enabled:
+        raise ConfigError(["agent: multi-turn rollouts of image prompts are not supported yet "
+                           "(docs/vision.md); leave agent off for vision-language data"])
+    if has_images and cfg.trainer.mode == "async":
+        raise ConfigError(["trainer.mode=async: image prompts train in sync mode only so far "
+                           "(docs/vision.md); set trainer.mode=sync"])
 
 
 def _traceback_line(exc: BaseException) -> str:

@@ -99,7 +99,8 @@ class ActorConfig(Config):
     compile: Literal["auto", "on", "off"] = "auto"
     """torch.compile the training forward + backward (strategy=ddp): on, off, or auto = on only
     where measured to pay after its compile time (minutes on a CPU): a CPU platform,
-    compute_dtype=bfloat16, no LoRA, no gradient checkpointing and a run of at least
+    compute_dtype=bfloat16, no LoRA, no gradient checkpointing, not a vision-language model
+    (docs/vision.md) and a run of at least
     polyrl/training/compiled.py AUTO_MIN_STEPS optimizer steps (docs/benchmarks.md, "Compiled step
     and weight casts"). Compile seconds are logged as perf/compile_s."""
 

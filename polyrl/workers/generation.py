@@ -18,9 +18,16 @@ def sampling_params(sampling: SamplingParams, seeds: Sequence[int | None] | None
 
 
 def generate_batch(engine: Any, tokenizer: Any, prompts: list[list[int]], sampling: SamplingParams,
-                   seeds: list[int] | None, group_offset: int) -> RolloutBatch:
-    """n samples for each prompt; samples of prompt i get group `group_offset + i`."""
-    outputs = engine.generate_batch(prompts, sampling_params(sampling, seeds, len(prompts)))
+                   seeds: list[int] | None, group_offset: int,
+                   images: Sequence[Any] | None = None) -> RolloutBatch:
+    """n samples for each prompt; samples of prompt i get group `group_offset + i`. `images`: each
+    prompt's `ImageInputs` or None (vision-language models); text-only batches pass nothing, so
+    an engine without image support is called as before."""
+    params = sampling_params(sampling, seeds, len(prompts))
+    if images is not None and any(i is not None for i in images):
+        outputs = engine.generate_batch(prompts, params, images=list(images))
+    else:
+        outputs = engine.generate_batch(prompts, params)
     groups = [group_offset + i for i in range(len(prompts))]
     return to_batch(tokenizer, engine.eos_token_ids, prompts, outputs, groups)
 
@@ -54,8 +61,13 @@ def rollout_rows(engine: Any, tokenizer: Any, rows: Sequence[Any], sampling: Sam
                  seeds: list[int] | None, group_offset: int, agent_cfg: Any = None) -> RolloutBatch:
     """Samples for data rows (`PromptSample`): single-turn generation, or multi-turn
     trajectories with tools / environments when the job configures an agent (polyrl/agents)."""
+    images = [getattr(r, "images", None) for r in rows]
     if agent_cfg is None or not agent_cfg.enabled:
-        return generate_batch(engine, tokenizer, [r.prompt_ids for r in rows], sampling, seeds, group_offset)
+        return generate_batch(engine, tokenizer, [r.prompt_ids for r in rows], sampling, seeds, group_offset,
+                              images)
+    if any(i is not None for i in images):  # the agent loop's turns carry token ids only
+        raise ValueError("agent: multi-turn rollouts of image prompts are not supported yet "
+                         "(docs/vision.md); leave agent off for vision-language data")
     from polyrl.agents import run_trajectories_sync
 
     out = run_trajectories_sync(engine, tokenizer, rows, sampling, agent_cfg, seeds=seeds,
