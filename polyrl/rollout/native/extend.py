@@ -20,7 +20,8 @@ def extend(model: DecoderModel, tokens: list[int], start: int, slot: int, cache:
            mm: MultimodalInputs | None = None) -> torch.Tensor:
     """Compute positions start .. start + len(tokens) - 1 of row `slot`; float32 logits [V] at the
     last one. Positions < start must already hold this prompt's KV. `mm` (a vision-language
-    prompt): M-RoPE ids [3, 1, S] of the new tokens and the features of the images among them."""
+    prompt): M-RoPE ids [3, 1, S] of the new tokens and the features of the images among them
+    (their deep-stack features too, Qwen3-VL)."""
     s, device = model.spec, model.device
     S = len(tokens)
     T = start + S
@@ -28,12 +29,13 @@ def extend(model: DecoderModel, tokens: list[int], start: int, slot: int, cache:
     visible = torch.arange(T, device=device)[None, :] <= torch.arange(start, T, device=device)[:, None]
     cw = model.w.compute
     ids = torch.tensor([tokens], device=device)
+    mask = None
     if mm is None:
         cos, sin = model.cos[start:T, None, :], model.sin[start:T, None, :]
         x = F.embedding(ids, model.w.embed)  # [1, S, H]
     else:
         cos, sin = model.rope(mm.positions)
-        x = model.embed(ids, mm)
+        x, mask = model.embed(ids, mm)
     for i, lw in enumerate(cw.layers):
         q, k, v = model._qkv(model._norm(x, lw.input_norm), lw, cw, cos, sin)
         q, k, v = (t.transpose(1, 2).to(cache.dtype) for t in (q, k, v))  # [1, heads, S, hd]
@@ -45,5 +47,5 @@ def extend(model: DecoderModel, tokens: list[int], start: int, slot: int, cache:
             q, keys, values, attn_mask=visible, scale=model.scale, enable_gqa=s.num_heads != s.num_kv_heads
         ).to(x.dtype)
         x = cw.matmul.residual_linear(x, attn.transpose(1, 2).flatten(2), lw.o, lw.o_bias)
-        x = model._mlp_residual(x, lw, cw)
+        x = model.deep_stack(model._mlp_residual(x, lw, cw), i, mm, mask)
     return model._logits(x[:, -1], cw)[0]

@@ -29,7 +29,7 @@ and the vision-language models whose language model is one (Qwen2-VL, Qwen2.5-VL
 _ARCHITECTURE_OF_TYPE = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "qwen2_vl": "Qwen2VLForConditionalGeneration",
-    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
 }
 
 _ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
@@ -126,7 +126,8 @@ def spec_from_config(config: Any) -> ModelSpec:
             f"a multiple of num_key_value_heads={num_kv_heads}"
         )
     inv_freq, rope_scaling = _rope_frequencies(config, head_dim)
-    qwen2 = arch in ("Qwen2ForCausalLM", *VISION_ARCHITECTURES)  # q/k/v bias, no o_proj bias
+    # q/k/v bias, no o_proj bias (Qwen2 and the VL models built on it)
+    qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
     qkv_bias = qwen2 or bool(getattr(config, "attention_bias", False))
     return ModelSpec(
         architecture=arch,
@@ -144,7 +145,7 @@ def spec_from_config(config: Any) -> ModelSpec:
         # Qwen2 has q/k/v bias but no o_proj bias; Llama's attention_bias covers o_proj too.
         o_bias=not qwen2 and bool(getattr(config, "attention_bias", False)),
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3VLForConditionalGeneration"),
         max_position_embeddings=config.max_position_embeddings,
         inv_freq=inv_freq,
         rope_scaling=rope_scaling,

@@ -51,6 +51,8 @@ class MultimodalInputs:
     """M-RoPE ids [3, P, T] (text-only rows: their plain positions in all three rows)."""
     features: torch.Tensor | None = None
     """The vision tower's output [image-pad tokens, H], in the order the tokens appear (row by row)."""
+    deepstack: list[torch.Tensor] | None = None
+    """Qwen3-VL: features [image-pad tokens, H] added to those tokens after decoder layer i."""
 
 
 class DecoderModel:
@@ -64,19 +66,30 @@ class DecoderModel:
 
     # -- vision-language ------------------------------------------------------------------------
 
-    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """The vision tower's features [image tokens, H] of these images, in the embeddings' dtype."""
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The vision tower's features [image tokens, H] of these images (and Qwen3-VL's
+        deep-stack features), in the embeddings' dtype."""
         return encode_images(self.w.visual, pixel_values, grid_thw, self.w.embed.dtype)
 
-    def embed(self, tokens: torch.Tensor, mm: MultimodalInputs | None, valid: torch.Tensor | None = None):
-        """Token embeddings [..., H], image-pad tokens (within `valid`) replaced by the features."""
+    def embed(self, tokens: torch.Tensor, mm: MultimodalInputs, valid: torch.Tensor | None = None):
+        """(token embeddings [..., H] with the image-pad tokens' (within `valid`) replaced by the
+        features, that mask)."""
         x = F.embedding(tokens, self.w.embed)
-        if mm is None or mm.features is None:
-            return x
         mask = tokens == self.spec.vision.image_token_id
         if valid is not None:
             mask &= valid
-        return x.masked_scatter(mask[..., None], mm.features)
+        if mm.features is None:
+            return x, mask
+        return x.masked_scatter(mask[..., None], mm.features), mask
+
+    @staticmethod
+    def deep_stack(x: torch.Tensor, layer: int, mm: MultimodalInputs | None, mask: torch.Tensor | None):
+        """Qwen3-VL: x with deep-stack features `layer` added at the image tokens (as transformers'
+        `_deepstack_process` does after that decoder layer); x itself otherwise."""
+        if mm is None or not mm.deepstack or layer >= len(mm.deepstack):
+            return x
+        return x.masked_scatter(mask[..., None], x[mask] + mm.deepstack[layer])
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / signed sin [..., 1, hd] (broadcast over heads) for M-RoPE ids [3, ...]."""
@@ -121,13 +134,14 @@ class DecoderModel:
         s = self.spec
         P, T = tokens.shape
         cw = self.w.compute  # read once: an update swaps in a whole new set (tensors + matmul)
+        mask = None
         if mm is None:
             cos, sin = self.cos[:T, None, :], self.sin[:T, None, :]
             x = F.embedding(tokens, self.w.embed)  # [P, T, H]
         else:
             cos, sin = self.rope(mm.positions)  # [P, T, 1, hd]
             valid = torch.arange(T, device=tokens.device)[None, :] < lengths[:, None]
-            x = self.embed(tokens, mm, valid)
+            x, mask = self.embed(tokens, mm, valid)
         for i, lw in enumerate(cw.layers):
             q, k, v = self._qkv(self._norm(x, lw.input_norm), lw, cw, cos, sin)
             # [P, heads, T, hd], in the cache's dtype (fp32 where the matmuls widen bf16 / fp16)
@@ -138,7 +152,7 @@ class DecoderModel:
                 q, k, v, is_causal=True, scale=self.scale, enable_gqa=s.num_heads != s.num_kv_heads
             ).to(x.dtype)
             x = cw.matmul.residual_linear(x, attn.transpose(1, 2).flatten(2), lw.o, lw.o_bias)
-            x = self._mlp_residual(x, lw, cw)
+            x = self.deep_stack(self._mlp_residual(x, lw, cw), i, mm, mask)
         last = x[torch.arange(P, device=x.device), lengths - 1]
         return self._logits(last, cw)
 

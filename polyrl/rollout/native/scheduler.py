@@ -210,8 +210,8 @@ class Scheduler:
         logits: list[torch.Tensor | None] = [None] * len(reqs)
         for j, (r, first, start) in enumerate(zip(reqs, firsts, reused)):
             if start:
-                mm = None if r.images is None else MultimodalInputs(
-                    r.images.positions[:, None, start:].to(device), features[j])
+                mm = None if r.images is None else _multimodal(
+                    r.images.positions[:, None, start:].to(device), [features[j]] if features[j] else [])
                 logits[j] = (self.model.extend(r.prompt[start:], start, first, self.cache) if self.invariant
                              else extend(self.model, r.prompt[start:], start, first, self.cache, mm))
         full = [j for j, start in enumerate(reused) if not start]
@@ -239,24 +239,27 @@ class Scheduler:
         self.stats["prefix_reused_tokens"] += sum(reused)
         self.stats["prefill_s"] += time.perf_counter() - t0
 
-    def _image_features(self, reqs: list[Request], starts: list[int]) -> list[torch.Tensor | None]:
+    def _image_features(self, reqs: list[Request], starts: list[int]) -> list[list[torch.Tensor] | None]:
         """Per request, the vision tower's features of the image-pad tokens it computes (those at
-        or after its reused prefix), from one tower call for the whole prefill; None without."""
+        or after its reused prefix), from one tower call for the whole prefill: [features, then
+        Qwen3-VL's deep-stack features per layer], each [tokens, H]; None without images."""
         wanted = [None if r.images is None else [i for i, (_, end) in enumerate(r.images.spans) if end > start]
                   for r, start in zip(reqs, starts)]
         chosen = [(r.images.subset(w)) for r, w in zip(reqs, wanted) if w]
         if not chosen:
             return [None] * len(reqs)
-        merged = self.model.encode_images(torch.cat([p for p, _ in chosen]), torch.cat([g for _, g in chosen]))
+        features, deepstack = self.model.encode_images(torch.cat([p for p, _ in chosen]),
+                                                       torch.cat([g for _, g in chosen]))
         sizes = [sum(e - b for b, e in (r.images.spans[i] for i in w)) if w else 0 for r, w in zip(reqs, wanted)]
-        out: list[torch.Tensor | None] = []
-        for r, w, start, part in zip(reqs, wanted, starts, merged.split(sizes)):
+        per_level = [level.split(sizes) for level in (features, *deepstack)]
+        out: list[list[torch.Tensor] | None] = []
+        for j, (r, w, start) in enumerate(zip(reqs, wanted, starts)):
             # an image that began before `start` is already cached up to there: keep its tail
             skip = max(0, start - r.images.spans[w[0]][0]) if w else 0
-            out.append(part[skip:] if w else None)
+            out.append([parts[j][skip:] for parts in per_level] if w else None)
         return out
 
-    def _prefill_inputs(self, reqs: list[Request], features: list[torch.Tensor | None],
+    def _prefill_inputs(self, reqs: list[Request], features: list[list[torch.Tensor] | None],
                         T: int) -> MultimodalInputs | None:
         """M-RoPE ids [3, P, T] and image features of a prefill batch that holds images."""
         if all(r.images is None for r in reqs):
@@ -265,8 +268,7 @@ class Scheduler:
         for i, r in enumerate(reqs):
             if r.images is not None:
                 positions[:, i, : len(r.prompt)] = r.images.positions
-        present = [f for f in features if f is not None]
-        return MultimodalInputs(positions.to(self.model.device), torch.cat(present) if present else None)
+        return _multimodal(positions.to(self.model.device), [f for f in features if f is not None])
 
     def _decode(self) -> None:
         t0 = time.perf_counter()
@@ -413,3 +415,12 @@ class Scheduler:
                     s.stop_reason = "aborted"
             req.outputs = [self._output(s) for s in req.seqs]
         return reqs
+
+
+def _multimodal(positions: torch.Tensor, parts: list[list[torch.Tensor]]) -> MultimodalInputs:
+    """MultimodalInputs over rows whose image features are `parts` (per row: features, then
+    deep-stack levels), concatenated level by level in row order."""
+    if not parts:
+        return MultimodalInputs(positions)
+    levels = [torch.cat(level) for level in zip(*parts)]
+    return MultimodalInputs(positions, levels[0], levels[1:])

@@ -1,4 +1,4 @@
-"""Vision-language models in the native engine: Qwen2-VL and Qwen2.5-VL.
+"""Vision-language models in the native engine: Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
 
 The language model is the engine's own decoder (model.py) with two additions, both here:
 
@@ -8,12 +8,14 @@ The language model is the engine's own decoder (model.py) with two additions, bo
   so a prompt's last position is its length plus a (negative) *rope delta*. Decode positions are
   the cache index plus that delta in all three rows, as in Hugging Face's `generate`. The head
   dimension's frequencies are split into three sections (`mrope_section`); section i rotates by
-  row i. `mrope_positions` computes a prompt's ids from (ids, image_grid_thw) exactly as
+  row i (Qwen3-VL interleaves the rows instead). `mrope_positions` computes a prompt's ids from (ids, image_grid_thw) exactly as
   transformers' `Qwen2VLModel.get_rope_index` does (tests/rollout/test_native_vlm.py checks it).
 - **The vision tower** is transformers' own module (`model.visual` of the Hugging Face model),
   run once per image at prefill; its merged patch features replace the embeddings of the
-  prompt's `<|image_pad|>` tokens. Its parameters are registered in the engine's name map
-  (weights.py), so loading and `update_weights` write them in place like the decoder's.
+  prompt's `<|image_pad|>` tokens. Qwen3-VL's tower also gives *deep-stack* features, added to
+  the image tokens' hidden states after each of the first decoder layers. Its parameters are
+  registered in the engine's name map (weights.py), so loading and `update_weights` write them in
+  place like the decoder's.
 
 A prompt's images travel as `polyrl.data.multimodal.ImageInputs`; `PromptImages` is what the
 scheduler keeps per request: the images, the M-RoPE ids, the rope delta, and a digest per image
@@ -36,8 +38,12 @@ VISION_ARCHITECTURES = {
         "transformers.models.qwen2_vl.modeling_qwen2_vl:Qwen2VisionTransformerPretrainedModel",
     "Qwen2_5_VLForConditionalGeneration":
         "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel",
+    "Qwen3VLForConditionalGeneration": "transformers.models.qwen3_vl.modeling_qwen3_vl:Qwen3VLVisionModel",
 }
 """Vision-language architectures -> the transformers class of their vision tower."""
+
+_DEFAULT_MROPE_SECTION = {"Qwen3VLForConditionalGeneration": (24, 20, 20)}
+"""transformers' rotary default where a config names no mrope_section (Qwen2-VL's: 16, 24, 24)."""
 
 # Checkpoints name the same tensors two ways: transformers 5 modules say `model.language_model.*`
 # and `model.visual.*` (what a trainer's `named_parameters` and a LoRA merge send), while
@@ -64,20 +70,24 @@ class VisionSpec:
     image_token_id: int
     spatial_merge_size: int
     mrope_section: tuple[int, ...]
-    """Frequencies (of head_dim // 2) rotated by the temporal, height and width ids, in turn."""
+    """How many of the head_dim // 2 frequencies the temporal, height and width ids rotate."""
+    interleaved: bool
+    """Qwen3-VL: the three rows take frequencies in turn (t h w t h w ...); Qwen2-VL /
+    Qwen2.5-VL: in three consecutive sections."""
     patch_dim: int
     """Values per pixel patch the tower reads: channels x temporal patch x patch x patch."""
 
 
 def vision_spec(config: Any, architecture: str, head_dim: int) -> VisionSpec:
     params = getattr(config.text_config, "rope_parameters", None) or {}
-    section = tuple(int(n) for n in (params.get("mrope_section") or ()))
+    section = tuple(int(n) for n in (params.get("mrope_section") or _DEFAULT_MROPE_SECTION.get(architecture, (16, 24, 24))))
     if len(section) != 3 or sum(section) != head_dim // 2:
         raise ValueError(f"native engine: mrope_section={list(section)} must be three sizes summing to "
                          f"head_dim // 2 = {head_dim // 2}")
     vc = config.vision_config
     channels = getattr(vc, "in_channels", None) or getattr(vc, "in_chans", 3)
     return VisionSpec(architecture, vc, int(config.image_token_id), int(vc.spatial_merge_size), section,
+                      architecture == "Qwen3VLForConditionalGeneration",
                       int(channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2)
 
 
@@ -101,13 +111,14 @@ def tower_targets(tower: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def encode_images(tower: torch.nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
-                  dtype: torch.dtype) -> torch.Tensor:
+                  dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Merged patch features [image tokens, hidden] of every image, in order (HF's
-    `get_image_features`: pixels in the tower's dtype, features in the embeddings' dtype)."""
+    `get_image_features`: pixels in the tower's dtype, features in the embeddings' dtype), and
+    Qwen3-VL's deep-stack features (one such tensor per early decoder layer; [] otherwise)."""
     device = next(tower.parameters()).device
     out = tower(pixel_values.to(device=device, dtype=next(tower.parameters()).dtype),
                 grid_thw=grid_thw.to(device))
-    return out.pooler_output.to(dtype)
+    return out.pooler_output.to(dtype), [f.to(dtype) for f in getattr(out, "deepstack_features", None) or []]
 
 
 # -- M-RoPE --------------------------------------------------------------------------------------
@@ -137,7 +148,13 @@ def mrope_positions(ids: list[int], grid_thw: torch.Tensor | None, image_token_i
 
 def section_rows(spec: VisionSpec, head_dim: int, device) -> torch.Tensor:
     """[head_dim]: which position row (0 temporal, 1 height, 2 width) rotates each column."""
-    half = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(spec.mrope_section)])
+    if spec.interleaved:  # transformers' Qwen3-VL: frequency j < 3 * section[r] with j % 3 == r is row r
+        j = torch.arange(head_dim // 2)
+        half = torch.zeros(head_dim // 2, dtype=torch.long)
+        for row in (1, 2):
+            half[(j % 3 == row) & (j < 3 * spec.mrope_section[row])] = row
+    else:
+        half = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(spec.mrope_section)])
     return torch.cat((half, half)).to(device)
 
 

@@ -208,26 +208,53 @@ def test_bad_image_input_is_refused_naming_images(hf_model, engine, model_dirs):
         NativeEngine.from_model(hf_model, batch_invariant=True)
 
 
-def test_qwen2_5_vl_windowed_vision_tower_equals_hf():
-    """Qwen2.5-VL: another vision tower (window attention, gated MLP, RMSNorm), the same decoder
-    and M-RoPE; a 4 x 12 grid spans two attention windows."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
+def _other_vl(config_cls, model_cls, vision_config: dict, **text_overrides):
+    """A random model of another VL family with the tiny Qwen2-VL's text shape and token ids."""
     base = build_tiny_vl().config
     text_config = {k: v for k, v in base.text_config.to_dict().items() if k != "model_type"}
-    config = Qwen2_5_VLConfig(
-        text_config=text_config, tie_word_embeddings=True,
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                           fullatt_block_indexes=[1]),
-        **{k: getattr(base, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                         "vision_end_token_id")})
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    config = config_cls(text_config={**text_config, **text_overrides}, tie_word_embeddings=True,
+                        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                                           out_hidden_size=64, patch_size=14, spatial_merge_size=2,
+                                           temporal_patch_size=2, **vision_config),
+                        **{k: getattr(base, k) for k in ("image_token_id", "video_token_id",
+                                                         "vision_start_token_id", "vision_end_token_id")})
+    model = model_cls(config).eval()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.15)
-    ids, images = image_prompt(config, [(1, 4, 12)], seed=9)
+    return model
+
+
+def test_qwen2_5_vl_windowed_vision_tower_equals_hf():
+    """Qwen2.5-VL: another vision tower (window attention, gated MLP, RMSNorm), the same decoder
+    and M-RoPE; a 4 x 12 grid spans two attention windows."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    model = _other_vl(Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                      dict(window_size=56, fullatt_block_indexes=[1]))
+    ids, images = image_prompt(model.config, [(1, 4, 12)], seed=9)
     [[out]] = NativeEngine.from_model(model, max_model_len=128).generate_batch([ids], GREEDY, images=[images])
     assert_matches_hf(model, ids, images, out)
+
+
+def test_qwen3_vl_deep_stack_and_interleaved_mrope_equal_hf():
+    """Qwen3-VL: a Qwen3 decoder (q/k-norm), M-RoPE rows interleaved over the frequencies, and the
+    tower's deep-stack features added to the image tokens after the first two decoder layers;
+    also on a prefix-cached next turn that adds an image (deep-stack in the extend path)."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    model = _other_vl(Qwen3VLConfig, Qwen3VLForConditionalGeneration,
+                      dict(deepstack_visual_indexes=[0, 1], num_position_embeddings=64),
+                      head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                    "mrope_section": [4, 2, 2], "mrope_interleaved": True})
+    engine = NativeEngine.from_model(model, max_model_len=128, prefix_cache_tokens=1024)
+    ids, images = image_prompt(model.config, [(1, 4, 6), (1, 2, 4)], seed=10)
+    [[out]] = engine.generate_batch([ids], GREEDY, images=[images])
+    assert_matches_hf(model, ids, images, out)
+    more, added = image_prompt(model.config, [(1, 4, 4)], seed=11, words=(" then ", " end"))
+    turn2, both = ids + out.token_ids + more, ImageInputs.concat([images, added])
+    [[second]] = engine.generate_batch([turn2], GREEDY, images=[both])
+    assert engine.stats["prefix_reused_tokens"] == len(ids) + len(out.token_ids) - 1
+    assert_matches_hf(model, turn2, both, second)
