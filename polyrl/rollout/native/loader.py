@@ -24,7 +24,7 @@ SUPPORTED_ARCHITECTURES = (
     *VISION_ARCHITECTURES,
 )
 """Models the native engine can run: decoders with pre-norm RMSNorm, RoPE, GQA and a gated MLP,
-and the vision-language models whose language model is one (Qwen2-VL, Qwen2.5-VL: vision.py)."""
+and the vision-language models whose language model is one (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: vision.py)."""
 
 _ARCHITECTURE_OF_TYPE = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",

@@ -8,8 +8,9 @@ The language model is the engine's own decoder (model.py) with two additions, bo
   so a prompt's last position is its length plus a (negative) *rope delta*. Decode positions are
   the cache index plus that delta in all three rows, as in Hugging Face's `generate`. The head
   dimension's frequencies are split into three sections (`mrope_section`); section i rotates by
-  row i (Qwen3-VL interleaves the rows instead). `mrope_positions` computes a prompt's ids from (ids, image_grid_thw) exactly as
-  transformers' `Qwen2VLModel.get_rope_index` does (tests/rollout/test_native_vlm.py checks it).
+  row i (Qwen3-VL interleaves the rows instead). `mrope_positions` computes a prompt's ids from
+  (ids, image_grid_thw) exactly as transformers' `Qwen2VLModel.get_rope_index` does
+  (tests/rollout/native/test_native_vlm.py checks it).
 - **The vision tower** is transformers' own module (`model.visual` of the Hugging Face model),
   run once per image at prefill; its merged patch features replace the embeddings of the
   prompt's `<|image_pad|>` tokens. Qwen3-VL's tower also gives *deep-stack* features, added to
@@ -80,7 +81,8 @@ class VisionSpec:
 
 def vision_spec(config: Any, architecture: str, head_dim: int) -> VisionSpec:
     params = getattr(config.text_config, "rope_parameters", None) or {}
-    section = tuple(int(n) for n in (params.get("mrope_section") or _DEFAULT_MROPE_SECTION.get(architecture, (16, 24, 24))))
+    default = _DEFAULT_MROPE_SECTION.get(architecture, (16, 24, 24))
+    section = tuple(int(n) for n in (params.get("mrope_section") or default))
     if len(section) != 3 or sum(section) != head_dim // 2:
         raise ValueError(f"native engine: mrope_section={list(section)} must be three sizes summing to "
                          f"head_dim // 2 = {head_dim // 2}")
@@ -217,7 +219,7 @@ def check_images(images: Any, prompt: list[int], spec: VisionSpec | None, *,
     if spec is None:
         if images is not None:
             raise RolloutInputError("images", "this model is text-only; serve a vision-language model "
-                                    "(Qwen2-VL, Qwen2.5-VL) for image prompts")
+                                    "(Qwen2-VL, Qwen2.5-VL, Qwen3-VL) for image prompts")
         return None
     runs = list(_runs(prompt, spec.image_token_id))
     if images is None:

@@ -36,7 +36,7 @@ class ChatImages:
         if self._prompter is None:
             if getattr(getattr(self.engine, "spec", None), "vision", None) is None:
                 raise RolloutInputError("messages", "image content parts need a vision-language model "
-                                        "(Qwen2-VL, Qwen2.5-VL); this server's model is text-only")
+                                        "(Qwen2-VL, Qwen2.5-VL, Qwen3-VL); this server's model is text-only")
             model_dir = getattr(self.engine, "model_dir", None)
             if model_dir is None:
                 raise RolloutInputError("messages", "this engine was built from an in-memory model, without "
