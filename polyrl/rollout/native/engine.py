@@ -289,6 +289,9 @@ class NativeEngine:
         samplings = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
         if len(samplings) != len(prompts):
             raise ValueError(f"{len(samplings)} sampling params for {len(prompts)} prompts")
+        if hasattr(images, "pixel_values"):
+            raise RolloutInputError("images", "takes one entry per prompt (a list of ImageInputs or None), "
+                                    "not one ImageInputs")
         per_prompt = [None] * len(prompts) if images is None else list(images)
         if len(per_prompt) != len(prompts):
             raise RolloutInputError("images", f"{len(per_prompt)} entries for {len(prompts)} prompts")

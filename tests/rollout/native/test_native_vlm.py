@@ -201,6 +201,8 @@ def test_bad_image_input_is_refused_naming_images(hf_model, engine, model_dirs):
         engine.generate_batch([ids], GREEDY, images=[narrow])
     with pytest.raises(RolloutInputError, match="1 entries for 2 prompts"):
         engine.generate_batch([ids, ids], GREEDY, images=[images])
+    with pytest.raises(RolloutInputError, match="one entry per prompt"):
+        engine.generate_batch([ids], GREEDY, images=images)
     text_only = NativeEngine(model_dirs["qwen2"], tokenizer=False, max_model_len=64)
     with pytest.raises(RolloutInputError, match="text-only"):
         text_only.generate_batch([[3, 4]], GREEDY, images=[images])
