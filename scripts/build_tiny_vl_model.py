@@ -234,6 +234,10 @@ def build(args) -> None:
         build_image_processor().save_pretrained(init)
         policy = sft_phase(init, clean, val_chats, work / "sft_clean", args.clean_steps, args.clean_lr, args,
                            "phase 1 (right answers)")
+        if args.eval:  # how well the model reads the images before the noisy teacher
+            stats = evaluate(policy, rl["val"], args.eval, 0.0, seed=args.seed)
+            print(f"after phase 1, held-out (T=0, {args.eval} prompts): " +
+                  ", ".join(f"{k} {v:.1%}" for k, v in stats.items()), flush=True)
         if args.noisy_steps:
             policy = sft_phase(policy, noisy, val_chats, work / "sft_noisy", args.noisy_steps, args.noisy_lr,
                                args, f"phase 2 (noisy teacher: miss {args.p_miss:.0%}, swap {args.p_swap:.0%})")
@@ -256,17 +260,17 @@ def main(argv=None) -> None:
     ap.add_argument("--out-dir", default=str(REPO / "polyrl" / "assets"), help="assets root")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (fixed for reproducibility)")
-    ap.add_argument("--n-train", type=int, default=2000, help="RL training prompts")
+    ap.add_argument("--n-train", type=int, default=1000, help="RL training prompts")
     ap.add_argument("--n-val", type=int, default=200, help="held-out prompts")
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--intermediate", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=96)
+    ap.add_argument("--intermediate", type=int, default=192)
+    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vision-depth", type=int, default=2)
-    ap.add_argument("--vision-dim", type=int, default=64)
+    ap.add_argument("--vision-dim", type=int, default=48)
     ap.add_argument("--batch", type=int, default=64, help="SFT conversations per step")
     ap.add_argument("--clean-steps", type=int, default=300, help="phase 1: SFT steps on right answers")
     ap.add_argument("--clean-lr", type=float, default=3e-3)
-    ap.add_argument("--noisy-steps", type=int, default=60, help="phase 2: SFT steps on the noisy teacher")
+    ap.add_argument("--noisy-steps", type=int, default=120, help="phase 2: SFT steps on the noisy teacher")
     ap.add_argument("--noisy-lr", type=float, default=1e-3)
     ap.add_argument("--p-miss", type=float, default=0.7, help="noisy teacher: P(count one short on 3-4 shapes)")
     ap.add_argument("--p-swap", type=float, default=0.7, help="noisy teacher: P(swap a confusable colour)")

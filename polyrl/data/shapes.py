@@ -44,6 +44,10 @@ CELL = SIDE // 2
 KINDS = ("square", "circle", "triangle")
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 30), "blue": (30, 60, 220), "yellow": (230, 200, 20)}
 COUNT_QUESTION = "How many shapes?"
+BACKGROUND = (123, 117, 104)
+"""Grey at the image processor's mean (CLIP's, which Qwen2-VL uses): the background normalises to
+about zero, so a patch's features come from the shape in it. On white, a tiny vision tower
+learned where shapes are (their count) but not their colour."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,7 @@ class Scene:
     def render(self):
         from PIL import Image, ImageDraw
 
-        image = Image.new("RGB", (SIDE, SIDE), "white")
+        image = Image.new("RGB", (SIDE, SIDE), BACKGROUND)
         draw = ImageDraw.Draw(image)
         for s in self.shapes:
             x0 = (s.cell % 2) * CELL + s.dx

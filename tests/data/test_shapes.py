@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 
-from polyrl.data.shapes import COLOURS, SIDE, make_row, split_examples
+from polyrl.data.shapes import BACKGROUND, COLOURS, SIDE, make_row, split_examples
 from polyrl.rewards import REWARD_FNS
 
 
@@ -32,7 +32,7 @@ def test_rendered_image_shows_what_the_answer_says():
             x0, y0 = (cell % 2) * SIDE // 2, (cell // 2) * SIDE // 2
             colours = {image.getpixel((x, y)) for x in range(x0, x0 + SIDE // 2) for y in range(y0, y0 + SIDE // 2)}
             shape = [s for s in e.scene.shapes if s.cell == cell]
-            assert (colours - {(255, 255, 255)} == {COLOURS[shape[0].colour]}) if shape else colours == {(255, 255, 255)}
+            assert (colours - {BACKGROUND} == {COLOURS[shape[0].colour]}) if shape else colours == {BACKGROUND}
         if e.question_type == "count":
             assert e.answer == str(len(e.scene.shapes))
         else:
