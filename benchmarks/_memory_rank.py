@@ -39,6 +39,20 @@ def trim_heap() -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+def return_freed_memory(threshold_bytes: int) -> None:
+    """Serve every allocation of at least `threshold_bytes` with its own mmap, returned to the
+    kernel when freed (`mallopt(M_MMAP_THRESHOLD)`, which also turns off glibc's dynamic
+    threshold, up to 32 MiB by default, and trims the heap top as soon as 2x that is free):
+    the resident set then follows what the code holds, not the freed tensors glibc keeps, which
+    otherwise land wherever its free lists put the next allocation and stay resident."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, threshold_bytes)
+    libc.mallopt(m_trim_threshold, 2 * threshold_bytes)
+
+
 def reset_peak() -> None:
     """Set the high-water mark to the current resident set (Linux >= 4.0, `clear_refs` 5)."""
     Path("/proc/self/clear_refs").write_text("5")
@@ -94,7 +108,10 @@ def warm_up(cfg, platform, device, rank: int, world: int) -> None:
 
 
 def run_rank(rank: int, world: int, model_dir: str, options: dict, store: str, out: str) -> None:
-    """`options`: strategy, bucket_mb, num_samples, prompt_len, response_len, vocab."""
+    """`options`: strategy, bucket_mb, num_samples, prompt_len, response_len, vocab, mmap_threshold_mb
+    (0: glibc's defaults)."""
+    if options.get("mmap_threshold_mb"):
+        return_freed_memory(int(options["mmap_threshold_mb"] * MiB))
     import torch
     import torch.distributed as dist
     import transformers.models.qwen2.modeling_qwen2  # noqa: F401  (in the baseline, not in `load`)
@@ -170,8 +187,8 @@ def run_rank(rank: int, world: int, model_dir: str, options: dict, store: str, o
         engine.piece_bytes = bucket_bytes  # as PolicyWorker sets weights.bucket_mb on every rank
         stream = engine.weight_stream()
         if rank != 0:  # the same gathers, a slice at a time
-            for _ in stream.pieces():
-                pass
+            for name, piece in stream.pieces():
+                del name, piece  # not alive while the next is gathered (`for _ in` would keep it)
             return
         manifest = plan_buckets(stream.specs, 1, bucket_bytes)
         scratch: list = []
@@ -182,8 +199,8 @@ def run_rank(rank: int, world: int, model_dir: str, options: dict, store: str, o
                 scratch[:] = [torch.empty(need, dtype=torch.uint8, device=device)]
             return scratch[0]
 
-        for _ in iter_buckets(manifest, stream, reuse):
-            pass
+        for b, packed in iter_buckets(manifest, stream, reuse):
+            del b, packed  # "put in the store": gone before the next bucket is packed
         result["sync_bytes"] = manifest.total_bytes
         result["sync_buckets"] = len(manifest.buckets)
 

@@ -1,27 +1,34 @@
 """Peak resident memory per rank of FSDP2 training at N = 1, 2, 4 gloo ranks: load, step, sync.
 
-    polyrl bench memory [--params 300M] [--world-sizes 1,2,4] [--json]
+    polyrl bench memory [--params 300M] [--world-sizes 1,2,4] [--bucket-mb 64] [--mmap-threshold-mb 0] [--json]
 
 A random Qwen2-shaped model of about `--params` parameters (fp32, tied embeddings; shape from
 `qwen2_shape`) is written as a Hugging Face directory in a temp dir. For each world size, that
 many spawned processes join a gloo group and each runs three phases (`_memory_rank.py`):
 
-    load   the policy loaded as `PolicyWorker.setup` loads it (polyrl/workers/policy.py):
-           `load_causal_lm` on every rank, parameters broadcast from rank 0, then `build_engine`
-           with actor.strategy=fsdp2 (which shards it)
+    load   the policy loaded as `PolicyWorker.setup` loads it under fsdp2 (polyrl/workers/policy.py):
+           `load_causal_lm(..., deferred=True)` on the meta device, then `build_engine`, which
+           shards it and reads each rank's rows from the safetensors file
     step   one GRPO update through the real `PPOActor` (polyrl/workers/actor.py): forward,
            backward and one AdamW step on this rank's shard of a fixed global batch (the same
            batch at every N, so activations shrink with N as they do in a run)
     sync   one weight publish: `engine.weight_stream()` packed bucket by bucket into one reused
            scratch buffer of `--bucket-mb`, as the object-store sender packs it
            (polyrl/weights/object_store.py; each bucket is dropped where that transport would put
-           it in Ray's store); the other ranks join each gather and keep nothing
+           it in Ray's store); a tensor bigger than a bucket comes in row slices, each its own
+           bucket (polyrl/weights/base.py `TensorSpec.pieces`); the other ranks join each
+           gather and keep nothing
 
 Reported per rank and phase: the peak resident set during the phase minus the resident set of
 the same process just before the model was loaded (torch, transformers and polyrl imported, the
 process group up): `<phase>_mib`, the issue's measure, which includes what earlier phases left
 resident (the shards, the optimizer state). `<phase>_rise_mib` is the peak minus the resident set
-at the phase's start: what the phase itself adds.
+at the phase's start: what the phase itself adds. Before the baseline and before each phase the
+free pages glibc keeps in its heaps are handed back (`malloc_trim(0)`): what a phase freed would
+otherwise count in the next phase's peak, though no code holds it. `--mmap-threshold-mb M` (0:
+glibc's defaults) serves every allocation of M MiB or more by its own mmap, returned when freed,
+so that within a phase too the resident set follows the live tensors rather than wherever glibc's
+free lists placed the freed ones (`kept_before_<phase>_mib`: what the trim handed back).
 
 How the peak is read: the kernel's own high-water mark (`VmHWM` in /proc/self/status), reset to
 the current resident set at each phase's start by writing 5 to /proc/self/clear_refs (Linux >=
@@ -133,7 +140,7 @@ def goal(results: list[dict]) -> dict | None:
     return {name: at["ratio_vs_1"][name] <= GOAL_RATIO for name in PHASES}
 
 
-def run(params: int, worlds: list[int], bucket_mb: float, tmp: Path) -> dict:
+def run(params: int, worlds: list[int], bucket_mb: float, tmp: Path, mmap_threshold_mb: float = 0) -> dict:
     from _tiny import build_model
     from logprobs import cpu_flags
     from memory_model import predict_bench
@@ -141,7 +148,8 @@ def run(params: int, worlds: list[int], bucket_mb: float, tmp: Path) -> dict:
     shape = qwen2_shape(params)
     model_dir = tmp / "model"
     num_params = build_model(model_dir, shape)
-    options = {"strategy": "fsdp2", "bucket_mb": bucket_mb, "vocab": shape["vocab_size"], **BATCH}
+    options = {"strategy": "fsdp2", "bucket_mb": bucket_mb, "vocab": shape["vocab_size"],
+               "mmap_threshold_mb": mmap_threshold_mb, **BATCH}
     per_world = {world: measure(str(model_dir), world, tmp, options) for world in worlds}
     results = summarise(per_world)
     tokens = BATCH["num_samples"] * (BATCH["prompt_len"] + BATCH["response_len"])
@@ -150,14 +158,15 @@ def run(params: int, worlds: list[int], bucket_mb: float, tmp: Path) -> dict:
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
             "cpu_flags": cpu_flags(), "load_average": list(os.getloadavg()), "num_params": num_params,
             "model_mib": num_params * 4 / MiB, "shape": shape, "dtype": "float32", "strategy": "fsdp2",
-            "bucket_mb": bucket_mb, "batch": BATCH, "results": results,
+            "bucket_mb": bucket_mb, "mmap_threshold_mb": mmap_threshold_mb, "batch": BATCH, "results": results,
             "goal": {"world_size": GOAL_WORLD, "max_ratio": GOAL_RATIO, "met": goal(results)}}
 
 
 def print_table(report: dict) -> None:
     print(f"{report['date']}  {report['num_params'] / 1e6:.1f}M parameters (fp32, {report['model_mib']:.0f} MiB), "
           f"fsdp2 on gloo, bucket {report['bucket_mb']} MiB  cpu: {' '.join(report['cpu_flags'])}  "
-          f"load average {report['load_average'][0]:.1f}")
+          f"load average {report['load_average'][0]:.1f}"
+          + (f"  mmap threshold {report['mmap_threshold_mb']} MiB" if report.get('mmap_threshold_mb') else ""))
     print("peak resident MiB above the rank's baseline before the model, max over ranks "
           "(rise: above the phase's start); ratio vs N=1")
     print(f"{'N':>2} " + " ".join(f"{p + ' MiB':>10} {'rise':>7} {'ratio':>6} {'model':>7}" for p in PHASES))
@@ -180,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", default="300M", help="model size, e.g. 300M, 5M, 1.5B (default 300M)")
     parser.add_argument("--world-sizes", default="1,2,4", help="comma-separated rank counts (default 1,2,4)")
     parser.add_argument("--bucket-mb", type=float, default=64.0, help="weight-sync bucket (weights.bucket_mb)")
+    parser.add_argument("--mmap-threshold-mb", type=float, default=0,
+                        help="serve allocations of at least this many MiB by mmap, returned when freed "
+                             "(glibc mallopt), so the resident set follows what the code holds "
+                             "(default 0: glibc's defaults)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = parser.parse_args(argv)
     try:
@@ -194,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --world-sizes: '{args.world_sizes}' must be positive counts such as 1,2,4", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
-        report = run(params, worlds, args.bucket_mb, Path(tmp))
+        report = run(params, worlds, args.bucket_mb, Path(tmp), args.mmap_threshold_mb)
     if args.json:
         print(json.dumps(report))
     else:

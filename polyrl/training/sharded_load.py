@@ -252,7 +252,8 @@ def _local_rows(tensor: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Ten
 
     local = tensor.to_local()
     local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    if tuple(local_shape) != tuple(local.shape) or any(o != 0 for o in offset[1:]) or tuple(local_shape[1:]) != shape[1:]:
+    if (tuple(local_shape) != tuple(local.shape) or any(o != 0 for o in offset[1:])
+            or tuple(local_shape[1:]) != shape[1:]):
         raise RuntimeError(f"sharded load: {tuple(local.shape)} at {tuple(offset)} of {shape} "
                            "is not a dim-0 shard")
     return local, offset[0] if offset else 0
