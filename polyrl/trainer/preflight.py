@@ -350,7 +350,7 @@ def check_vision(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any
     if has_images and cfg.agent.enabled:
         raise ConfigError(["agent: multi-turn rollouts of image prompts are not supported yet "
                            "(docs/vision.md); leave agent off for vision-language data"])
-    if has_images and cfg.trainer.mode == "async":
+    if has_images and not cfg.topology.on_policy:
         raise ConfigError(["trainer.mode=async: image prompts train in sync mode only so far "
                            "(docs/vision.md); set trainer.mode=sync"])
 
