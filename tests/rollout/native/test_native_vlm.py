@@ -18,7 +18,7 @@ from polyrl.rollout.base import RolloutInputError, SamplingParams, WeightUpdateE
 from polyrl.rollout.native.engine import NativeEngine
 from polyrl.rollout.native.vision import mrope_positions
 from polyrl.weights.base import as_stream
-from tests.tiny_vl import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, build_tiny_vl, vl_tokenizer
+from tiny_vl import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, build_tiny_vl, vl_tokenizer
 
 PATCH_DIM = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch
 _TOK = vl_tokenizer()

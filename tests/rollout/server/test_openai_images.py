@@ -15,7 +15,7 @@ from polyrl.rollout.native.engine import NativeEngine
 from polyrl.rollout.server import HTTPServer, build_app
 from polyrl.rollout.server.openai_service import OpenAIService
 from polyrl.rollout.server.protocol import ChatCompletionRequest
-from tests.tiny_vl import build_tiny_vl, image_inputs_for, png_bytes, shape_image, tiny_vl_processor
+from tiny_vl import build_tiny_vl, image_inputs_for, png_bytes, shape_image, tiny_vl_processor
 
 MODEL = "tiny-vl"
 
