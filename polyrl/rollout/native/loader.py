@@ -106,8 +106,8 @@ def spec_from_config(config: Any) -> ModelSpec:
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     top = config
-    if arch in VISION_ARCHITECTURES:  # the decoder's shapes live in the text config
-        config = config.text_config
+    if arch in VISION_ARCHITECTURES:  # the decoder's shapes live in the text config (transformers < 4.52: flat)
+        config = getattr(config, "text_config", None) or config
     act = getattr(config, "hidden_act", "silu")
     if act not in _ACTIVATIONS:
         raise ValueError(f"native engine: hidden_act={act!r} unsupported; supported: {_ACTIVATIONS}")
@@ -149,7 +149,7 @@ def spec_from_config(config: Any) -> ModelSpec:
         max_position_embeddings=config.max_position_embeddings,
         inv_freq=inv_freq,
         rope_scaling=rope_scaling,
-        vision=vision_spec(top, arch, head_dim) if arch in VISION_ARCHITECTURES else None,
+        vision=vision_spec(top, arch, head_dim, _rope_parameters(config)) if arch in VISION_ARCHITECTURES else None,
     )
 
 

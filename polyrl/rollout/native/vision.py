@@ -79,8 +79,9 @@ class VisionSpec:
     """Values per pixel patch the tower reads: channels x temporal patch x patch x patch."""
 
 
-def vision_spec(config: Any, architecture: str, head_dim: int) -> VisionSpec:
-    params = getattr(config.text_config, "rope_parameters", None) or {}
+def vision_spec(config: Any, architecture: str, head_dim: int, rope_parameters: dict) -> VisionSpec:
+    """`rope_parameters`: the text config's, in transformers 5's form (loader._rope_parameters)."""
+    params = rope_parameters
     default = _DEFAULT_MROPE_SECTION.get(architecture, (16, 24, 24))
     section = tuple(int(n) for n in (params.get("mrope_section") or default))
     if len(section) != 3 or sum(section) != head_dim // 2:
@@ -97,7 +98,10 @@ def build_vision_tower(spec: VisionSpec, dtype: torch.dtype, device: torch.devic
     """transformers' vision tower of the architecture, zero-filled (the checkpoint fills it)."""
     import importlib
 
-    from transformers.initialization import no_init_weights
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4
+        from transformers.modeling_utils import no_init_weights
 
     module_name, _, cls_name = VISION_ARCHITECTURES[spec.architecture].partition(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
@@ -120,6 +124,10 @@ def encode_images(tower: torch.nn.Module, pixel_values: torch.Tensor, grid_thw: 
     device = next(tower.parameters()).device
     out = tower(pixel_values.to(device=device, dtype=next(tower.parameters()).dtype),
                 grid_thw=grid_thw.to(device))
+    if isinstance(out, torch.Tensor):  # transformers 4 returns the merged features themselves
+        return out.to(dtype), []
+    if isinstance(out, tuple):  # transformers 4's Qwen3-VL: (merged features, deep-stack features)
+        return out[0].to(dtype), [f.to(dtype) for f in (out[1] if len(out) > 1 else [])]
     return out.pooler_output.to(dtype), [f.to(dtype) for f in getattr(out, "deepstack_features", None) or []]
 
 
