@@ -1,6 +1,7 @@
 """Bundled assets addressed as `builtin:NAME`: the tiny models and the synthetic tasks' data
 (scripts/build_tiny_model.py builds tiny-arith and the arithmetic files,
-scripts/build_tiny_tools_model.py tiny-calc and the calculator files)."""
+scripts/build_tiny_tools_model.py tiny-calc and the calculator files,
+scripts/build_tiny_vl_model.py the vision-language tiny-vl and the shapes files)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ BUILTINS = {
     "tiny-calc": ASSETS / "tiny-calc",
     "calculator_train": ASSETS / "data" / "calculator_train.parquet",
     "calculator_val": ASSETS / "data" / "calculator_val.parquet",
+    "tiny-vl": ASSETS / "tiny-vl",
+    "shapes_train": ASSETS / "data" / "shapes_train.parquet",
+    "shapes_val": ASSETS / "data" / "shapes_val.parquet",
 }
 
 
