@@ -152,11 +152,14 @@ def row_images(row: dict[str, Any]) -> list[Any] | None:
 
 
 def open_image(entry: Any):
-    """One image entry as an RGB PIL image: {"bytes": ..., "path": ...} or a path string."""
+    """One image entry as an RGB PIL image: {"bytes": ..., "path": ...} (verl also writes
+    {"image": path}), a path string, or a PIL image (rows built in Python)."""
     from PIL import Image, UnidentifiedImageError
 
+    if isinstance(entry, Image.Image):
+        return entry.convert("RGB")
     if isinstance(entry, dict):
-        data, path = entry.get("bytes"), entry.get("path")
+        data, path = entry.get("bytes"), entry.get("path") or entry.get("image")
     elif isinstance(entry, str):
         data, path = None, entry
     else:

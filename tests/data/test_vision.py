@@ -204,3 +204,15 @@ def test_polyrl_train_refuses_image_rows_on_a_text_model_before_ray(train_here, 
     assert "is a text-only model (no vision_config in its config.json); set model.path to a " \
            "vision-language model" in out.stderr
     assert not ray.is_initialized()
+
+
+def test_every_image_entry_form_opens_to_the_same_pixels(tmp_path):
+    from polyrl.data.vision import ImageRowError, open_image
+
+    img = shape_image("blue", 2)
+    img.save(tmp_path / "a.png")
+    forms = [img, {"bytes": png_bytes(img), "path": None}, {"bytes": None, "path": str(tmp_path / "a.png")},
+             {"image": str(tmp_path / "a.png")}, str(tmp_path / "a.png")]
+    assert len({open_image(f).tobytes() for f in forms}) == 1
+    with pytest.raises(ImageRowError, match="cannot be read"):
+        open_image(str(tmp_path / "missing.png"))
