@@ -69,3 +69,18 @@ def test_bundled_data_is_the_generators():
         paths = write_shapes_dataset(Path(tmp), RECIPE["n_train"], RECIPE["n_val"], seed=RECIPE["seed"])
         for split in ("train", "val"):
             assert paths[split].read_bytes() == Path(resolve(f"builtin:shapes_{split}")).read_bytes(), split
+
+
+def test_tokenizer_and_processor_files_are_the_scripts(tmp_path):
+    """The files that do not depend on training are what scripts/build_tiny_vl_model.py writes
+    (the weights are its SFT's; rebuilding them is minutes, not a test)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_tiny_vl_model",
+                                                  Path(__file__).parents[2] / "scripts" / "build_tiny_vl_model.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    build.save_tokenizer(build.build_tokenizer(), tmp_path)
+    build.build_image_processor().save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json"):
+        assert (tmp_path / name).read_bytes() == (MODEL_DIR / name).read_bytes(), name
