@@ -58,7 +58,7 @@ def render_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> str:
             "tokenizer with a chat_template (an instruct model) or store prompts as plain strings"
         )
     # parquet structs give every message every field; drop the unset ones (e.g. name=None)
-    messages = [{k: v for k, v in m.items() if v is not None} for m in prompt]
+    messages = [vision.flatten_text_parts({k: v for k, v in m.items() if v is not None}) for m in prompt]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 

@@ -126,6 +126,16 @@ class VisionPrompter:
         return tuple(out)
 
 
+def flatten_text_parts(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose content parts are all text, with that text as its one string content:
+    what it means to any chat template, including text-only ones that would print the list."""
+    content = message.get("content")
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return {**message, "content": "".join(p.get("text") or "" for p in content)}
+    return message
+
+
 def has_images(row: dict[str, Any], prompt_key: str) -> bool:
     """The row takes the image path: an images column (even empty: its prompt's `<image>`
     count is then checked), or image content parts in its prompt."""

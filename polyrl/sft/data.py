@@ -191,7 +191,7 @@ def conversation(row: dict, cfg: SFTDataConfig) -> tuple[list[dict], list | None
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise TemplateError(f"'{key}' message {i} is a {type(m).__name__}, not a {{role, content}} mapping")
-        m = {k: v for k, v in m.items() if v is not None}  # parquet structs carry every field
+        m = vision.flatten_text_parts({k: v for k, v in m.items() if v is not None})  # parquet: every field
         role = m.get("role")
         if role not in cfg.roles:
             raise TemplateError(f"'{key}' message {i} has role {role!r}, not one of "

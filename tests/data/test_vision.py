@@ -216,3 +216,15 @@ def test_every_image_entry_form_opens_to_the_same_pixels(tmp_path):
     assert len({open_image(f).tobytes() for f in forms}) == 1
     with pytest.raises(ImageRowError, match="cannot be read"):
         open_image(str(tmp_path / "missing.png"))
+
+
+def test_text_only_content_parts_render_as_their_text(tmp_path, tiny_tokenizer):
+    """A text model's template would print a list of parts; text parts are their text."""
+    rows = [{"data_source": "arithmetic", "reward_model": {"ground_truth": "2"},
+             "prompt": [{"role": "user", "content": [{"type": "text", "text": "1+"}, {"type": "text", "text": "1="}]}]},
+            {"data_source": "arithmetic", "reward_model": {"ground_truth": "2"},
+             "prompt": [{"role": "user", "content": "1+1="}]}]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = load_dataset([str(path)], tiny_tokenizer, DataConfig())
+    assert ds[0].prompt_text == ds[1].prompt_text and ds[0].prompt_ids == ds[1].prompt_ids
