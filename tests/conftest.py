@@ -83,6 +83,7 @@ SECONDS = {
     "tests/training/test_mesh_driver.py": 30,
     # session 10's (measured under load ~16-25 by their authors)
     "tests/training/test_vlm_training.py": 60,
+    "tests/assets/test_vision_shapes_recipe.py": 27,
 }
 """Seconds (measured as SLOW_TESTS's) of tests marked slow in their own files, by node-id prefix:
 only used to order the files, so a key that no longer matches is harmless."""

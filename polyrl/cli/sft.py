@@ -131,8 +131,10 @@ def dry_run(cfg, as_json: bool) -> int:
                                            trust_remote_code=cfg.model.trust_remote_code)
     context = getattr(model_cfg, "max_position_embeddings", None) or cfg.data.max_length
     max_length = min(cfg.data.max_length, context)
-    train = load_sft_dataset(cfg.data.train_files, tokenizer, cfg.data, max_length, "train")
-    val = load_sft_dataset(cfg.data.val_files, tokenizer, cfg.data, max_length, "val") if cfg.data.val_files else None
+    images_from = str(model_dir(cfg.model.path))  # image chats: the model's own image processor
+    train = load_sft_dataset(cfg.data.train_files, tokenizer, cfg.data, max_length, "train", model_dir=images_from)
+    val = (load_sft_dataset(cfg.data.val_files, tokenizer, cfg.data, max_length, "val", model_dir=images_from)
+           if cfg.data.val_files else None)
     loader = PromptLoader(train, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                           seed=cfg.data.seed, drop_last=cfg.data.drop_last)
     steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * len(loader)

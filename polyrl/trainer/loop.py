@@ -108,7 +108,7 @@ class Trainer:
         data_cfg = cfg.data.model_copy(update={
             "train_files": [resolve(f) for f in cfg.data.train_files],
             "val_files": [resolve(f) for f in cfg.data.val_files]})
-        self.train_loader, self.val_loader = build_loaders(data_cfg, self.tokenizer)
+        self.train_loader, self.val_loader = build_loaders(data_cfg, self.tokenizer, model_dir=resolve(cfg.model.path))
         check_job(cfg, self.train_loader.dataset, self.val_loader.dataset if self.val_loader else None,
                   self._model_config())  # one clear line now, not a traceback after Ray started
         if cfg.distill.enabled:  # the teacher scores the student's token ids: same vocabulary

@@ -28,7 +28,7 @@ GPUS = {  # recipe -> H100s it was sized for (one node each)
     "gsm8k_qwen_gpu.yaml": 8,
 }
 # the bundled model and data, any machine
-EMBEDDED_TASK = {"dapo_arith.yaml", "tools_calculator.yaml", "distill_arith.yaml"}
+EMBEDDED_TASK = {"dapo_arith.yaml", "tools_calculator.yaml", "distill_arith.yaml", "vision_shapes.yaml"}
 SFT = {"sft_chat_qwen_gpu.yaml"}  # `polyrl sft` configs, not `polyrl train`
 
 
