@@ -11,6 +11,9 @@
     ...
 
 Long texts are cut in the middle with a marker, so a run that babbles cannot fill the disk.
+Prompts with images show their placeholders here; the images themselves, with the model's answers
+to a few validation prompts, are drawn to `RUN_DIR/samples/step_NNNNNN.png` by
+`polyrl/trainer/sample_images.py`.
 """
 
 from __future__ import annotations
