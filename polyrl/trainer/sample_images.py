@@ -94,7 +94,8 @@ def draw_grid(samples: Sequence[ImageSample], out: Path, title: str) -> Path:
         ax.set_xticks([])
         ax.set_yticks([])
         if sample.images:
-            ax.imshow(sample.images[0], interpolation="nearest")  # small images stay sharp
+            image = sample.images[0]  # a small image stays sharp; a large one is smoothed as it shrinks
+            ax.imshow(image, interpolation="nearest" if max(image.size) <= 256 else "antialiased")
         else:
             ax.text(0.5, 0.5, "image not readable\nfrom the data file", ha="center", va="center", fontsize=8,
                     transform=ax.transAxes)
