@@ -54,6 +54,7 @@ from polyrl.topology.launch_plan import plan_job, plugin_code_dirs
 from polyrl.trainer.metrics import MetricsWriter, PhaseTimer, response_metrics
 from polyrl.trainer.plots import plot_run, print_summary
 from polyrl.trainer.preflight import check_job
+from polyrl.trainer.sample_images import RowImages, SampleImages
 from polyrl.trainer.samples_log import SampleLog, rows_from_batch
 from polyrl.trainer.sinks import build_sinks, check_available
 from polyrl.training.base import NonFiniteUpdate
@@ -87,6 +88,8 @@ class Trainer:
         self.started_ray = False
         self.start_time = time.perf_counter()
         self.sample_log: SampleLog | None = None
+        self.sample_images: SampleImages | None = None
+        """Grids of validation images with the answers (RUN_DIR/samples); they skip text-only batches."""
         self.topology: Topology | None = None
         self.teacher_val: dict[str, float] | None = None
         """The distillation teacher's held-out metrics (distill/teacher_val_*), once at the start."""
@@ -231,12 +234,15 @@ class Trainer:
                             cfg.model_dump(mode="json"), wandb_mode=cfg.logging.wandb_mode,
                             wandb_project=cfg.logging.wandb_project, resume_step=resume_step)
         self.sample_log = SampleLog(self.out, resume_step) if cfg.logging.samples_every else None
+        if cfg.logging.samples_every and self.val_loader is not None:
+            self.sample_images = SampleImages(self.out, resume_step,
+                                              RowImages(cfg.data.val_files, cfg.data.prompt_key))
         writer = MetricsWriter(sinks, self.total_steps, state["step"], cfg.trainer.progress_bar)
         initial, final, final_step = state.get("initial_val"), None, None
         self.teacher_val = state.get("teacher_val")
         try:
             if first == 1 and self.val_loader is not None and cfg.trainer.val_before_train:
-                initial = self.validate()
+                initial = self.validate(step=0)
             if first == 1 and self.val_loader is not None and cfg.distill.enabled \
                     and cfg.distill.validate_teacher:  # once: a resumed run keeps the first
                 self.teacher_val = self.validate_teacher()
@@ -245,7 +251,7 @@ class Trainer:
             for step in range(first, self.total_steps + 1):
                 metrics = self.train_step(step)
                 if self.val_loader is not None and cfg.trainer.val_every and step % cfg.trainer.val_every == 0:
-                    final, final_step = self.validate(), step
+                    final, final_step = self.validate(step=step), step
                     metrics.update(final)
                 if step % cfg.trainer.log_every == 0 or step == self.total_steps:
                     writer.log(step, metrics)
@@ -262,7 +268,7 @@ class Trainer:
                         f"stopped after step {step} of {self.total_steps}; wrote {where}. "
                         f"Continue with the same command (trainer.resume=auto).", stop.exit_code)
             if self.val_loader is not None and final_step != self.total_steps:
-                final = self.validate()
+                final = self.validate(step=self.total_steps)
                 writer.log(self.total_steps, final)
         finally:
             writer.close()
@@ -442,18 +448,23 @@ class Trainer:
                     100 * out["distill/teacher_val_acc"])
         return out
 
-    def validate(self, generate: Callable[..., RolloutBatch] | None = None) -> dict[str, float]:
+    def validate(self, generate: Callable[..., RolloutBatch] | None = None,
+                 step: int | None = None) -> dict[str, float]:
         """Held-out accuracy (mean over val_n samples per prompt; pass@k when val_n > 1) of the
-        current policy, or of whatever `generate(prompts, sampling, seeds, phase)` samples."""
+        current policy, or of whatever `generate(prompts, sampling, seeds, phase)` samples.
+        `step`: the policy's training step, which names the grid of its first batch's images
+        and answers (RUN_DIR/samples/step_N.png, image prompts only)."""
         generate = generate or self.topology.generate
         r = self.cfg.rollout
         sampling = SamplingParams(temperature=r.val_temperature, top_p=1.0, top_k=-1, n=r.val_n,
                                   max_tokens=r.response_length)
         accs, scores, lengths, passes = [], [], [], []
-        for prompts in self.val_loader.epoch_batches():
+        for k, prompts in enumerate(self.val_loader.epoch_batches()):
             seeds = prompt_seeds(self.cfg.trainer.seed, 0, prompts, validation=True)
             batch = generate(prompts, sampling, seeds, "validation")
             self.score(batch)
+            if k == 0 and step is not None and self.sample_images is not None:
+                self.sample_images.write(step, batch)
             accs += batch.acc.tolist()
             scores += batch.rewards.tolist()
             lengths += batch.response_lengths.tolist()

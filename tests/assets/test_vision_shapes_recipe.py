@@ -25,3 +25,6 @@ def test_vision_shapes_recipe_learns(tmp_path):
     assert summary["reward_errors"]["errors"] == 0 and summary["skipped_data_rows"] == 0
     # the samples show the prompts' image placeholders (the images rode with the prompts)
     assert "<|vision_start|><|image_pad|><|vision_end|>" in (tmp_path / "samples.txt").read_text()
+    # and the held-out images with the answers, at every validation (docs/metrics.md, "Samples")
+    grids = sorted(p.name for p in (tmp_path / "samples").iterdir())
+    assert grids == [f"step_{s:06d}.png" for s in (0, 10, 20, 30, 40)]
