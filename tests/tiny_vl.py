@@ -3,9 +3,12 @@
 Shared by the #31 tests (data, trainer, native engine). Sizes are the smallest that keep every
 Qwen2-VL code path alive: M-RoPE (head_dim 16 -> mrope_section [2, 3, 3]), a 1-block vision tower,
 patch 14 and spatial merge 2, so a 56x56 image is 4x4 patches -> 4 image-pad tokens.
+`family="qwen2_5_vl"` / `"qwen3_vl"` give the same language model shape and tokens with those
+families' towers (Qwen3-VL: its Qwen3 decoder, interleaved M-RoPE and deep-stack features).
 
     from tests.tiny_vl import build_tiny_vl, tiny_vl_processor, image_inputs_for
     model = build_tiny_vl()                      # in memory
+    model = build_tiny_vl(family="qwen3_vl")     # a tiny Qwen3-VL
     path = build_tiny_vl(tmp_path / "vl")        # saved: model + tokenizer + image processor
 """
 
@@ -88,6 +91,44 @@ def tiny_vl_config(tokenizer: Any | None = None, hidden: int = 64, layers: int =
     )
 
 
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+"""The vision-language families `build_tiny_vl(family=...)` builds."""
+
+_OTHER_TOWER = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+                    spatial_merge_size=2, temporal_patch_size=2)
+"""Qwen2.5-VL's and Qwen3-VL's vision tower (both gated / RMS-normed, 2 blocks of width 32)."""
+
+
+def tiny_family_config(family: str = "qwen2_vl", tokenizer: Any | None = None, **config_kwargs):
+    """`tiny_vl_config`'s language model and token ids with `family`'s vision tower:
+    Qwen2.5-VL with window attention in block 0 and full attention in block 1; Qwen3-VL with
+    deep-stack features from both blocks (added after decoder layers 0 and 1), a Qwen3 decoder
+    (head_dim 16, q/k norms) and M-RoPE rows interleaved over the frequencies ([4, 2, 2])."""
+    base = tiny_vl_config(tokenizer, **config_kwargs)
+    if family == "qwen2_vl":
+        return base
+    text = {k: v for k, v in base.text_config.to_dict().items() if k != "model_type"}
+    tokens = {k: getattr(base, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                            "vision_end_token_id")}
+    vision = dict(_OTHER_TOWER, out_hidden_size=text["hidden_size"])
+    if family == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig
+
+        return Qwen2_5_VLConfig(text_config=text, vision_config=dict(vision, window_size=56, fullatt_block_indexes=[1]),
+                                tie_word_embeddings=True, **tokens)
+    if family == "qwen3_vl":
+        from transformers import Qwen3VLConfig
+
+        half_head = 8  # head_dim 16: the rotary half split into (temporal, height, width) sections
+        text.update(head_dim=2 * half_head,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                     "mrope_section": [half_head // 2, half_head // 4, half_head // 4],
+                                     "mrope_interleaved": True})
+        vision.update(deepstack_visual_indexes=[0, 1], num_position_embeddings=64)
+        return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **tokens)
+    raise ValueError(f"family: {family!r}; one of {FAMILIES}")
+
+
 def tiny_vl_image_processor():
     """The slow (PIL / numpy) Qwen2-VL image processor: there is no torchvision here, and the
     fast one needs it. Fixed 56x56 pixel budget so every test image is 4 tokens."""
@@ -116,14 +157,15 @@ def tiny_vl_processor(tokenizer: Any | None = None):
                                      video_processor=None, chat_template=VL_CHAT_TEMPLATE)
 
 
-def build_tiny_vl(path: Path | None = None, seed: int = 0, **config_kwargs):
-    """A random tiny Qwen2-VL: the model itself when `path` is None, else saved (model,
-    tokenizer, image processor config) under `path` and the path returned as a string."""
-    from transformers import Qwen2VLForConditionalGeneration
+def build_tiny_vl(path: Path | None = None, seed: int = 0, family: str = "qwen2_vl", **config_kwargs):
+    """A random tiny Qwen2-VL (or `family`'s model, `tiny_family_config`): the model itself when
+    `path` is None, else saved (model, tokenizer, image processor config) under `path` and the
+    path returned as a string."""
+    from transformers import AutoModelForImageTextToText
 
     tok = vl_tokenizer()
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(tiny_vl_config(tok, **config_kwargs))
+    model = AutoModelForImageTextToText.from_config(tiny_family_config(family, tok, **config_kwargs))
     if path is None:
         return model.eval()
     model.save_pretrained(str(path))

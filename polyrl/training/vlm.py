@@ -1,4 +1,4 @@
-"""Vision-language models in the trainer: Qwen2-VL and Qwen2.5-VL.
+"""Vision-language models in the trainer: Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
 
 What differs from a causal LM, and nothing else:
 
@@ -14,6 +14,11 @@ What differs from a causal LM, and nothing else:
   positions computed on its own segment and concatenated: M-RoPE positions depend only on the
   sample's tokens, and the packed attention (training/varlen.py) attends per segment, so the
   packed forward is the per-sample forward;
+- Qwen3-VL's deep stack: its tower also returns features of intermediate vision blocks, which
+  the language model adds to the image tokens' hidden states after its first decoder layers
+  (`visual_pos_masks`, `deepstack_visual_embeds`, as transformers' `Qwen3VLModel.forward` hands
+  them over). `image_forward` therefore calls the language model itself, with the embeddings,
+  positions and deep-stack features it made, for every family;
 - LoRA's `all-linear` leaves the vision tower out unless it trains (`lora_excluded`);
 - FSDP2: the vision blocks are units of their own (transformers lists them in
   `_no_split_modules`, which polyrl/training/fsdp2.py shards by). Every rank must then run the
@@ -32,7 +37,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 """Model types whose vision tower, placeholders and rope index this module drives."""
 
 
@@ -61,7 +66,7 @@ def check_supported(config: Any) -> None:
     model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise VLMError(f"model.path: a {model_type} vision-language model; polyrl trains "
-                       f"{' and '.join(SUPPORTED_MODEL_TYPES)} (docs/vision.md)")
+                       f"{', '.join(SUPPORTED_MODEL_TYPES)} (docs/vision.md)")
 
 
 def model_class(config: Any):
@@ -138,19 +143,28 @@ def image_forward(model: torch.nn.Module, mb: Any, kwargs: dict) -> torch.Tensor
     if mb.images is not None:
         image_mask = _image_positions(mb, base.config.image_token_id)
         # each distinct prompt's images encoded once, then handed to every row of that prompt
-        per_image = base.get_image_features(mb.images.pixel_values, mb.images.image_grid_thw).pooler_output
+        encoded = base.get_image_features(mb.images.pixel_values, mb.images.image_grid_thw)
         rows = _row_images(mb)
-        features = torch.cat([per_image[j] for images in rows for j in images])
+        order = [j for images in rows for j in images]  # the rows' images in placeholder order
+        features = torch.cat([encoded.pooler_output[j] for j in order])
         if int(image_mask.sum()) != features.shape[0]:
             raise VLMError(f"a micro-batch's prompts hold {int(image_mask.sum())} image placeholder tokens but "
                            f"their images make {features.shape[0]}: the prompt ids were not expanded by "
                            "this model's processor")
         embeds = embeds.masked_scatter(image_mask.unsqueeze(-1), features.to(embeds.dtype))
+        deep_stack = getattr(encoded, "deepstack_features", None)
+        if deep_stack:  # Qwen3-VL: per layer, one feature row per image token, in the same order
+            kwargs["visual_pos_masks"] = image_mask
+            kwargs["deepstack_visual_embeds"] = [torch.cat([layer[j] for j in order]).to(embeds.dtype)
+                                                 for layer in deep_stack]
         grids = [mb.images.image_grid_thw[images] for images in rows]
         kwargs["position_ids"] = mrope_positions(base, mb, image_mask, grids)
     else:  # FSDP2 (runs_tower_every_forward): the tower's collectives, nothing of its output
         embeds = embeds + _blank_image_features(base).sum().to(embeds.dtype) * 0
-    out = base(input_ids=None, inputs_embeds=embeds, attention_mask=mb.attention_mask, **kwargs)
+    # the language model itself, as the multimodal model's forward would call it: that forward
+    # cannot take the deep-stack features from outside (it passes its own to the language model)
+    out = base.language_model(input_ids=None, inputs_embeds=embeds, attention_mask=mb.attention_mask,
+                              use_cache=False, **kwargs)
     return out.last_hidden_state
 
 
@@ -193,11 +207,18 @@ def mrope_positions(base: torch.nn.Module, mb: Any, image_mask: torch.Tensor,
 
 
 def _blank_image_features(base: torch.nn.Module) -> torch.Tensor:
-    """The tower's output for the smallest image it takes (one merge window of zero pixels)."""
+    """The tower's outputs for the smallest image it takes (one merge window of zero pixels),
+    flattened: the merged features and, for Qwen3-VL, each deep-stack layer's, so that every
+    tower parameter that a real image reaches gets a (zero) gradient here too; FSDP2 reduces a
+    unit's gradients together and every rank must bring the same ones."""
     vision = base.config.vision_config
     merge = vision.spatial_merge_size
     patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
     weight = next(base.visual.parameters())
     grid = torch.tensor([[1, merge, merge]], device=weight.device)
     pixels = torch.zeros(merge * merge, patch_dim, device=weight.device, dtype=weight.dtype)
-    return torch.cat(base.get_image_features(pixels, grid).pooler_output)
+    encoded = base.get_image_features(pixels, grid)
+    outputs = [*encoded.pooler_output]
+    for layer in getattr(encoded, "deepstack_features", None) or ():
+        outputs.extend(layer)
+    return torch.cat([x.reshape(-1) for x in outputs])

@@ -1,7 +1,7 @@
 """Image batches through the trainer (polyrl/batch, polyrl/training/vlm.py, logprobs.py): each
 sample's images stay with it through selection, concatenation, pickling, micro-batching and
 packing, and the log-probs of a micro-batched or packed image batch equal one plain Hugging Face
-forward per sample (tests/tiny_vl.py's random Qwen2-VL, fp32)."""
+forward per sample (tests/tiny_vl.py's random Qwen2-VL, Qwen2.5-VL and Qwen3-VL, fp32)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from polyrl.batch import Ragged, RolloutBatch, collate
 from polyrl.batch.packed import collate_packed
 from polyrl.training.logprobs import response_logprobs
-from tests.tiny_vl import build_tiny_vl, image_inputs_for, shape_image, tiny_vl_processor
+from tests.tiny_vl import FAMILIES, build_tiny_vl, image_inputs_for, shape_image, tiny_vl_processor
 
 CPU = torch.device("cpu")
 PROMPTS = (
@@ -35,22 +35,16 @@ def tiny():
     return model, processor, image_batch(processor)
 
 
-def tiny_qwen2_5_vl():
-    """tests/tiny_vl.py's language model and tokens with a Qwen2.5-VL vision tower (windowed
-    attention in block 0, full attention in block 1; SwiGLU, RMSNorm)."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+@pytest.fixture(scope="module")
+def family_model(tiny):
+    """family -> its random tiny model (tests/tiny_vl.py), each built once for the module."""
+    built = {"qwen2_vl": tiny[0]}
 
-    from tests.tiny_vl import tiny_vl_config
-
-    base = tiny_vl_config()
-    tokens = {k: getattr(base, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                            "vision_end_token_id")}
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
-                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
-    torch.manual_seed(0)
-    config = Qwen2_5_VLConfig(text_config=base.to_dict()["text_config"], vision_config=vision,
-                              tie_word_embeddings=True, **tokens)
-    return Qwen2_5_VLForConditionalGeneration(config).eval()
+    def get(family: str):
+        if family not in built:
+            built[family] = build_tiny_vl(family=family)
+        return built[family]
+    return get
 
 
 def image_batch(processor, samples_per_prompt: int = 1, seed: int = 3) -> RolloutBatch:
@@ -98,17 +92,17 @@ def per_sample(model, batch, plan, packed: bool) -> dict[int, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_micro_batched_logprobs_equal_one_hf_forward_per_sample(tiny, packed, family):
+def test_micro_batched_logprobs_equal_one_hf_forward_per_sample(tiny, family_model, packed, family):
     """Micro-batches of two and of all four samples (images of several prompts in one vision
     call, a text-only sample among them), padded or packed, give each sample the log-probs of
-    its own Hugging Face forward with its own images and M-RoPE positions."""
+    its own Hugging Face forward with its own images and M-RoPE positions (Qwen3-VL: also its
+    deep-stack features, added to the image tokens after the first decoder layers)."""
     from polyrl.training import varlen
 
-    model, _, batch = tiny
-    if family == "qwen2_5_vl":
-        model = tiny_qwen2_5_vl()
+    _, _, batch = tiny
+    model = family_model(family)
     if packed:
         varlen.use_varlen_attention(model)
     try:
