@@ -196,19 +196,29 @@ class AsyncEngineAdapter:
         return self._eos
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                       request_id: str | None = None) -> list[TokenOutput]:
+                       request_id: str | None = None, *, images: Any = None) -> list[TokenOutput]:
         prompt = check_prompt(prompt_ids)
         sampling.validate()
-        return await self._loop.run_async(self._tracked(prompt, sampling, request_id or uuid.uuid4().hex))
+        checked = self._check_images(prompt, images)
+        return await self._loop.run_async(self._tracked(prompt, sampling, request_id or uuid.uuid4().hex, checked))
 
     def generate_batch(self, prompts: Sequence[Sequence[int]],
                        sampling: SamplingParams | Sequence[SamplingParams],
-                       request_ids: Sequence[str] | None = None) -> list[list[TokenOutput]]:
-        """Synchronous; every prompt is checked before any is sent, so a bad one rejects all."""
+                       request_ids: Sequence[str] | None = None, *,
+                       images: Sequence[Any] | None = None) -> list[list[TokenOutput]]:
+        """Synchronous; every prompt is checked before any is sent, so a bad one rejects all.
+        `images`: one `ImageInputs` (or None) per prompt, or None for all text."""
         samplings = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
         if len(samplings) != len(prompts):
             raise ValueError(f"{len(samplings)} sampling params for {len(prompts)} prompts")
+        if hasattr(images, "pixel_values"):
+            raise RolloutInputError("images", "takes one entry per prompt (a list of ImageInputs or None), "
+                                    "not one ImageInputs")
+        per_prompt = [None] * len(prompts) if images is None else list(images)
+        if len(per_prompt) != len(prompts):
+            raise RolloutInputError("images", f"{len(per_prompt)} entries for {len(prompts)} prompts")
         checked = [check_prompt(p) for p in prompts]
+        checked_images = [self._check_images(p, i) for p, i in zip(checked, per_prompt)]
         for s in samplings:
             s.validate()
         if self._sleeping:
@@ -216,16 +226,28 @@ class AsyncEngineAdapter:
         ids = list(request_ids) if request_ids is not None else [uuid.uuid4().hex for _ in prompts]
 
         async def all_prompts():
-            return await asyncio.gather(*(self._tracked(p, s, i) for p, s, i in zip(checked, samplings, ids)))
+            return await asyncio.gather(*(self._tracked(p, s, i, m) for p, s, i, m
+                                          in zip(checked, samplings, ids, checked_images)))
 
         return list(self._loop.run(all_prompts(), None, f"{self.backend} generate_batch"))
 
-    async def _tracked(self, prompt: list[int], sampling: SamplingParams, request_id: str) -> list[TokenOutput]:
+    def _check_images(self, prompt: list[int], images: Any) -> Any:
+        """A prompt's images as `_generate_one` takes them (None: text only), checked against its
+        ids before anything is sent. Adapters that serve images override this."""
+        if images is not None:
+            raise RolloutInputError("images", f"rollout.backend={self.backend} does not take image prompts "
+                                    "yet; use rollout.backend=native or vllm")
+        return None
+
+    async def _tracked(self, prompt: list[int], sampling: SamplingParams, request_id: str,
+                       images: Any = None) -> list[TokenOutput]:
         task = asyncio.current_task()
         assert task is not None  # always run as a task on the engine loop
         self._inflight[request_id] = task
         try:
-            outs = await self._generate_one(prompt, sampling, request_id)
+            # text-only calls keep the three-argument form every adapter implements
+            extra = {} if images is None else {"images": images}
+            outs = await self._generate_one(prompt, sampling, request_id, **extra)
         finally:
             if self._inflight.get(request_id) is task:
                 del self._inflight[request_id]

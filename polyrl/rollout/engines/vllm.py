@@ -25,6 +25,16 @@ caches adapters by id. Full-weight updates still work with LoRA on (the hybrid s
 base weights first): the worker post-processes each layer once, past vLLM's LoRA wrappers
 (`vllm_worker.wrappers_skipped`).
 
+Image prompts (Qwen2-VL / Qwen2.5-VL, issue #31): `images=` takes the prompt's `ImageInputs`
+(polyrl/data/multimodal.py), whose ids already hold the processor's expanded `<|image_pad|>`
+runs. They go to vLLM as an already-processed multimodal input (`vllm_image_prompt`: the ids
+unchanged, the processor's `pixel_values` / `image_grid_thw` as the model's keyword items, one
+placeholder range per run), so vLLM's HF processor never runs and the engine sees exactly the
+trainer's ids and pixels (no re-tokenization, no second resize). Each image's hash carries the
+weight version: vLLM caches vision-tower outputs by that hash, and a weight update must not
+serve embeddings of the old tower. The trainer's names (`model.visual.*`,
+`model.language_model.*`) are mapped by vLLM's own Qwen2-VL loader (`hf_to_vllm_mapper`).
+
 Sleep (hybrid placement): level 1 offloads the weights to host memory and drops the KV cache. A
 weight update while asleep wakes the weights only; `wake_up()` then restores the KV cache.
 """
@@ -33,11 +43,13 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
+import json
 import logging
+from pathlib import Path
 
 import torch
 
-from polyrl.rollout.base import SamplingParams, TokenOutput, WeightUpdateError
+from polyrl.rollout.base import RolloutInputError, SamplingParams, TokenOutput, WeightUpdateError
 from polyrl.rollout.engines.common import (
     DEFAULT_CONTROL_TIMEOUT_S,
     AsyncEngineAdapter,
@@ -122,6 +134,99 @@ def lora_request_kwargs(lora_id: int, version: int, path: str) -> dict[str, Any]
     return {"lora_name": f"polyrl-v{version}", "lora_int_id": lora_id, "lora_path": path}
 
 
+def image_spec(model_path: str) -> tuple[int, int] | None:
+    """(image_token_id, spatial_merge_size) of a Qwen2-VL-shaped model directory; None for a
+    text-only model (no `vision_config`) or a model name that is not a local directory."""
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    vision = config.get("vision_config")
+    if not isinstance(vision, dict) or "image_token_id" not in config:
+        return None
+    return int(config["image_token_id"]), int(vision.get("spatial_merge_size", 2))
+
+
+def image_launch_args(args: Mapping[str, Any], engine_args_cls: Any) -> dict[str, Any]:
+    """What a vision-language model's engine needs on top of its launch arguments.
+
+    vLLM >= 0.32 normalizes Qwen2-VL pixels on the device by default (`mm_device_do_normalize`:
+    its processor then sends raw uint8 pixels, and the vision tower's input norm rescales them).
+    polyrl sends the processor's pixel_values, already normalized as the trainer's forward
+    reads them, so the engine must not normalize them again. Releases without the field
+    normalize in the processor only: nothing to add."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(engine_args_cls)} if dataclasses.is_dataclass(engine_args_cls) else set()
+    if "mm_device_do_normalize" not in fields:
+        return {}
+    if args.get("mm_device_do_normalize"):
+        raise ValueError("rollout.engine_kwargs.vllm.mm_device_do_normalize=true would normalize image pixels "
+                         "a second time (polyrl sends the processor's normalized pixel_values); remove it")
+    return {"mm_device_do_normalize": False}
+
+
+def image_placeholder_ranges(prompt: list[int], images: Any, image_token_id: int,
+                             merge_size: int) -> list[tuple[int, int]]:
+    """(offset, length) of each image's `<|image_pad|>` run in the prompt ids, checked against
+    the image grids: image i needs t*h*w / merge_size**2 consecutive pad tokens, in order, and
+    the ids hold no other pad tokens (what Hugging Face's processor writes)."""
+    pixel_values, grid = getattr(images, "pixel_values", None), getattr(images, "image_grid_thw", None)
+    if not isinstance(pixel_values, torch.Tensor) or not isinstance(grid, torch.Tensor):
+        raise RolloutInputError("images", f"expected ImageInputs (pixel_values, image_grid_thw), got "
+                                f"{type(images).__name__}")
+    if grid.dim() != 2 or grid.shape[1] != 3 or bool((grid[:, 1:] % merge_size != 0).any()):
+        raise RolloutInputError("images", f"image_grid_thw must be (images, 3) with height and width "
+                                f"multiples of spatial_merge_size={merge_size}")
+    patches = int(grid.prod(dim=1).sum())
+    if pixel_values.dim() != 2 or pixel_values.shape[0] != patches:
+        raise RolloutInputError("images", f"pixel_values has shape {tuple(pixel_values.shape)}; the grids "
+                                f"describe {patches} patches")
+    counts = [int(n) // merge_size**2 for n in grid.prod(dim=1)]
+    pads = [i for i, t in enumerate(prompt) if t == image_token_id]
+    ranges, k = [], 0
+    for n in counts:
+        run = pads[k:k + n]
+        if len(run) != n or run[-1] - run[0] != n - 1:
+            break
+        ranges.append((run[0], n))
+        k += n
+    if len(ranges) != len(counts) or k != len(pads):
+        raise RolloutInputError("images", f"prompt_ids hold {len(pads)} image placeholder tokens, the images "
+                                f"need runs of {counts} (expand each image as the processor does)")
+    return ranges
+
+
+def vllm_image_prompt(prompt: list[int], images: Any, image_token_id: int, merge_size: int,
+                      version: int) -> dict[str, Any]:
+    """vLLM's already-processed multimodal input (`vllm.inputs.engine.MultiModalInput`, a dict
+    of type "multimodal") for ids that hold expanded placeholders and their `ImageInputs`.
+
+    The fields are laid out as vLLM's Qwen2-VL processor lays them out
+    (vllm/model_executor/models/qwen2_vl.py, `_create_qwen2vl_field_factory`): `pixel_values`
+    cut per image by its patch count, `image_grid_thw` one row per image, kept on the CPU.
+    vLLM computes the M-RoPE positions from the grids and placeholder offsets itself."""
+    from transformers import BatchFeature
+    from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems, PlaceholderRange
+
+    from polyrl.rollout.native.vision import image_digest
+
+    ranges = image_placeholder_ranges(prompt, images, image_token_id, merge_size)
+    grid = images.image_grid_thw.detach().to("cpu", torch.int64)
+    pixels = images.pixel_values.detach().to("cpu")
+    sizes = grid.prod(dim=1)
+    fields = {"pixel_values": MultiModalFieldConfig.flat_from_sizes("image", sizes),
+              "image_grid_thw": MultiModalFieldConfig.batched("image", keep_on_cpu=True)}
+    items = MultiModalKwargsItems.from_hf_inputs(
+        BatchFeature({"pixel_values": pixels, "image_grid_thw": grid}), fields)
+    starts = [0] + torch.cumsum(sizes, 0).tolist()
+    # the version in the hash: vLLM's encoder cache reuses a vision-tower output by hash
+    hashes = [f"{image_digest(pixels[starts[i]:starts[i + 1]], grid[i])}-v{version}" for i in range(len(ranges))]
+    return {"type": "multimodal", "prompt_token_ids": prompt, "mm_kwargs": items,
+            "mm_hashes": {"image": hashes},
+            "mm_placeholders": {"image": [PlaceholderRange(offset=o, length=n) for o, n in ranges]}}
+
+
 def _sampled(record: Mapping[int, Any], token: int) -> float:
     if token not in record:
         raise RuntimeError(f"vLLM returned no log-prob for the sampled token {token}")
@@ -171,6 +276,10 @@ class VLLMEngine(AsyncEngineAdapter):
         args = dict(self.launch_args)
         if args.get("enable_sleep_mode") and not self.sleep_frees_memory:
             args.pop("enable_sleep_mode")
+        self.image_spec = image_spec(self.model_path)
+        """(image_token_id, spatial_merge_size) of a vision-language model, else None."""
+        if self.image_spec is not None:
+            args.update(image_launch_args(args, AsyncEngineArgs))
 
         async def start():
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
@@ -178,8 +287,23 @@ class VLLMEngine(AsyncEngineAdapter):
         self.engine = self._control(start(), "start")
 
     # --- generation ------------------------------------------------------------------------------
+    def _check_images(self, prompt: list[int], images: Any) -> Any:
+        if self.image_spec is None:
+            if images is not None:
+                raise RolloutInputError("images", "this model is text-only; serve a vision-language model "
+                                        "(Qwen2-VL, Qwen2.5-VL) for image prompts")
+            return None
+        token, merge = self.image_spec
+        if images is None:
+            if token in prompt:
+                raise RolloutInputError("images", "prompt_ids hold image placeholder tokens but no images "
+                                        "were given")
+            return None
+        image_placeholder_ranges(prompt, images, token, merge)
+        return images
+
     async def _generate_one(self, prompt: list[int], sampling: SamplingParams,
-                            request_id: str) -> list[TokenOutput]:
+                            request_id: str, images: Any = None) -> list[TokenOutput]:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -189,7 +313,12 @@ class VLLMEngine(AsyncEngineAdapter):
                                     output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
         lora = {"lora_request": self._lora_request} if self._lora_request is not None else {}
-        async for out in self.engine.generate({"prompt_token_ids": prompt}, params, request_id, **lora):
+        if images is not None:
+            assert self.image_spec is not None  # _check_images let them through
+            engine_input: dict[str, Any] = vllm_image_prompt(prompt, images, *self.image_spec, self._version)
+        else:
+            engine_input = {"prompt_token_ids": prompt}
+        async for out in self.engine.generate(engine_input, params, request_id, **lora):
             final = out
         if final is None:
             raise RuntimeError(f"vLLM returned nothing for request {request_id}")
