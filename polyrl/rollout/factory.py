@@ -84,9 +84,21 @@ def engine_args(cfg: RolloutConfig, model_path: str, platform: Platform | None =
                               installed_version(cfg.backend), colocated=colocated)
 
 
+def colocated_engine_streams(cfg: RolloutConfig) -> bool:
+    """Whether a colocated engine can start from the trainer's first streamed weight sync rather
+    than from the policy's whole module: a GPU engine, which starts on dummy weights anyway. The
+    built-in engine keeps a whole copy of its own (and a packed one) built from the module: a
+    sharded policy load would not lower its rank's peak (measured, docs/scaling.md)."""
+    return _is_gpu_adapter(ROLLOUT_ENGINES.get(cfg.backend))
+
+
 def build_colocated_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer: Any,
-                           device: torch.device, seed: int = 0, platform: Platform | None = None):
-    """An engine in this process that starts from `model`'s weights (hybrid placement)."""
+                           device: torch.device, seed: int = 0, platform: Platform | None = None,
+                           first_weights: Any = None):
+    """An engine in this process that starts from `model`'s weights (hybrid placement), or, for a
+    GPU engine given `first_weights` (the training engine's weight stream, the policy loaded
+    sharded), from dummy weights overwritten by that stream: every trainer rank loads its own
+    engine at once, as the stream's gathers are collectives."""
     require_backend(cfg.backend)
     engine_cls = ROLLOUT_ENGINES.get(cfg.backend)
     if _is_gpu_adapter(engine_cls):
@@ -95,8 +107,15 @@ def build_colocated_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer
             raise ValueError("the policy model has no config._name_or_path: a GPU engine needs the "
                              "model directory for its config and tokenizer (set model.path)")
         args = engine_args(cfg, model_path, platform, colocated=True)
+        if first_weights is not None:
+            engine = engine_cls(args, tokenizer=tokenizer, seed=seed, update_bucket_mb=cfg.update_bucket_mb)
+            engine.update_weights(first_weights, 0)
+            return engine
         return engine_cls.from_model(model, launch_args=args, tokenizer=tokenizer, seed=seed,
                                      update_bucket_mb=cfg.update_bucket_mb)
+    if first_weights is not None:
+        raise ValueError(f"rollout.backend={cfg.backend}: the built-in engine starts from the policy's module, "
+                         "not a weight stream")
     # the built-in engine: the launch arguments the dry run shows, less the model path
     args = engine_args(cfg, "", platform, colocated=True)
     args.pop("model_path")

@@ -140,11 +140,14 @@ def available_bytes(k: Knobs, f: Setting) -> float:
     return f.device_bytes if f.on_device else f.device_bytes / (k.world_size + f.other_ranks)
 
 
-def loads_sharded(strategy: str, colocated_engine: bool, lora: bool) -> bool:
+def loads_sharded(strategy: str, colocated_engine: bool, lora: bool, engine_streams: bool = False) -> bool:
     """Whether the policy is loaded on the meta device and read shard by shard (m P / N) rather
-    than whole: PolicyWorker's choice (polyrl/workers/policy.py `setup`), fsdp2 without a colocated
-    engine (it copies the full weights) or LoRA (peft wraps the loaded model)."""
-    return strategy == "fsdp2" and not colocated_engine and not lora
+    than whole: PolicyWorker's choice (polyrl/workers/policy.py `setup`), fsdp2 unless a colocated
+    engine starts from the whole module (the built-in engine; a GPU engine starts from the first
+    streamed sync: `engine_streams`, polyrl/rollout/factory.py `colocated_engine_streams`). A LoRA
+    policy's base loads sharded too (`lora`: kept for the callers; its adapters start as peft
+    draws them, training/sharded_load.py)."""
+    return strategy == "fsdp2" and (not colocated_engine or engine_streams)
 
 
 def rank_floor(s: Shape, k: Knobs, f: Setting) -> dict[str, dict[str, float]]:

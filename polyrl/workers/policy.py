@@ -23,7 +23,7 @@ from polyrl.batch import Ragged, RolloutBatch
 from polyrl.distributed.layout import build_groups, group_leader
 from polyrl.distributed.role import RolePlan
 from polyrl.platform import get_platform
-from polyrl.rollout.factory import build_colocated_engine
+from polyrl.rollout.factory import build_colocated_engine, colocated_engine_streams
 from polyrl.training import batch_invariant, build_engine, sharded_load
 from polyrl.training.lora import adapters_disabled, apply_lora
 from polyrl.modeling import torch_dtype
@@ -32,7 +32,7 @@ from polyrl.workers.actor import PPOActor
 from polyrl.workers.critic import CriticUpdate
 from polyrl.rollout.base import SamplingParams
 from polyrl.workers.generation import rollout_rows
-from polyrl.training.model_loading import load_causal_lm, load_tokenizer
+from polyrl.training.model_loading import load_causal_lm, load_tokenizer, model_dir
 from polyrl.training.optim import total_optimizer_steps
 from polyrl.training.memory_floor import loads_sharded
 from polyrl.workers.rollout_worker import open_transport
@@ -69,11 +69,14 @@ class PolicyWorker:
         torch.manual_seed(cfg.trainer.seed + rank)
         train_group = self._join_process_groups(dist_init, mailbox)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
-        # fsdp2: on the meta device, each rank reading its own shards when sharded; whole where
-        # the colocated engine copies the full weights or peft wraps the model before sharding
-        model = self._load_model(deferred=loads_sharded(cfg.actor.strategy, role.colocated_engine, cfg.model.enabled))
+        # fsdp2: on the meta device, each rank reading its own shards (LoRA's base too), unless a
+        # colocated engine must start from the whole module (the built-in engine); a GPU engine
+        # starts from the training engine's first streamed sync instead
+        streams = role.colocated_engine and colocated_engine_streams(cfg.rollout)
+        model = self._load_model(deferred=loads_sharded(cfg.actor.strategy, role.colocated_engine,
+                                                        cfg.model.enabled, engine_streams=streams))
         self.rollout_engine = None
-        if role.colocated_engine:  # built from the plain model (it copies the weights), before LoRA
+        if role.colocated_engine and not sharded_load.is_deferred(model):  # from the plain model, before LoRA
             self.rollout_engine = build_colocated_engine(cfg.rollout, model, self.tokenizer, self.device,
                                                          seed=role.engine_seed, platform=self.platform)
             self.rollout_engine.sleep()
@@ -95,6 +98,13 @@ class PolicyWorker:
         if cfg.rollout.batch_invariant:  # log-probs on the engine's batch-invariant forward
             batch_invariant.enable(model, cfg.rollout.dtype)
         self.engine = build_engine(model, actor_cfg, self.platform, self.device, horizon=horizon, **engine_args)
+        self.engine.piece_bytes = cfg.weights.bucket_bytes  # the sync's row slices, alike on every rank
+        if role.colocated_engine and self.rollout_engine is None:  # sharded: every rank, the same gathers
+            self.rollout_engine = build_colocated_engine(cfg.rollout, model, self.tokenizer, self.device,
+                                                         seed=role.engine_seed, platform=self.platform,
+                                                         first_weights=self.engine.weight_stream())
+            self.rollout_engine.sleep()
+            self.transport = open_transport(role, cfg.weights, engine=self.rollout_engine)
         self.reference = None
         if cfg.algorithm.uses_reference and not cfg.model.enabled:  # frozen: no grads, no optimizer
             reference = self._load_model(deferred=True)
@@ -117,12 +127,16 @@ class PolicyWorker:
         if not cfg.critic.enable:
             return None
         dtype = torch_dtype(cfg.actor.param_dtype)
-        model = load_value_model(cfg.critic.path or cfg.model.path, dtype, cfg.model.trust_remote_code)
-        model = model.to(self.device)
-        if self.world_size > 1:  # the value head starts from random: the same random on every rank
-            src = group_leader(engine_args["group"] or dist.group.WORLD)
-            for p in model.parameters():
-                dist.broadcast(p.data, src=src, group=engine_args["group"])
+        path = cfg.critic.path or cfg.model.path
+        model = None
+        if cfg.actor.strategy == "fsdp2":  # on the meta device, each rank reading its own shards
+            model = sharded_load.deferred_value_model(model_dir(path), dtype, cfg.model.trust_remote_code)
+        if model is None:
+            model = load_value_model(path, dtype, cfg.model.trust_remote_code).to(self.device)
+            if self.world_size > 1:  # the value head starts from random: the same random on every rank
+                src = group_leader(engine_args["group"] or dist.group.WORLD)
+                for p in model.parameters():
+                    dist.broadcast(p.data, src=src, group=engine_args["group"])
         critic_cfg = cfg.actor.model_copy(update={"lr": cfg.critic.lr, "grad_clip": cfg.critic.grad_clip})
         engine = build_engine(model, critic_cfg, self.platform, self.device, horizon=horizon,
                               head=response_values, **engine_args)
@@ -222,7 +236,7 @@ class PolicyWorker:
         adapter = self.cfg.model.enabled and self.cfg.rollout.lora_mode == "adapter"
         if self.transport is None:
             if getattr(self.engine, "gathers_weights", False):  # FSDP2: every rank joins each gather
-                for _ in (self.engine.adapter_tensors() if adapter else self.engine.named_weights()):
+                for _ in (self.engine.adapter_tensors() if adapter else self.engine.weight_stream().pieces()):
                     pass
             return {}
         with torch.no_grad():  # a stream: each tensor is gathered / merged as the transport needs it
