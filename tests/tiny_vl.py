@@ -103,7 +103,12 @@ def tiny_family_config(family: str = "qwen2_vl", tokenizer: Any | None = None, *
     """`tiny_vl_config`'s language model and token ids with `family`'s vision tower:
     Qwen2.5-VL with window attention in block 0 and full attention in block 1; Qwen3-VL with
     deep-stack features from both blocks (added after decoder layers 0 and 1), a Qwen3 decoder
-    (head_dim 16, q/k norms) and M-RoPE rows interleaved over the frequencies ([4, 2, 2])."""
+    (head_dim 16, q/k norms) and M-RoPE rows interleaved over the frequencies ([4, 2, 2]), and
+    three decoder layers: what is added after the last layer reaches no response token (the
+    image tokens are not attended after it), so with two its deep-stack merger 1 would get a
+    zero gradient."""
+    if family == "qwen3_vl":
+        config_kwargs.setdefault("layers", 3)
     base = tiny_vl_config(tokenizer, **config_kwargs)
     if family == "qwen2_vl":
         return base
