@@ -104,6 +104,8 @@ def engine(vllm_available, hf_model, tmp_path_factory):
 def assert_matches_hf(model, ids, images, out, atol=1e-4) -> None:
     tokens, logprobs = hf_greedy_and_logprobs(model, ids, images)
     assert out.token_ids == tokens
+    print(f"vLLM vs HF log-prob max abs diff (fp32, {0 if images is None else images.num_images} images): "
+          f"{(torch.tensor(out.logprobs) - logprobs).abs().max().item():.2e}")
     torch.testing.assert_close(torch.tensor(out.logprobs), logprobs, atol=atol, rtol=0)
 
 
