@@ -19,14 +19,16 @@ the default; 2 for bfloat16), compute dtype of `c` bytes:
     LM head         8 T V bytes below 2^28 logits (float32 logits + log-softmax); above, fused
                     in chunks (polyrl/training/logprobs.py FUSED_MIN_ELEMENTS): ~0
 
-Loading (polyrl/workers/policy.py): fsdp2 without a colocated engine or LoRA builds the model on
-the meta device and each rank reads only its rows (polyrl/training/sharded_load.py): m P / N.
-Everywhere else every rank builds the whole model and moves it to its device, then FSDP2 copies
+Loading (polyrl/workers/policy.py): fsdp2 builds the model on the meta device and each rank reads
+only its rows (polyrl/training/sharded_load.py): m P / N, LoRA's base and the critic too, and in
+hybrid with a GPU engine (it fills from the first streamed sync). With the built-in engine in
+hybrid, and with ddp, every rank builds the whole model and moves it to its device, then FSDP2 copies
 the rank's shard out of it: m P (1 + 1/N) (on a CPU host and device are one and the same:
 measured to within 0.2%, docs/training.md "Memory per rank"), never below m P whatever N.
 
 Weight sync streamed from the shards (polyrl/weights/base.py WeightStream): the sender holds its
-shard plus one or two buckets (weights.bucket_mb) plus the tensor being gathered.
+shard plus one or two buckets (weights.bucket_mb); a tensor bigger than a bucket is gathered and
+sent in row slices of at most a bucket (docs/weight_sync.md, "Row slices").
 
 Rollout engine (vLLM / SGLang, tensor parallel t): weights 2 P / t (bfloat16), KV cache per token
 2 x L x kv_heads x head_dim x 2 bytes / t, plus a fixed runtime reserve (CUDA graphs, NCCL,
@@ -35,9 +37,12 @@ allocator) of `ENGINE_RESERVE_GB`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 GB = 1e9
+SYNC_BUCKET_BYTES = 64 * 2**20
+"""weights.bucket_mb's default: what a streamed sync or a sharded load's first sync holds."""
 GiB = 2**30
 MiB = 2**20
 
@@ -199,14 +204,15 @@ def layout(s: Shape, gpus: int, mode: str, *, reference: bool = True, checkpoint
         engine = engine_bytes(s, tp or 8)
         generate_peak = sum(engine.values())
         peak = max(update_peak, generate_peak)
-    # hybrid still loads whole (its engine is built from the policy's module); standalone shards
-    load_today = (load_bytes_today(s, trainers) + engine["weights"] * (tp or 8) if mode == "hybrid"
-                  else load_bytes_sharded(s, trainers) + 4 * s.vocab * s.hidden)
+    # fsdp2 loads sharded in both layouts (polyrl/workers/policy.py): standalone, and hybrid with
+    # a GPU engine, which starts on dummy weights and fills from the first streamed sync (its own
+    # weight shard beside the policy's), the sync holding one bucket (weights.bucket_mb)
+    sharded = load_bytes_sharded(s, trainers) + SYNC_BUCKET_BYTES
+    load_today = sharded + engine["weights"] if mode == "hybrid" else sharded
     return {"model": None, "gpus": gpus, "mode": mode, "trainers": trainers, "tp": tp,
             "update_gb": update_peak / GB, "generate_gb": generate_peak / GB, "peak_gb": peak / GB,
             "fits": tp is not None and peak <= budget, "load_today_gb": load_today / GB,
-            "load_today_fits": load_today <= budget,
-            "load_sharded_gb": (4 * s.params / trainers + 4 * s.vocab * s.hidden) / GB}
+            "load_today_fits": load_today <= budget, "load_sharded_gb": sharded / GB}
 
 
 def sync_seconds(s: Shape) -> dict[str, float]:
@@ -221,9 +227,13 @@ def predict_bench(shape: dict, ranks: int, tokens_per_rank: int, bucket_mb: floa
     one bucket's scratch or, when larger, a gathered largest tensor with its gather buffer."""
     s = Shape.from_config({"tie_word_embeddings": True, **shape})
     train = training_bytes(s, ranks, master=4, compute=4, tokens=tokens_per_rank)
-    largest = 4 * max(s.vocab * s.hidden, s.hidden * s.intermediate) * (2 if ranks > 1 else 1)
+    # a tensor bigger than a bucket travels in row slices (polyrl/weights/bucketing.py row_pieces):
+    # one rank holds a bucket; several hold the slice being gathered and the one before it
+    bucket, largest = bucket_mb * MiB, 4 * max(s.vocab * s.hidden, s.hidden * s.intermediate)
+    piece = largest / math.ceil(largest / bucket) if largest > bucket else largest
+    extra = bucket if ranks == 1 else max(bucket, 2 * piece)
     return {"load_mib": load_bytes_sharded(s, ranks) / MiB, "step_mib": sum(train.values()) / MiB,
-            "sync_mib": (train["parameters"] + train["optimizer"] + max(bucket_mb * MiB, largest)) / MiB}
+            "sync_mib": (train["parameters"] + train["optimizer"] + extra) / MiB}
 
 
 def scaling_rows() -> list[dict]:

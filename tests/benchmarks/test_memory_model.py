@@ -107,8 +107,12 @@ def test_72b_does_not_fit_8_gpus_without_offload_and_fits_64(mm):
     assert not mm.layout(s, 8, "hybrid")["fits"]
     assert mm.layout(s, 8, "hybrid", offload=True)["fits"]
     assert mm.layout(s, 64, "hybrid")["fits"]
-    assert not mm.layout(s, 64, "hybrid")["load_today_fits"]  # 291 GB of fp32 on every rank
-    assert mm.layout(s, 64, "standalone")["load_today_fits"]  # fsdp2 loads sharded without an engine beside it
+    # fsdp2 loads sharded in both layouts (hybrid: a GPU engine fills from the first streamed sync):
+    # each rank's fp32 shard + one bucket (+ hybrid's engine shard), not 291 GB of fp32 on every rank
+    hybrid, standalone = mm.layout(s, 64, "hybrid"), mm.layout(s, 64, "standalone")
+    assert hybrid["load_today_fits"] and standalone["load_today_fits"]
+    assert hybrid["load_sharded_gb"] * 1e9 == mm.load_bytes_sharded(s, 64) + mm.SYNC_BUCKET_BYTES
+    assert not mm.layout(s, 8, "standalone")["load_today_fits"]  # 4 trainers: 73 GB of fp32 shard
 
 
 def test_sync_time_is_bytes_over_bandwidth(mm):
