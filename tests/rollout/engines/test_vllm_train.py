@@ -1,7 +1,8 @@
 """`polyrl train rollout.backend=vllm` end to end on the bundled task, through the real vLLM (its
 CPU build: scripts/vllm_tier.sh): hybrid learns (held-out accuracy up >= 30 points), with merged
-weights on two fsdp2 ranks that load sharded and with LoRA adapters (rollout.lora_mode=adapter); standalone and async (partial
-rollouts aborted and resumed through the engine) complete and stamp versions."""
+weights on two fsdp2 ranks that load sharded and with LoRA adapters (rollout.lora_mode=adapter);
+standalone and async (partial rollouts aborted and resumed through the engine) complete and stamp
+versions."""
 
 from __future__ import annotations
 
