@@ -4,7 +4,6 @@ image batch."""
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from polyrl.algorithms import AlgorithmConfig
