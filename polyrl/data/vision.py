@@ -64,7 +64,7 @@ class VisionPrompter:
             raise DataFileError(
                 f"the data has image rows ('{IMAGES_KEY}' column) but the model {where} is a "
                 "text-only model (no vision_config in its config.json); set model.path to a "
-                "vision-language model (Qwen2-VL / Qwen2.5-VL, e.g. builtin:tiny-vl) or remove "
+                "vision-language model (Qwen2-VL / Qwen2.5-VL / Qwen3-VL, e.g. builtin:tiny-vl) or remove "
                 f"the '{IMAGES_KEY}' column")
         if not (Path(str(model_dir)) / "preprocessor_config.json").is_file():
             raise DataFileError(

@@ -336,7 +336,7 @@ def check_vision(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any
     model_type = getattr(model_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError([f"model.path: a {model_type} vision-language model; polyrl trains "
-                           f"{' and '.join(SUPPORTED_MODEL_TYPES)} (docs/vision.md)"])
+                           f"{', '.join(SUPPORTED_MODEL_TYPES)} (docs/vision.md)"])
     unsupported = {
         "actor.sequence_parallel_size": cfg.actor.sequence_parallel_size > 1,
         "rollout.batch_invariant": cfg.rollout.batch_invariant,
