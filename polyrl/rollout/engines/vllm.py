@@ -157,7 +157,8 @@ def image_launch_args(args: Mapping[str, Any], engine_args_cls: Any) -> dict[str
     normalize in the processor only: nothing to add."""
     import dataclasses
 
-    fields = {f.name for f in dataclasses.fields(engine_args_cls)} if dataclasses.is_dataclass(engine_args_cls) else set()
+    fields = ({f.name for f in dataclasses.fields(engine_args_cls)}
+              if dataclasses.is_dataclass(engine_args_cls) else set())
     if "mm_device_do_normalize" not in fields:
         return {}
     if args.get("mm_device_do_normalize"):

@@ -21,7 +21,7 @@ from polyrl.data.multimodal import ImageInputs, mm_token_type_ids
 from polyrl.rollout.base import RolloutInputError, SamplingParams
 from tiny_vl import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, build_tiny_vl, tiny_vl_image_processor, vl_tokenizer
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# The engine tests are marked vllm + slow one by one; the two checks at the end need no vLLM.
 
 PATCH_DIM = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch
 _TOK = vl_tokenizer()
@@ -109,6 +109,8 @@ def assert_matches_hf(model, ids, images, out, atol=1e-4) -> None:
     torch.testing.assert_close(torch.tensor(out.logprobs), logprobs, atol=atol, rtol=0)
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_image_and_text_prompts_in_one_batch_equal_hf(hf_model, engine):
     one, one_images = image_prompt(hf_model.config, [(1, 4, 4)], seed=1)
     two, two_images = image_prompt(hf_model.config, [(1, 4, 6), (1, 2, 2)], seed=2)
@@ -120,6 +122,8 @@ def test_image_and_text_prompts_in_one_batch_equal_hf(hf_model, engine):
     assert all(len(g[0].token_ids) == GREEDY.max_tokens for g in outs)
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_the_same_ids_with_other_images_give_other_outputs(hf_model, engine):
     ids, images = image_prompt(hf_model.config, [(1, 4, 4)], seed=3)
     _, other = image_prompt(hf_model.config, [(1, 4, 4)], seed=4)
@@ -128,6 +132,8 @@ def test_the_same_ids_with_other_images_give_other_outputs(hf_model, engine):
     assert_matches_hf(hf_model, ids, other, b)
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_full_weight_updates_reach_the_vision_tower(hf_model, engine):
     """The trainer's names (`model.visual.*`, `model.language_model.*`, tied weights once); the
     same image before and after, so an encoder output cached under the old weights would show."""
@@ -149,6 +155,8 @@ def test_full_weight_updates_reach_the_vision_tower(hf_model, engine):
     torch.testing.assert_close(torch.tensor(back.logprobs), torch.tensor(before.logprobs), atol=1e-5, rtol=0)
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_bad_image_input_is_refused_naming_images(hf_model, engine):
     ids, images = image_prompt(hf_model.config, [(1, 4, 4)], seed=5)
     _, wrong = image_prompt(hf_model.config, [(1, 4, 6)], seed=5)
@@ -158,3 +166,40 @@ def test_bad_image_input_is_refused_naming_images(hf_model, engine):
         engine.generate_batch([ids], GREEDY)
     with pytest.raises(RolloutInputError, match="one entry per prompt"):
         engine.generate_batch([ids], GREEDY, images=images)
+
+
+def test_placeholder_ranges_follow_the_grids_or_name_images():
+    """Pure: where each image's pads are, and the one-line refusals (no vLLM needed)."""
+    from polyrl.rollout.engines.vllm import image_placeholder_ranges
+
+    from tiny_vl import tiny_vl_config
+
+    cfg = tiny_vl_config(_TOK, hidden=128)
+    ids, images = image_prompt(cfg, [(1, 4, 6), (1, 2, 2)], seed=0)
+    first = ids.index(cfg.image_token_id)
+    ranges = image_placeholder_ranges(ids, images, cfg.image_token_id, 2)
+    assert ranges[0] == (first, 6) and ranges[1][1] == 1 and ranges[1][0] > first + 6
+    with pytest.raises(RolloutInputError, match="runs of \\[6, 1\\]"):
+        image_placeholder_ranges(ids[:first] + ids[first + 1:], images, cfg.image_token_id, 2)
+    with pytest.raises(RolloutInputError, match="spatial_merge_size"):
+        image_placeholder_ranges(ids, ImageInputs(torch.zeros(27, PATCH_DIM), torch.tensor([[1, 3, 9]])),
+                                 cfg.image_token_id, 2)
+
+
+def test_vlm_launch_turns_off_device_normalization_only_where_vllm_has_it():
+    import dataclasses
+
+    from polyrl.rollout.engines.vllm import image_launch_args
+
+    @dataclasses.dataclass
+    class New:  # vLLM >= 0.32's AsyncEngineArgs has the field
+        mm_device_do_normalize: bool | None = None
+
+    @dataclasses.dataclass
+    class Old:
+        model: str = ""
+
+    assert image_launch_args({}, New) == {"mm_device_do_normalize": False}
+    assert image_launch_args({}, Old) == {}
+    with pytest.raises(ValueError, match="mm_device_do_normalize"):
+        image_launch_args({"mm_device_do_normalize": True}, New)
