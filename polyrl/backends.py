@@ -64,6 +64,8 @@ class EngineCapabilities:
     """Serves block-FP8 weights (rollout.quantization=fp8)."""
     batch_invariant: bool = False
     """Has the trainer's batch-invariant forward (rollout.batch_invariant=true)."""
+    images: bool = False
+    """Serves image prompts of a vision-language model (`images=` of generate; docs/vision.md)."""
 
     def __post_init__(self):
         dtypes = frozenset(self.trainer_logprob_dtypes)
@@ -248,11 +250,12 @@ def _check_capabilities(capabilities: Any, target: str) -> None:
 # engines use kernels of their own in every dtype. Every engine's abort_all returns partial
 # outputs (polyrl/workers/partial_rollout.py continues them).
 register_backend("native", "polyrl.rollout.native.engine:NativeEngine", capabilities=EngineCapabilities(
-    sleep=True, trainer_logprob_dtypes=frozenset({"float32"}), partial_rollout=True, batch_invariant=True))
+    sleep=True, trainer_logprob_dtypes=frozenset({"float32"}), partial_rollout=True, batch_invariant=True,
+    images=True))
 _GPU_ENGINE = EngineCapabilities(tensor_parallel=True, sleep=True, partial_rollout=True, fp8=True)
 register_backend("vllm", "polyrl.rollout.engines.vllm:VLLMEngine", package="vllm", extra="vllm",
                  engine_processes=True, supported=">=0.10.1,<0.34",
-                 capabilities=dataclasses.replace(_GPU_ENGINE, lora_adapters=True))
+                 capabilities=dataclasses.replace(_GPU_ENGINE, lora_adapters=True, images=True))
 register_backend("sglang", "polyrl.rollout.engines.sglang:SGLangEngine", package="sglang",
                  extra="sglang", engine_processes=True, supported=">=0.5.6,<0.6", capabilities=_GPU_ENGINE)
 register_backend("trtllm", "polyrl.rollout.engines.trtllm:TRTLLMEngine", package="tensorrt_llm",

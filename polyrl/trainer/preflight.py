@@ -347,6 +347,10 @@ def check_vision(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any
             raise ConfigError([f"{key}: not supported with a vision-language model yet (docs/vision.md, "
                                f"'Not supported yet'); leave {key} at its default"])
     has_images = any(getattr(s, "images", None) is not None for s in (*train_set, *(val_set or ())))
+    if has_images and not capabilities(cfg.rollout.backend).images:
+        raise ConfigError([f"rollout.backend={cfg.rollout.backend}: the engine declares no images (image "
+                           "prompts of a vision-language model); the native and vllm engines serve them "
+                           "(docs/vision.md)"])
     if has_images and cfg.agent.enabled:
         raise ConfigError(["agent: multi-turn rollouts of image prompts are not supported yet "
                            "(docs/vision.md); leave agent off for vision-language data"])

@@ -58,3 +58,9 @@ def test_an_unsupported_vlm_type_is_named(vl_config):
 def test_a_text_model_is_not_checked():
     check_vision(job("actor.sequence_parallel_size=2", "actor.world_size=2"), [TEXT_ROW], None,
                  SimpleNamespace(model_type="qwen2"))
+
+
+def test_image_rows_on_an_engine_without_images_are_refused(vl_config):
+    with pytest.raises(ConfigError, match="rollout.backend=sglang: the engine declares no images"):
+        check_vision(job("rollout.backend=sglang"), [IMAGE_ROW], None, vl_config)
+    check_vision(job("rollout.backend=sglang"), [TEXT_ROW], None, vl_config)  # text rows: any engine
