@@ -33,6 +33,23 @@ class RolloutInputError(ValueError):
         return type(self), (self.field, self.message)
 
 
+def per_prompt(count: int, sampling: "SamplingParams | Sequence[SamplingParams]",
+               images: "Sequence[ImageInputs | None] | None") -> tuple[list, list]:
+    """A `generate_batch` call's sampling params and images, one of each per prompt, for every
+    engine alike: one SamplingParams stands for all; `images` None is all text, else one entry
+    (ImageInputs or None) per prompt."""
+    samplings = [sampling] * count if isinstance(sampling, SamplingParams) else list(sampling)
+    if len(samplings) != count:
+        raise ValueError(f"{len(samplings)} sampling params for {count} prompts")
+    if hasattr(images, "pixel_values"):
+        raise RolloutInputError("images", "takes one entry per prompt (a list of ImageInputs or None), "
+                                "not one ImageInputs")
+    per_image = [None] * count if images is None else list(images)
+    if len(per_image) != count:
+        raise RolloutInputError("images", f"{len(per_image)} entries for {count} prompts")
+    return samplings, per_image
+
+
 class WeightUpdateError(ValueError):
     """A rejected weight update; the engine keeps serving the previous weights."""
 

@@ -20,7 +20,8 @@ from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping, Sequen
 
 import torch
 
-from polyrl.rollout.base import RolloutInputError, SamplingParams, StopReason, TokenOutput, WeightUpdateError
+from polyrl.rollout.base import (RolloutInputError, SamplingParams, StopReason, TokenOutput, WeightUpdateError,
+                                 per_prompt)
 
 T = TypeVar("T")
 
@@ -208,17 +209,9 @@ class AsyncEngineAdapter:
                        images: Sequence[Any] | None = None) -> list[list[TokenOutput]]:
         """Synchronous; every prompt is checked before any is sent, so a bad one rejects all.
         `images`: one `ImageInputs` (or None) per prompt, or None for all text."""
-        samplings = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
-        if len(samplings) != len(prompts):
-            raise ValueError(f"{len(samplings)} sampling params for {len(prompts)} prompts")
-        if hasattr(images, "pixel_values"):
-            raise RolloutInputError("images", "takes one entry per prompt (a list of ImageInputs or None), "
-                                    "not one ImageInputs")
-        per_prompt = [None] * len(prompts) if images is None else list(images)
-        if len(per_prompt) != len(prompts):
-            raise RolloutInputError("images", f"{len(per_prompt)} entries for {len(prompts)} prompts")
+        samplings, per_image = per_prompt(len(prompts), sampling, images)
         checked = [check_prompt(p) for p in prompts]
-        checked_images = [self._check_images(p, i) for p, i in zip(checked, per_prompt)]
+        checked_images = [self._check_images(p, i) for p, i in zip(checked, per_image)]
         for s in samplings:
             s.validate()
         if self._sleeping:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 import torch
 
 from polyrl.modeling import load_tokenizer, torch_dtype
-from polyrl.rollout.base import RolloutInputError, SamplingParams, TokenOutput, WeightUpdateError
+from polyrl.rollout.base import SamplingParams, TokenOutput, WeightUpdateError, per_prompt
 from polyrl.rollout.native.kv_cache import KVCache
 from polyrl.rollout.native.loader import (
     eos_token_ids,
@@ -286,17 +286,9 @@ class NativeEngine:
         Every prompt is validated before any is queued, so a bad one rejects the whole call.
         `images`: one entry per prompt (None for a text-only one), or None for all text.
         """
-        samplings = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
-        if len(samplings) != len(prompts):
-            raise ValueError(f"{len(samplings)} sampling params for {len(prompts)} prompts")
-        if hasattr(images, "pixel_values"):
-            raise RolloutInputError("images", "takes one entry per prompt (a list of ImageInputs or None), "
-                                    "not one ImageInputs")
-        per_prompt = [None] * len(prompts) if images is None else list(images)
-        if len(per_prompt) != len(prompts):
-            raise RolloutInputError("images", f"{len(per_prompt)} entries for {len(prompts)} prompts")
+        samplings, per_image = per_prompt(len(prompts), sampling, images)
         checked = [self._sched.check(p, s) for p, s in zip(prompts, samplings)]
-        checked_images = [self._sched.check_images(p, i) for p, i in zip(checked, per_prompt)]
+        checked_images = [self._sched.check_images(p, i) for p, i in zip(checked, per_image)]
         ids = list(request_ids) if request_ids is not None else [uuid.uuid4().hex for _ in prompts]
         reqs = [Request(i, p, s, images=m) for i, p, s, m in zip(ids, checked, samplings, checked_images)]
         self._check_whole()
