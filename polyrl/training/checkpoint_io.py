@@ -25,8 +25,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.tensor import DTensor
 
+from polyrl.training.sharded_load import is_dtensor
 from polyrl.weights.base import TensorSpec, WeightStream, as_stream
 
 DCP_DIR = "dcp"
@@ -257,7 +257,7 @@ def _persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]
 def local_state_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
     """Bytes this rank holds for parameters, gradients and optimizer state (DTensors: its shard)."""
     def local(t: torch.Tensor) -> int:
-        t = t.to_local() if isinstance(t, DTensor) else t
+        t = t.to_local() if is_dtensor(t) else t
         return t.numel() * t.element_size()
 
     params = list(model.parameters())

@@ -26,16 +26,24 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
 _SOURCE = "_polyrl_deferred_weights"
 """The attribute of a deferred model: {checkpoint name: StoredTensor}."""
 _INITIAL = "_polyrl_deferred_initial"
 """{parameter name: full initial value (CPU)}: the parameters that are not read from the checkpoint."""
+
+
+def is_dtensor(tensor) -> bool:
+    """Whether `tensor` is a DTensor (an FSDP2 shard), without importing torch.distributed.tensor
+    (~1 s in every process that imports polyrl.training): nothing can be a DTensor until FSDP2
+    has imported it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -246,7 +254,7 @@ def _set_parameter(model: torch.nn.Module, name: str, value: torch.nn.Parameter)
 def _local_rows(tensor: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, int]:
     """This rank's part of `tensor` and the row of the full tensor it starts at: for a DTensor
     the rows torch itself assigns to this rank (FSDP2: an uneven dim-0 chunk, maybe empty)."""
-    if not isinstance(tensor, DTensor):
+    if not is_dtensor(tensor):
         return tensor, 0
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -263,7 +271,7 @@ def _fill_initial(tensor: torch.Tensor, value: torch.Tensor) -> None:
     """This rank's rows of `value`, as its group's first rank drew it (the whole load broadcasts
     those from the leader: the same values on every rank, whatever each rank's RNG)."""
     local, first = _local_rows(tensor, tuple(value.shape))
-    if isinstance(tensor, DTensor):
+    if is_dtensor(tensor):
         import torch.distributed as dist
 
         group = tensor.device_mesh.get_group()
