@@ -137,6 +137,9 @@ def submit(head: Head, wd: Path, runtime_env: dict, entrypoint: str) -> subproce
 
 
 def test_polyrl_train_runs_as_a_ray_job(ray_head, tmp_path):
+    """Also: a forwarded variable (HF_HUB_OFFLINE) in the job's runtime env needs no
+    RAY_OVERRIDE_JOB_RUNTIME_ENV: polyrl's `ray.init(runtime_env=...)` leaves out what the job's
+    runtime env already sets, which Ray refused to merge."""
     wd, out, dumps = working_dir(tmp_path), tmp_path / "runs" / "job", tmp_path / "env"
     dumps.mkdir()
     runtime_env = {
@@ -164,16 +167,6 @@ def test_polyrl_train_runs_as_a_ray_job(ray_head, tmp_path):
     assert workers, "no worker of the job ran the setup hook"
     for worker_env in workers:
         assert {name: worker_env.get(name) for name in plan} == plan
-
-
-def test_a_forwarded_variable_in_the_runtime_env_needs_no_override(ray_head, tmp_path):
-    """Without RAY_OVERRIDE_JOB_RUNTIME_ENV: polyrl's `ray.init(runtime_env=...)` leaves out what the
-    job's runtime env already sets (HF_HUB_OFFLINE, a forwarded prefix), which Ray refused to merge."""
-    wd, out = working_dir(tmp_path), tmp_path / "run"
-    job = submit(ray_head, wd, {"env_vars": {"HF_HUB_OFFLINE": "1"}},
-                 f"polyrl train -c job.yaml trainer.output_dir={out}")
-    logs = job.stdout + job.stderr
-    assert job.returncode == 0 and (out / "summary.json").is_file(), logs
 
 
 def test_without_ray_address_the_job_joins_its_cluster(ray_head, tmp_path):
