@@ -61,6 +61,34 @@ def vl_tokenizer():
     return out
 
 
+PATCH_DIM = 3 * 2 * 14 * 14
+"""One flattened patch: channels x temporal patch x patch x patch (the tiny configs' patch 14)."""
+
+
+def char_ids(s: str, tokenizer: Any | None = None) -> list[int]:
+    """`s` as the character-level tokenizer's ids, one per character."""
+    tok = tokenizer if tokenizer is not None else vl_tokenizer()
+    return [tok.convert_tokens_to_ids(c) for c in s]
+
+
+def random_image_prompt(config, grids, seed=0, words=("look ", " and ", " ok")) -> tuple[list[int], Any]:
+    """Ids with each image expanded as the processor does (2 x 2 merge), and random pixels for the
+    grids: the engines' tests' image prompt."""
+    import torch
+
+    from polyrl.data.multimodal import ImageInputs
+
+    tok = vl_tokenizer()
+    ids = char_ids(words[0], tok)
+    for i, (t, h, w) in enumerate(grids):
+        pads = [config.image_token_id] * (t * h * w // 4)
+        ids += [config.vision_start_token_id] + pads + [config.vision_end_token_id]
+        ids += char_ids(words[min(i + 1, len(words) - 1)], tok)
+    g = torch.Generator().manual_seed(seed)
+    return ids, ImageInputs(torch.randn(sum(t * h * w for t, h, w in grids), PATCH_DIM, generator=g),
+                            torch.tensor(grids))
+
+
 def tiny_vl_config(tokenizer: Any | None = None, hidden: int = 64, layers: int = 2,
                    vision_depth: int = 1, embed_dim: int = 32, vocab_size: int = 128):
     """A Qwen2VLConfig of ~0.2 M parameters whose special-token ids match `vl_tokenizer()`."""

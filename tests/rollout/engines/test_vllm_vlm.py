@@ -19,17 +19,15 @@ import torch
 
 from polyrl.data.multimodal import ImageInputs, mm_token_type_ids
 from polyrl.rollout.base import RolloutInputError, SamplingParams
-from tiny_vl import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, build_tiny_vl, tiny_vl_image_processor, vl_tokenizer
+from tiny_vl import (PATCH_DIM, IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START,
+                     build_tiny_vl, char_ids, random_image_prompt, tiny_vl_image_processor, vl_tokenizer)
 
 # The engine tests are marked vllm + slow one by one; the two checks at the end need no vLLM.
 
-PATCH_DIM = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch
 _TOK = vl_tokenizer()
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-def text(s: str) -> list[int]:
-    return [_TOK.convert_tokens_to_ids(c) for c in s]
 
 
 def sharpened_tiny_vl() -> torch.nn.Module:
@@ -48,16 +46,6 @@ def sharpened_tiny_vl() -> torch.nn.Module:
     return model.eval()
 
 
-def image_prompt(config, grids, seed=0, words=("look ", " and ", " ok")) -> tuple[list[int], ImageInputs]:
-    """Ids with each image expanded as the processor does, and random pixels for the grids."""
-    ids = text(words[0])
-    for i, (t, h, w) in enumerate(grids):
-        pads = [config.image_token_id] * (t * h * w // 4)  # merge 2 x 2
-        ids += [config.vision_start_token_id] + pads + [config.vision_end_token_id]
-        ids += text(words[min(i + 1, len(words) - 1)])
-    g = torch.Generator().manual_seed(seed)
-    return ids, ImageInputs(torch.randn(sum(t * h * w for t, h, w in grids), PATCH_DIM, generator=g),
-                            torch.tensor(grids))
 
 
 @torch.no_grad()
@@ -112,9 +100,9 @@ def assert_matches_hf(model, ids, images, out, atol=1e-4) -> None:
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_image_and_text_prompts_in_one_batch_equal_hf(hf_model, engine):
-    one, one_images = image_prompt(hf_model.config, [(1, 4, 4)], seed=1)
-    two, two_images = image_prompt(hf_model.config, [(1, 4, 6), (1, 2, 2)], seed=2)
-    plain = text("no image here")
+    one, one_images = random_image_prompt(hf_model.config, [(1, 4, 4)], seed=1)
+    two, two_images = random_image_prompt(hf_model.config, [(1, 4, 6), (1, 2, 2)], seed=2)
+    plain = char_ids("no image here")
     outs = engine.generate_batch([one, two, plain], GREEDY, images=[one_images, two_images, None])
     assert_matches_hf(hf_model, one, one_images, outs[0][0])
     assert_matches_hf(hf_model, two, two_images, outs[1][0])
@@ -125,8 +113,8 @@ def test_image_and_text_prompts_in_one_batch_equal_hf(hf_model, engine):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_the_same_ids_with_other_images_give_other_outputs(hf_model, engine):
-    ids, images = image_prompt(hf_model.config, [(1, 4, 4)], seed=3)
-    _, other = image_prompt(hf_model.config, [(1, 4, 4)], seed=4)
+    ids, images = random_image_prompt(hf_model.config, [(1, 4, 4)], seed=3)
+    _, other = random_image_prompt(hf_model.config, [(1, 4, 4)], seed=4)
     [[a], [b]] = engine.generate_batch([ids, ids], GREEDY, images=[images, other])
     assert a.logprobs != b.logprobs
     assert_matches_hf(hf_model, ids, other, b)
@@ -137,7 +125,7 @@ def test_the_same_ids_with_other_images_give_other_outputs(hf_model, engine):
 def test_full_weight_updates_reach_the_vision_tower(hf_model, engine):
     """The trainer's names (`model.visual.*`, `model.language_model.*`, tied weights once); the
     same image before and after, so an encoder output cached under the old weights would show."""
-    ids, images = image_prompt(hf_model.config, [(1, 4, 6)], seed=8)
+    ids, images = random_image_prompt(hf_model.config, [(1, 4, 6)], seed=8)
     [[before]] = engine.generate_batch([ids], GREEDY, images=[images])
     changed = copy.deepcopy(hf_model)
     with torch.no_grad():
@@ -158,8 +146,8 @@ def test_full_weight_updates_reach_the_vision_tower(hf_model, engine):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_bad_image_input_is_refused_naming_images(hf_model, engine):
-    ids, images = image_prompt(hf_model.config, [(1, 4, 4)], seed=5)
-    _, wrong = image_prompt(hf_model.config, [(1, 4, 6)], seed=5)
+    ids, images = random_image_prompt(hf_model.config, [(1, 4, 4)], seed=5)
+    _, wrong = random_image_prompt(hf_model.config, [(1, 4, 6)], seed=5)
     with pytest.raises(RolloutInputError, match="images"):  # the grid needs 6 pads, the ids hold 4
         engine.generate_batch([ids], GREEDY, images=[wrong])
     with pytest.raises(RolloutInputError, match="no images"):
@@ -175,7 +163,7 @@ def test_placeholder_ranges_follow_the_grids_or_name_images():
     from tiny_vl import tiny_vl_config
 
     cfg = tiny_vl_config(_TOK, hidden=128)
-    ids, images = image_prompt(cfg, [(1, 4, 6), (1, 2, 2)], seed=0)
+    ids, images = random_image_prompt(cfg, [(1, 4, 6), (1, 2, 2)], seed=0)
     first = ids.index(cfg.image_token_id)
     ranges = image_placeholder_ranges(ids, images, cfg.image_token_id, 2)
     assert ranges[0] == (first, 6) and ranges[1][1] == 1 and ranges[1][0] > first + 6

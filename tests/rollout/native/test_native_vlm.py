@@ -18,9 +18,9 @@ from polyrl.rollout.base import RolloutInputError, SamplingParams, WeightUpdateE
 from polyrl.rollout.native.engine import NativeEngine
 from polyrl.rollout.native.vision import mrope_positions
 from polyrl.weights.base import as_stream
-from tiny_vl import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, build_tiny_vl, vl_tokenizer
+from tiny_vl import (IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, build_tiny_vl,
+                     char_ids, random_image_prompt, vl_tokenizer)
 
-PATCH_DIM = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch
 _TOK = vl_tokenizer()
 # A random model samples `<|image_pad|>` too, which HF's forward then reads as an image's
 # placeholder: the vision tokens are banned here (bias -100) and in HF's generate (suppressed).
@@ -49,20 +49,8 @@ def engine(hf_model, tmp_path_factory):
     return NativeEngine(path, tokenizer=False, max_model_len=256)
 
 
-def text(s: str) -> list[int]:
-    return [_TOK.convert_tokens_to_ids(c) for c in s]
 
 
-def image_prompt(config, grids, seed=0, words=("look ", " and ", " ok")) -> tuple[list[int], ImageInputs]:
-    """Ids with each image expanded as the processor does, and random pixels for the grids."""
-    ids = text(words[0])
-    for i, (t, h, w) in enumerate(grids):
-        pads = [config.image_token_id] * (t * h * w // 4)  # merge 2 x 2
-        ids += [config.vision_start_token_id] + pads + [config.vision_end_token_id]
-        ids += text(words[min(i + 1, len(words) - 1)])
-    g = torch.Generator().manual_seed(seed)
-    return ids, ImageInputs(torch.randn(sum(t * h * w for t, h, w in grids), PATCH_DIM, generator=g),
-                            torch.tensor(grids))
 
 
 def _mm(model, ids: torch.Tensor, images: ImageInputs | None) -> dict:
@@ -94,7 +82,7 @@ def assert_matches_hf(model, ids, images, out) -> None:
 
 def test_mrope_positions_equal_transformers_get_rope_index(hf_model):
     # non-square grids and text between and after the images: every branch of the rope index
-    ids, images = image_prompt(hf_model.config, [(1, 4, 6), (1, 6, 2)])
+    ids, images = random_image_prompt(hf_model.config, [(1, 4, 6), (1, 6, 2)])
     x = torch.tensor([ids])
     want, want_delta = hf_model.model.get_rope_index(x, mm_token_type_ids(x, hf_model.config.image_token_id),
                                                      image_grid_thw=images.image_grid_thw)
@@ -105,20 +93,20 @@ def test_mrope_positions_equal_transformers_get_rope_index(hf_model):
 def test_image_prompts_in_one_batch_equal_hf(hf_model, engine):
     """Two prompts with other images (other grids, lengths: padded prefill) and a text-only
     prompt, in one batch: each is HF's greedy generation, its log-probs HF's forward."""
-    a = image_prompt(hf_model.config, [(1, 4, 6), (1, 2, 4)], seed=1)
-    b = image_prompt(hf_model.config, [(1, 2, 2)], seed=2)
-    plain = text("no image here")
+    a = random_image_prompt(hf_model.config, [(1, 4, 6), (1, 2, 4)], seed=1)
+    b = random_image_prompt(hf_model.config, [(1, 2, 2)], seed=2)
+    plain = char_ids("no image here")
     outs = engine.generate_batch([a[0], b[0], plain], GREEDY, images=[a[1], b[1], None])
     for (ids, images), [out] in zip([a, b, (plain, None)], outs):
         assert_matches_hf(hf_model, ids, images, out)
     # the image is what the model reads: the same ids with other pixels generate otherwise
-    [[other]] = engine.generate_batch([a[0]], GREEDY, images=[image_prompt(hf_model.config, [(1, 4, 6), (1, 2, 4)],
+    [[other]] = engine.generate_batch([a[0]], GREEDY, images=[random_image_prompt(hf_model.config, [(1, 4, 6), (1, 2, 4)],
                                                                             seed=3)[1]])
     assert other.logprobs != outs[0][0].logprobs
 
 
 def test_streaming_an_image_prompt_ends_with_what_generate_batch_returns(hf_model, engine):
-    ids, images = image_prompt(hf_model.config, [(1, 2, 4)], seed=4)
+    ids, images = random_image_prompt(hf_model.config, [(1, 2, 4)], seed=4)
     sampling = SamplingParams(temperature=1.0, max_tokens=5, n=2, seed=7, ignore_eos=True, logit_bias=NO_VISION)
 
     async def stream():
@@ -139,11 +127,11 @@ def test_the_prefix_cache_keys_on_the_images(hf_model):
     their M-RoPE ids and features: both equal HF on the whole prompt."""
     engine = NativeEngine.from_model(hf_model, prefix_cache_tokens=4096, max_model_len=256)
     cfg = hf_model.config
-    ids, red = image_prompt(cfg, [(1, 4, 4)], seed=5)
-    _, blue = image_prompt(cfg, [(1, 4, 4)], seed=6)
-    _, green = image_prompt(cfg, [(1, 2, 4)], seed=7)
+    ids, red = random_image_prompt(cfg, [(1, 4, 4)], seed=5)
+    _, blue = random_image_prompt(cfg, [(1, 4, 4)], seed=6)
+    _, green = random_image_prompt(cfg, [(1, 2, 4)], seed=7)
     [[first]] = engine.generate_batch([ids], GREEDY, images=[red])
-    second_image, _ = image_prompt(cfg, [(1, 2, 4)], words=(" then ", " end"))
+    second_image, _ = random_image_prompt(cfg, [(1, 2, 4)], words=(" then ", " end"))
     turn2 = ids + first.token_ids + second_image
 
     both_blue = ImageInputs.concat([blue, green])
@@ -161,7 +149,7 @@ def test_weight_updates_reach_the_vision_tower(hf_model):
     """In place, under the names a trainer sends (`model.visual.*`, `model.language_model.*`)
     and the saved ones (`visual.*`); a changed tower changes what is generated, as in HF."""
     engine = NativeEngine.from_model(hf_model, max_model_len=256)
-    ids, images = image_prompt(hf_model.config, [(1, 4, 6)], seed=8)
+    ids, images = random_image_prompt(hf_model.config, [(1, 4, 6)], seed=8)
     [[before]] = engine.generate_batch([ids], GREEDY, images=[images])
     changed = copy.deepcopy(hf_model)
     with torch.no_grad():
@@ -190,12 +178,12 @@ def test_weight_updates_reach_the_vision_tower(hf_model):
 
 def test_bad_image_input_is_refused_naming_images(hf_model, engine, model_dirs):
     cfg = hf_model.config
-    ids, images = image_prompt(cfg, [(1, 4, 4)])
+    ids, images = random_image_prompt(cfg, [(1, 4, 4)])
     with pytest.raises(RolloutInputError, match="image placeholder run") as err:
         engine.generate_batch([ids], GREEDY)  # placeholders without images
     assert err.value.field == "images"
     with pytest.raises(RolloutInputError, match=r"runs of \[4\] tokens, the images need \[4, 2\]"):
-        engine.generate_batch([ids], GREEDY, images=[ImageInputs.concat([images, image_prompt(cfg, [(1, 2, 4)])[1]])])
+        engine.generate_batch([ids], GREEDY, images=[ImageInputs.concat([images, random_image_prompt(cfg, [(1, 2, 4)])[1]])])
     narrow = ImageInputs(images.pixel_values[:, :100], images.image_grid_thw)
     with pytest.raises(RolloutInputError, match=r"shape \(16, 100\); the grids and the vision tower need \(16, 1176\)"):
         engine.generate_batch([ids], GREEDY, images=[narrow])
@@ -236,7 +224,7 @@ def test_qwen2_5_vl_windowed_vision_tower_equals_hf():
 
     model = _other_vl(Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
                       dict(window_size=56, fullatt_block_indexes=[1]))
-    ids, images = image_prompt(model.config, [(1, 4, 12)], seed=9)
+    ids, images = random_image_prompt(model.config, [(1, 4, 12)], seed=9)
     [[out]] = NativeEngine.from_model(model, max_model_len=128).generate_batch([ids], GREEDY, images=[images])
     assert_matches_hf(model, ids, images, out)
 
@@ -252,10 +240,10 @@ def test_qwen3_vl_deep_stack_and_interleaved_mrope_equal_hf():
                       head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                     "mrope_section": [4, 2, 2], "mrope_interleaved": True})
     engine = NativeEngine.from_model(model, max_model_len=128, prefix_cache_tokens=1024)
-    ids, images = image_prompt(model.config, [(1, 4, 6), (1, 2, 4)], seed=10)
+    ids, images = random_image_prompt(model.config, [(1, 4, 6), (1, 2, 4)], seed=10)
     [[out]] = engine.generate_batch([ids], GREEDY, images=[images])
     assert_matches_hf(model, ids, images, out)
-    more, added = image_prompt(model.config, [(1, 4, 4)], seed=11, words=(" then ", " end"))
+    more, added = random_image_prompt(model.config, [(1, 4, 4)], seed=11, words=(" then ", " end"))
     turn2, both = ids + out.token_ids + more, ImageInputs.concat([images, added])
     [[second]] = engine.generate_batch([turn2], GREEDY, images=[both])
     assert engine.stats["prefix_reused_tokens"] == len(ids) + len(out.token_ids) - 1
