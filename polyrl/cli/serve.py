@@ -10,7 +10,9 @@ Ctrl-C stops it cleanly. Endpoints: docs/serving.md.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import sys
 
 from polyrl.cli.common import CLIError, choose_platform
 
@@ -24,7 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "/v1/completions, /v1/chat/completions (streaming too), /v1/models, /health.")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"local Hugging Face model directory or builtin:NAME (default {DEFAULT_MODEL})")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1, this machine only; the API has no "
+                   "authentication, so a wider address warns)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="weight and activation dtype (default float32)")
@@ -38,6 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "cannot hold the engine for long while other clients wait)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the model directory's name)")
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="let image parts name local files (a path or file:// URL), only those whose "
+                   "real path lies inside DIR (default: no local file is ever read; send data: URLs)")
     p.add_argument("--seed", type=int, default=0, help="seed for requests that carry none")
     p.add_argument("--platform", default=None, help="cpu, cuda, rocm, npu (default: detect)")
     p.set_defaults(func=run)
@@ -57,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
         path = resolve(args.model)
     except FileNotFoundError as exc:
         raise CLIError(str(exc)) from None
+    media = args.allowed_local_media_path
+    if media is not None and not os.path.isdir(media):
+        raise CLIError(f"--allowed-local-media-path {media}: not a directory")
     name = args.served_model_name or os.path.basename(os.path.normpath(path))
     platform = choose_platform(args.platform)
     try:
@@ -67,10 +77,16 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--model {args.model}: {exc}") from None
     try:
         app = build_app(engine, name, aliases=(args.model, path),
-                        max_sequences_per_request=args.max_sequences_per_request)
+                        max_sequences_per_request=args.max_sequences_per_request,
+                        allowed_local_media_path=media)
         server = HTTPServer(app, args.host, args.port, log_level="info" if args.verbose else "warning")
     except OSError as exc:
         raise CLIError(str(exc)) from None
+    if not _is_loopback(args.host):
+        print(f"warning: --host {args.host} serves beyond this machine: anyone who can reach port "
+              f"{server.port} can run the model (the API has no authentication)"
+              + (f" and have it read the images under {os.path.realpath(media)}" if media else "")
+              + "; use --host 127.0.0.1 unless a firewall or proxy guards it", file=sys.stderr, flush=True)
     print(f"serving '{name}' ({platform.name}, max_model_len {engine.max_model_len}) at "
           f"{server.url}/v1 — OpenAI-compatible; Ctrl-C to stop", flush=True)
     try:
@@ -79,6 +95,15 @@ def run(args: argparse.Namespace) -> int:
         pass
     print("server stopped", flush=True)
     return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

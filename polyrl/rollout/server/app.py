@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from polyrl.rollout.base import RolloutInputError
+from polyrl.rollout.server.openai_images import LocalMedia
 from polyrl.rollout.server.openai_service import MAX_SEQUENCES_PER_REQUEST, OpenAIService
 from polyrl.rollout.server.protocol import ChatCompletionRequest, CompletionRequest
 from polyrl.rollout.server.trajectories import TrajectoryRecorder
@@ -70,12 +71,15 @@ def validation_message(error: dict) -> tuple[str, str | None]:
 
 def build_app(engine: Any, model_name: str, *, aliases: tuple[str, ...] = (),
               recorder: TrajectoryRecorder | None = None,
-              max_sequences_per_request: int = MAX_SEQUENCES_PER_REQUEST) -> FastAPI:
+              max_sequences_per_request: int = MAX_SEQUENCES_PER_REQUEST,
+              allowed_local_media_path: str | None = None) -> FastAPI:
     """An app serving `engine` as `model_name` (requests may also name any of `aliases`). With a
     `recorder`, black-box agent trajectories are served under /trajectories/<id>/v1/...
-    A request asking for more than `max_sequences_per_request` (prompts x n) is a 400."""
+    A request asking for more than `max_sequences_per_request` (prompts x n) is a 400. Image
+    parts may name local files only under `allowed_local_media_path` (default: none at all)."""
     service = OpenAIService(engine, model_name, aliases=aliases, recorder=recorder,
-                            max_sequences_per_request=max_sequences_per_request)
+                            max_sequences_per_request=max_sequences_per_request,
+                            local_media=LocalMedia(allowed_local_media_path))
     app = FastAPI(title="polyrl rollout server", docs_url=None, redoc_url=None)
     app.state.service = service
 

@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from polyrl.rollout.base import RolloutInputError, SamplingParams, TokenOutput
 from polyrl.rollout.server.openai_format import TokenText, envelope, finish_reason, usage
-from polyrl.rollout.server.openai_images import ChatImages, has_image_parts
+from polyrl.rollout.server.openai_images import ChatImages, LocalMedia, has_image_parts
 from polyrl.rollout.server.openai_stream import FinishedStream, close_all, sse_events
 from polyrl.rollout.server.protocol import (
     COMPLETION_MAX_TOKENS,
@@ -42,11 +42,13 @@ class OpenAIService:
     """Args:
         engine: any `RolloutEngine`; its `tokenizer` and `max_model_len` are used when present.
         model_name: the id clients put in "model" (the model's path is accepted too).
+        local_media: the local image files clients may name (openai_images.py; default none).
     """
 
     def __init__(self, engine: Any, model_name: str, *, aliases: Sequence[str] = (),
                  recorder: TrajectoryRecorder | None = None,
-                 max_sequences_per_request: int = MAX_SEQUENCES_PER_REQUEST):
+                 max_sequences_per_request: int = MAX_SEQUENCES_PER_REQUEST,
+                 local_media: LocalMedia | None = None):
         if max_sequences_per_request < 1:
             raise ValueError(f"max_sequences_per_request must be >= 1, got {max_sequences_per_request}")
         self.engine, self.model_name, self.recorder = engine, model_name, recorder
@@ -56,7 +58,7 @@ class OpenAIService:
         self.accepted_names = {model_name, *aliases}
         self.tokenizer = getattr(engine, "tokenizer", None)
         self.text = TokenText(self.tokenizer)
-        self.images = ChatImages(engine, self.tokenizer)
+        self.images = ChatImages(engine, self.tokenizer, local_media)
         self.max_model_len: int | None = getattr(engine, "max_model_len", None)
 
     def models(self) -> dict:
