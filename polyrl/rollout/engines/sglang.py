@@ -14,10 +14,14 @@ allows only on the main thread: there the engine is built on the calling thread,
 be the main one (the engine's request loop still starts lazily on the adapter's loop).
 
 The n samples of a prompt are n requests of one batch (the radix cache shares their prefill),
-seeded `seed + i` when the request has a seed (SGLang's `sampling_seed`).
+seeded `seed + i` when the request has a seed (SGLang's `sampling_seed`, which SGLang honours
+only with `enable_deterministic_inference`: without it the adapter warns once). `abort_all`
+aborts each sample by its rid, again until it has ended (a request still being tokenized is not
+known to SGLang yet).
 
-Weight update: pieces of `update_bucket_mb` through `update_weights_from_tensor(flush_cache=
-False)`, one payload per TP rank (`MultiprocessingSerializer`: GPU tensors travel as CUDA IPC
+Weight update: pieces of `update_bucket_mb`, cut on the calling thread from the lazy stream and
+sent one at a time (a hybrid update never holds the whole gathered model), through
+`update_weights_from_tensor(flush_cache=False)`, one payload per TP rank (`MultiprocessingSerializer`: GPU tensors travel as CUDA IPC
 handles), then one `flush_cache`. From SGLang 0.5.21 weights load only inside a weight-update
 session: `begin_weight_update` first, `end_weight_update` after the last piece (it runs the
 post-load processing, FP8's included), closed even when a piece fails so the next update can
@@ -28,9 +32,10 @@ layout (`json_model_override_args`).
 
 from __future__ import annotations
 
+import logging
 import threading
 from types import SimpleNamespace
-from typing import Any, Iterable
+from typing import Any, Awaitable, Callable, Iterable
 
 import torch
 from packaging.version import Version
@@ -48,6 +53,18 @@ from polyrl.rollout.engines.common import (
 from polyrl.rollout.engines.weight_flush import iter_flushes
 
 SLEEP_TAGS = ("kv_cache", "weights")
+logger = logging.getLogger(__name__)
+
+DETERMINISTIC_KEY = "enable_deterministic_inference"
+"""The `ServerArgs` field without which SGLang ignores every request's `sampling_seed`
+(`SamplingBatchInfo.from_schedule_batch` builds the seed tensor only when it is set, 0.5.6 to
+0.5.23 alike)."""
+
+
+def seed_ignored(launch_args: Any, sampling: SamplingParams) -> bool:
+    """Whether SGLang would drop this request's seed: one is given, and the engine was started
+    without deterministic inference."""
+    return sampling.seed is not None and not launch_args.get(DETERMINISTIC_KEY)
 
 
 def uses_weight_session(version: str | None) -> bool:
@@ -70,17 +87,22 @@ def _ok(result: Any) -> tuple[bool, str]:
     return True, ""
 
 
-async def push_weight_pieces(tm: Any, pieces: Iterable[list[tuple[str, torch.Tensor]]], *, tp_size: int,
-                             session: bool, io: Any) -> int:
+def push_weight_pieces(run: Callable[[Awaitable[Any]], Any], tm: Any,
+                       pieces: Iterable[list[tuple[str, torch.Tensor]]], *, tp_size: int,
+                       session: bool, io: Any) -> int:
     """Load `pieces` into the engine behind tokenizer manager `tm`, then flush its cache.
 
-    `io` carries SGLang's request types and serializer (`UpdateWeightsFromTensorReqInput`,
-    `BeginWeightUpdateReqInput`, `EndWeightUpdateReqInput`, `serialize`); `session`: open and
-    close a weight-update session around the pieces (SGLang >= 0.5.21). Returns the pieces sent;
-    raises RuntimeError with SGLang's message on the first refusal."""
+    Driven from the calling thread: each piece is cut from its (lazy) source here and handed to
+    the engine with `run(coroutine)` (which runs it on the engine's loop and waits) before the
+    next one is read, so a hybrid update holds one piece of gathered tensors at a time, never the
+    whole model. `io` carries SGLang's request types and serializer
+    (`UpdateWeightsFromTensorReqInput`, `BeginWeightUpdateReqInput`, `EndWeightUpdateReqInput`,
+    `serialize`); `session`: open and close a weight-update session around the pieces (SGLang
+    >= 0.5.21). Returns the pieces sent; raises RuntimeError with SGLang's message on the first
+    refusal."""
     sent = 0
     if session:
-        ok, message = _ok(await tm.begin_weight_update(io.BeginWeightUpdateReqInput(), None))
+        ok, message = _ok(run(tm.begin_weight_update(io.BeginWeightUpdateReqInput(), None)))
         if not ok:
             raise RuntimeError(f"begin_weight_update: {message}")
     try:
@@ -88,17 +110,25 @@ async def push_weight_pieces(tm: Any, pieces: Iterable[list[tuple[str, torch.Ten
             req = io.UpdateWeightsFromTensorReqInput(
                 serialized_named_tensors=[io.serialize(piece) for _ in range(tp_size)],
                 load_format=None, flush_cache=False)
-            ok, message = _ok(await tm.update_weights_from_tensor(req, None))
+            ok, message = _ok(run(tm.update_weights_from_tensor(req, None)))
             if not ok:
                 raise RuntimeError(message)
             sent += 1
+            del piece, req  # loaded: this piece's tensors may go before the next is gathered
     finally:
         if session:  # closed even after a failure: a session left open refuses the next update
-            ok, message = _ok(await tm.end_weight_update(io.EndWeightUpdateReqInput(), None))
+            ok, message = _ok(run(tm.end_weight_update(io.EndWeightUpdateReqInput(), None)))
             if not ok:
                 raise RuntimeError(f"end_weight_update: {message}")
-    await tm.flush_cache()
+    run(tm.flush_cache())
     return sent
+
+
+def weight_pieces(named_tensors: NamedTensors, version: int, *, fp8: bool,
+                  budget_bytes: int) -> Iterable[list[tuple[str, torch.Tensor]]]:
+    """An update's pieces within `budget_bytes`, read from the source lazily by whoever iterates
+    (the calling thread, `push_weight_pieces`): quantized (`fp8`) and cut one piece at a time."""
+    return iter_flushes(update_stream(named_tensors, version, fp8=fp8), budget_bytes)
 
 
 def sglang_sampling_params(sampling: SamplingParams, sample: int) -> dict[str, Any]:
@@ -126,7 +156,11 @@ def sglang_request(prompt: list[int], sampling: SamplingParams, request_id: str)
         "rid": [f"{request_id}-{i}" for i in range(sampling.n)],
     }
     if wanted:
-        request["logprob_start_len"] = len(prompt)  # no prompt log-probs
+        # the last prompt position: only the output's log-probs (SGLang's own default for a
+        # generation). len(prompt) would skip that one too, but SGLang 0.5.6 aborts a request
+        # whose start is >= its input length (0.5.7 on: only >), so every sample came back
+        # aborted with no tokens. The one input entry this adds (input_token_logprobs) is not read.
+        request["logprob_start_len"] = len(prompt) - 1
         if sampling.top_logprobs:
             request["top_logprobs_num"] = sampling.top_logprobs
     return request
@@ -166,6 +200,8 @@ class SGLangEngine(AsyncEngineAdapter):
         self.fp8 = builds_polyrl_fp8(self.launch_args, "sglang")
         self.tp_size = int(self.launch_args.get("tp_size", 1))
         self.weight_session = uses_weight_session(self.version)
+        self._sample_rids: dict[str, list[str]] = {}  # request id -> its samples' SGLang rids
+        self._warned_seed = False
 
         if starts_on_main_thread_only(self.version):
             self.engine = sglang.Engine(**self.launch_args)
@@ -181,7 +217,17 @@ class SGLangEngine(AsyncEngineAdapter):
                             request_id: str) -> list[TokenOutput]:
         if self._asleep:
             raise RuntimeError("SGLang engine is sleeping; call wake_up() first")
-        results = await self.engine.async_generate(**sglang_request(prompt, sampling, request_id))
+        if seed_ignored(self.launch_args, sampling) and not self._warned_seed:
+            logger.warning("SGLang ignores sampling_seed unless started with %s=true: rollouts are not "
+                           "reproducible from their seeds; set rollout.engine_kwargs.sglang.%s=true",
+                           DETERMINISTIC_KEY, DETERMINISTIC_KEY)
+            self._warned_seed = True
+        request = sglang_request(prompt, sampling, request_id)
+        self._sample_rids[request_id] = list(request["rid"])
+        try:
+            results = await self.engine.async_generate(**request)
+        finally:
+            self._sample_rids.pop(request_id, None)
         results = results if isinstance(results, list) else [results]
         outs = []
         for res in results:
@@ -200,8 +246,9 @@ class SGLangEngine(AsyncEngineAdapter):
         from sglang.srt.managers import io_struct
         from sglang.srt.utils import MultiprocessingSerializer
 
-        # read whole on this thread, quantized (sending side) as the pieces are cut
-        named = update_stream(named_tensors, version, fp8=self.fp8, drain=True)
+        # read on this thread (a hybrid stream gathers shards with collectives here), quantized
+        # (sending side) and cut into pieces lazily: one piece is alive at a time
+        pieces = weight_pieces(named_tensors, version, fp8=self.fp8, budget_bytes=self.bucket_bytes)
 
         io = SimpleNamespace(
             UpdateWeightsFromTensorReqInput=io_struct.UpdateWeightsFromTensorReqInput,
@@ -209,14 +256,12 @@ class SGLangEngine(AsyncEngineAdapter):
             EndWeightUpdateReqInput=getattr(io_struct, "EndWeightUpdateReqInput", None),
             serialize=MultiprocessingSerializer.serialize)
 
-        async def push() -> None:
-            if "weights" in self._asleep:
-                await self._resume(["weights"])
-            await push_weight_pieces(self._tm, iter_flushes(named, self.bucket_bytes),
-                                     tp_size=self.tp_size, session=self.weight_session, io=io)
-
         with partial_update_guard("SGLang", version):
-            self._control(push(), f"update_weights to version {version}")
+            if "weights" in self._asleep:
+                self._control(self._resume(["weights"]), "resume weights")
+            push_weight_pieces(lambda coro: self._control(coro, f"update_weights to version {version}"),
+                               self._tm, pieces,
+                               tp_size=self.tp_size, session=self.weight_session, io=io)
         self._version = version
 
     async def _resume(self, tags: list[str]) -> None:
@@ -245,13 +290,17 @@ class SGLangEngine(AsyncEngineAdapter):
         self._sleeping = False
 
     def abort_all(self) -> int:
-        n = len(self._inflight)
+        """Abort every request in flight, by each sample's rid, re-sent until each has ended: a
+        request still being tokenized is not in the tokenizer manager's `rid_to_state` yet, and
+        SGLang drops an abort of an rid it does not know (and `abort_all=True` reaches only what
+        the scheduler already holds), so one abort would let it run to its end."""
 
-        async def abort() -> None:
-            self._tm.abort_request(abort_all=True)
+        async def send_abort(request_ids: list[str]) -> None:
+            for request_id in request_ids:
+                for rid in self._sample_rids.get(request_id, ()):
+                    self._tm.abort_request(rid=rid)
 
-        self._control(abort(), "abort")
-        return n
+        return self._abort_until_ended(send_abort)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

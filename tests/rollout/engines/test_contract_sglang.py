@@ -161,12 +161,12 @@ def test_weights_go_in_inside_one_session_then_the_cache_is_flushed():
     from polyrl.rollout.engines.sglang import push_weight_pieces
 
     tm = SessionTokenizerManager()
-    sent = asyncio.run(push_weight_pieces(tm, _pieces(3), tp_size=2, session=True, io=_io()))
+    sent = push_weight_pieces(asyncio.run, tm, _pieces(3), tp_size=2, session=True, io=_io())
     assert sent == 3 and tm.calls == ["begin", "update 2", "update 2", "update 2", "end", "flush"]
     # the adapter before issue 28 sent no session: SGLang >= 0.5.21 refuses the first piece
     with pytest.raises(RuntimeError, match="must run between begin_weight_update"):
-        asyncio.run(push_weight_pieces(SessionTokenizerManager(), _pieces(1), tp_size=1,
-                                       session=False, io=_io()))
+        push_weight_pieces(asyncio.run, SessionTokenizerManager(), _pieces(1), tp_size=1,
+                           session=False, io=_io())
 
 
 def test_a_failed_piece_still_closes_the_session_so_the_next_update_can_open_one():
@@ -176,8 +176,25 @@ def test_a_failed_piece_still_closes_the_session_so_the_next_update_can_open_one
 
     tm = SessionTokenizerManager(fail_piece=2)
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        asyncio.run(push_weight_pieces(tm, _pieces(3), tp_size=1, session=True, io=_io()))
+        push_weight_pieces(asyncio.run, tm, _pieces(3), tp_size=1, session=True, io=_io())
     assert tm.calls == ["begin", "update 1", "update 1", "end"] and not tm.open
     tm.fail_piece = None
-    asyncio.run(push_weight_pieces(tm, _pieces(1), tp_size=1, session=True, io=_io()))
+    push_weight_pieces(asyncio.run, tm, _pieces(1), tp_size=1, session=True, io=_io())
     assert tm.calls[-4:] == ["begin", "update 1", "end", "flush"]
+
+
+# --- logprob_start_len: 0.5.6 aborts at >= the input length, 0.5.7 on at > (issue 39) -------------
+
+def _abort_rule(root: Path) -> str:
+    """The comparison the scheduler aborts a request's logprob_start_len with: ">=" or ">"."""
+    text = (root / "sglang/srt/managers/scheduler.py").read_text()
+    if "logprob_start_len >= len(" in text:
+        return ">="
+    assert "logprob_start_len > len(req.origin_input_ids)" in text
+    return ">"
+
+
+@slow
+def test_the_lowest_release_aborts_a_logprob_start_at_the_input_length():
+    assert _abort_rule(source(LOWEST)) == ">="
+    assert _abort_rule(source("0.5.7")) == ">"

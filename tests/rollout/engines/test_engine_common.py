@@ -91,7 +91,7 @@ def test_sglang_request_one_request_per_sample():
     assert req == {
         "input_ids": [[1, 2, 3], [1, 2, 3]],
         "sampling_params": [sglang_sampling_params(FULL, 0), sglang_sampling_params(FULL, 1)],
-        "return_logprob": True, "rid": ["r-0", "r-1"], "logprob_start_len": 3}
+        "return_logprob": True, "rid": ["r-0", "r-1"], "logprob_start_len": 2}
     assert sglang_sampling_params(FULL, 1) == {
         "temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_new_tokens": 32,
         "stop_token_ids": [7], "stop": ["\n\n"], "ignore_eos": False, "sampling_seed": 12}
