@@ -497,6 +497,8 @@ ENGINE_CONTRACTS: dict[str, tuple[EngineUse, ...]] = {
         EngineUse("tensorrt_llm._torch.async_llm:AsyncLLM.resume", ("tags",)),
         EngineUse("tensorrt_llm._torch.async_llm:AsyncLLM.shutdown"),
         EngineUse("tensorrt_llm.llmapi.rlhf_utils:WorkerExtension.update_weights"),
+        # polyrl's extension (engines/trtllm_worker.py) reloads a VLM without partial loading
+        EngineUse("tensorrt_llm._torch.pyexecutor.model_loader:ModelLoader.reload", ("allow_partial_loading",)),
         EngineUse("tensorrt_llm._torch.utils:get_device_uuid"),
     ),
 }

@@ -38,8 +38,10 @@ Builder = Callable[..., dict[str, Any]]
 
 VLLM_WORKER_EXTENSION = "polyrl.rollout.engines.vllm_worker.PolyrlWorkerExtension"
 """Loaded by vLLM inside each of its workers (by dotted path: vLLM imports it, not polyrl)."""
-TRTLLM_WORKER_EXTENSION = "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
-"""TRT-LLM's own RL extension: `update_weights(ipc_handles)` on every worker, None finalizes."""
+TRTLLM_WORKER_EXTENSION = "polyrl.rollout.engines.trtllm_worker.PolyrlTRTLLMWorkerExtension"
+"""polyrl's TRT-LLM worker extension (TRT-LLM's `rlhf_utils.WorkerExtension` plus
+`supports_partial_loading`, and a reload a vision-language model accepts): `update_weights(
+ipc_handles)` on every worker, None finalizes. Imported by TRT-LLM inside its workers."""
 SGLANG_FLASHINFER_SINCE = Version("0.5.12")
 """From this SGLang version on, FA3 CUDA-graph capture is broken: default to flashinfer (R3)."""
 TRTLLM_WORKER_GPU_SHARE = 0.5

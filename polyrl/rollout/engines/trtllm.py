@@ -6,24 +6,36 @@ Written against TRT-LLM's PyTorch-backend `AsyncLLM` with the Ray orchestrator, 
 `await AsyncLLM(**args)` with its placement arguments (`placement`, below),
 `generate_async(prompt_ids, sampling_params)` (awaitable; `.abort()` cancels), `release(tags)` /
 `resume(tags)` (needs `enable_sleep`; 1.1 and 1.2 have no `SleepConfig`), and
-`collective_rpc(method, args=...)` into `tensorrt_llm.llmapi.rlhf_utils.WorkerExtension`, whose
-`update_weights(ipc_handles)` loads {device uuid: base64(pickle([(name, reduce_tensor(t))]))}
-and, called with None, finalizes (post-load processing, prefix-cache reset).
+`collective_rpc(method, args=...)` into polyrl's worker extension
+(`polyrl/rollout/engines/trtllm_worker.py`: TRT-LLM's `rlhf_utils.WorkerExtension` plus
+`supports_partial_loading`), whose `update_weights(ipc_handles)` loads {device uuid:
+base64(pickle([(name, reduce_tensor(t))]))} and, called with None, finalizes (post-load
+processing, prefix-cache reset).
 
 Weight update (`update_weights`, or `push_rank_weights` from every rank of a multi-process
 replica): `weight_flush.push_to_replica` cuts the tensors into IPC-handle flushes within
 `update_bucket_mb`, gathers each rank's flush to the replica leader, which hands them to the
 engine; for vision-language models the leader first asks the engine whether it accepts partial
 loading (`supports_partial_loading`, answered no when the extension lacks it) and broadcasts
-the answer (R5). IPC handles need device tensors; with `quantization=fp8` the tensors are
+the answer (R5). IPC handles need device tensors: host tensors (what every standalone
+transport hands over: the broadcast stages on the CPU, the object store returns numpy-backed
+tensors) are copied to the adapter's device one tensor at a time as the flushes are cut, so at
+most one flush is staged there (`stage_on_device`). With `quantization=fp8` the tensors are
 quantized here (sending side).
+
+Log-probs: TRT-LLM releases before the PyTorch sampler always included the sampled token
+return only the top-k record, which may miss the sampled token at a non-greedy step. Such a
+position's log-prob is NaN (never a made-up value), counted in the output's
+`extra["missing_logprobs"]`, and warned about once.
 """
 
 from __future__ import annotations
 
 import base64
+import logging
+import math
 import pickle
-from typing import Any, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
@@ -63,11 +75,32 @@ def trtllm_sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
+logger = logging.getLogger(__name__)
+
+
 def _sampled(record: Mapping[int, Any], token: int) -> float:
+    """The sampled token's log-prob, NaN when the record (a top-k) does not hold it."""
     if token not in record:
-        raise RuntimeError(f"TensorRT-LLM returned no log-prob for the sampled token {token}")
+        return math.nan
     entry = record[token]
     return getattr(entry, "logprob", entry)
+
+
+def stage_on_device(named: Iterable[tuple[str, torch.Tensor]],
+                    device: torch.device | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """`named` with each host tensor copied to `device` as it is read (lazily: the flush being
+    cut holds the only staged copies); device tensors pass through. `device` None (no
+    accelerator here): host tensors pass through, and `serialize_handles` names the problem."""
+    for name, tensor in named:
+        if device is not None and isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+            tensor = tensor.to(device)
+        yield name, tensor
+
+
+def staging_device() -> torch.device | None:
+    """Where host tensors are staged for IPC: this process's current CUDA device, the one the
+    TRT-LLM worker of its bundle uses (None without CUDA)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
 def serialize_handles(piece: list[tuple[str, torch.Tensor]]) -> str:
@@ -160,7 +193,10 @@ class TRTLLMEngine(AsyncEngineAdapter):
         self._init_adapter(launch_args, "model", tokenizer, seed, update_bucket_mb, control_timeout_s)
         self.fp8 = quantizes_fp8(self.launch_args)
         self.hf_config = read_hf_config(self.model_path)
+        self.device = staging_device()
+        """Where host tensors of a weight update are staged, one flush at a time."""
         self._requests: dict[str, Any] = {}
+        self._warned_logprobs = False
         args = dict(self.launch_args)
         args["kv_cache_config"] = KvCacheConfig(**args.get("kv_cache_config", {}))
         args.update(placement(int(args.get("tensor_parallel_size", 1)), args))
@@ -184,11 +220,27 @@ class TRTLLMEngine(AsyncEngineAdapter):
             result = await request
         finally:
             self._requests.pop(request_id, None)
+        return self._outputs(result, sampling)
+
+    def _outputs(self, result: Any, sampling: SamplingParams) -> list[TokenOutput]:
+        """polyrl's outputs of one TRT-LLM `RequestOutput`."""
         outs = []
         for c in result.outputs:
             logprobs = sampled_logprobs(c.token_ids, c.logprobs, sampling.logprobs, _sampled)
-            outs.append(self._output(c.token_ids, logprobs, c.finish_reason, c.text))
+            out = self._output(c.token_ids, logprobs, c.finish_reason, c.text)
+            missing = sum(math.isnan(lp) for lp in logprobs)
+            if missing:
+                out.extra["missing_logprobs"] = missing
+                self._warn_missing_logprobs()
+            outs.append(out)
         return outs
+
+    def _warn_missing_logprobs(self) -> None:
+        if not self._warned_logprobs:
+            logger.warning("TensorRT-LLM returned top-k log-prob records without the sampled token; those "
+                           "positions' rollout log-probs are NaN (old log-probs are recomputed by the "
+                           "trainer); pip install a TensorRT-LLM whose PyTorch sampler includes it")
+            self._warned_logprobs = True
 
     # --- weights ---------------------------------------------------------------------------------
     def supports_partial_loading(self) -> bool:
@@ -208,7 +260,7 @@ class TRTLLMEngine(AsyncEngineAdapter):
         """This process is the whole replica (group=None). Multi-process replicas: every rank
         calls `push_rank_weights` and the leader's adapter is passed as `engine`."""
         push_rank_weights(named_tensors, version, engine=self, group=None, fp8=self.fp8,
-                          budget_bytes=self.bucket_bytes, hf_config=self.hf_config)
+                          budget_bytes=self.bucket_bytes, hf_config=self.hf_config, device=self.device)
 
     def _before_update(self) -> None:
         if "model" in self._asleep:
@@ -250,16 +302,23 @@ class TRTLLMEngine(AsyncEngineAdapter):
 
 def push_rank_weights(named_tensors: NamedTensors, version: int, *, engine: TRTLLMEngine | None,
                       group: Any, fp8: bool, budget_bytes: int, hf_config: Any,
-                      timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> PushResult:
-    """Every rank of a replica calls this with its weights (its shard, on its device); `engine`
-    is the adapter on the replica leader and None elsewhere; `fp8` (rollout.quantization=fp8)
-    quantizes on this rank before sending. On success the leader's engine serves `version`."""
-    named = update_stream(named_tensors, version, fp8=fp8)
+                      timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S, device: Any = "current",
+                      make_payload: Any = None) -> PushResult:
+    """Every rank of a replica calls this with its weights (its shard, on its device or in host
+    memory); `engine` is the adapter on the replica leader and None elsewhere; `fp8`
+    (rollout.quantization=fp8) quantizes on this rank before sending. Host tensors are staged on
+    `device` ("current": `staging_device()`) flush by flush. `make_payload`: one flush's
+    {device uuid: handles} (default `device_payload`). On success the leader's engine serves
+    `version`."""
+    target = staging_device() if device == "current" else device
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    # staged before quantizing: FP8 then runs on the device, and the version is checked first
+    named = update_stream(stage_on_device(items, target), version, fp8=fp8)
     if engine is not None:
         engine._before_update()
     with partial_update_guard("TensorRT-LLM", version, passthrough=(WeightUpdateError,)):
         result = push_to_replica(
-            named, make_payload=device_payload,
+            named, make_payload=make_payload or device_payload,
             apply=engine._apply if engine is not None else None,
             finish=(lambda: engine._apply(None)) if engine is not None else None,
             budget_bytes=budget_bytes, group=group, hf_config=hf_config, engine=engine,
