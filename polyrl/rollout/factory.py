@@ -153,3 +153,7 @@ def check_engine_launch(cfg: RolloutConfig, model_path: str, platform: Platform 
     require_backend(cfg.backend)
     check_replica_layout(cfg)
     engine_args(cfg, str(resolve(model_path)), platform)
+    if cfg.backend == "native":  # an architecture it does not run (a mixture-of-experts router shape)
+        from polyrl.rollout.native.loader import check_model_dir
+
+        check_model_dir(resolve(model_path))

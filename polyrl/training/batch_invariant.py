@@ -25,6 +25,7 @@ from polyrl.batch import MicroBatch
 from polyrl.modeling import torch_dtype
 from polyrl.rollout.native import invariant as inv
 from polyrl.rollout.native.loader import ModelSpec, spec_from_config
+from polyrl.rollout.native.moe import refuse_batch_invariant
 
 _MARK = "_polyrl_batch_invariant"
 
@@ -35,6 +36,7 @@ def enable(model: torch.nn.Module, dtype: str | torch.dtype) -> None:
         raise ValueError("rollout.batch_invariant=true does not support LoRA policies (model.lora_rank > 0) "
                          "yet; set model.lora_rank=0 or rollout.batch_invariant=false")
     spec = spec_from_config(model.config)  # refuses architectures the engine does not run
+    refuse_batch_invariant(spec)
     dtype = torch_dtype(dtype)
     for layer in model.model.layers:
         layer._polyrl_invariant = (spec, dtype)

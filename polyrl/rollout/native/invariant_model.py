@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from polyrl.rollout.native import invariant as inv
 from polyrl.rollout.native.kv_cache import KVCache
 from polyrl.rollout.native.loader import ModelSpec
+from polyrl.rollout.native.moe import refuse_batch_invariant
 from polyrl.rollout.native.weights import LayerWeights, ModelWeights
 
 
@@ -45,6 +46,7 @@ class InvariantDecoder:
     invariant = True
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, *, dtype: torch.dtype, device):
+        refuse_batch_invariant(spec)
         self.spec, self.w, self.dtype, self.device = spec, weights, dtype, torch.device(device)
         self.scale = spec.head_dim**-0.5
 

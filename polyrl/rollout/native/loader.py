@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from polyrl.rollout.native.moe import KNOWN_MOE_ARCHITECTURES, MOE_ARCHITECTURES, MoeSpec, moe_spec
 from polyrl.rollout.native.vision import VISION_ARCHITECTURES, VisionSpec, vision_spec
 
 SUPPORTED_ARCHITECTURES = (
@@ -21,14 +22,17 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    *MOE_ARCHITECTURES,
     *VISION_ARCHITECTURES,
 )
-"""Models the native engine can run: decoders with pre-norm RMSNorm, RoPE, GQA and a gated MLP,
-and the vision-language models whose language model is one (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: vision.py)."""
+"""Models the native engine can run: decoders with pre-norm RMSNorm, RoPE, GQA and a gated MLP
+(or mixture-of-experts blocks of the router shapes in moe.py), and the vision-language models
+whose language model is one (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: vision.py)."""
 
 _ARCHITECTURE_OF_TYPE = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM", "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
 }
 
@@ -64,6 +68,8 @@ class ModelSpec:
     """Post-processing factor applied to cos/sin (yarn); 1.0 otherwise."""
     vision: VisionSpec | None = None
     """The vision tower and M-RoPE of a vision-language model; None for a text-only one."""
+    moe: MoeSpec | None = None
+    """The experts and router of a mixture-of-experts model (moe.py); None for a dense one."""
 
     @property
     def q_size(self) -> int:
@@ -86,6 +92,15 @@ def resolve_model_dir(model_path: str | Path) -> Path:
     return path
 
 
+def check_model_dir(model_path: str | Path) -> None:
+    """Pre-flight: a model directory whose architecture the engine does not run raises the one-line
+    ValueError `spec_from_config` raises (reads config.json only). A path that is not a model
+    directory yet passes: the launch reports it."""
+    path = Path(model_path).expanduser()
+    if (path / "config.json").is_file():
+        spec_from_config(load_config(path))
+
+
 def load_config(model_dir: Path):
     from transformers import AutoConfig
 
@@ -99,6 +114,14 @@ def spec_from_config(config: Any) -> ModelSpec:
         # a config built in memory (a model made from its config, not loaded) names no architecture
         archs = [_ARCHITECTURE_OF_TYPE[config.model_type]]
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None and (any(a in KNOWN_MOE_ARCHITECTURES for a in archs)
+                         or any(getattr(config, n, None) for n in ("num_experts", "num_local_experts", "n_routed_experts"))):
+        raise ValueError(
+            f"native engine: the mixture-of-experts architectures={archs or None} "
+            f"(model_type={getattr(config, 'model_type', None)!r}) are not supported (their "
+            f"router shape is not implemented); supported mixture-of-experts: {', '.join(MOE_ARCHITECTURES)} "
+            f"(docs/moe.md)"
+        )
     if arch is None:
         raise ValueError(
             f"native engine: unsupported model architectures={archs or None} "
@@ -127,8 +150,9 @@ def spec_from_config(config: Any) -> ModelSpec:
         )
     inv_freq, rope_scaling = _rope_frequencies(config, head_dim)
     # q/k/v bias, no o_proj bias (Qwen2 and the VL models built on it)
-    qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-    qkv_bias = qwen2 or bool(getattr(config, "attention_bias", False))
+    qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                     "Qwen2MoeForCausalLM")
+    qkv_bias = (qwen2 and getattr(config, "qkv_bias", True)) or bool(getattr(config, "attention_bias", False))
     return ModelSpec(
         architecture=arch,
         vocab_size=config.vocab_size,
@@ -145,11 +169,12 @@ def spec_from_config(config: Any) -> ModelSpec:
         # Qwen2 has q/k/v bias but no o_proj bias; Llama's attention_bias covers o_proj too.
         o_bias=not qwen2 and bool(getattr(config, "attention_bias", False)),
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
-        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3VLForConditionalGeneration"),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3VLForConditionalGeneration", "Qwen3MoeForCausalLM"),
         max_position_embeddings=config.max_position_embeddings,
         inv_freq=inv_freq,
         rope_scaling=rope_scaling,
         vision=vision_spec(top, arch, head_dim, _rope_parameters(config)) if arch in VISION_ARCHITECTURES else None,
+        moe=moe_spec(config, arch),
     )
 
 

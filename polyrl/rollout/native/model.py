@@ -1,4 +1,5 @@
-"""The lean decoder forward: Llama / Qwen2 / Qwen3 in plain torch ops over fused weights.
+"""The lean decoder forward: Llama / Qwen2 / Qwen3 (and Qwen3-MoE / Qwen2-MoE, whose expert
+layers are moe.py's) in plain torch ops over fused weights.
 
 Numerics follow the Hugging Face reference (RMSNorm, RoPE tables in float32, softmax in float32)
 so the logprobs a trainer recomputes match what the engine sampled from. Speed comes from issuing
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 
 from polyrl.rollout.native.kv_cache import KVCache
 from polyrl.rollout.native.loader import ModelSpec, rope_tables
+from polyrl.rollout.native.moe import moe_block
 from polyrl.rollout.native.vision import encode_images, mrope_tables, section_rows
 from polyrl.rollout.native.weights import ComputeWeights, LayerWeights, ModelWeights
 
@@ -114,7 +116,9 @@ class DecoderModel:
         return qk[..., : s.num_heads, :], qk[..., s.num_heads :, :], v
 
     def _mlp_residual(self, x: torch.Tensor, lw: LayerWeights, cw: ComputeWeights) -> torch.Tensor:
-        """x + MLP(post_norm(x))."""
+        """x + MLP(post_norm(x)); a mixture-of-experts layer's experts (moe.py) in place of the MLP."""
+        if lw.moe is not None:
+            return x + moe_block(self._norm(x, lw.post_norm), lw.moe, self.spec.moe, self.act)
         mm = cw.matmul
         gate, up = mm.linear(self._norm(x, lw.post_norm), lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
         return mm.residual_linear(x, self.act(gate) * up, lw.down, lw.down_bias)

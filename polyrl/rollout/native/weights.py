@@ -27,6 +27,7 @@ import torch
 from polyrl.rollout.base import WeightUpdateError
 from polyrl.rollout.native.loader import ModelSpec
 from polyrl.rollout.native.matmul import PlainMatmul, matmul_for
+from polyrl.rollout.native.moe import MoeWeights, fold_expert_names, moe_targets, new_moe_weights, required_moe_names
 from polyrl.rollout.native.vision import build_vision_tower, canonical_name, tower_targets
 
 logger = logging.getLogger(__name__)
@@ -44,10 +45,12 @@ class LayerWeights:
     o: torch.Tensor
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in a mixture-of-experts layer
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
+    down: torch.Tensor | None
     down_bias: torch.Tensor | None
+    moe: MoeWeights | None = None
+    """A mixture-of-experts layer's router and experts (moe.py), in place of gate_up / down."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,7 @@ class ComputeWeights:
     @property
     def num_packed(self) -> int:
         """Matrices held in oneDNN's blocked layout (the others are plain tensors)."""
-        mats = [m for lw in self.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)] + [self.lm_head]
+        mats = [m for lw in self.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down) if m is not None] + [self.lm_head]
         return sum(m.is_mkldnn for m in mats)
 
 
@@ -88,8 +91,11 @@ class ModelWeights:
         self._add("lm_head.weight", self.lm_head)
 
         self.layers: list[LayerWeights] = []
+        self._expert_aliases: set[str] = set()
+        """Per-expert names of a saved checkpoint: a second spelling of the fused experts (moe.py)."""
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
+            sparse = spec.moe is not None and spec.moe.sparse_layers[i]
             lw = LayerWeights(
                 input_norm=new(H),
                 qkv=new(q + 2 * kv, H),
@@ -98,10 +104,11 @@ class ModelWeights:
                 o=new(H, q),
                 o_bias=new(H) if spec.o_bias else None,
                 post_norm=new(H),
-                gate_up=new(2 * I, H),
-                gate_up_bias=new(2 * I) if spec.mlp_bias else None,
-                down=new(H, I),
-                down_bias=new(H) if spec.mlp_bias else None,
+                gate_up=None if sparse else new(2 * I, H),
+                gate_up_bias=new(2 * I) if spec.mlp_bias and not sparse else None,
+                down=None if sparse else new(H, I),
+                down_bias=new(H) if spec.mlp_bias and not sparse else None,
+                moe=new_moe_weights(spec.moe, H, new) if sparse else None,
             )
             self.layers.append(lw)
             self._add(p + "input_layernorm.weight", lw.input_norm)
@@ -118,6 +125,13 @@ class ModelWeights:
                 # One per-head weight broadcast over all heads: copy_ broadcasts [hd] -> [heads, hd].
                 self._add(att + "q_norm.weight", lw.qk_norm[: spec.num_heads], (hd,))
                 self._add(att + "k_norm.weight", lw.qk_norm[spec.num_heads :], (hd,))
+            if sparse:
+                fused = required_moe_names(mlp, spec.moe)
+                for name, view in moe_targets(mlp, lw.moe, spec.moe).items():
+                    self._add(name, view)
+                    if name not in fused:
+                        self._expert_aliases.add(name)
+                continue
             self._add(mlp + "gate_proj.weight", lw.gate_up[:I])
             self._add(mlp + "up_proj.weight", lw.gate_up[I:])
             self._add(mlp + "down_proj.weight", lw.down)
@@ -138,7 +152,8 @@ class ModelWeights:
     def _compute_weights(self) -> ComputeWeights:
         """New packed copies of every matrix (the plain tensors when the matmul does not pack)."""
         pack = self.matmul.pack
-        layers = [replace(lw, qkv=pack(lw.qkv), o=pack(lw.o), gate_up=pack(lw.gate_up), down=pack(lw.down))
+        layers = [replace(lw, qkv=pack(lw.qkv), o=pack(lw.o), gate_up=lw.gate_up if lw.moe else pack(lw.gate_up),
+                          down=lw.down if lw.moe else pack(lw.down))
                   for lw in self.layers]
         return ComputeWeights(layers, pack(self.lm_head), self.matmul)
 
@@ -150,14 +165,23 @@ class ModelWeights:
         return canonical_name(name) if self.visual is not None else name
 
     def required_names(self) -> set[str]:
-        names = set(self.targets)
+        names = set(self.targets) - self._expert_aliases
         if self.spec.tie_word_embeddings:
             names.discard("lm_head.weight")
         return names
 
     def covers(self, names) -> bool:
         """Whether `names` (in either naming) write every required weight."""
-        return self.required_names() <= {self.canonical(n) for n in names}
+        return self.required_names() <= self.written({self.canonical(n) for n in names})
+
+    def written(self, names: set[str]) -> set[str]:
+        """`names` (canonical) with complete per-expert sets counted as the fused experts they fill."""
+        if self.spec.moe is None:
+            return names
+        for i, sparse in enumerate(self.spec.moe.sparse_layers):
+            if sparse:
+                names = fold_expert_names(names, f"model.layers.{i}.mlp.", self.spec.moe)
+        return names
 
     def validate(self, named_tensors: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Check every name and shape before anything is written; returns (destination, source)."""
@@ -237,7 +261,7 @@ class ModelWeights:
         *, batch_hint: int = 64, pack: bool = True,
     ) -> ModelWeights:
         weights = cls(spec, dtype, torch.device(device), batch_hint=batch_hint, pack=pack)
-        missing = sorted(weights.required_names() - {weights.canonical(n) for n in state_dict})
+        missing = sorted(weights.required_names() - weights.written({weights.canonical(n) for n in state_dict}))
         if missing:
             shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
             raise ValueError(f"native engine: checkpoint is missing parameters: {shown}")
@@ -246,5 +270,13 @@ class ModelWeights:
 
     def num_matmul_params(self) -> int:
         """Parameters multiplied per generated token (embedding lookup excluded, lm_head included)."""
-        per_layer = sum(t.numel() for t in (self.layers[0].qkv, self.layers[0].o, self.layers[0].gate_up, self.layers[0].down))
-        return per_layer * len(self.layers) + self.lm_head.numel()
+        total = self.lm_head.numel()
+        for lw in self.layers:
+            total += lw.qkv.numel() + lw.o.numel()
+            if lw.moe is None:
+                total += lw.gate_up.numel() + lw.down.numel()
+            else:  # the router, k of the experts and the shared expert: the active parameters
+                k, E = self.spec.moe.top_k, self.spec.moe.num_experts
+                experts = (lw.moe.gate_up.numel() + lw.moe.down.numel()) * k // E
+                total += sum(t.numel() for t in lw.moe.matrices()) - lw.moe.gate_up.numel() - lw.moe.down.numel() + experts
+        return total

@@ -1,0 +1,194 @@
+"""Mixture-of-experts layers of the native engine: Qwen3-MoE (softmax top-k router) and Qwen2-MoE
+(the same router plus a sigmoid-gated shared expert).
+
+Numerics follow transformers' `Qwen3MoeTopKRouter` / `Qwen2MoeSparseMoeBlock`: router logits in
+the model's dtype, softmax in float32, top-k of the probabilities, optionally renormalised, the
+weights cast back to the model's dtype before they scale the experts' outputs.
+
+The experts run batched, never a Python loop per token: the (token, slot) pairs are sorted by
+expert and each projection is one grouped matmul over the contiguous per-expert segments
+(`torch._grouped_mm`; where this torch lacks it, one `mm` per expert that received tokens).
+
+Weights are held fused as transformers holds them in memory ([E, 2I, H] gate/up, [E, H, I] down);
+a checkpoint on disk names each expert apart (`mlp.experts.{e}.gate_proj.weight`), so both
+spellings map onto views of the same tensors (`moe_targets`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+"""The mixture-of-experts decoders the engine runs (the router shapes implemented here)."""
+
+KNOWN_MOE_ARCHITECTURES = (
+    "MixtralForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM",
+    "Glm4MoeForCausalLM", "OlmoeForCausalLM", "Qwen3NextForCausalLM", "Llama4ForCausalLM",
+    "Ernie4_5_MoeForCausalLM", "HunYuanMoEV1ForCausalLM", "DbrxForCausalLM", "PhimoeForCausalLM",
+)
+"""Mixture-of-experts models whose router shape the engine does not implement (yet): refused by
+name (docs/moe.md) so the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    """Each routed expert's intermediate size (`moe_intermediate_size`)."""
+    norm_topk_prob: bool
+    sparse_layers: tuple[bool, ...]
+    """Per decoder layer: True where it is a mixture-of-experts block, False a dense MLP."""
+    shared_intermediate_size: int = 0
+    """Qwen2-MoE: the shared expert's intermediate size (0: no shared expert)."""
+
+
+def refuse_batch_invariant(spec: Any) -> None:
+    """The batch-invariant forward (invariant.py) has no expert layers yet: one line, not a
+    KeyError deep in it."""
+    if getattr(spec, "moe", None) is not None:
+        raise ValueError(f"rollout.batch_invariant=true: not supported for the mixture-of-experts "
+                         f"{spec.architecture} yet (docs/moe.md); set rollout.batch_invariant=false")
+
+
+def moe_spec(config: Any, arch: str) -> MoeSpec | None:
+    """The mixture-of-experts shape of `config` (None for a dense architecture)."""
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    only_dense = set(getattr(config, "mlp_only_layers", None) or [])
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    experts = config.num_experts
+    sparse = tuple(i not in only_dense and experts > 0 and (i + 1) % step == 0
+                   for i in range(config.num_hidden_layers))
+    if config.num_experts_per_tok > experts:
+        raise ValueError(f"native engine: num_experts_per_tok={config.num_experts_per_tok} exceeds "
+                         f"num_experts={experts}")
+    shared = config.shared_expert_intermediate_size if arch == "Qwen2MoeForCausalLM" else 0
+    return MoeSpec(num_experts=experts, top_k=config.num_experts_per_tok,
+                   intermediate_size=config.moe_intermediate_size,
+                   norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)),
+                   sparse_layers=sparse, shared_intermediate_size=int(shared or 0))
+
+
+@dataclass
+class MoeWeights:
+    """One mixture-of-experts layer's tensors (plain: the experts are not prepacked)."""
+
+    router: torch.Tensor  # [E, H]
+    gate_up: torch.Tensor  # [E, 2I, H]: gate rows then up rows, as transformers fuses them
+    down: torch.Tensor  # [E, H, I]
+    shared_gate_up: torch.Tensor | None = None  # [2S, H]
+    shared_down: torch.Tensor | None = None  # [H, S]
+    shared_gate: torch.Tensor | None = None  # [1, H]
+
+    def matrices(self) -> list[torch.Tensor]:
+        return [t for t in (self.router, self.gate_up, self.down, self.shared_gate_up, self.shared_down,
+                            self.shared_gate) if t is not None]
+
+
+def new_moe_weights(spec: MoeSpec, hidden: int, new: Callable[..., torch.Tensor]) -> MoeWeights:
+    E, I, S = spec.num_experts, spec.intermediate_size, spec.shared_intermediate_size
+    return MoeWeights(
+        router=new(E, hidden), gate_up=new(E, 2 * I, hidden), down=new(E, hidden, I),
+        shared_gate_up=new(2 * S, hidden) if S else None, shared_down=new(hidden, S) if S else None,
+        shared_gate=new(1, hidden) if S else None,
+    )
+
+
+def moe_targets(prefix: str, w: MoeWeights, spec: MoeSpec) -> dict[str, torch.Tensor]:
+    """HF name -> view, for both the fused in-memory names (what a trainer syncs) and the
+    per-expert names of a saved checkpoint. `prefix`: "model.layers.{i}.mlp."."""
+    I, S = spec.intermediate_size, spec.shared_intermediate_size
+    out = {prefix + "gate.weight": w.router,
+           prefix + "experts.gate_up_proj": w.gate_up,
+           prefix + "experts.down_proj": w.down}
+    for e in range(spec.num_experts):
+        out[f"{prefix}experts.{e}.gate_proj.weight"] = w.gate_up[e, :I]
+        out[f"{prefix}experts.{e}.up_proj.weight"] = w.gate_up[e, I:]
+        out[f"{prefix}experts.{e}.down_proj.weight"] = w.down[e]
+    if S:
+        out[prefix + "shared_expert.gate_proj.weight"] = w.shared_gate_up[:S]
+        out[prefix + "shared_expert.up_proj.weight"] = w.shared_gate_up[S:]
+        out[prefix + "shared_expert.down_proj.weight"] = w.shared_down
+        out[prefix + "shared_expert_gate.weight"] = w.shared_gate
+    return out
+
+
+def required_moe_names(prefix: str, spec: MoeSpec) -> set[str]:
+    """The names a checkpoint must cover (either spelling of the experts, see `covers_experts`)."""
+    names = {prefix + "gate.weight", prefix + "experts.gate_up_proj", prefix + "experts.down_proj"}
+    if spec.shared_intermediate_size:
+        names |= {prefix + f"shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")}
+        names.add(prefix + "shared_expert_gate.weight")
+    return names
+
+
+def fold_expert_names(names: set[str], prefix: str, spec: MoeSpec) -> set[str]:
+    """`names` with a complete set of per-expert names counted as the fused names they fill."""
+    per_expert = {f"{prefix}experts.{e}.{p}_proj.weight" for e in range(spec.num_experts) for p in ("gate", "up")}
+    downs = {f"{prefix}experts.{e}.down_proj.weight" for e in range(spec.num_experts)}
+    out = set(names)
+    if per_expert <= names:
+        out.add(prefix + "experts.gate_up_proj")
+    if downs <= names:
+        out.add(prefix + "experts.down_proj")
+    return out
+
+
+def route(x: torch.Tensor, router: torch.Tensor, spec: MoeSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [N, H] -> (weights [N, k] in x's dtype, expert ids [N, k]), as transformers routes."""
+    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+    top, ids = torch.topk(probs, spec.top_k, dim=-1)
+    if spec.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top.to(x.dtype), ids
+
+
+def _grouped(x: torch.Tensor, w_t: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows of x sorted by expert (segment e ends at ends[e]) times w_t[e] [in, out]."""
+    if hasattr(torch, "_grouped_mm"):
+        return torch._grouped_mm(x, w_t, offs=ends.to(torch.int32))
+    out = x.new_empty(x.shape[0], w_t.shape[-1])
+    start = 0
+    for e, end in enumerate(ends.tolist()):  # once per expert, never per token
+        if end > start:
+            torch.mm(x[start:end], w_t[e], out=out[start:end])
+        start = end
+    return out
+
+
+def experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w: MoeWeights,
+                    act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum_j weights[:, j] * expert_{ids[:, j]}(x), for x [N, H]: each projection one grouped
+    matmul over the (token, slot) pairs sorted by expert."""
+    N, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    ends = torch.cumsum(torch.bincount(flat, minlength=w.gate_up.shape[0]), 0)
+    token = order // k
+    h = _grouped(x[token], w.gate_up.transpose(1, 2), ends)
+    gate, up = h.chunk(2, dim=-1)
+    y = _grouped(act(gate) * up, w.down.transpose(1, 2), ends)
+    y = y * weights.reshape(-1)[order, None]
+    return torch.zeros_like(x).index_add_(0, token, y)
+
+
+def moe_block(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, act: Callable[[torch.Tensor], torch.Tensor],
+              routes: list | None = None) -> torch.Tensor:
+    """The mixture-of-experts MLP of x [..., H] (post-norm hidden states) -> [..., H].
+    `routes`: where given, the top-k expert ids [..., k] are appended to it."""
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    weights, ids = route(flat, w.router, spec)
+    if routes is not None:
+        routes.append(ids.view(*shape[:-1], spec.top_k))
+    out = experts_forward(flat, weights, ids, w, act)
+    if w.shared_gate_up is not None:
+        gate, up = F.linear(flat, w.shared_gate_up).chunk(2, dim=-1)
+        shared = F.linear(act(gate) * up, w.shared_down)
+        out = out + torch.sigmoid(F.linear(flat, w.shared_gate)) * shared
+    return out.view(shape)

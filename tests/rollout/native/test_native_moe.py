@@ -1,0 +1,106 @@
+"""Mixture-of-experts models in the native engine (moe.py; docs/moe.md): log-probs against a plain
+transformers forward in fp32 through prefill, decode and the prefix cache, per-expert checkpoint
+names and the fused in-memory names alike, and the one-line refusals (an MoE router shape the
+engine does not implement, in the pre-flight before Ray; batch-invariant mode)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_models import MOE_ARCHS, build_moe_model
+from polyrl.rollout.base import SamplingParams
+from polyrl.rollout.native.engine import NativeEngine
+from polyrl.rollout.native.loader import spec_from_config
+
+PROMPTS = [[5, 17, 33, 2, 90, 64, 7], [40, 41], [3, 9, 27, 81, 115]]
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for arch in MOE_ARCHS:
+        path = build_moe_model(tmp_path_factory.mktemp(arch), arch)
+        out[arch] = (path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+    return out
+
+
+def hf_logprobs(model, prompt, tokens) -> torch.Tensor:
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt + tokens])).logits[0].float(), -1)
+    return logp[len(prompt) - 1 : -1].gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_logprobs_match_transformers_from_disk_and_from_memory(moe_models, arch):
+    path, model = moe_models[arch]
+    spec = spec_from_config(model.config)
+    assert spec.moe.sparse_layers == (True, False, True) and spec.moe.top_k == 2
+    assert (spec.moe.shared_intermediate_size > 0) == (arch == "qwen2_moe")
+    # per-expert names on disk, fused names (what a trainer syncs) in memory
+    for engine in (NativeEngine(path, max_model_len=64), NativeEngine.from_model(model, max_model_len=64)):
+        outs = engine.generate_batch(PROMPTS, SamplingParams(n=2, max_tokens=12, seed=3, ignore_eos=True))
+        for prompt, samples in zip(PROMPTS, outs):
+            for out in samples:
+                gap = (torch.tensor(out.logprobs) - hf_logprobs(model, prompt, out.token_ids)).abs().max()
+                assert gap.item() <= 1e-5
+
+
+def test_prefix_cache_turn_matches_transformers(moe_models):
+    path, model = moe_models["qwen3_moe"]
+    engine = NativeEngine(path, max_model_len=96, prefix_cache_tokens=1024)
+    sampling = SamplingParams(max_tokens=8, seed=1, ignore_eos=True)
+    first = engine.generate_batch([PROMPTS[0]], sampling)[0][0]
+    turn2 = PROMPTS[0] + first.token_ids + [50, 51, 52]
+    second = engine.generate_batch([turn2], sampling)[0][0]
+    assert engine.stats["prefix_reused_tokens"] == len(PROMPTS[0]) + len(first.token_ids) - 1
+    gap = (torch.tensor(second.logprobs) - hf_logprobs(model, turn2, second.token_ids)).abs().max()
+    assert gap.item() <= 1e-5
+
+
+def test_bf16_logprobs_close(moe_models):
+    path, model = moe_models["qwen3_moe"]
+    engine = NativeEngine(path, dtype="bfloat16", max_model_len=64)
+    out = engine.generate_batch([PROMPTS[0]], SamplingParams(max_tokens=10, seed=2, ignore_eos=True))[0][0]
+    gap = (torch.tensor(out.logprobs) - hf_logprobs(model, PROMPTS[0], out.token_ids)).abs().max()
+    assert gap.item() < 0.25  # bf16 rounding (a flipped top-k moves a token further than in a dense model)
+
+
+def test_missing_expert_is_named(moe_models):
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    path, model = moe_models["qwen3_moe"]
+    state = load_file(str(Path(path) / "model.safetensors"))
+    del state["model.layers.2.mlp.experts.4.up_proj.weight"]
+    with pytest.raises(ValueError, match="model.layers.2.mlp.experts.gate_up_proj"):
+        NativeEngine.from_model(state, model.config, max_model_len=64)
+
+
+def test_batch_invariant_refused_in_one_line(moe_models):
+    path, _ = moe_models["qwen3_moe"]
+    with pytest.raises(ValueError, match="set rollout.batch_invariant=false") as err:
+        NativeEngine(path, max_model_len=64, batch_invariant=True)
+    assert "\n" not in str(err.value)
+
+
+def test_unsupported_moe_is_one_line_before_ray(tmp_path):
+    from transformers import MixtralConfig
+
+    from polyrl.config import ConfigError, load_config
+    from polyrl.job import JobConfig
+    from polyrl.trainer.preflight import check_rollout_engine
+
+    MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, num_local_experts=4).save_pretrained(str(tmp_path))
+    cfg = load_config(JobConfig, overrides=[f"model.path={tmp_path}"])
+    with pytest.raises(ConfigError) as err:
+        check_rollout_engine(cfg)
+    (problem,) = err.value.problems
+    assert "\n" not in problem and "'mixtral'" in problem and "Qwen3MoeForCausalLM" in problem
+    # a supported one passes the same check
+    path = build_moe_model(tmp_path / "ok", "qwen3_moe")
+    check_rollout_engine(load_config(JobConfig, overrides=[f"model.path={path}"]))
