@@ -245,3 +245,18 @@ def image_inputs_for(processor, text: str, images: list) -> tuple[list[int], Any
     if not images:
         return ids, None
     return ids, ImageInputs(enc["pixel_values"].float(), enc["image_grid_thw"].long())
+
+
+def bomb_png(width: int = 20000, height: int = 20000) -> bytes:
+    """A valid, all-black 1-bit PNG of width x height (20000x20000: 400M pixels in 50 kB), built
+    with zlib directly because PIL takes seconds to encode it."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    row = b"\0" * (1 + (width + 7) // 8)  # filter byte 0, then the packed 1-bit pixels
+    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
+            + chunk(b"IDAT", zlib.compress(row * height, 9)) + chunk(b"IEND", b""))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 from pathlib import Path
 
 from polyrl.cli.common import CLIError
@@ -88,21 +89,28 @@ def check_readable(checkpoint: Path, source: Path) -> None:
         raise CLIError(f"CHECKPOINT: {source} is damaged ({damage}); {fix}")
 
 
+def _config_model(checkpoint: Path) -> dict:
+    """The `model` section of the config that wrote the checkpoint ({} when it has none)."""
+    step = checkpoint.parent if checkpoint.name == "policy" else checkpoint
+    config = step / "config.yaml"
+    if not config.is_file():
+        return {}
+    import yaml
+
+    return (yaml.safe_load(config.read_text()) or {}).get("model", {}) or {}
+
+
 def _tokenizer_source(checkpoint: Path, policy: Path) -> str:
     """The policy directory when the checkpoint saved its tokenizer there (PolicyWorker does),
     else the tokenizer of the config that wrote the checkpoint."""
     if (policy / "tokenizer_config.json").is_file():
         return str(policy)
-    config = checkpoint / "config.yaml"
-    if config.is_file():
-        import yaml
-
+    model = _config_model(checkpoint)
+    source = model.get("tokenizer_path") or model.get("path")
+    if source:
         from polyrl.builtin import resolve
 
-        model = (yaml.safe_load(config.read_text()) or {}).get("model", {})
-        source = model.get("tokenizer_path") or model.get("path")
-        if source:
-            return str(resolve(source))
+        return str(resolve(source))
     raise CLIError(f"CHECKPOINT: {checkpoint} holds no tokenizer (policy/tokenizer_config.json) and "
                    "no config.yaml naming model.path; copy the tokenizer files into policy/")
 
@@ -173,10 +181,35 @@ def export(checkpoint: Path, output: Path, dtype: str | None = None, adapter_onl
         write_hf_dir(tmp, _tensors(source), config, generation,
                      dtype=getattr(torch, dtype) if dtype else None)
         tokenizer.save_pretrained(str(tmp))
+        _copy_processor(checkpoint, source, tmp)
     if output.exists():
         output.rmdir()
     tmp.rename(output)
     return output
+
+
+def _copy_processor(checkpoint: Path, policy: Path, out: Path) -> None:
+    """A vision-language model's image processor files (preprocessor_config.json, ...): the
+    policy directory's, else those of the model the run started from (model.path in its
+    config.yaml; checkpoints written before policy/ carried them). Without them the export
+    cannot take images ("has no image processor")."""
+    from polyrl.data.vision import copy_processor_files
+
+    if copy_processor_files(policy, out) or "vision_config" not in (out / "config.json").read_text():
+        return
+    base = _config_model(checkpoint).get("path")
+    if base:
+        from polyrl.builtin import resolve
+
+        try:
+            base_dir = Path(resolve(base)).expanduser()
+        except FileNotFoundError:
+            base_dir = None
+        if base_dir is not None and copy_processor_files(base_dir, out):
+            return
+    print(f"warning: {checkpoint} is a vision-language model but neither its policy/ nor model.path "
+          "holds preprocessor_config.json; copy it into the export from the model's original "
+          "repository before training or serving images with it", file=sys.stderr, flush=True)
 
 
 def _write_adapter(source: Path, out: Path, dtype) -> None:

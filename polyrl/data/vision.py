@@ -39,6 +39,21 @@ IMAGE_PARTS = ("image", "image_url")
 """Content-part types that hold one image (HF chat templates / OpenAI chat)."""
 IMAGE_PAD = "<|image_pad|>"
 """The Qwen2-VL token the chat template writes once per image and the processor expands."""
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+"""A vision-language model directory's processor settings (beside its tokenizer's files): every
+model directory polyrl writes (checkpoint policy/, `polyrl export`) carries the ones it had."""
+
+
+def copy_processor_files(source: str | Path, target: str | Path) -> list[str]:
+    """Copy the PROCESSOR_FILES `source` has into `target`; the names copied (none for a text model)."""
+    import shutil
+
+    copied = []
+    for name in PROCESSOR_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, Path(target) / name)
+            copied.append(name)
+    return copied
 
 
 class ImageRowError(ValueError):
@@ -99,7 +114,11 @@ class VisionPrompter:
         """The image processor's pixel patches and grids of `images` (PIL), None for none."""
         if not images:
             return None
-        out = self.image_processor(images=images, return_tensors="pt")
+        try:
+            out = self.image_processor(images=images, return_tensors="pt")
+        except (ValueError, TypeError) as exc:  # e.g. Qwen2-VL: "absolute aspect ratio must be smaller than 200"
+            sizes = ", ".join(f"{getattr(x, 'width', '?')}x{getattr(x, 'height', '?')}" for x in images)
+            raise ImageRowError(f"the image processor refuses the image(s) ({sizes}): {exc}") from None
         return ImageInputs(out["pixel_values"].float(), out["image_grid_thw"].long())
 
     def expand(self, ids: list[int], inputs: ImageInputs | None,
@@ -167,13 +186,16 @@ def open_image(entry: Any):
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(entry, Image.Image):
-        return entry.convert("RGB")
+        return _eight_bit(entry).convert("RGB")
     if isinstance(entry, dict):
         data, path = entry.get("bytes"), entry.get("path") or entry.get("image")
     elif isinstance(entry, str):
         data, path = None, entry
     else:
         raise ImageRowError(f"an image must be {{'bytes', 'path'}} or a path, got {type(entry).__name__}")
+    if data is None and isinstance(path, str):
+        path = _local_path(path)
+    name = f" {path}" if path else ""
     try:
         if data is not None:
             image = Image.open(io.BytesIO(data))
@@ -181,10 +203,36 @@ def open_image(entry: Any):
             image = Image.open(Path(path).expanduser())
         else:
             raise ImageRowError("an image has neither bytes nor a path")
-        return image.convert("RGB")  # also forces the decode: a truncated file fails here
+        # Image.open read the header only: refuse a decompression bomb before decoding it (PIL
+        # raises past 2x MAX_IMAGE_PIXELS and only warns between 1x and 2x; with warnings as
+        # errors the warning is raised instead, caught below like the error)
+        if image.width * image.height > (Image.MAX_IMAGE_PIXELS or float("inf")):
+            raise Image.DecompressionBombError(
+                f"{image.width}x{image.height} pixels is over PIL's limit of {Image.MAX_IMAGE_PIXELS}")
+        return _eight_bit(image).convert("RGB")  # also forces the decode: a truncated file fails here
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ImageRowError(f"image{name} is too large to decode (a decompression bomb?): {exc}") from None
     except (OSError, UnidentifiedImageError, ValueError) as exc:
-        name = f" {path}" if path else ""
         raise ImageRowError(f"image{name} cannot be read: {type(exc).__name__}: {exc}") from None
+
+
+def _eight_bit(image: Any) -> Any:
+    """`image` with 16-bit (and 32-bit integer or float) grey levels scaled to 8 bits: PIL's own
+    convert("RGB") clips them at 255, which turns most of a 16-bit image white."""
+    mode = image.mode
+    if not (mode.startswith("I") or mode == "F"):
+        return image
+    import numpy as np
+    from PIL import Image
+
+    values = np.nan_to_num(np.asarray(image, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+    if mode.startswith("I;16"):
+        top = 65535.0
+    else:  # "I" or "F": the range the values use (a 0..1 float image, an 8- or 16-bit one)
+        peak = float(values.max()) if values.size else 0.0
+        top = 1.0 if mode == "F" and peak <= 1.0 else 255.0 if peak <= 255 else 65535.0 if peak <= 65535 else peak
+    scaled = np.clip(values, 0.0, top) * (255.0 / top)
+    return Image.fromarray(np.rint(scaled).astype(np.uint8))  # 2-D uint8: mode "L"
 
 
 def with_image_parts(messages: list[dict[str, Any]],
@@ -244,11 +292,18 @@ def _inline_image(part: dict[str, Any]) -> Any:
         value = value["url"]
     if isinstance(value, str) and value.startswith("data:"):
         return {"bytes": _data_url_bytes(value), "path": None}
-    if isinstance(value, str) and value.startswith("file://"):
+    if isinstance(value, str):
+        return _local_path(value)
+    return value
+
+
+def _local_path(value: str) -> str:
+    """A path string or file:// URL as a path; any other URL is refused (nothing is downloaded)."""
+    if value.startswith("file://"):
         return value[len("file://"):]
-    if isinstance(value, str) and "://" in value:
+    if "://" in value:
         raise ImageRowError(f"image {value[:60]} is a remote URL; polyrl reads images from bytes, "
-                            "data URLs or local paths only")
+                            "data URLs or local paths only (download it into the data first)")
     return value
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 from polyrl.batch import split_evenly
 from polyrl.config import to_yaml
 from polyrl.data import PromptLoader
+from polyrl.data.vision import copy_processor_files
 from polyrl.modeling import seed_everything
 from polyrl.platform import get_platform
 from polyrl.sft.config import SFTConfig
@@ -41,10 +41,6 @@ from polyrl.training import vlm
 from polyrl.training.model_loading import load_causal_lm, load_tokenizer, model_dir
 
 logger = logging.getLogger(__name__)
-
-PROCESSOR_CONFIG = "preprocessor_config.json"
-"""A vision-language model's image processor settings, copied into every checkpoint's policy/."""
-
 
 class SFTTrainer:
     def __init__(self, cfg: SFTConfig, rank: int = 0, world_size: int = 1, group: Any = None,
@@ -224,8 +220,7 @@ class SFTTrainer:
             self._barrier()
             if self.rank == 0:
                 self.tokenizer.save_pretrained(str(tmp / "policy"))
-                if (self.model_dir / PROCESSOR_CONFIG).is_file():  # a VLM's policy/ takes images too
-                    shutil.copyfile(self.model_dir / PROCESSOR_CONFIG, tmp / "policy" / PROCESSOR_CONFIG)
+                copy_processor_files(self.model_dir, tmp / "policy")  # a VLM's policy/ takes images too
                 driver = {"step": step, "data": self.loader.state_dict(), "rng": capture_rng(),
                           "initial_val": initial_val,
                           "wall_seconds": time.perf_counter() - self.start_time}

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from polyrl.batch import Ragged, RolloutBatch
+from polyrl.data.vision import copy_processor_files
 from polyrl.distributed.layout import build_groups, group_leader
 from polyrl.distributed.role import RolePlan
 from polyrl.platform import get_platform
@@ -49,7 +50,7 @@ class PolicyWorker:
         self.total_steps = total_steps
         torch.set_num_threads(role.num_threads)
         self.platform = get_platform(cfg.platform)
-        self.device = self.platform.reserved_device()  # from the Ray reservation
+        self.device = self.platform.claim_device()  # the Ray reservation's, made current
         self.version = 0
         self.transport = None  # set by setup(); a shutdown during set-up finds none to close
 
@@ -165,7 +166,7 @@ class PolicyWorker:
             groups = build_groups(role.layout, role.rank, backend=backend, timeout_s=cfg.ray.timeout_s)
             if role.sends_weights:  # the weight-sync group's leader (R5)
                 self.transport = open_transport(role, cfg.weights, group=groups.group("weight_sync"),
-                                                mailbox=mailbox)
+                                                mailbox=mailbox, device=self.device)
             return groups.group("trainer")
         # the policy ranks alone; replicas, if any, join no collective (the object store)
         if role.world_size > 1:
@@ -179,6 +180,7 @@ class PolicyWorker:
     def generate(self, rows: list[Any], sampling: SamplingParams, seeds: list[int] | None = None,
                  group_offset: int = 0) -> RolloutBatch:
         """Samples for data rows (`PromptSample`), single- or multi-turn (generation.py)."""
+        self._release_cached_memory()
         self.rollout_engine.wake_up()
         try:
             return rollout_rows(self.rollout_engine, self.tokenizer, rows, sampling, seeds, group_offset,
@@ -192,6 +194,13 @@ class PolicyWorker:
         engine loaded from distill.teacher for this call (workers/teacher.py)."""
         return teacher_rollout(self.cfg, self.device, self.platform, self.cfg.trainer.seed + 1000 * self.rank,
                                rows, sampling, seeds, group_offset)
+
+    def _release_cached_memory(self) -> None:
+        """Hand the training step's cached allocator blocks back to the device before the
+        colocated engine wakes (`Platform.empty_cache`): freed activations and gradients stay
+        reserved by torch's caching allocator, and a GPU engine mapping its weights and KV cache
+        back in (vLLM, SGLang, TensorRT-LLM wake_up) would otherwise run out of memory."""
+        self.platform.empty_cache()
 
     # --- log-probs and update -------------------------------------------------------------------
     def logprobs(self, batch: RolloutBatch, which: str = "reference") -> Ragged:
@@ -239,6 +248,8 @@ class PolicyWorker:
                 for _ in (self.engine.adapter_tensors() if adapter else self.engine.weight_stream().pieces()):
                     pass
             return {}
+        if self.rollout_engine is not None:  # in place: a sleeping GPU engine wakes its weights for it
+            self._release_cached_memory()
         with torch.no_grad():  # a stream: each tensor is gathered / merged as the transport needs it
             stream = self.engine.adapter_stream() if adapter else self.engine.weight_stream()
             metrics = self.transport.send(stream, self.version).metrics()
@@ -258,6 +269,7 @@ class PolicyWorker:
             self.critic.engine.save(d / "critic")
         if self.rank == 0:
             self.tokenizer.save_pretrained(str(d / "policy"))
+            copy_processor_files(model_dir(self.cfg.model.path), d / "policy")  # a VLM's image processor
         torch.save({"torch_rng": torch.get_rng_state(), "version": self.version, "updates": self.updates},
                    d / f"rank{self.rank}.pt")
 

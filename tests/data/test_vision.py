@@ -15,7 +15,7 @@ import torch
 from polyrl.data import DataConfig, DataFileError, load_dataset
 from polyrl.data.multimodal import ImageInputs
 from cli_runs import train_here  # noqa: F401  (a fixture)
-from tiny_vl import IMAGE_PAD, png_bytes, shape_image, tiny_vl_processor, write_tiny_vl_processor_dir
+from tiny_vl import IMAGE_PAD, bomb_png, png_bytes, shape_image, tiny_vl_processor, write_tiny_vl_processor_dir
 
 GEO3K_SUFFIX = (" You FIRST think about the reasoning process as an internal monologue and then provide "
                 "the final answer. The reasoning process MUST BE enclosed within <think> </think> tags. "
@@ -151,6 +151,56 @@ def test_bad_image_rows_are_skipped_and_named(tmp_path, vl_dir, vl_tokenizer, ca
     assert f"{path} row 1: image cannot be read" in caplog.text
     assert f"{path} row 2: the prompt has 1 image placeholders" in caplog.text and "holds 2 images" in caplog.text
     assert f"{path} row 3: the prompt has 0 image placeholders" in caplog.text
+
+
+def test_huge_odd_and_remote_images_are_bad_rows_named_as_such(tmp_path, vl_dir, vl_tokenizer, caplog):
+    """A decompression bomb, a 20000x1 strip the image processor refuses and a remote URL in the
+    images column: each is one skipped row, named with its file and row and its own reason."""
+    from PIL import Image
+
+    rows = [geo3k_row(0, [image_entry("red")]),
+            geo3k_row(1, [{"bytes": bomb_png(), "path": None}]),
+            geo3k_row(2, [{"bytes": png_bytes(Image.new("RGB", (20000, 1))), "path": None}]),
+            geo3k_row(3, [{"bytes": None, "path": "https://example.com/a.png"}]),
+            geo3k_row(4, [{"bytes": bomb_png(10000, 10000), "path": None}]),  # PIL only warns here
+            geo3k_row(5, [image_entry("green")])]
+    path = write_parquet(tmp_path / "odd.parquet", rows)
+    with caplog.at_level(logging.WARNING, logger="polyrl.data"):
+        ds = load_dataset([str(path)], vl_tokenizer, DataConfig(on_bad_row="skip"), model_dir=vl_dir)
+    assert [s.index for s in ds] == [0, 5] and ds.num_bad_rows == 4
+    assert f"{path} row 1: image is too large to decode" in caplog.text
+    assert f"{path} row 2: the image processor refuses the image(s) (20000x1)" in caplog.text
+    assert f"{path} row 3: image https://example.com/a.png is a remote URL" in caplog.text
+    assert "chat template fails" not in caplog.text
+    # with warnings as errors, PIL's warning between 1x and 2x its limit is the same bad row
+    import warnings
+
+    from polyrl.data.vision import ImageRowError, open_image
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ImageRowError, match="too large to decode"):
+            open_image({"bytes": bomb_png(10000, 10000), "path": None})
+
+
+def test_16_bit_images_are_scaled_to_8_bits(tmp_path):
+    """PIL's own convert("RGB") clips 16-bit grey at 255; open_image scales it (and 32-bit / float grey)."""
+    import numpy as np
+    from PIL import Image
+
+    from polyrl.data.vision import open_image
+
+    ramp = np.linspace(0, 65535, 64 * 64).reshape(64, 64).astype(np.uint16)
+    Image.fromarray(ramp).save(tmp_path / "g16.png")
+    want = np.rint(ramp / 257.0).astype(np.uint8)
+    for entry in [str(tmp_path / "g16.png"), {"bytes": (tmp_path / "g16.png").read_bytes(), "path": None},
+                  Image.fromarray(ramp.astype(np.int32)), Image.fromarray(ramp.astype(np.float32) / 65535)]:
+        pixels = np.asarray(open_image(entry))
+        assert pixels.shape == (64, 64, 3)
+        assert np.abs(pixels[..., 0].astype(int) - want).max() <= 1, entry
+    # 8-bit content in a 32-bit image keeps its values
+    small = np.arange(256, dtype=np.int32).reshape(16, 16)
+    assert np.array_equal(np.asarray(open_image(Image.fromarray(small)))[..., 0], small)
 
 
 def test_bad_image_row_is_an_error_naming_file_and_row(tmp_path, vl_dir, vl_tokenizer):

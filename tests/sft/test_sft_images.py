@@ -18,7 +18,7 @@ from polyrl.sft.data import load_sft_dataset
 from polyrl.sft.step import evaluate
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from tiny_vl import IMAGE_PAD, build_tiny_vl, tiny_vl_processor  # noqa: E402
+from tiny_vl import IMAGE_PAD, bomb_png, build_tiny_vl, png_bytes, tiny_vl_processor  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +131,32 @@ def test_bad_image_chats_are_bad_rows(tmp_path, chats, vl_dir, vl_tokenizer):
     assert len(ds) == 1 and ds.bad_rows == 2
     write_parquet([good, two_images], path)
     with pytest.raises(DataFileError, match=rf"{path} row 1: the prompt has 1 image placeholders .* holds 2"):
+        load(path, vl_tokenizer, vl_dir, on_bad_row="error")
+
+
+def test_a_bomb_a_strip_and_a_remote_image_are_each_one_skipped_chat(tmp_path, chats, vl_dir, vl_tokenizer,
+                                                                      caplog):
+    """One decompression bomb (400M pixels), one 20000x1 image (the processor refuses its aspect
+    ratio) and one remote URL among good chats: three bad rows, each named, and the run goes on."""
+    import logging
+
+    from PIL import Image
+
+    rows, _ = chats
+    good = rows[0]
+    bomb = {**good, "images": [{"bytes": bomb_png(), "path": None}]}
+    strip = {**good, "images": [{"bytes": png_bytes(Image.new("RGB", (20000, 1))), "path": None}]}
+    remote = {**good, "images": [{"bytes": None, "path": "http://example.com/a.png"}]}
+    path = tmp_path / "odd.parquet"
+    write_parquet([*rows, bomb, strip, remote], path)
+    with caplog.at_level(logging.WARNING, logger="polyrl"):
+        ds = load(path, vl_tokenizer, vl_dir, on_bad_row="skip")
+    n = len(rows)
+    assert len(ds) == n and ds.bad_rows == 3
+    assert f"{path} row {n}: image is too large to decode" in caplog.text
+    assert f"{path} row {n + 1}: the image processor refuses the image(s) (20000x1)" in caplog.text
+    assert f"{path} row {n + 2}: image http://example.com/a.png is a remote URL" in caplog.text
+    with pytest.raises(DataFileError, match=rf"{path} row {n}: image is too large"):
         load(path, vl_tokenizer, vl_dir, on_bad_row="error")
 
 

@@ -19,7 +19,7 @@ from polyrl.rollout.native.engine import NativeEngine
 from polyrl.rollout.server import HTTPServer, build_app
 from polyrl.rollout.server.openai_images import LOCAL_MEDIA_REFUSED
 from test_serve_cli import _read_url
-from tiny_vl import png_bytes, shape_image
+from tiny_vl import bomb_png, png_bytes, shape_image
 
 MODEL = "tiny-vl"
 REFUSED = f"messages: {LOCAL_MEDIA_REFUSED}"  # the field, then the one message
@@ -107,8 +107,7 @@ def test_an_allowed_directory_serves_its_files_and_nothing_outside(engine, media
 def test_a_decompression_bomb_is_a_400_and_the_server_goes_on(engine):
     from PIL import Image
 
-    bomb = Image.new("1", (20000, 20000))  # 400M pixels, a 50 kB PNG
-    data = "data:image/png;base64," + base64.b64encode(png_bytes(bomb)).decode()
+    data = "data:image/png;base64," + base64.b64encode(bomb_png()).decode()  # 400M pixels in 50 kB
     server, client = _client(build_app(engine, MODEL))
     try:
         assert "too large to decode" in _refusal(client, data)
