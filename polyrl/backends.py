@@ -66,6 +66,12 @@ class EngineCapabilities:
     """Has the trainer's batch-invariant forward (rollout.batch_invariant=true)."""
     images: bool = False
     """Serves image prompts of a vision-language model (`images=` of generate; docs/vision.md)."""
+    since: tuple[tuple[str, str], ...] = ()
+    """Version floors: (capability, the lowest engine package version that serves it), for a
+    capability that needs a newer engine than the backend's supported range starts at (a dict
+    is accepted). Pre-flight, the engine factory and `polyrl doctor` refuse the capability below
+    its floor (`feature_version_problem`); the contract tests check the names it needs at the
+    floor (`EngineUse.feature`). Absent: the whole supported range serves it."""
 
     def __post_init__(self):
         dtypes = frozenset(self.trainer_logprob_dtypes)
@@ -73,6 +79,18 @@ class EngineCapabilities:
             raise ValueError(f"EngineCapabilities.trainer_logprob_dtypes: {sorted(dtypes - DTYPE_NAMES)} "
                              f"not among {sorted(DTYPE_NAMES)}")
         object.__setattr__(self, "trainer_logprob_dtypes", dtypes)  # a list or set is accepted
+        since = tuple(sorted(dict(self.since).items()))
+        flags = {f.name for f in dataclasses.fields(self) if f.type in (bool, "bool")}
+        for capability, floor in since:
+            if capability not in flags:
+                raise ValueError(f"EngineCapabilities.since: {capability!r} is not a capability "
+                                 f"({', '.join(sorted(flags))})")
+            _release(floor, f"EngineCapabilities.since[{capability!r}]")
+        object.__setattr__(self, "since", since)
+
+    def minimum_version(self, capability: str) -> str | None:
+        """The lowest engine version that serves `capability` (None: any supported one)."""
+        return dict(self.since).get(capability)
 
     def logprobs_match_trainer(self, rollout_dtype: str, param_dtype: str, compute_dtype: str) -> bool:
         """Whether the engine's log-probs equal the trainer's for these dtypes: all three the
@@ -82,7 +100,18 @@ class EngineCapabilities:
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["trainer_logprob_dtypes"] = sorted(self.trainer_logprob_dtypes)
+        out["since"] = dict(self.since)
         return out
+
+
+def _release(version: str, what: str) -> Any:
+    """`version` as a packaging Version of its release (a local or dev build counts as it)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(Version(version).base_version)
+    except InvalidVersion:
+        raise ValueError(f"{what}: {version!r} is not a version") from None
 
 
 @dataclass(frozen=True)
@@ -253,9 +282,18 @@ register_backend("native", "polyrl.rollout.native.engine:NativeEngine", capabili
     sleep=True, trainer_logprob_dtypes=frozenset({"float32"}), partial_rollout=True, batch_invariant=True,
     images=True))
 _GPU_ENGINE = EngineCapabilities(tensor_parallel=True, sleep=True, partial_rollout=True, fp8=True)
+VLLM_FP8_RELOAD_SINCE = "0.16.0"
+"""vLLM's own layerwise weight reload (`model_loader.reload`), which FP8 updates go through:
+before it, FP8 post-processing (0.10.1's `Fp8LinearMethod`) replaces each weight with a plain
+parameter without a weight loader, and the next load asserts."""
+VLLM_IMAGES_SINCE = "0.17.0"
+"""`AsyncLLM.generate` takes an already-processed multimodal input (the trainer's ids and pixels
+unchanged); `MultiModalKwargsItems` is new in 0.10.2, `MultiModalFieldConfig.batched(
+keep_on_cpu=)` in 0.13."""
 register_backend("vllm", "polyrl.rollout.engines.vllm:VLLMEngine", package="vllm", extra="vllm",
                  engine_processes=True, supported=">=0.10.1,<0.34",
-                 capabilities=dataclasses.replace(_GPU_ENGINE, lora_adapters=True, images=True))
+                 capabilities=dataclasses.replace(_GPU_ENGINE, lora_adapters=True, images=True, since={
+                     "fp8": VLLM_FP8_RELOAD_SINCE, "images": VLLM_IMAGES_SINCE}))
 register_backend("sglang", "polyrl.rollout.engines.sglang:SGLangEngine", package="sglang",
                  extra="sglang", engine_processes=True, supported=">=0.5.6,<0.6", capabilities=_GPU_ENGINE)
 register_backend("trtllm", "polyrl.rollout.engines.trtllm:TRTLLMEngine", package="tensorrt_llm",
@@ -377,6 +415,38 @@ def version_problem(name: str, installed: str | None) -> str | None:
             f"({dist}{backend.supported}): pip install \"{dist}{backend.supported}\"")
 
 
+def feature_version_problem(name: str, capability: str, installed: str | None,
+                            setting: str | None = None) -> str | None:
+    """One line naming the fix when backend `name`'s engine at version `installed` is below the
+    floor its capabilities declare for `capability` (`EngineCapabilities.since`); None when it
+    is at or above it, or either is unknown. `setting`: what asks for it (a config key)."""
+    from packaging.specifiers import SpecifierSet
+
+    backend = ROLLOUT_BACKENDS.get(name)
+    floor = backend.capabilities.minimum_version(capability)
+    if floor is None or installed is None:
+        return None
+    try:
+        release = _release(installed, "installed")
+    except ValueError:
+        return None
+    if release >= _release(floor, capability):
+        return None
+    dist = backend.distribution or backend.package or name
+    upper = [str(s) for s in SpecifierSet(backend.supported or "") if s.operator in ("<", "<=")]
+    pin = ",".join([f">={floor}", *upper])
+    return (f"{setting or capability}: rollout.backend={name} serves {capability} from {dist} {floor} on, "
+            f"{installed} is installed: pip install \"{dist}{pin}\"")
+
+
+def features_below_floor(name: str, installed: str | None) -> list[tuple[str, str]]:
+    """(capability, floor) of every capability backend `name` declares that `installed` is
+    below the floor of (for `polyrl doctor`)."""
+    caps = ROLLOUT_BACKENDS.get(name).capabilities
+    return [(c, floor) for c, floor in caps.since
+            if getattr(caps, c) and feature_version_problem(name, c, installed)]
+
+
 def check_engine_version(name: str, installed: str | None = None) -> None:
     """Raise ValueError (one line, naming the pip command) when the installed engine of backend
     `name` is outside its supported range. `installed`: the version to judge (default: the
@@ -402,6 +472,9 @@ class EngineUse:
     target: str
     keywords: tuple[str, ...] = ()
     versions: str = ""
+    feature: str = ""
+    """The capability this use serves when it has a version floor (`EngineCapabilities.since`):
+    its `versions` are then ">=floor", and the contract tests check it at the floor."""
 
 
 SGLANG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "stop",
@@ -454,6 +527,20 @@ ENGINE_CONTRACTS: dict[str, tuple[EngineUse, ...]] = {
         EngineUse("vllm.v1.engine.async_llm:AsyncLLM.shutdown"),
         EngineUse("vllm.lora.request:LoRARequest", ("lora_name", "lora_int_id", "lora_path")),
         EngineUse("vllm.model_executor.model_loader.utils:process_weights_after_loading"),
+        # FP8 updates go through vLLM's own layerwise reload (engines/vllm_worker.py)
+        EngineUse("vllm.model_executor.model_loader.reload:initialize_layerwise_reload",
+                  versions=f">={VLLM_FP8_RELOAD_SINCE}", feature="fp8"),
+        EngineUse("vllm.model_executor.model_loader.reload:finalize_layerwise_reload",
+                  versions=f">={VLLM_FP8_RELOAD_SINCE}", feature="fp8"),
+        # image prompts as an already-processed multimodal input (engines/vllm.py:vllm_image_prompt)
+        EngineUse("vllm.multimodal.inputs:MultiModalKwargsItems.from_hf_inputs",
+                  versions=f">={VLLM_IMAGES_SINCE}", feature="images"),
+        EngineUse("vllm.multimodal.inputs:MultiModalFieldConfig.batched", ("keep_on_cpu",),
+                  versions=f">={VLLM_IMAGES_SINCE}", feature="images"),
+        EngineUse("vllm.multimodal.inputs:MultiModalFieldConfig.flat_from_sizes",
+                  versions=f">={VLLM_IMAGES_SINCE}", feature="images"),
+        EngineUse("vllm.multimodal.inputs:PlaceholderRange", ("offset", "length"),
+                  versions=f">={VLLM_IMAGES_SINCE}", feature="images"),
     ),
     "sglang": (
         EngineUse("sglang:Engine"),

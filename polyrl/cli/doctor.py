@@ -14,6 +14,7 @@ from polyrl.backends import (
     ROLLOUT_BACKENDS,
     BackendError,
     EngineCapabilities,
+    features_below_floor,
     is_import_path,
     version_problem,
 )
@@ -104,6 +105,13 @@ def capability_findings(versions: Mapping[str, str | None], backend: str) -> lis
         if spec.package is not None and not versions.get(spec.package):
             continue  # not installed: its package line says so
         found.append(Finding("info", f"{name} engine", describe_capabilities(spec.capabilities)))
+        installed = versions.get(spec.package) if spec.package else None
+        below = features_below_floor(name, installed)
+        if below:
+            lacking = ", ".join(f"{c} (needs >={floor})" for c, floor in below)
+            found.append(Finding("warn", f"{name} engine",
+                                 f"{spec.distribution or spec.package} {installed} is below the version floor of: "
+                                 f"{lacking}; runs asking for them are refused"))
     return found
 
 

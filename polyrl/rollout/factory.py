@@ -19,6 +19,7 @@ from polyrl.backends import (
     PACKAGED_BACKENDS,
     ROLLOUT_BACKENDS,
     BackendError,
+    feature_version_problem,
     installed_engine_version,
     version_problem,
 )
@@ -55,6 +56,17 @@ def require_backend(backend: str) -> None:
                 f"rollout.backend={backend} needs the {module} package: pip install \"polyrl[{extra}]\""
             )
         problem = version_problem(backend, installed_version(backend))
+        if problem:
+            raise EngineUnavailable(problem)
+
+
+def check_engine_features(cfg: RolloutConfig) -> None:
+    """One line (EngineUnavailable) when the run asks its engine for a capability the installed
+    version is below the floor of (`EngineCapabilities.since`, polyrl/backends.py): FP8 weight
+    updates here; image prompts are judged by the pre-flight, which sees the data."""
+    if cfg.quantization == "fp8":
+        problem = feature_version_problem(cfg.backend, "fp8", installed_version(cfg.backend),
+                                          "rollout.quantization=fp8")
         if problem:
             raise EngineUnavailable(problem)
 
@@ -100,6 +112,7 @@ def build_colocated_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer
     sharded), from dummy weights overwritten by that stream: every trainer rank loads its own
     engine at once, as the stream's gathers are collectives."""
     require_backend(cfg.backend)
+    check_engine_features(cfg)
     engine_cls = ROLLOUT_ENGINES.get(cfg.backend)
     if _is_gpu_adapter(engine_cls):
         model_path = getattr(getattr(model, "config", None), "_name_or_path", "")
@@ -130,6 +143,7 @@ def build_standalone_engine(cfg: RolloutConfig, model_path: str, device: torch.d
     every layer shares, so `model.trust_remote_code` / `model.tokenizer_path` hold for replicas
     as they do for the trainer."""
     require_backend(cfg.backend)
+    check_engine_features(cfg)
     from polyrl.builtin import resolve
     from polyrl.modeling import load_tokenizer
 
@@ -151,6 +165,7 @@ def check_engine_launch(cfg: RolloutConfig, model_path: str, platform: Platform 
     from polyrl.rollout.launch_args import check_replica_layout
 
     require_backend(cfg.backend)
+    check_engine_features(cfg)
     check_replica_layout(cfg)
     engine_args(cfg, str(resolve(model_path)), platform)
     if cfg.backend == "native":  # an architecture it does not run (a mixture-of-experts router shape)

@@ -351,6 +351,13 @@ def check_vision(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any
         raise ConfigError([f"rollout.backend={cfg.rollout.backend}: the engine declares no images (image "
                            "prompts of a vision-language model); the native and vllm engines serve them "
                            "(docs/vision.md)"])
+    if has_images:  # below the engine's declared floor for images (polyrl/backends.py)
+        from polyrl.backends import feature_version_problem, installed_engine_version
+
+        problem = feature_version_problem(cfg.rollout.backend, "images",
+                                          installed_engine_version(cfg.rollout.backend), "image prompts")
+        if problem:
+            raise ConfigError([problem])
     if has_images and cfg.agent.enabled:
         raise ConfigError(["agent: multi-turn rollouts of image prompts are not supported yet "
                            "(docs/vision.md); leave agent off for vision-language data"])

@@ -279,6 +279,11 @@ class VLLMEngine(AsyncEngineAdapter):
             args.pop("enable_sleep_mode")
         self.image_spec = image_spec(self.model_path)
         """(image_token_id, spatial_merge_size) of a vision-language model, else None."""
+        from polyrl.backends import feature_version_problem, installed_engine_version
+
+        self.images_problem = feature_version_problem("vllm", "images", installed_engine_version("vllm"),
+                                                      "images")
+        """One line when this vLLM is below the version floor for image prompts, else None."""
         if self.image_spec is not None:
             args.update(image_launch_args(args, AsyncEngineArgs))
 
@@ -300,6 +305,8 @@ class VLLMEngine(AsyncEngineAdapter):
                 raise RolloutInputError("images", "prompt_ids hold image placeholder tokens but no images "
                                         "were given")
             return None
+        if self.images_problem:  # below the floor polyrl/backends.py declares for images
+            raise RolloutInputError("images", self.images_problem)
         image_placeholder_ranges(prompt, images, token, merge)
         return images
 

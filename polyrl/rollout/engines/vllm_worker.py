@@ -128,12 +128,46 @@ def wrappers_skipped(model: torch.nn.Module) -> Iterator[int]:
             vars(module).pop("quant_method", None)
 
 
+def layerwise_reload_api() -> tuple[Any, Any] | None:
+    """(initialize_layerwise_reload, finalize_layerwise_reload) of this vLLM (>= 0.16), else None."""
+    try:
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+    except ImportError:
+        return None
+    return initialize_layerwise_reload, finalize_layerwise_reload
+
+
 class PolyrlWorkerExtension:
     def polyrl_begin_update(self, fp8: bool) -> None:
-        """Start a version: FP8 rollout quantizes every bucket here (the receiving side)."""
+        """Start a version: FP8 rollout quantizes every bucket here (the receiving side).
+
+        FP8 goes through vLLM's own reload, as its workers' `reload_weights` / `update_weights`
+        do it: `initialize_layerwise_reload` puts back the checkpoint-format parameters and
+        their weight loaders (FP8 post-processing replaced them with kernel-format ones), each
+        layer is processed as its last weight arrives, `finalize_layerwise_reload` processes the
+        rest. A vLLM without it (< VLLM_FP8_RELOAD_SINCE) would assert in its weight loaders at
+        the first FP8 update: refused here in one line (pre-flight refuses it first)."""
         self._polyrl_fp8 = bool(fp8)
         self._polyrl_loaded = 0
+        self._polyrl_layerwise = None
+        if self._polyrl_fp8:
+            api = self._polyrl_reload_api()
+            if api is None:
+                from polyrl.backends import VLLM_FP8_RELOAD_SINCE
+
+                raise RuntimeError(f"rollout.quantization=fp8: this vLLM has no layerwise weight reload, "
+                                   f"which FP8 weight updates need: pip install \"vllm>={VLLM_FP8_RELOAD_SINCE}\"")
+            with torch.device(self.device):
+                api[0](self.model_runner.model)
+            self._polyrl_layerwise = api
+            return
         restore_packed_linear_weights(self.model_runner.model)
+
+    def _polyrl_reload_api(self) -> tuple[Any, Any] | None:
+        return layerwise_reload_api()
 
     def polyrl_load_bucket(self, named: list[tuple[str, Any]]) -> int:
         """Load one bucket of HF-named tensors (as `encode_tensor` sent them) into the worker's
@@ -143,16 +177,24 @@ class PolyrlWorkerExtension:
             from polyrl.weights.fp8 import quantize_named_tensors
 
             weights = list(quantize_named_tensors(weights))
-        self.model_runner.model.load_weights(weights=weights)
+        # a layerwise reload materializes each finished layer on the current default device
+        with torch.device(self.device) if getattr(self, "_polyrl_layerwise", None) else contextlib.nullcontext():
+            self.model_runner.model.load_weights(weights=weights)
         self._polyrl_loaded = getattr(self, "_polyrl_loaded", 0) + len(weights)
         return len(weights)
 
     def polyrl_finish_update(self, version: int) -> int:
         """Post-process the loaded weights (FP8 layers repack here); returns tensors loaded."""
-        from vllm.model_executor.model_loader.utils import process_weights_after_loading
-
         model = self.model_runner.model
-        with wrappers_skipped(model):  # enable_lora: each layer once (see wrappers_skipped)
-            process_weights_after_loading(model, self.model_config, self.device)
+        layerwise = getattr(self, "_polyrl_layerwise", None)
+        if layerwise is not None:
+            with torch.device(self.device):
+                layerwise[1](model, self.model_config)
+            self._polyrl_layerwise = None
+        else:
+            from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+            with wrappers_skipped(model):  # enable_lora: each layer once (see wrappers_skipped)
+                process_weights_after_loading(model, self.model_config, self.device)
         self._polyrl_version = version
         return getattr(self, "_polyrl_loaded", 0)

