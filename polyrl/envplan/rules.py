@@ -35,6 +35,9 @@ class EnvRule:
     """A PEP 440 specifier the installed (or declared) backend version must satisfy."""
     opt_in: Mapping[str, str] = field(default_factory=dict)
     """Variables the user must set (in their environment or `env:`) to enable the rule."""
+    multi_node_nvlink: bool | None = None
+    """Only where the nodes do (True) or do not (False) have multi-node NVLink
+    (`Platform.multi_node_nvlink`); None: either."""
 
     def applies(self, ctx: "PlanContext", explicit: Mapping[str, str]) -> bool:
         if ctx.role not in self.roles:
@@ -46,6 +49,8 @@ class EnvRule:
         if self.placements is not None and ctx.placement not in self.placements:
             return False
         if self.modes is not None and ctx.mode not in self.modes:
+            return False
+        if self.multi_node_nvlink is not None and ctx.platform.multi_node_nvlink != self.multi_node_nvlink:
             return False
         if self.min_capability is not None:
             cap = ctx.platform.capability
@@ -66,15 +71,34 @@ _GPU = frozenset({"cuda", "rocm", "npu"})
 _ENGINES = ENGINE_PROCESS_BACKENDS  # the GPU engines, from the one backend list (live view)
 
 RULES: tuple[EnvRule, ...] = (
+    # NCCL_CUMEM_ENABLE must be one value in every process of a weight-sync NCCL group (vLLM:
+    # "all processes that interact with vllm workers"): it is the job's, so every role (trainer,
+    # rollout replicas, teachers) inherits the same value, or the user's where they set one.
     EnvRule(
         id="nccl-cumem-off",
         variables={"NCCL_CUMEM_ENABLE": "0"},
-        reason="vLLM weight sync over NCCL can hang or crash with cuMem-based NCCL buffers (RCCL "
-        "on ROCm reads the same variable: verl's ROCm platform inherits the setting); set "
-        "NCCL_CUMEM_ENABLE=1 yourself on systems that need it (GB300) and it is kept",
+        reason="vLLM weight sync over NCCL can hang or crash with cuMem-based NCCL buffers, and "
+        "vLLM sets 0 in its own processes; the trainer and every rollout rank share the weight-sync "
+        "group, so every process gets the same value (RCCL on ROCm reads it too). Set "
+        "NCCL_CUMEM_ENABLE yourself and your value is kept, in every process",
         link="https://github.com/verl-project/verl/pull/7564",
-        roles=frozenset({"rollout"}),
+        roles=frozenset({"job"}),
         platforms=frozenset({"cuda", "rocm"}),
+        placements=frozenset({"standalone"}),
+        multi_node_nvlink=False,
+    ),
+    EnvRule(
+        id="nccl-cumem-mnnvl",
+        variables={"NCCL_CUMEM_ENABLE": "1"},
+        reason="multi-node NVLink (GB200/GB300 NVL72, /dev/nvidia-caps-imex-channels present) "
+        "needs NCCL's cuMem buffers, so vLLM leaves them on there; every process of the "
+        "weight-sync group gets the same explicit 1 (a library that would set 0 when the variable "
+        "is unset keeps it)",
+        link="https://github.com/verl-project/verl/pull/7564",
+        roles=frozenset({"job"}),
+        platforms=frozenset({"cuda"}),
+        placements=frozenset({"standalone"}),
+        multi_node_nvlink=True,
     ),
     EnvRule(
         id="blackwell-nvls-mnnvl-off",

@@ -56,6 +56,12 @@ class Platform:
         return self.probe.capability
 
     @property
+    def multi_node_nvlink(self) -> bool:
+        """Whether the nodes are joined by multi-node NVLink (GB200/GB300 NVL72: NCCL needs its
+        cuMem buffers there, `nccl-cumem-*` rules in polyrl/envplan/rules.py)."""
+        return bool(getattr(self.probe, "multi_node_nvlink", False))
+
+    @property
     def device_name(self) -> str | None:
         return self.probe.device_name
 
@@ -119,8 +125,10 @@ class Platform:
         Ray actor or on a platform without devices."""
         if not self.ray_resource:
             return []
-        import ray
-
+        try:
+            import ray
+        except ImportError:  # ray.enabled=false where Ray is not installed: no actor, no reservation
+            return []
         if not ray.is_initialized():
             return []
         assigned = ray.get_runtime_context().get_accelerator_ids().get(self.ray_resource) or []
@@ -131,6 +139,17 @@ class Platform:
         hard-coded 0 (index 0 only for a process that reserved none, e.g. outside Ray)."""
         indices = self.reserved_devices()
         return self.torch_device(indices[0] if indices else 0)
+
+    def claim_device(self) -> torch.device:
+        """`reserved_device()`, made this process's current device (`set_device`): what a
+        worker calls where it picks its device. An actor that sees more devices than it computes
+        on (a TensorRT-LLM bundle keeps the whole node visible) would otherwise stay on device
+        0, and whatever takes its device from the current one (FSDP2, NCCL communicators,
+        `torch.empty(device="cuda")`) would land there instead of on the rank's own."""
+        device = self.reserved_device()
+        if device.index is not None:
+            self.set_device(device.index)
+        return device
 
     # --- distributed -----------------------------------------------------------------------
     def dist_backend(self) -> str:
@@ -179,3 +198,15 @@ class Platform:
 
     def __repr__(self) -> str:
         return f"<Platform {self.describe()}>"
+
+
+def device_backend(group_backend: str, device_type: str) -> str:
+    """Which backend of a group carries tensors of `device_type`: "nccl" for cuda in a
+    "cpu:gloo,cuda:nccl" group, the backend itself for a one-backend group ("gloo")."""
+    if ":" not in group_backend:
+        return group_backend
+    pairs = dict(part.split(":", 1) for part in group_backend.split(",") if ":" in part)
+    if device_type not in pairs:
+        raise PlatformError(f"a process group of backend {group_backend!r} carries no "
+                            f"{device_type} tensors")
+    return pairs[device_type]

@@ -49,6 +49,14 @@ class HardwareProbe:
     """Vendor tool found on PATH (nvidia-smi / amd-smi / rocm-smi / npu-smi)."""
     smi_device_count: int = 0
     simulated: bool = False
+    multi_node_nvlink: bool = False
+    """IMEX channels present (MULTI_NODE_NVLINK_MARKER): a GB200/GB300 NVL72 rack, whose NCCL
+    needs cuMem buffers for NVLink across nodes."""
+
+
+MULTI_NODE_NVLINK_MARKER = "/dev/nvidia-caps-imex-channels"
+"""The device node multi-node NVLink communicates through (NVL72 racks); its presence is the
+cheap test vLLM's own environment override uses too (NVML would be exact, and slow)."""
 
 
 SIMULATED_PROBES: dict[str, HardwareProbe] = {
@@ -56,9 +64,9 @@ SIMULATED_PROBES: dict[str, HardwareProbe] = {
     "h100": HardwareProbe(torch_cuda="12.8", device_count=8, capability=(9, 0),
                           device_name="NVIDIA H100 80GB HBM3", simulated=True),
     "gb200": HardwareProbe(torch_cuda="12.8", device_count=4, capability=(10, 0),
-                           device_name="NVIDIA GB200", simulated=True),
+                           device_name="NVIDIA GB200", simulated=True, multi_node_nvlink=True),
     "gb300": HardwareProbe(torch_cuda="12.9", device_count=4, capability=(10, 3),
-                           device_name="NVIDIA GB300", simulated=True),
+                           device_name="NVIDIA GB300", simulated=True, multi_node_nvlink=True),
     "mi300x": HardwareProbe(torch_hip="6.3", device_count=8, capability=(9, 4),
                             device_name="AMD Instinct MI300X", simulated=True),
     "ascend910": HardwareProbe(has_torch_npu=True, device_count=8,
@@ -127,7 +135,8 @@ def probe_hardware() -> HardwareProbe:
                 smi_tool, smi_count = tool, _smi_count(tool)
                 if smi_count:
                     break
-    return HardwareProbe(torch_cuda, torch_hip, has_npu, count, capability, name, smi_tool, smi_count)
+    return HardwareProbe(torch_cuda, torch_hip, has_npu, count, capability, name, smi_tool, smi_count,
+                         multi_node_nvlink=os.path.exists(MULTI_NODE_NVLINK_MARKER))
 
 
 @functools.lru_cache(maxsize=1)

@@ -116,7 +116,7 @@ class RewardModelWorker:
         if cfg_.num_devices > 0:
             from polyrl.platform import get_platform
 
-            device = get_platform(platform_name).reserved_device()
+            device = get_platform(platform_name).claim_device()  # made current, too
         self.runner = RewardModelRunner(cfg_, device)
 
     def score(self, pairs: list[tuple[Any, str]]) -> list[float]:

@@ -7,6 +7,10 @@
                two buckets
     commit     [version, buckets, ok]: ok=0 when the sender failed midway, and receivers
                discard what they staged
+
+Buckets are packed and staged on `SyncGroup.device` on both ends (NCCL carries them on a GPU
+platform, gloo on the CPU); the manifest names the sender's device type and a receiver staging
+elsewhere refuses it. Manifest and commit are CPU messages (gloo on every platform).
 """
 
 from __future__ import annotations
@@ -34,8 +38,6 @@ class BackendBroadcast:
         self._scratch: list[torch.Tensor | None] = [None] * IN_FLIGHT
         self._manifest: WeightManifest | None = None
         self._scratch_bytes = 0
-        self._device: torch.device | None = None
-        """Where the last bucket was (an aborted bucket's stand-in goes there too)."""
         self._staging: torch.Tensor | None = None
 
     # --- sender ------------------------------------------------------------------------------
@@ -59,7 +61,8 @@ class BackendBroadcast:
         """At most IN_FLIGHT buckets are alive: bucket b is packed (its tensors pulled from the
         stream) once bucket b - IN_FLIGHT is on the wire, and each bucket, with the tensors it
         holds, is dropped as soon as its broadcast completes."""
-        buckets = bucketing.iter_buckets(manifest, stream, self._scratch_for)
+        device = self.sync.device  # every bucket on it, whatever device each tensor is on
+        buckets = bucketing.iter_buckets(manifest, stream, self._scratch_for, device=device)
         inflight: deque = deque()
         failure: tuple[str, BaseException] | None = None
         for b, spec in enumerate(manifest.buckets):
@@ -71,10 +74,8 @@ class BackendBroadcast:
                     _, flat = next(buckets)
                 except Exception as exc:  # keep the collective sequence aligned, then abort
                     failure = (f"bucket {b}", exc)
-            if flat is None:
-                flat = torch.empty(spec.nbytes, dtype=torch.uint8, device=self._device)
-            else:
-                self._device = flat.device
+            if flat is None:  # the aborted bucket's stand-in: the receivers still expect it
+                flat = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
             inflight.append((dist.broadcast(flat, src=self.sync.src, group=self.sync.group, async_op=True), flat))
             del flat
         while inflight:
@@ -103,6 +104,7 @@ class BackendBroadcast:
             raise WeightSyncError(f"weight sync: the leader sent a {type(msg).__name__}, not a "
                                   "manifest (are both sides on the same polyrl version?)")
         sync.at_version(manifest.version)
+        manifest.check_device(sync.device.type, f"rank {dist.get_rank()}")
         staged = StagedWeights(manifest, staging_views(manifest, self._staging_for(manifest)))
         self._receive_buckets(manifest, staged, deadline)
         staged.apply(engine)

@@ -15,6 +15,13 @@ all-or-nothing guarantee: receivers apply with one `engine.update_weights` once 
 arrived, and a sender that fails midway leaves the previous version serving. Every wait has the
 transfer's deadline; a rank that does not arrive is named with its last heartbeat (watchdog),
 labelled with the version in flight (= the trainer step that produced it).
+
+Both ends are handed the rank's platform device (`device=`, `SyncGroup.device`): the sender packs
+buckets there, receivers stage them there, and the group's backend for that device type carries
+them (NCCL for cuda, gloo for cpu). The data-path offer names the sender's device type and the
+one vote that follows also says whether each receiver stages on it, so a mismatch fails on every
+rank in one line at the first transfer (the vote is a CPU tensor: gloo on every platform)
+instead of hanging until the watchdog.
 """
 
 from __future__ import annotations
@@ -29,13 +36,17 @@ from polyrl.distributed.collectives import broadcast_from_leader
 from polyrl.distributed.watchdog import Watchdog
 from polyrl.weights.backend_broadcast import BackendBroadcast
 from polyrl.weights.base import NamedTensors, TransferStats, WeightSyncError, as_stream
-from polyrl.weights.bucketing import WeightManifest, plan_buckets
+from polyrl.weights.bucketing import WeightManifest, device_mismatch, plan_buckets
 from polyrl.weights.config import WeightSyncConfig
+from polyrl.weights.handoff import shared_memory_possible
 from polyrl.weights.shm import SenderRing, attach
 from polyrl.weights.shm_broadcast import SharedMemoryBroadcast
 from polyrl.weights.sync_group import SyncGroup
 
 CHOOSE_PHASE = "weight sync: choose data path"
+MISMATCH, BACKEND, SHARED_MEMORY = 0, 1, 2
+"""The choose-phase vote, its minimum over the group: a receiver stages on another device type
+than the sender packs on / every byte through the backend / the shared-memory ring."""
 
 
 class BroadcastTransport:
@@ -57,11 +68,11 @@ class BroadcastTransport:
                                   f"{sync.src}); this is rank {dist.get_rank()}: call receive()")
         sync.at_version(version)
         stream = as_stream(named_tensors)
-        manifest = plan_buckets(stream.specs, version, self.config.bucket_bytes)
+        manifest = plan_buckets(stream.specs, version, self.config.bucket_bytes, sync.device.type)
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.config.timeout_s
         if self.path is None:
-            self.path = self._offer(manifest, stream.device, deadline)
+            self.path = self._offer(manifest, deadline)
         failure = self.path.send(manifest, stream, deadline)
         if failure is not None:
             where, exc = failure
@@ -71,32 +82,40 @@ class BroadcastTransport:
         self.last_stats = self._stats(manifest, t0)
         return self.last_stats
 
-    def _offer(self, manifest: WeightManifest, device: torch.device | None, deadline: float):
+    def _offer(self, manifest: WeightManifest, deadline: float):
         """Choose the data path with the receivers: offer a shared-memory ring when it may
-        work, and take it only if every receiver opened it."""
-        ring = self._new_ring(manifest, device)
+        work, and take it only if every receiver opened it; every receiver also checks that it
+        stages on the device type the buckets are packed on."""
+        sync = self.sync
+        ring = self._new_ring(manifest)
         try:
-            broadcast_from_leader({"offer": ring and ring.offer()}, self.sync.group,
+            broadcast_from_leader({"offer": ring and ring.offer(), "device": sync.device.type}, sync.group,
                                   timeout_s=self.config.timeout_s, phase=CHOOSE_PHASE,
-                                  watchdog=self.sync.watchdog)
-            agreed = ring is not None and self.sync.vote(f"{CHOOSE_PHASE}: shared memory", deadline, True)
+                                  watchdog=sync.watchdog)
+            agreed = sync.vote_min(CHOOSE_PHASE, deadline, SHARED_MEMORY if ring is not None else BACKEND)
         except BaseException:
             if ring is not None:
                 ring.close()
             raise
-        if agreed:
+        if agreed == MISMATCH:
+            if ring is not None:
+                ring.close()
+            raise WeightSyncError(f"weight sync: a receiver among ranks {sync.receivers} does not stage "
+                                  f"on {sync.device.type}, where this sender packs the buckets (each "
+                                  "such receiver's error names its device); nothing was sent")
+        if agreed == SHARED_MEMORY:
             ring.connect()  # every receiver has it open: nothing can leak from here on
             return SharedMemoryBroadcast(self.config, self.sync, ring)
         if ring is not None:
             ring.close()
         return BackendBroadcast(self.config, self.sync)
 
-    def _new_ring(self, manifest: WeightManifest, device: torch.device | None) -> SenderRing | None:
+    def _new_ring(self, manifest: WeightManifest) -> SenderRing | None:
         """A segment for the whole stream (direct staging), else a ring; None where shared
-        memory cannot carry these weights (off, device tensors, nobody to send to) or /dev/shm
-        is missing or full."""
+        memory cannot carry these weights (off, packed on a device, nobody to send to) or
+        /dev/shm is missing or full."""
         cfg = self.config
-        on_cpu = device is not None and device.type == "cpu"
+        on_cpu = shared_memory_possible(self.sync.device.type)
         if not cfg.shared_memory or not on_cpu or not manifest.slots or not self.sync.receivers:
             return None
         ring_bytes = cfg.shm_slots * cfg.shm_slot_bytes
@@ -130,18 +149,25 @@ class BroadcastTransport:
         if not isinstance(msg, dict) or "offer" not in msg:
             raise WeightSyncError(f"weight sync: the leader sent a {type(msg).__name__}, not the "
                                   "data-path offer (are both sides on the same polyrl version?)")
-        offer = msg["offer"]
-        if offer is None:
-            return BackendBroadcast(self.config, sync)
-        on_cpu = sync.device is None or sync.device.type == "cpu"
-        ring = attach(offer, sync.receivers.index(dist.get_rank())) if on_cpu else None
+        offer, packed = msg["offer"], msg.get("device", "cpu")
+        staging = sync.device.type
+        on_cpu = shared_memory_possible(staging) and shared_memory_possible(packed)
+        ring = attach(offer, sync.receivers.index(dist.get_rank())) if offer is not None and on_cpu else None
+        mine = MISMATCH if packed != staging else SHARED_MEMORY if ring is not None else BACKEND
         try:
-            agreed = sync.vote(f"{CHOOSE_PHASE}: shared memory", deadline, ring is not None)
+            agreed = sync.vote_min(CHOOSE_PHASE, deadline, mine)
         except BaseException:
             if ring is not None:
                 ring.close()
             raise
-        if agreed:
+        if agreed == MISMATCH:
+            if ring is not None:
+                ring.close()
+            if mine == MISMATCH:
+                raise WeightSyncError(device_mismatch(f"rank {dist.get_rank()}", staging, packed))
+            raise WeightSyncError(f"weight sync: another receiver does not stage on {packed}, where "
+                                  "the sender packs the buckets (its own error names its device)")
+        if agreed == SHARED_MEMORY:
             return SharedMemoryBroadcast(self.config, sync, ring)
         if ring is not None:
             ring.close()

@@ -68,6 +68,15 @@ class WeightManifest:
     slots: tuple[TensorSlot, ...]
     """In stream order: bucket b holds slots[first_slot : first_slot + num_slots]."""
     buckets: tuple[BucketSpec, ...]
+    device_type: str = "cpu"
+    """Where the sender packed the buckets ("cuda": they travel through the group's device
+    backend, NCCL). A receiver staging on another device type would wait in another backend:
+    it refuses the manifest in one line (`check_device`) instead of waiting for the watchdog."""
+
+    def check_device(self, staging: str, where: str = "this rank") -> None:
+        """Raise if a receiver that stages on `staging` cannot take these buckets."""
+        if staging != self.device_type:
+            raise WeightSyncError(device_mismatch(where, staging, self.device_type, self.version))
 
     @property
     def num_tensors(self) -> int:
@@ -113,10 +122,20 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def plan_buckets(specs: Iterable[TensorSpec], version: int, bucket_bytes: int) -> WeightManifest:
-    """The manifest of a stream with these specs: tensors in stream order, a new bucket when the
-    next tensor would pass the budget (a tensor bigger than the budget is alone in its bucket,
-    and so is each row slice of a sliced tensor)."""
+def device_mismatch(where: str, staging: str, packed: str, version: int | None = None) -> str:
+    """The one line both ends of a device mismatch print."""
+    of = "" if version is None else f" of version {version}"
+    return (f"weight sync: {where} stages buckets on {staging} but the sender packs them on "
+            f"{packed}{of}; both ends must hand the transport the same platform device "
+            f"(device=..., see docs/weight_sync.md), or the {packed} broadcasts and the {staging} "
+            "receives never meet")
+
+
+def plan_buckets(specs: Iterable[TensorSpec], version: int, bucket_bytes: int,
+                 device_type: str = "cpu") -> WeightManifest:
+    """The manifest of a stream with these specs, packed on `device_type`: tensors in stream
+    order, a new bucket when the next tensor would pass the budget (a tensor bigger than the
+    budget is alone in its bucket, and so is each row slice of a sliced tensor)."""
     slots: list[TensorSlot] = []
     buckets: list[BucketSpec] = []
     start, fill = 0, 0
@@ -145,7 +164,7 @@ def plan_buckets(specs: Iterable[TensorSpec], version: int, bucket_bytes: int) -
         slots.append(TensorSlot(spec.name, tuple(spec.shape), dtype_name(spec.dtype), len(buckets), offset, n))
         fill = offset + n
     close()
-    return WeightManifest(version, tuple(slots), tuple(buckets))
+    return WeightManifest(version, tuple(slots), tuple(buckets), device_type)
 
 
 def checked(manifest: WeightManifest, stream: Iterable[tuple[str, torch.Tensor]]
@@ -170,21 +189,22 @@ Scratch = Callable[[int, torch.device], torch.Tensor]
 
 
 def iter_buckets(manifest: WeightManifest, stream: Iterable[tuple[str, torch.Tensor]], scratch: Scratch,
-                 zero_copy: bool = True) -> Iterator[tuple[int, torch.Tensor]]:
+                 zero_copy: bool = True, device: torch.device | None = None) -> Iterator[tuple[int, torch.Tensor]]:
     """(b, bucket b as uint8 bytes), packed from `stream` as it arrives: a bucket's tensors are
     pulled only when that bucket is packed, and dropped once copied. With `zero_copy`, a bucket
-    of one contiguous tensor is that tensor's own bytes."""
+    of one contiguous tensor is that tensor's own bytes. `device`: where every bucket is packed
+    (a tensor elsewhere is copied there); None: on its first tensor's device."""
     pairs = checked(manifest, stream)
     for b, spec in enumerate(manifest.buckets):
         if zero_copy and spec.num_slots == 1:
             _, tensor = next(pairs)
-            if tensor.is_contiguous():
+            if tensor.is_contiguous() and (device is None or tensor.device == device):
                 flat = as_bytes(tensor.detach().reshape(-1))
                 del tensor  # not alive while the next one is gathered (only the caller's bytes are)
                 yield b, flat
                 del flat
                 continue
-            out = scratch(b, tensor.device)[: spec.nbytes]
+            out = scratch(b, device or tensor.device)[: spec.nbytes]
             copy_into(out, manifest.slots[spec.first_slot], tensor)
             del tensor
             yield b, out
@@ -194,7 +214,7 @@ def iter_buckets(manifest: WeightManifest, stream: Iterable[tuple[str, torch.Ten
         for _ in range(spec.num_slots):
             slot, tensor = next(pairs)
             if out is None:
-                out = scratch(b, tensor.device)[: spec.nbytes]
+                out = scratch(b, device or tensor.device)[: spec.nbytes]
             copy_into(out, slot, tensor)
             del tensor
         yield b, out

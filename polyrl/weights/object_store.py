@@ -1,10 +1,12 @@
 """Fallback transport through Ray's object store, for when no collective group can be formed
 (replicas added later, mixed backends, debugging).
 
-The sender packs buckets exactly as the broadcast transport does, puts each in the object store
-(raw bytes, so any dtype travels) and publishes (version, manifest, refs) to a `WeightMailbox`
+The sender packs buckets exactly as the broadcast transport does, but always in host memory (the
+object store holds host bytes; the manifest says "cpu"), puts each in the object store (raw
+bytes, so any dtype travels) and publishes (version, manifest, refs) to a `WeightMailbox`
 actor. Receivers wait on the mailbox for a version newer than their engine's, fetch every bucket
-with a deadline and apply all or nothing. The sender owns the objects: if it dies before a
+with a deadline and apply all or nothing: the engine gets host tensors (no process group, no
+device on either end; an engine on a device copies them in). The sender owns the objects: if it dies before a
 receiver has fetched them, the fetch fails and the receiver keeps its previous weights.
 
 With `weights.background_publish` (the default; trainer.mode=async only: in sync mode the
@@ -31,6 +33,10 @@ from polyrl.distributed.waits import RemoteTimeout, gather
 from polyrl.weights.base import NamedTensors, TransferStats, WeightSyncError, as_stream
 from polyrl.weights.bucketing import StagedWeights, WeightManifest, iter_buckets, plan_buckets
 from polyrl.weights.config import WeightSyncConfig
+
+
+HOST = torch.device("cpu")
+"""Where this transport packs and stages on both ends: the object store holds host bytes."""
 
 
 class WeightMailbox:
@@ -118,7 +124,7 @@ class ObjectStoreTransport:
                 return self._scratch
 
             self._put_and_publish(version, manifest, (
-                flat.cpu().numpy() for _, flat in iter_buckets(manifest, stream, scratch)))
+                flat.numpy() for _, flat in iter_buckets(manifest, stream, scratch, device=HOST)))
         stats = TransferStats(self.name, version, manifest.num_tensors, len(manifest.buckets),
                               manifest.total_bytes, time.perf_counter() - t0)
         self.last_stats = stats
@@ -157,6 +163,7 @@ class ObjectStoreTransport:
             raise RemoteTimeout(f"weight sync: wait for a version newer than {current}",
                                 ["weight sender (nothing published)"], timeout)
         version, manifest, refs = found
+        manifest.check_device(HOST.type, "this object-store receiver")
         names = [f"weight bucket {b} of v{version}" for b in range(len(refs))]
         try:
             arrays = gather(refs, names, phase=f"weight sync v{version}: fetch", timeout_s=timeout)

@@ -93,6 +93,7 @@ class SharedMemoryBroadcast:
             raise WeightSyncError(f"weight sync: the leader sent a {type(msg).__name__}, not a "
                                   "manifest (are both sides on the same polyrl version?)")
         self.sync.at_version(manifest.version)
+        manifest.check_device("cpu", "this shared-memory receiver")  # the segment is host memory
         phase = f"weight sync v{manifest.version}"
         self.sync.watchdog.beat(f"{phase}: shared memory")
         self._guard(lambda: self._receive_stream(ring, manifest, msg["ring"], engine, deadline), phase)

@@ -1,6 +1,14 @@
-"""The weight-sync group as a broadcast data path sees it: who sends, who receives, the
-watchdog that names a rank that does not arrive, and the one collective both paths share
-(the all-reduce vote)."""
+"""The weight-sync group as a broadcast data path sees it: who sends, who receives, where bucket
+bytes live on each end, the watchdog that names a rank that does not arrive, and the one
+collective both paths share (the all-reduce vote).
+
+Bucket bytes live on `SyncGroup.device` (the sender packs there, receivers stage there), so the
+backend that carries them is the group's backend for that device type (`wire_backend`: nccl for
+cuda on a `cpu:gloo,cuda:nccl` group). Both ends must name the same device type, or the sender's
+broadcasts go through NCCL while the receivers wait in gloo and nothing arrives until the
+watchdog ends the run; the first transfer checks it (`broadcast.py`, "choose data path"). Control
+tensors (votes, commits) stay on the CPU, the gloo side of every group (`Platform.group_backend`),
+so the ranks meet in them whatever device each stages on and a mismatch fails in one line."""
 
 from __future__ import annotations
 
@@ -11,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from polyrl.distributed.layout import group_leader
+from polyrl.platform.base import device_backend
 from polyrl.distributed.watchdog import CollectiveError, CollectiveTimeout, Watchdog, default_watchdog
 
 
@@ -21,8 +30,9 @@ class SyncGroup:
         """The sender: the group's leader, never a literal rank 0 (R5)."""
         self.members = dist.get_process_group_ranks(group)
         self.receivers = [r for r in self.members if r != self.src]
-        self.device = device
-        """Where receivers stage buckets (the platform's device for device backends)."""
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        """Where this rank packs (the sender) or stages (receivers) bucket bytes: the rank's
+        platform device, given alike on both ends (workers pass theirs); None means the CPU."""
         self._watchdog = watchdog
 
     @property
@@ -39,17 +49,23 @@ class SyncGroup:
         which step it happened in instead of the watchdog's initial step 0."""
         self.watchdog.set_step(version)
 
-    def control(self, t: torch.Tensor) -> torch.Tensor:
-        """Small control tensors live where the backend wants them (the staging device)."""
-        return t if self.device is None else t.to(self.device)
+    @property
+    def wire_backend(self) -> str:
+        """The backend that carries this rank's bucket bytes: the group's for `device`."""
+        return device_backend(str(dist.get_backend(self.group)), self.device.type)
 
-    def vote(self, phase: str, deadline: float, ok: bool) -> bool:
-        """One all-reduce (MIN) over the group: True when every rank says `ok`."""
+    def control(self, t: torch.Tensor) -> torch.Tensor:
+        """Control tensors stay on the CPU (gloo on every platform): ranks whose staging devices
+        differ still meet in them, so the device check can fail instead of hanging."""
+        return t.cpu()
+
+    def vote_min(self, phase: str, deadline: float, value: int) -> int:
+        """One all-reduce (MIN) over the group of each rank's `value`, on the CPU."""
         watch = self.watchdog.watch(self.group, phase=phase, what="weight broadcast",
                                     timeout_s=max(deadline - time.monotonic(), 0.001))
-        flag = self.control(torch.tensor([int(ok)], dtype=torch.int64))
+        flag = self.control(torch.tensor([int(value)], dtype=torch.int64))
         watch.wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True))
-        return bool(int(flag.cpu()[0]))
+        return int(flag[0])
 
     def peer_lost(self, ranks: list[int], timed_out: bool, detail: str, phase: str) -> CollectiveError:
         """The watchdog's error for a side channel (the shared-memory ring) whose peer `ranks`

@@ -40,14 +40,15 @@ from polyrl.workers.generation import rollout_rows
 from polyrl.job import JobConfig
 
 
-CONTEXT = {"in_place": ("engine",), "broadcast": ("group",), "object_store": ("mailbox",)}
+CONTEXT = {"in_place": ("engine",), "broadcast": ("group", "device"), "object_store": ("mailbox",)}
 """What each built-in transport is built with (the rest of what a caller holds is left out)."""
 
 
 def open_transport(role: RolePlan, weights: Any, **context: Any) -> WeightTransport:
     """The transport the plan names, built from the weights section (`WeightSyncConfig`) with
     the plan's transport and publish mode, and the part of `context` it takes: the colocated
-    engine, the weight-sync group or the mailbox actor."""
+    engine, the weight-sync group and the rank's device (where the broadcast packs or stages
+    buckets: both ends pass theirs, docs/weight_sync.md), or the mailbox actor."""
     keys = CONTEXT.get(role.transport)
     taken = context if keys is None else {k: v for k, v in context.items() if k in keys}
     return WEIGHT_TRANSPORTS.get(role.transport)(role.weights_config(weights), **taken)
@@ -94,7 +95,7 @@ class RolloutWorker:
         self.cfg, self.role, self.rank = cfg, role, role.rank
         torch.set_num_threads(role.num_threads)
         self.platform = get_platform(cfg.platform)
-        self.device = self.platform.reserved_device()  # from the Ray reservation
+        self.device = self.platform.claim_device()  # the Ray reservation's, made current
 
     def setup(self, dist_init: str, mailbox: Any = None) -> int:
         cfg, role = self.cfg, self.role
@@ -113,7 +114,8 @@ class RolloutWorker:
         if layout.ranks_per_replica > 1:
             self.sink = ReplicaPush(cfg, self.engine, groups.group("replica"),
                                     (info.local_rank, layout.ranks_per_replica))
-        self.transport = open_transport(role, cfg.weights, group=groups.group("weight_sync"), mailbox=mailbox)
+        self.transport = open_transport(role, cfg.weights, group=groups.group("weight_sync"), mailbox=mailbox,
+                                        device=self.device)
         return self.sink.weight_version
 
     def generate(self, rows: list[Any], sampling: SamplingParams, seeds: list[int] | None = None,

@@ -32,7 +32,7 @@ class StreamingReplica:
         self.cfg, self.role, self.index, self.mailbox = cfg, role, role.index, mailbox
         torch.set_num_threads(role.num_threads)
         self.platform = get_platform(cfg.platform)
-        self.device = self.platform.reserved_device()  # from the Ray reservation
+        self.device = self.platform.claim_device()  # the Ray reservation's, made current
         self.busy_s = 0.0
 
     def setup(self) -> int:

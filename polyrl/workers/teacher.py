@@ -83,7 +83,7 @@ class TeacherWorker:
         self.cfg, self.role = cfg, role
         torch.set_num_threads(role.num_threads)
         self.platform = get_platform(cfg.platform)
-        self.device = self.platform.reserved_device()
+        self.device = self.platform.claim_device()  # the Ray reservation's, made current
         self.engine: TrainingEngine | None = None
 
     def address(self) -> str:

@@ -63,7 +63,7 @@ def test_env_capability_simulation_and_config_env(polyrl_here, tmp_path):
 
 
 def test_env_table_and_bad_flags(polyrl_here):
-    out = polyrl("env", "--platform", "cuda", "--backend", "vllm")
+    out = polyrl("env", "--platform", "cuda", "--backend", "vllm", "--placement", "standalone")
     assert out.returncode == 0
     assert "NCCL_CUMEM_ENABLE" in out.stdout and "rule:nccl-cumem-off" in out.stdout
 

@@ -44,10 +44,12 @@ def expected(hw: str, role: str, backend: str, opt_in: bool, placement: str = "h
         # SGLang must report the unmodified policy's log-probs (the hybrid engine lives in the
         # trainer process)
         out["SGLANG_RETURN_ORIGINAL_LOGPROB"] = ("1", "rule:sglang-original-logprobs")
+    if placement == "standalone" and p.name in ("cuda", "rocm"):
+        # one value in every process of the weight-sync NCCL group (issue 39; RCCL reads it too,
+        # issue 15), and multi-node NVLink (GB200/GB300 NVL72) keeps NCCL's cuMem buffers
+        out["NCCL_CUMEM_ENABLE"] = (("1", "rule:nccl-cumem-mnnvl") if p.multi_node_nvlink
+                                    else ("0", "rule:nccl-cumem-off"))
     if role == "rollout":
-        # RCCL reads NCCL_CUMEM_ENABLE too (issue 15)
-        if p.name in ("cuda", "rocm"):
-            out["NCCL_CUMEM_ENABLE"] = ("0", "rule:nccl-cumem-off")
         # only an engine host that reserves no Ray devices keeps the node's visibility (issue 15)
         if backend in ENGINES and hands_devices:
             for var in NOSET[p.name]:

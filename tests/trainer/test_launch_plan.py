@@ -110,7 +110,8 @@ def test_gb200_nvls_mnnvl_only_with_opt_in(monkeypatch, opt_in):
     rule = {"NCCL_NVLS_ENABLE": ("0", "rule:blackwell-nvls-mnnvl-off"),
             "NCCL_MNNVL_ENABLE": ("0", "rule:blackwell-nvls-mnnvl-off"),
             "TLLM_DISABLE_NVLS_MNNVL": ("1", "user-env")} if opt_in else {}
-    assert env_of(plan.job.env) == {**rule, "TOKENIZERS_PARALLELISM": TOK}
+    cumem = {"NCCL_CUMEM_ENABLE": ("1", "rule:nccl-cumem-mnnvl")}  # NVL72: every process (issue 39)
+    assert env_of(plan.job.env) == {**rule, **cumem, "TOKENIZERS_PARALLELISM": TOK}
     assert [a.name for a in plan.actors] == ["policy rank 0", "rollout replica 0 (rank 1)",
                                              "rollout replica 0 (rank 2)", "rollout replica 1 (rank 3)",
                                              "rollout replica 1 (rank 4)"]
@@ -123,7 +124,7 @@ def test_gb200_nvls_mnnvl_only_with_opt_in(monkeypatch, opt_in):
                 "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": ("1", "placement")
                 } if a.name in bundles else {}
         assert env_of(a.env) == {**{k: v for k, v in rule.items() if k != "TLLM_DISABLE_NVLS_MNNVL"},
-                                 "NCCL_CUMEM_ENABLE": ("0", "rule:nccl-cumem-off"),
+                                 **cumem,
                                  "TOKENIZERS_PARALLELISM": TOK, **host,
                                  **({"TLLM_DISABLE_NVLS_MNNVL": ("1", "user-env")} if opt_in else {})}
         assert a.resources["num_gpus"] == 0.5 and a.bundle_resources["num_gpus"] == 1
@@ -150,6 +151,7 @@ def test_mi300x_rocm_standalone_sglang(monkeypatch):
     plan = plan_launch(cfg, machine("mi300x"), engine_version="0.5.12")
     zero = ("0", "platform-default")  # R3: job-level, ROCm only
     assert env_of(plan.job.env) == {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": zero,
+                                    "NCCL_CUMEM_ENABLE": ("0", "rule:nccl-cumem-off"),  # every process (issue 39)
                                     "TOKENIZERS_PARALLELISM": TOK, "SGLANG_USE_AITER": ("0", "user-env")}
     original = {"SGLANG_RETURN_ORIGINAL_LOGPROB": ("1", "rule:sglang-original-logprobs")}
     assert env_of(plan.actors[0].env) == {**env_of(plan.job.env), **original}
