@@ -98,9 +98,14 @@ def stage_on_device(named: Iterable[tuple[str, torch.Tensor]],
 
 
 def staging_device() -> torch.device | None:
-    """Where host tensors are staged for IPC: this process's current CUDA device, the one the
-    TRT-LLM worker of its bundle uses (None without CUDA)."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    """Where host tensors are staged for IPC: this process's current accelerator device, the
+    one the TRT-LLM worker of its bundle uses (None on a platform without devices)."""
+    from polyrl.platform import current_platform
+
+    platform = current_platform()
+    if platform.device_type == "cpu" or platform.device_count() == 0:
+        return None
+    return platform.torch_device(platform.device_module().current_device())
 
 
 def serialize_handles(piece: list[tuple[str, torch.Tensor]]) -> str:

@@ -11,7 +11,9 @@ Weight update: the tensors are cut into buckets of `update_bucket_mb`, each buck
 worker through `collective_rpc("polyrl_load_bucket")` and into `model.load_weights`; the last RPC
 runs `process_weights_after_loading` and the prefix cache is reset (its KV came from the old
 weights). With `quantization=fp8` the workers quantize each bucket (receiving side) with
-`polyrl.weights.fp8.quantize_named_tensors`. Buckets travel as host bytes plus dtype and shape
+`polyrl.weights.fp8.quantize_named_tensors` and load through vLLM's own layerwise reload
+(`vllm_worker.PolyrlWorkerExtension`), which exists from vLLM 0.16.0: the FP8 floor declared in
+`polyrl/backends.py`, below which FP8 is refused in one line. Buckets travel as host bytes plus dtype and shape
 (`vllm_worker.encode_tensor`): vLLM's RPC serializer does not hand untyped tensor arguments back
 as tensors, and copies through host memory anyway.
 
@@ -25,7 +27,8 @@ caches adapters by id. Full-weight updates still work with LoRA on (the hybrid s
 base weights first): the worker post-processes each layer once, past vLLM's LoRA wrappers
 (`vllm_worker.wrappers_skipped`).
 
-Image prompts (Qwen2-VL / Qwen2.5-VL, issue #31): `images=` takes the prompt's `ImageInputs`
+Image prompts (Qwen2-VL / Qwen2.5-VL, issue #31; vLLM >= 0.17.0, the images floor declared in
+`polyrl/backends.py`, below which an image prompt is refused in one line): `images=` takes the prompt's `ImageInputs`
 (polyrl/data/multimodal.py), whose ids already hold the processor's expanded `<|image_pad|>`
 runs. They go to vLLM as an already-processed multimodal input (`vllm_image_prompt`: the ids
 unchanged, the processor's `pixel_values` / `image_grid_thw` as the model's keyword items, one
