@@ -63,6 +63,10 @@ class LoggingConfig(Config):
 
 
 class RayConfig(Config):
+    enabled: bool = True
+    """false: run the trainer, the policy worker and its engine in this one process, without
+    Ray (one rank, rollout.placement=hybrid, trainer.mode=sync; docs/training.md, "One process,
+    no Ray"): a debugger stops in any of them and nothing is spawned."""
     address: str | None = None
     """Ray cluster to join ("auto" = the cluster started by `ray start`); null starts a local
     Ray instance for this run."""
@@ -162,7 +166,27 @@ class JobConfig(Config):
                 f"actor.mini_batch_size={mini} must divide data.train_batch_size="
                 f"{self.data.train_batch_size} (prompts per optimizer step)")
         self._check_topology()
+        self._check_in_process()
         return self
+
+    def _check_in_process(self) -> None:
+        """ray.enabled=false runs one rank in the calling process: refuse, naming the key, any
+        setting that needs a second process."""
+        if self.ray.enabled:
+            return
+        a, spec = self.actor, self.topology
+        needs = [(a.world_size > 1, f"actor.world_size={a.world_size} needs a process per rank; set actor.world_size=1"),
+                 (not spec.colocated_engine, f"rollout.placement={spec.placement} (the {spec.name} topology) "
+                  "runs the engines in processes of their own; set rollout.placement=hybrid trainer.mode=sync"),
+                 (self.distill.standalone_ranks > 0, "distill.placement=standalone runs the teacher on ranks of "
+                  "its own; set distill.placement=colocated"),
+                 (self.reward.model is not None, "reward.model runs in a reward worker of its own; use a reward "
+                  "function or reward.http"),
+                 (self.ray.address is not None, f"ray.address={self.ray.address} joins a Ray cluster; unset it")]
+        for bad, why in needs:
+            if bad:
+                raise ValueError(f"ray.enabled=false runs the whole run in this one process: {why} "
+                                 "(or set ray.enabled=true)")
 
     def _check_topology(self) -> None:
         """What the selected topology (polyrl/distributed/topologies.py) allows: one check, from the

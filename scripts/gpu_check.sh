@@ -9,6 +9,8 @@
 #
 #   scripts/gpu_check.sh [MODEL_DIR]
 #   scripts/gpu_check.sh --quick [--json PATH]   # torch only, a few minutes (gpu_quick_check.py)
+#   scripts/gpu_check.sh --loop [--device cpu] [--json PATH]   # whole training loops without Ray,
+#                                                # <= 8 minutes on a GPU (gpu_loop.py; CI runs --device cpu)
 #
 # MODEL_DIR: a local Hugging Face decoder directory (e.g. Qwen2.5-0.5B-Instruct). Default: the
 # bundled tiny model, copied to a temp dir with its config converted for older transformers
@@ -31,6 +33,18 @@ cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--quick" ]; then
   shift
   exec "${PYTHON:-python3}" scripts/gpu_quick_check.py "$@"
+fi
+
+# --loop: `polyrl train ray.enabled=false` end to end (the bundled task must be learned; a random
+# ~0.5B Qwen2's rollout and training throughput, MFU, weight-sync time and log-prob gap). Torch
+# and polyrl's pure-Python dependencies only: a device image without them gets the directory
+# scripts/gpu_carry.sh builds (build/gpu_carry, carried with the working tree), put on PYTHONPATH here
+if [ "${1:-}" = "--loop" ]; then
+  shift
+  if [ -d build/gpu_carry ]; then
+    export PYTHONPATH="$PWD/build/gpu_carry${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  exec "${PYTHON:-python3}" scripts/gpu_loop.py "$@"
 fi
 
 TOTAL=${GPU_CHECK_TIMEOUT:-1500}

@@ -15,8 +15,6 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
-import ray
-
 from polyrl.envplan import EnvPlan, PlanContext, build_plan
 from polyrl.platform import Platform
 
@@ -68,6 +66,8 @@ def init_ray(
     If Ray is already initialised in this process (a test session, a notebook), it is reused
     and the plan is applied per actor instead.
     """
+    import ray  # here: the plans above are read where Ray is not installed (ray.enabled=false)
+
     plan = plan_for_role(platform, "job", config_env=config_env, **plan_kwargs)
     if ray.is_initialized():
         return plan
@@ -109,6 +109,8 @@ def keep_signal_handlers() -> Iterator[None]:
     stops the processes it started), and afterwards the caller's handlers are installed again,
     which also replaces the C++ handler. Main thread only: that is where signals are delivered.
     A caller without a SIGTERM handler of its own keeps Ray's (which stops the node's processes)."""
+    import ray
+
     main = threading.current_thread() is threading.main_thread()
     if not main or not callable(signal.getsignal(signal.SIGTERM)):
         yield

@@ -20,18 +20,18 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-import ray
 
 from polyrl.algorithms import select_informative
 from polyrl.batch import RolloutBatch, split_evenly
 from polyrl.distributed.topologies import TopologySpec
 from polyrl.distributed.waits import gather
+from polyrl.envplan.this_process import apply_here, restore
 from polyrl.platform import Platform
 from polyrl.rollout.base import SamplingParams
 from polyrl.rewards.reward_model import use_planned_options
+from polyrl.topology.in_process import LocalActor, is_local, local_gather
 from polyrl.topology.launch_plan import REWARD_ACTOR, ActorPlan, plan_launch
 from polyrl.topology.worker_group import PolicyGroup, Waiter
 from polyrl.training.mesh import ParallelDims
@@ -142,18 +142,26 @@ class Launch:
     options: dict[str, dict[str, Any]]
     placement: Any = None
     """The live placement groups (None without devices)."""
+    in_process: bool = False
+    """ray.enabled=false: the actors are objects of this process (polyrl/topology/in_process.py)."""
+    saved_env: dict[str, str | None] = field(default_factory=dict)
+    """In process: the caller's values of the variables the policy's plan set (None: unset)."""
 
     def of(self, role: str) -> list[ActorPlan]:
         return [a for a in self.actors if a.role == role]
 
     def release(self) -> None:
         use_planned_options(None)
+        restore(self.saved_env)  # the caller's environment back (in process)
+        self.saved_env = {}
         if self.placement is not None:
             self.placement.remove()
             self.placement = None
 
 
 def plan(ctx: TopologyContext) -> Launch:
+    if not ctx.cfg.ray.enabled:
+        return plan_in_process(ctx)
     launch_plan = plan_launch(ctx.cfg, ctx.platform, nodes=_device_nodes(ctx.platform))
     if launch_plan.placement_error:
         raise TrainingError(launch_plan.placement_error)
@@ -170,10 +178,25 @@ def plan(ctx: TopologyContext) -> Launch:
     return Launch(launch_plan.actors, options, live)
 
 
+def plan_in_process(ctx: TopologyContext) -> Launch:
+    """ray.enabled=false: the same plan (JobConfig allows one policy rank and nothing else), no
+    Ray options or placement groups; the policy's planned variables go into this process's
+    environment, as a Ray actor would have been started with them (the caller's values come back
+    at `release`). Variables read only at process start (the allocator's) act only when exported
+    before it: `polyrl env --role trainer` prints them."""
+    launch_plan = plan_launch(ctx.cfg, ctx.platform, nodes=1 if ctx.platform.ray_resource else None)
+    if launch_plan.placement_error:
+        raise TrainingError(launch_plan.placement_error)
+    (policy,) = [a for a in launch_plan.actors if a.role == "policy"]  # JobConfig allows no other
+    return Launch(launch_plan.actors, {}, in_process=True, saved_env=apply_here(policy.env.values()))
+
+
 def _device_nodes(platform: Platform) -> int | None:
     """Alive Ray nodes that offer the platform's devices (None without devices)."""
     if not platform.ray_resource:
         return None
+    import ray
+
     nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(platform.ray_resource)]
     return len(nodes) or None
 
@@ -182,9 +205,15 @@ def start_policy(ctx: TopologyContext, launch: Launch, waiter: Waiter = gather) 
     """Start the policy ranks with their planned options and role plans (not set up yet)."""
     cfg = ctx.cfg
     planned = launch.of("policy")
-    cls = ray.remote(PolicyWorker)
-    workers = [cls.options(**launch.options[a.name]).remote(cfg, a.plan, ctx.total_steps)
-               for a in planned]
+    if launch.in_process:  # the same worker class, an object of this process
+        workers = [LocalActor(PolicyWorker(cfg, a.plan, ctx.total_steps), ctx.platform) for a in planned]
+        waiter = local_gather
+    else:
+        import ray
+
+        cls = ray.remote(PolicyWorker)
+        workers = [cls.options(**launch.options[a.name]).remote(cfg, a.plan, ctx.total_steps)
+                   for a in planned]
     # the same shard to every rank of a sequence-parallel group (polyrl/training/mesh.py)
     return PolicyGroup(workers, [a.name for a in planned], cfg.ray.timeout_s, waiter,
                        mesh=ParallelDims.from_actor(cfg.actor))
@@ -194,6 +223,8 @@ def start_teacher(ctx: TopologyContext, launch: Launch, waiter: Waiter = gather)
     """The distillation teacher's ranks (polyrl/workers/teacher.py) with their planned options,
     set up: in a process group of their own, the teacher loaded. Each step's batch is sharded
     over them as over data-parallel policy ranks, and their log-probs come back per sample."""
+    import ray
+
     cfg = ctx.cfg
     planned = launch.of("teacher")
     cls = ray.remote(TeacherWorker)
@@ -225,7 +256,8 @@ def rendezvous(policy: PolicyGroup, needed: bool) -> str | None:
 
 def setup_all(policy: PolicyGroup, refs: list, names: list[str]) -> list:
     """Wait for the policy ranks' and the other actors' set-up (`refs` after the policy's)."""
-    results = gather(refs, list(policy.names) + names, phase="start-up", timeout_s=policy.timeout_s)
+    wait = local_gather if is_local(policy.workers[0]) else gather  # in process: answered already
+    results = wait(refs, list(policy.names) + names, phase="start-up", timeout_s=policy.timeout_s)
     policy.num_params = results[0]
     return results[policy.world_size:]
 

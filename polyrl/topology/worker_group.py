@@ -1,16 +1,17 @@
 """The run's Ray actors as groups (policy ranks; standalone rollout replicas): fan calls out,
-gather answers with a deadline that names any actor that does not answer."""
+gather answers with a deadline that names any actor that does not answer. With ray.enabled=false
+the group's one worker is a `LocalActor` (polyrl/topology/in_process.py), called in this process
+through the same surface."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import ray
-
 from polyrl.batch import Ragged, RolloutBatch, shard, split_evenly
 from polyrl.distributed.waits import gather
 from polyrl.rollout.base import SamplingParams
+from polyrl.topology.in_process import is_local
 from polyrl.training.mesh import ParallelDims
 
 Waiter = Callable[..., list]
@@ -18,7 +19,8 @@ Waiter = Callable[..., list]
 
 
 class WorkerGroup:
-    """Ray actors of one kind, called together, answers gathered with a deadline."""
+    """Ray actors of one kind (or one in-process worker), called together, answers gathered with
+    a deadline."""
 
     def __init__(self, workers: list, names: list[str], timeout_s: float, waiter: Waiter = gather,
                  helpers: Sequence[Any] = ()):
@@ -64,8 +66,12 @@ class WorkerGroup:
         try:
             self.call("shutdown", phase="shutdown")
         finally:
-            for w in self.workers + self.helpers:
-                ray.kill(w)
+            remote = [w for w in self.workers + self.helpers if not is_local(w)]
+            if remote:  # in-process workers have no process to end
+                import ray
+
+                for w in remote:
+                    ray.kill(w)
 
 
 class PolicyGroup(WorkerGroup):

@@ -28,7 +28,6 @@ from polyrl.batch import Ragged, RolloutBatch
 from polyrl.builtin import resolve
 from polyrl.config import ConfigError, to_yaml
 from polyrl.data import build_loaders
-from polyrl.distributed.ray_launch import init_ray
 from polyrl.distributed.waits import RemoteActorDied
 from polyrl.modeling import seed_everything
 from polyrl.platform import get_platform
@@ -141,28 +140,10 @@ class Trainer:
         self.resume_point = read_resume_point(cfg.trainer.resume, self.out, cfg.model_dump(mode="json"))
 
         self.platform = get_platform(cfg.platform)
-        import ray
-
-        self.started_ray = not ray.is_initialized()
-        per_actor, needed = cpus_needed(cfg)
-        cores = os.cpu_count() or 1
-        if cfg.ray.num_cpus is None and cfg.ray.address is None and needed > cores:
-            logger.warning("%d actors x %d CPU(s) on %d core(s): they share cores (slower, "
-                           "not wrong)", needed // per_actor, per_actor, cores)
-        # the ray.init arguments `polyrl train --dry-run` shows
-        init_ray(self.platform, **plan_job(cfg, self.platform).ray_init, config_env=cfg.env,
-                 backend=cfg.rollout.backend, placement=cfg.topology.placement, mode=cfg.topology.mode,
-                 code_dirs=plugin_code_dirs(cfg))
-        available = ray.available_resources().get("CPU", 0)
-        deadline = time.perf_counter() + 10  # a previous run's killed actors free CPUs lazily
-        while available < needed and time.perf_counter() < deadline:
-            time.sleep(0.2)
-            available = ray.available_resources().get("CPU", 0)
-        if available < needed:
-            raise TrainingError(
-                f"the run's actors reserve {needed} CPUs ({per_actor} per rank) but Ray has {available:g} "
-                "free; lower actor.world_size, actor.num_cpus_per_worker or rollout.num_replicas, or "
-                "add CPUs (ray.num_cpus)")
+        if cfg.ray.enabled:
+            self._start_ray(cfg)
+        else:  # the policy worker and its engine are objects of this process (topology/in_process.py)
+            logger.info("ray.enabled=false: one rank, its engine and the trainer in this process")
         self.topology = build_topology(TopologyContext(cfg, self.platform, self.total_steps,
                                                        self.train_loader, self.score, self.timer))
         logger.info("starting the actors (%s)", self.topology.name)  # the interrupt tests signal on this line
@@ -182,6 +163,33 @@ class Trainer:
         logger.info("policy: %s (%.2fM parameters) on %s, %d rank(s); %d steps of %d prompts x %d samples",
                     cfg.model.path, self.policy.num_params / 1e6, self.platform.describe(),
                     self.policy.world_size, self.total_steps, cfg.data.train_batch_size, cfg.rollout.n)
+
+    def _start_ray(self, cfg: JobConfig) -> None:
+        """Join or start Ray (the arguments `polyrl train --dry-run` shows) with room for the
+        run's actors."""
+        import ray
+
+        from polyrl.distributed.ray_launch import init_ray
+
+        self.started_ray = not ray.is_initialized()
+        per_actor, needed = cpus_needed(cfg)
+        cores = os.cpu_count() or 1
+        if cfg.ray.num_cpus is None and cfg.ray.address is None and needed > cores:
+            logger.warning("%d actors x %d CPU(s) on %d core(s): they share cores (slower, "
+                           "not wrong)", needed // per_actor, per_actor, cores)
+        init_ray(self.platform, **plan_job(cfg, self.platform).ray_init, config_env=cfg.env,
+                 backend=cfg.rollout.backend, placement=cfg.topology.placement, mode=cfg.topology.mode,
+                 code_dirs=plugin_code_dirs(cfg))
+        available = ray.available_resources().get("CPU", 0)
+        deadline = time.perf_counter() + 10  # a previous run's killed actors free CPUs lazily
+        while available < needed and time.perf_counter() < deadline:
+            time.sleep(0.2)
+            available = ray.available_resources().get("CPU", 0)
+        if available < needed:
+            raise TrainingError(
+                f"the run's actors reserve {needed} CPUs ({per_actor} per rank) but Ray has {available:g} "
+                "free; lower actor.world_size, actor.num_cpus_per_worker or rollout.num_replicas, or "
+                "add CPUs (ray.num_cpus)")
 
     def _model_config(self) -> Any:
         from transformers import AutoConfig
