@@ -69,9 +69,10 @@ class WeightManifest:
     """In stream order: bucket b holds slots[first_slot : first_slot + num_slots]."""
     buckets: tuple[BucketSpec, ...]
     device_type: str = "cpu"
-    """Where the sender packed the buckets ("cuda": they travel through the group's device
-    backend, NCCL). A receiver staging on another device type would wait in another backend:
-    it refuses the manifest in one line (`check_device`) instead of waiting for the watchdog."""
+    """The device type the sender packed the buckets on (a GPU's: they travel through the
+    group's device backend, NCCL). A receiver staging on another device type would wait in
+    another backend: it refuses the manifest in one line (`check_device`) instead of waiting
+    for the watchdog."""
 
     def check_device(self, staging: str, where: str = "this rank") -> None:
         """Raise if a receiver that stages on `staging` cannot take these buckets."""
