@@ -49,6 +49,9 @@ def off_policy_correction(
     cfg: OffPolicyConfig,
 ) -> Correction:
     mask = response_mask.to(prox_logprob.dtype)
+    # NaN: the engine could not report that token's log-prob (polyrl/rollout/engines/trtllm.py);
+    # the token then counts as on-policy (ratio 1) instead of poisoning the loss
+    rollout_logprob = torch.where(torch.isnan(rollout_logprob), prox_logprob, rollout_logprob)
     log_ratio = ((prox_logprob - rollout_logprob) * mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)  # [B, T]; 1 on padding
     seq_log_ratio = log_ratio.sum(-1, keepdim=True).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, 1]

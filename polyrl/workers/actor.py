@@ -147,7 +147,8 @@ class LogprobMismatch:
         if rollout is None:
             return
         weight = mask.float() * same.to(mask.device, torch.float32).unsqueeze(1)
-        gap = (trainer.float() - rollout.float()).abs() * weight
+        weight = weight * ~torch.isnan(rollout)  # NaN: a log-prob the engine could not report
+        gap = (trainer.float() - rollout.float()).abs().nan_to_num(0.0) * weight
         self.total += float(gap.sum())
         self.count += float(weight.sum())
         self.peak = max(self.peak, float(gap.max()) if gap.numel() else 0.0)
@@ -155,8 +156,8 @@ class LogprobMismatch:
     def add_ragged(self, trainer: Any, rollout: Any, mask: Any, same: torch.Tensor) -> None:
         """Whole-batch Ragged log-probs (one value per response token)."""
         per_token = torch.repeat_interleave(same, rollout.lengths).float()
-        weight = mask.values.float() * per_token
-        gap = (trainer.values.float().cpu() - rollout.values.float()).abs() * weight
+        weight = mask.values.float() * per_token * ~torch.isnan(rollout.values)  # NaN: not reported
+        gap = (trainer.values.float().cpu() - rollout.values.float()).abs().nan_to_num(0.0) * weight
         self.total += float(gap.sum())
         self.count += float(weight.sum())
         self.peak = max(self.peak, float(gap.max()) if gap.numel() else 0.0)

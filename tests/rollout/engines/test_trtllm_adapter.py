@@ -200,3 +200,24 @@ def test_the_extension_is_what_the_launch_arguments_name_and_imports_without_trt
     assert TRTLLM_WORKER_EXTENSION == f"{worker.__name__}.{EXTENSION_NAME}"
     with pytest.raises(ModuleNotFoundError, match="tensorrt_llm"):
         getattr(worker, EXTENSION_NAME)  # built from TRT-LLM's own class, inside its workers
+
+
+def test_a_nan_rollout_log_prob_neither_poisons_the_loss_nor_the_mismatch_metric():
+    # where those NaNs go: the off-policy correction and rollout/logprob_diff_* (issue 39)
+    from polyrl.algorithms.off_policy import off_policy_correction
+    from polyrl.batch import Ragged
+    from polyrl.algorithms.off_policy_config import OffPolicyConfig
+    from polyrl.workers.actor import LogprobMismatch
+
+    prox = torch.tensor([[-0.5, -1.0, -0.2]])
+    rollout = torch.tensor([[-0.4, math.nan, -0.2]])
+    mask = torch.ones(1, 3)
+    corr = off_policy_correction(prox, rollout, mask, OffPolicyConfig(is_level="token", mask_level="token"))
+    assert torch.isfinite(corr.weights).all() and corr.weights[0, 1] == 1.0  # unknown: counted on-policy
+    padded = LogprobMismatch(SimpleNamespace(world_size=1))
+    padded.add_padded(prox, rollout, mask, torch.tensor([True]))
+    ragged = LogprobMismatch(SimpleNamespace(world_size=1))
+    rows = lambda t: Ragged.from_rows([t[0].tolist()], torch.float32)  # noqa: E731
+    ragged.add_ragged(rows(prox), rows(rollout), rows(mask), torch.tensor([True]))
+    for m in (padded, ragged):
+        assert m.metrics() == pytest.approx({"rollout/logprob_diff_mean": 0.05, "rollout/logprob_diff_max": 0.1})
