@@ -1,7 +1,8 @@
 """Bundled assets addressed as `builtin:NAME`: the tiny models and the synthetic tasks' data
 (scripts/build_tiny_model.py builds tiny-arith and the arithmetic files,
 scripts/build_tiny_tools_model.py tiny-calc and the calculator files,
-scripts/build_tiny_vl_model.py the vision-language tiny-vl and the shapes files)."""
+scripts/build_tiny_vl_model.py the vision-language tiny-vl and the shapes files,
+scripts/build_tiny_moe_model.py the mixture-of-experts tiny-moe, on the arithmetic files)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ BUILTINS = {
     "calculator_train": ASSETS / "data" / "calculator_train.parquet",
     "calculator_val": ASSETS / "data" / "calculator_val.parquet",
     "tiny-vl": ASSETS / "tiny-vl",
+    "tiny-moe": ASSETS / "tiny-moe",
     "shapes_train": ASSETS / "data" / "shapes_train.parquet",
     "shapes_val": ASSETS / "data" / "shapes_val.parquet",
 }
