@@ -244,7 +244,9 @@ class TRTLLMEngine(AsyncEngineAdapter):
         if not self._warned_logprobs:
             logger.warning("TensorRT-LLM returned top-k log-prob records without the sampled token; those "
                            "positions' rollout log-probs are NaN (old log-probs are recomputed by the "
-                           "trainer); pip install a TensorRT-LLM whose PyTorch sampler includes it")
+                           "trainer; the off-policy correction counts them on-policy and "
+                           "rollout/logprob_diff_* leaves them out); pip install a TensorRT-LLM whose "
+                           "PyTorch sampler includes the sampled token")
             self._warned_logprobs = True
 
     # --- weights ---------------------------------------------------------------------------------

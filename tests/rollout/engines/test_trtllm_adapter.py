@@ -105,7 +105,8 @@ def _result(tokens, records):
 
 
 def test_a_top_k_record_without_the_sampled_token_is_nan_counted_and_warned_once(adapter, caplog):
-    # TRT-LLM 1.1's PyTorch sampler returns the top-k: a non-greedy token may not be in it
+    # a TRT-LLM whose PyTorch sampler returns only the top-k record (before its change to always
+    # include the sampled token; which release is not pinned here): a non-greedy token may be missing
     result = _result([11, 12, 13], [{11: -0.5}, {99: -0.1}, {13: -0.7}])
     with caplog.at_level(logging.WARNING, logger="polyrl.rollout.engines.trtllm"):
         out = adapter._outputs(result, SamplingParams(logprobs=True))[0]  # before issue 39: RuntimeError
