@@ -87,14 +87,22 @@ def run_training(cfg: "JobConfig") -> dict[str, Any]:
     """`Trainer(cfg).fit()` with start-up signals stopping it at once (StartupInterrupted) and
     errors raised inside Ray actors unwrapped to their own type; attaches the run's files to
     its MLflow run when logging.sinks includes mlflow."""
-    from polyrl.trainer.interrupts import abort_on_signals
+    from polyrl.trainer.interrupts import StartupInterrupted, abort_on_signals
     from polyrl.trainer.loop import Trainer
 
+    children = None if ray_is_up() else child_pids()  # Ray started by this call: its processes are new
     try:
-        with abort_on_signals():
-            summary = Trainer(cfg).fit()
+        try:
+            with abort_on_signals():
+                summary = Trainer(cfg).fit()
+        except (StartupInterrupted, KeyboardInterrupt):
+            if children is not None:
+                stop_ray_leftovers(children)
+            raise
     except Exception as exc:
         actionable = unwrapped(exc)
+        if isinstance(actionable, StartupInterrupted) and children is not None:
+            stop_ray_leftovers(children)
         if actionable is exc:
             raise  # an unexpected error keeps its traceback and chain
         raise actionable from None
@@ -103,6 +111,58 @@ def run_training(cfg: "JobConfig") -> dict[str, Any]:
 
         upload_run_files(cfg.output_path)
     return summary
+
+
+def ray_is_up() -> bool:
+    """Ray is initialised in this process (never importing it: a run without Ray stays without)."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+def child_pids() -> set[int]:
+    import psutil  # a dependency of peft, which polyrl requires
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def stop_ray_leftovers(before: set[int], timeout_s: float = 10.0) -> list[int]:
+    """Shut down a Ray this call started, then end every Ray process (gcs_server, raylet, the
+    monitor, dashboard, log_monitor, runtime_env_agent, workers) this process started since
+    `before`. A signal inside `ray.init` can stop it after the head processes were spawned but
+    before Ray recorded them, so `ray.shutdown()` alone does not know them and they would outlive
+    the call (in a notebook: until the kernel exits). Returns the pids ended."""
+    import sys
+
+    import psutil
+
+    ray = sys.modules.get("ray")
+    if ray is not None:
+        ray.shutdown()
+    leftovers = []
+    for proc in psutil.Process().children(recursive=True):
+        if proc.pid in before:
+            continue
+        try:
+            name, command = proc.name(), " ".join(proc.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if "ray" in command or name in ("gcs_server", "raylet"):
+            leftovers.append(proc)
+    for proc in leftovers:
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(leftovers, timeout=timeout_s)
+    for proc in alive:  # one that ignored SIGTERM
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=timeout_s)
+    return [p.pid for p in leftovers]
 
 
 def run_sft_job(cfg: "SFTConfig") -> dict[str, Any]:
