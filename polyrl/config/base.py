@@ -48,7 +48,7 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
         key = key.strip()
         if not key or any(not part for part in key.split(".")):
             raise ConfigError([f"override '{item}': empty key part in '{key}'"])
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _override_value(item, raw)
         node = nested
         parts = key.split(".")
         for part in parts[:-1]:
@@ -58,6 +58,17 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
             node = child
         node[parts[-1]] = value
     return nested
+
+
+def _override_value(item: str, raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        text = raw.strip()
+        if text.startswith("[") and text.endswith("]"):  # [reasoning_gym:t?size=8]: YAML reads "?" as a key
+            return [part.strip() for part in text[1:-1].split(",") if part.strip()]
+        raise ConfigError([f"override '{item}': the value is not valid YAML; quote it "
+                           "(key='\"value\"')"]) from None
 
 
 def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from polyrl.data import hf_disk
+from polyrl.data import hf_disk, reasoning_gym
 from polyrl.data.errors import DataFileError
 from polyrl.data.rows import MESSAGES_KEY, BadRows, row_problem, with_chat_prompt
 
@@ -44,6 +44,10 @@ def read_source_rows(path: str | Path, prompt_key: str = "prompt",
                      bad_rows: BadRows | None = None) -> list[SourceRow]:
     """The usable rows of one file, each with where it came from."""
     bad_rows = bad_rows if bad_rows is not None else BadRows("error")
+    if reasoning_gym.is_spec(str(path)):  # generated rows, polyrl/data/reasoning_gym.py
+        generated = reasoning_gym.generate_rows(str(path), prompt_key)
+        rows = [SourceRow(f"data file {path} row {i}", row) for i, row in enumerate(generated)]
+        return _usable_rows(str(path), rows, prompt_key, bad_rows)
     on_disk = hf_disk.parse_spec(str(path))
     if on_disk is not None:
         table = hf_disk.load_split(*on_disk)

@@ -26,6 +26,7 @@ ENTRY_POINT_GROUP = "polyrl.rewards"
 REWARD_FNS: Registry[RewardFn] = Registry("reward data_source", entry_point_group=ENTRY_POINT_GROUP)
 REWARD_FNS.register("arithmetic", "polyrl.rewards.arithmetic:arithmetic_score")
 REWARD_FNS.register("shapes", "polyrl.rewards.shapes:shapes_score")
+REWARD_FNS.register("reasoning_gym", "polyrl.rewards.reasoning_gym:reasoning_gym_score")
 for _source in ("openai/gsm8k", "gsm8k"):
     REWARD_FNS.register(_source, "polyrl.rewards.gsm8k:gsm8k_score")
 for _source in (

@@ -26,9 +26,11 @@ GPUS = {  # recipe -> H100s it was sized for (one node each)
     "dapo_math_qwen2.5_math_7b_8gpu.yaml": 8,
     "tools_gsm8k_qwen2.5_3b_8gpu.yaml": 8,
     "gsm8k_qwen_gpu.yaml": 8,
+    "reasoning_gym_qwen2.5_1.5b_1gpu.yaml": 1,
 }
 # the bundled model and data, any machine
-EMBEDDED_TASK = {"dapo_arith.yaml", "tools_calculator.yaml", "distill_arith.yaml", "vision_shapes.yaml"}
+EMBEDDED_TASK = {"dapo_arith.yaml", "tools_calculator.yaml", "distill_arith.yaml", "vision_shapes.yaml",
+                 "reasoning_gym_arith.yaml"}
 SFT = {"sft_chat_qwen_gpu.yaml"}  # `polyrl sft` configs, not `polyrl train`
 
 
