@@ -13,10 +13,19 @@ weights, which run faster than plain `F.linear`, so this is the stricter of the 
     python benchmarks/rollout.py --profile 4M:float32 --threads 1   # where a decode step's time goes
     python benchmarks/rollout.py --breakdown 30M:bfloat16 --threads 1 # the same, timed directly
     polyrl bench rollout --against vllm [--quick] [--json]  # native vs real vLLM (CPU build), a grid
+    polyrl bench rollout --contention [--quick] [--json]    # both engines idle, then beside a busy process
 
 `--against vllm` needs vLLM importable (its CPU build: scripts/vllm_tier.sh makes a venv with it):
 both engines, polyrl's native one and vLLM behind polyrl's adapter, serve the same 4M model in
 fp32 over a grid of prompt length x response length x batch; tokens/s of each and the ratio.
+
+`--contention` runs each cell's two engines (the native engine with its default thread rule,
+transformers `generate` with torch's threads) idle, then beside one busy competitor process
+(`benchmarks/_contention.py`: pinned to the last core, then unpinned), in the same run: per cell
+`speedup_under_contention` (native / `generate`, both under the same load) and `kept_fraction`
+(native under load / native idle), each the worse of the two loads; the date, CPU, flags and load
+average come with the JSON. `generate` also runs at one torch thread (`speedup_vs_hf_1_thread`):
+the baseline tuned by hand for the load, which no default does.
 """
 
 from __future__ import annotations
@@ -223,11 +232,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead of benchmarking, time one decode step's parts directly (B=64, L=96)")
     parser.add_argument("--against", choices=("hf", "vllm"), default="hf",
                         help="the baseline: transformers generate (default) or the real vLLM")
+    parser.add_argument("--contention", action="store_true",
+                        help="both engines idle, then beside one busy process (pinned, then unpinned)")
+    parser.add_argument("--sizes", default=",".join(MODELS), help="comma-separated model sizes (4M,30M)")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated dtypes")
     args = parser.parse_args(argv)
+    for name in args.sizes.split(","):
+        if name not in MODELS:
+            parser.error(f"--sizes: unknown size {name!r}; choose from {', '.join(MODELS)}")
+    for name in args.dtypes.split(","):
+        if name not in DTYPES:
+            parser.error(f"--dtypes: unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.against == "vllm":
         return against_vllm(args.quick, args.json)
+    if args.contention:
+        return contention(args.sizes.split(","), args.dtypes.split(","), args.quick, args.json)
     if args.profile:
         return _profile(args.profile)
     if args.breakdown:
@@ -238,11 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, shape in MODELS.items():
+        for name in args.sizes.split(","):
+            shape = MODELS[name]
             path = Path(tmp) / name
             params = build_model(shape, path)
             prompts = torch.randint(1, shape["vocab_size"], (num_prompts, prompt_len), generator=gen).tolist()
-            for dtype_name, dtype in DTYPES.items():
+            for dtype_name in args.dtypes.split(","):
+                dtype = DTYPES[dtype_name]
                 ours = PolyrlRunner(str(path), dtype_name, prompts, n, new_tokens)
                 theirs = HFRunner(str(path), dtype, prompts, n, new_tokens)
                 # Interleaved repetitions, best of each: on a shared machine this measures the
@@ -269,6 +292,78 @@ def main(argv: list[str] | None = None) -> int:
           f"torch threads {torch.get_num_threads()}")
     if args.json:
         print(json.dumps({"results": results}))
+    return 0
+
+
+# --- under contention (--contention) ---------------------------------------------------------------
+
+def contention(sizes: list[str], dtypes: list[str], quick: bool, as_json: bool) -> int:
+    """Per cell: both engines idle (interleaved, best of `reps`), then under each load of
+    `_contention.LOADS` the same. The native engine keeps its default thread rule (it follows the
+    free cores, polyrl/rollout/native/threads.py); `generate` runs with torch's thread count, as a
+    user gets it."""
+    from _contention import LOADS, competitor, machine
+
+    num_prompts, n, prompt_len = 16, 4, 32
+    new_tokens, reps = (16, 1) if quick else (32, 2)
+    gen = torch.Generator().manual_seed(0)
+    start = machine()
+    print(f"{start['date']}; {start['cpu']}, {start['cores']} cores; flags {' '.join(start['cpu_flags'])}; "
+          f"load average {start['load_average']}; torch threads {torch.get_num_threads()}", flush=True)
+    results = []
+
+    def measure(ours: PolyrlRunner, theirs: HFRunner) -> dict:
+        native = hf = hf_1 = 0.0
+        threads = torch.get_num_threads()
+        for _ in range(reps):  # interleaved, best of each
+            native = max(native, ours.run()[0])
+            hf = max(hf, theirs.run())
+            torch.set_num_threads(1)  # `generate` as someone who knew about the load would run it
+            hf_1 = max(hf_1, theirs.run())
+            torch.set_num_threads(threads)
+        health = ours.engine.health()
+        return dict(native_tok_s=round(native, 1), hf_tok_s=round(hf, 1), speedup=round(native / hf, 2),
+                    hf_1_thread_tok_s=round(hf_1, 1), speedup_vs_hf_1_thread=round(native / hf_1, 2),
+                    native_threads=health["threads"], free_cores_seen=health["free_cores"])
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in sizes:
+            shape = MODELS[name]
+            path = Path(tmp) / name
+            params = build_model(shape, path)
+            prompts = torch.randint(1, shape["vocab_size"], (num_prompts, prompt_len), generator=gen).tolist()
+            for dtype_name in dtypes:
+                ours = PolyrlRunner(str(path), dtype_name, prompts, n, new_tokens)
+                theirs = HFRunner(str(path), DTYPES[dtype_name], prompts, n, new_tokens)
+                idle = measure(ours, theirs)
+                loads = {}
+                for load in LOADS:
+                    with competitor(load):
+                        loads[load] = measure(ours, theirs)
+                    loads[load]["kept_fraction"] = round(loads[load]["native_tok_s"] / idle["native_tok_s"], 2)
+                    loads[load]["hf_kept_fraction"] = round(loads[load]["hf_tok_s"] / idle["hf_tok_s"], 2)
+                del ours, theirs
+                row = dict(params=params, dtype=dtype_name,
+                           speedup_under_contention=min(v["speedup"] for v in loads.values()),
+                           kept_fraction=min(v["kept_fraction"] for v in loads.values()),
+                           idle=idle, loads=loads)
+                results.append(row)
+                print(f"{name:>4} {params / 1e6:5.1f}M {dtype_name:>8}: idle native {idle['native_tok_s']:7.0f} "
+                      f"tok/s ({idle['native_threads']} thr) hf {idle['hf_tok_s']:7.0f} ({idle['speedup']:.2f}x)",
+                      flush=True)
+                for load, v in loads.items():
+                    print(f"{'':>15}{load:>9}: native {v['native_tok_s']:7.0f} ({v['native_threads']} thr, "
+                          f"kept {v['kept_fraction']:.2f}) hf {v['hf_tok_s']:7.0f} (kept {v['hf_kept_fraction']:.2f}) "
+                          f"-> {v['speedup']:.2f}x; hf at 1 thread {v['hf_1_thread_tok_s']:7.0f} "
+                          f"-> {v['speedup_vs_hf_1_thread']:.2f}x", flush=True)
+    end = machine()
+    summary = {**start, "load_average_end": end["load_average"], "torch_threads": torch.get_num_threads(),
+               "workload": f"{num_prompts} prompts x n={n}, prompt {prompt_len}, {new_tokens} new tokens",
+               "loads": list(LOADS)}
+    print(f"workload: {summary['workload']}; load average {start['load_average']} at start, "
+          f"{end['load_average']} at end")
+    if as_json:
+        print(json.dumps({**summary, "results": results}))
     return 0
 
 

@@ -49,7 +49,7 @@ TRTLLM_WORKER_GPU_SHARE = 0.5
 polyrl actor that starts the engine (`per_worker_gpu_share`); the polyrl actor on the same device must hold
 no more than the rest of it, or the worker waits for a device that never frees."""
 NATIVE_ENGINE_KWARGS = ("max_prefill_tokens", "prefix_cache_tokens", "max_model_len", "max_num_seqs",
-                        "dtype")
+                        "dtype", "num_threads")
 """`rollout.engine_kwargs.native` keys: the built-in engine's keyword arguments
 (`polyrl/rollout/native/engine.py`) that polyrl does not set itself (model, device, tokenizer,
 seed)."""

@@ -40,6 +40,7 @@ from polyrl.rollout.native.invariant_model import InvariantDecoder
 from polyrl.rollout.native.model import DecoderModel
 from polyrl.rollout.native.scheduler import Request, Scheduler
 from polyrl.rollout.native.streaming import StreamUpdate, TokenStream, post_to_loop
+from polyrl.rollout.native.threads import FreeCoreThreads
 from polyrl.rollout.native.weights import ModelWeights
 from polyrl.weights.base import WeightStream
 
@@ -72,6 +73,11 @@ class NativeEngine:
             `rollout.batch_invariant` mode (invariant_model.py): a token's log-prob is the same
             bits whatever the batch, padding or cache layout, and equals the trainer's. Slower
             (one thread, fixed matmul tiles; docs/benchmarks.md "Batch-invariant mode").
+        num_threads: torch intra-op threads on a CPU. None (default) follows the cores that are
+            free (threads.py: 1 when another busy process shares one of 2 cores), at most the
+            count the process had when the engine was built; an int pins it (a run whose speed
+            must not depend on the machine's load). The count applies to the thread that runs
+            the engine's steps while they run; `generate_batch` restores the caller's after.
     """
 
     def __init__(
@@ -87,6 +93,7 @@ class NativeEngine:
         seed: int = 0,
         prefix_cache_tokens: int = 0,
         batch_invariant: bool = False,
+        num_threads: int | None = None,
     ):
         model_dir = resolve_model_dir(model_path)
         config = load_config(model_dir)
@@ -96,7 +103,7 @@ class NativeEngine:
         self._setup(config, read_state_dict(model_dir), tokenizer or None, model_dir,
                     dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                     max_prefill_tokens=max_prefill_tokens, seed=seed, prefix_cache_tokens=prefix_cache_tokens,
-                    batch_invariant=batch_invariant)
+                    batch_invariant=batch_invariant, num_threads=num_threads)
 
     @classmethod
     def from_model(
@@ -124,7 +131,9 @@ class NativeEngine:
 
     def _setup(self, config, state, tokenizer, model_dir, *, dtype="float32", device="cpu",
                max_model_len=None, max_num_seqs=256, max_prefill_tokens=8192, seed=0,
-               prefix_cache_tokens=0, batch_invariant=False) -> None:
+               prefix_cache_tokens=0, batch_invariant=False, num_threads=None) -> None:
+        # the first window of the free-core sample spans the load below (threads.py)
+        threads = FreeCoreThreads(num_threads) if torch.device(device).type == "cpu" else None
         self.spec = spec_from_config(config)
         if batch_invariant and self.spec.vision is not None:
             raise ValueError(f"native engine: batch_invariant=True is not supported for the vision-language "
@@ -166,6 +175,10 @@ class NativeEngine:
         self._torn: str | None = None
         """Why the weights are incomplete (a streamed update broke off), or None."""
         self._loop_task: asyncio.Task | None = None
+        # batch-invariant mode runs one thread whatever the load (invariant.py)
+        self._threads = None if self.batch_invariant else threads
+        if self._threads is not None:
+            self._threads.start()
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -269,6 +282,9 @@ class NativeEngine:
         while self._control_pending:
             time.sleep(0.0002)
         with self._lock:
+            if self._threads is not None:
+                self._threads.refresh()
+                self._threads.apply()  # this thread's count (an async step's worker thread keeps it)
             finished = [] if self._sleeping else self._sched.step()
         for req in finished:
             _notify(req)
@@ -297,10 +313,15 @@ class NativeEngine:
                 raise RuntimeError("engine is sleeping; call wake_up() before generate_batch()")
             for req in reqs:
                 self._sched.add(req)
-        while not all(r.done for r in reqs):
-            if self._sleeping:
-                raise RuntimeError("engine was put to sleep during generate_batch()")
-            self._step()
+        callers_threads = torch.get_num_threads()
+        try:
+            while not all(r.done for r in reqs):
+                if self._sleeping:
+                    raise RuntimeError("engine was put to sleep during generate_batch()")
+                self._step()
+        finally:
+            if torch.get_num_threads() != callers_threads:  # the trainer's own count, back
+                torch.set_num_threads(callers_threads)
         for r in reqs:
             if r.error is not None:
                 raise r.error
@@ -364,6 +385,10 @@ class NativeEngine:
             "kv_cache_bytes": self._sched.cache.nbytes,
             "matmul": type(self._weights.matmul).__name__,  # the CPU kernels in use (matmul.py)
             "packed_matrices": self._weights.compute.num_packed,
+            # intra-op threads the steps run with, and the free cores they follow (threads.py)
+            "threads": self._threads.count if self._threads is not None else torch.get_num_threads(),
+            "free_cores": None if self._threads is None or self._threads.free is None
+            else round(self._threads.free, 2),
         }
 
 
