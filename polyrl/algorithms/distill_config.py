@@ -10,6 +10,12 @@ from pydantic import Field, model_validator
 from polyrl.config import Config
 
 
+MAX_WEIGHT = 1000.0
+"""The largest distill.coef / distill.reward_weight taken. The per-token reward is a log-prob
+difference (a few units), so a weight far past this scales every advantage into gradients that
+are not finite (inf, 1e30): each update is then skipped and the run learns nothing."""
+
+
 class DistillConfig(Config):
     teacher: str | None = None
     """A local Hugging Face model directory (e.g. the output of `polyrl export`), or builtin:NAME
@@ -17,10 +23,10 @@ class DistillConfig(Config):
     -(log pi_student - log pi_teacher) on top of the estimator's advantages. The teacher must
     share the student's tokenizer vocabulary. null: no distillation."""
 
-    coef: float = Field(1.0, ge=0)
+    coef: float = Field(1.0, ge=0, le=MAX_WEIGHT, allow_inf_nan=False)
     """Weight of the per-token distillation reward -(log pi_student - log pi_teacher)."""
 
-    reward_weight: float = Field(1.0, ge=0)
+    reward_weight: float = Field(1.0, ge=0, le=MAX_WEIGHT, allow_inf_nan=False)
     """Weight of the task reward's advantages (the estimator's); 0 is pure distillation."""
 
     placement: Literal["colocated", "standalone"] = "colocated"

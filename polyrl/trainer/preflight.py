@@ -28,6 +28,7 @@ def check_job(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any] |
     `model_config`: the policy's transformers config, or None where it is not at hand (skips the
     context-length check)."""
     check_platform(cfg)
+    check_weights(cfg)
     check_placement(cfg)
     check_memory(cfg, model_config)
     check_engine_capabilities(cfg)
@@ -39,7 +40,57 @@ def check_job(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any] |
     check_model_context(cfg, longest, model_config)
     check_max_model_len(cfg, longest)
     check_lora(cfg, model_config)
+    check_sequence_parallel(cfg, model_config)
     check_vision(cfg, train_set, val_set, model_config)
+
+
+def check_weights(cfg: JobConfig) -> None:
+    """Every model the run loads (policy, critic, distillation teacher) has weights, and each
+    safetensors file is as long as its header says: read from the headers alone, so a missing,
+    truncated or corrupt file is one line naming its key here, not a SafetensorError inside
+    the actors after Ray started. A directory that is not a model at all is left to the check
+    that names it (loading the tokenizer, `check_teacher_tokenizer`)."""
+    import json
+    from pathlib import Path
+
+    from polyrl.builtin import resolve
+    from polyrl.trainer.checkpoint import _safetensors_damage
+
+    models = [("model.path", cfg.model.path)]
+    if cfg.critic.enable and cfg.critic.path:
+        models.append(("critic.path", cfg.critic.path))
+    if cfg.distill.enabled and cfg.distill.teacher:
+        models.append(("distill.teacher", cfg.distill.teacher))
+    for key, path in models:
+        try:
+            directory = Path(resolve(path)).expanduser()
+        except FileNotFoundError:
+            continue
+        if not (directory / "config.json").is_file():
+            continue
+        files = sorted(directory.glob("*.safetensors"))
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                named = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, AttributeError) as exc:
+                raise ConfigError([f"{key}: {index} is unreadable ({exc}); re-copy the model"]) from None
+            missing = [name for name in named if not (directory / name).is_file()]
+            if missing:
+                raise ConfigError([f"{key}: {directory} lacks {missing[0]}, which its "
+                                   f"model.safetensors.index.json names ({len(missing)} of {len(named)} "
+                                   "shards missing); copy the whole model directory"])
+        if not files and not any(directory.glob("pytorch_model*.bin")):
+            raise ConfigError([f"{key}: {directory} holds no weights (no *.safetensors or pytorch_model*.bin "
+                               "beside its config.json); copy the model's weight files there, or give a "
+                               "complete model directory (e.g. the output of `polyrl export`)"])
+        for file in files:
+            try:
+                problem = _safetensors_damage(file)
+            except (KeyError, TypeError, AttributeError, IndexError) as exc:  # a header of the wrong shape
+                problem = f"unreadable header ({type(exc).__name__}: {exc})"
+            if problem:
+                raise ConfigError([f"{key}: {file} is damaged ({problem}); re-copy or re-export the model"])
 
 
 def check_rollout_engine(cfg: JobConfig) -> None:
@@ -277,12 +328,22 @@ def longest_prompt(train_set: Sequence[Any], val_set: Sequence[Any] | None) -> i
     return max((len(p.prompt_ids) for s in sets for p in s), default=0)
 
 
+def language_config(model_config: Any) -> Any:
+    """The config of the language model: a vision-language config (Qwen2-VL, ...) keeps its
+    context length and head counts in `text_config`, not at the top level."""
+    get_text_config = getattr(model_config, "get_text_config", None)
+    if callable(get_text_config):
+        return get_text_config()
+    return getattr(model_config, "text_config", None) or model_config
+
+
 def model_context_length(model_config: Any) -> int | None:
     """The longest sequence the model takes, from its config; None if the config does not say."""
-    for name in CONTEXT_ATTRIBUTES:
-        value = getattr(model_config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
+    for config in (model_config, language_config(model_config)):
+        for name in CONTEXT_ATTRIBUTES:
+            value = getattr(config, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
     return None
 
 
@@ -296,6 +357,29 @@ def check_model_context(cfg: JobConfig, longest: int, model_config: Any | None) 
             f"{cfg.rollout.response_length} = {need} tokens exceeds the model's context of "
             f"{context} tokens ({cfg.model.path}); lower rollout.response_length to at most "
             f"{max(context - longest, 0)}, or data.max_prompt_length to drop long prompts"])
+
+
+def check_sequence_parallel(cfg: JobConfig, model_config: Any | None) -> None:
+    """actor.sequence_parallel_size=k: not with the batch-invariant forward, and the model's
+    query and key-value heads must divide by k (the all-to-all splits heads;
+    training/ulysses.py `check_heads`, which the engine repeats on the built model)."""
+    k = cfg.actor.sequence_parallel_size
+    if k <= 1:
+        return
+    if cfg.rollout.batch_invariant:
+        raise ConfigError([f"actor.sequence_parallel_size={k} cannot compute log-probs on the batch-invariant "
+                           "forward (rollout.batch_invariant=true); set actor.sequence_parallel_size=1 or "
+                           "rollout.batch_invariant=false"])
+    text = language_config(model_config) if model_config is not None else None
+    heads = getattr(text, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads < 1:
+        return  # the config does not say: the engine checks the built model
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads % k or kv_heads % k:
+        divisors = [d for d in range(2, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]
+        raise ConfigError([f"actor.sequence_parallel_size={k}: the model ({cfg.model.path}) has {heads} "
+                           f"attention heads and {kv_heads} key-value heads, which must both divide by {k}; "
+                           f"choose {' or '.join(map(str, divisors)) if divisors else '1'}"])
 
 
 def check_max_model_len(cfg: JobConfig, longest: int) -> None:
