@@ -309,7 +309,7 @@ def weight_sync(device: torch.device, tiny_dir: Path) -> str:
             refused = f"refused ({type(exc).__name__})"
     model = load_model(tiny_dir, "bfloat16", device)
     cfg = WeightSyncConfig(transport="broadcast", bucket_mb=0.05, timeout_s=60, shared_memory=False)
-    transport = build_transport(cfg, "standalone", group=group)
+    transport = build_transport(cfg, "standalone", group=group, device=device)  # packs on it (issue 39)
     stats = transport.send(list(model.named_parameters()), version=1)
     return (f"object broadcast + gather over {get_platform(None).group_backend(device.type)}; "
             f"{stats.num_buckets} buckets, {stats.bytes / 1e6:.1f} MB sent; a device-only group: {refused}")
