@@ -12,12 +12,25 @@ from polyrl.config import Config
 from polyrl.config.targets import IMPORT_PATH_FORMS, is_file_target, split_import_path
 
 
+INTEGRATION_PREFIXES = ("openenv:",)
+"""`agent.environment` values served by an integration rather than imported (docs/agents.md)."""
+
+
 class AgentConfig(Config):
     tools: list[str] = Field(default_factory=list)
     """Tool functions as "package.module:function" or "/path/to/file.py:function", or the name of
     one a package registers in the polyrl.tools entry-point group; the JSON schema each model
     sees comes from the function's type hints and docstring (polyrl/agents/tools.py,
     docs/plugins.md)."""
+
+    mcp_servers: list[str] = Field(default_factory=list)
+    """MCP tool servers whose tools join `tools` (pip install 'polyrl[mcp]'): each a stdio
+    command line ("python server.py") or an http(s):// URL of a Streamable HTTP server. Each is
+    started once per rollout worker and kept for the run (polyrl/agents/mcp_tools.py); a tool
+    error or a dead server is an "Error: ..." tool result (docs/integrations.md)."""
+
+    mcp_start_timeout_s: float = Field(60.0, gt=0)
+    """Most seconds an MCP server may take to start and list its tools."""
 
     tool_parser: str = "hermes"
     """How tool calls are written: hermes (= qwen: <tool_call>{"name", "arguments"}</tool_call>)."""
@@ -30,7 +43,8 @@ class AgentConfig(Config):
     """Environment for rows that do not name one; null: "tools" when tools are set, else a single
     turn. Built-in: tools; others are registered in polyrl.agents.ENVIRONMENTS or the
     polyrl.environments entry-point group, or named by import path as
-    "package.module:MyEnv" or "/path/to/file.py:MyEnv" (docs/plugins.md)."""
+    "package.module:MyEnv" or "/path/to/file.py:MyEnv" (docs/plugins.md), or an OpenEnv server as
+    "openenv:http://HOST:PORT" or "openenv:package.module[:app]" (docs/agents.md)."""
 
     environment_key: str = "agent_name"
     """The row's extra_info key that names its environment (verl's agent_name column)."""
@@ -100,7 +114,14 @@ class AgentConfig(Config):
                                  "(or name a tool registered in the polyrl.tools entry-point group)")
             if is_file_target(target) and not Path(target).expanduser().is_file():
                 raise ValueError(f"agent.tools: file {target} does not exist")
-        if self.environment is not None and ":" in self.environment:
+        for spec in self.mcp_servers:
+            from polyrl.agents.mcp_tools import spec_problem
+
+            problem = spec_problem(spec)
+            if problem:
+                raise ValueError(f"agent.mcp_servers: '{spec}' {problem}")
+        if self.environment is not None and ":" in self.environment and not self.environment.startswith(
+                INTEGRATION_PREFIXES):
             target = split_import_path(self.environment)[0]
             if not target:
                 raise ValueError(f"agent.environment '{self.environment}' must be a registered name or "
@@ -114,8 +135,8 @@ class AgentConfig(Config):
                                  "or /path/to/file.py:function")
             if is_file_target(target) and not Path(target).expanduser().is_file():
                 raise ValueError(f"agent.black_box: file {target} does not exist")
-            if self.tools or self.environment is not None or self.per_row_environments:
-                raise ValueError("agent.black_box runs its own agent loop: unset agent.tools, agent.environment "
+            if self.tools or self.mcp_servers or self.environment is not None or self.per_row_environments:
+                raise ValueError("agent.black_box runs its own agent loop: unset agent.tools, agent.mcp_servers, agent.environment "
                                  "and agent.per_row_environments (the agent calls its tools itself)")
         return self
 
@@ -136,4 +157,4 @@ class AgentConfig(Config):
     def default_environment(self) -> str | None:
         if self.environment is not None:
             return self.environment
-        return "tools" if self.tools else None
+        return "tools" if self.tools or self.mcp_servers else None

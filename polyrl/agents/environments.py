@@ -72,8 +72,22 @@ class Environment:
 
 
 ENTRY_POINT_GROUP = "polyrl.environments"
-ENVIRONMENTS: Registry[type] = Registry("agent environment", entry_point_group=ENTRY_POINT_GROUP,
-                                        import_paths=True)
+
+
+class _Environments(Registry):
+    """The registry, plus the integrations named by prefix ("openenv:URL_OR_MODULE",
+    polyrl/agents/openenv_env.py): their part after the prefix is no import path."""
+
+    def get(self, name: str) -> Any:
+        if name.startswith("openenv:"):
+            from polyrl.agents import openenv_env
+
+            return openenv_env.factory(name)
+        return super().get(name)
+
+
+ENVIRONMENTS: Registry[type] = _Environments("agent environment", entry_point_group=ENTRY_POINT_GROUP,
+                                             import_paths=True)
 
 
 def as_messages(observation: Observation | None) -> list[dict]:

@@ -25,6 +25,10 @@ def check_agent(cfg: AgentConfig, *datasets: Iterable[Any] | None) -> None:
 
     try:
         load_tools(cfg.tools)
+        if cfg.mcp_servers:  # started and stopped here; each rollout worker starts its own
+            from polyrl.agents.mcp_tools import check_servers
+
+            check_servers(cfg.mcp_servers, cfg.mcp_start_timeout_s)
         if cfg.black_box is not None:
             load_agent(cfg.black_box)
     except ValueError as exc:  # both loaders' messages name the key and the spec
@@ -62,6 +66,10 @@ def environment_problem(name: str) -> str | None:
 
     if name == "tools":
         return None
+    if name.startswith("openenv:"):  # checked here without starting its server (that is per worker)
+        from polyrl.agents.openenv_env import PREFIX, target_problem
+
+        return target_problem(name[len(PREFIX):])
     try:
         factory = ENVIRONMENTS.get(name)
     except RegistryError as exc:
