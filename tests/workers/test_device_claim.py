@@ -73,6 +73,7 @@ def test_every_worker_makes_its_reserved_device_current():
     from polyrl.workers.policy import PolicyWorker
     from polyrl.workers.rollout_worker import RolloutWorker
     from polyrl.workers.streaming_replica import StreamingReplica
+    from polyrl.workers.teacher import TeacherWorker
 
     hybrid = job("ReservedCUDA")
     standalone = job("ReservedCUDA", "rollout.placement=standalone")
@@ -81,6 +82,8 @@ def test_every_worker_makes_its_reserved_device_current():
                PolicyWorker(standalone, role_plans(standalone, 1)["policy"][0], total_steps=1),
                RolloutWorker(standalone, role_plans(standalone, 1)["rollout"][0]),
                StreamingReplica(streaming, role_plans(streaming, 1)["rollout"][0], mailbox=None)]
+    teaching = job("ReservedCUDA", "distill.teacher=builtin:tiny-arith", "distill.placement=standalone")
+    workers.append(TeacherWorker(teaching, role_plans(teaching, 1)["teacher"][0]))
     for w in workers:
         assert isinstance(w.platform, CUDAPlatform) and w.platform.name == "cuda"
         assert w.device == torch.device("cuda", 3), type(w).__name__
