@@ -54,3 +54,12 @@ def test_hybrid_forces_nothing_and_forwards_the_users_value(monkeypatch):
     # hybrid: no process outside the trainer ranks, which all host the engine alike
     assert {cumem(r, "h100", "vllm", "hybrid", monkeypatch, None) for r in ROLES} == {None}
     assert {cumem(r, "h100", "vllm", "hybrid", monkeypatch, "1") for r in ROLES} == {("1", "user-env")}
+
+
+def test_the_configs_value_wins_in_every_process():
+    from polyrl.envplan import PlanContext, build_plan
+
+    platform = get_platform("cuda", SIMULATED_PROBES["h100"])
+    seen = {build_plan(PlanContext(platform, role, "vllm", "standalone"), {"NCCL_CUMEM_ENABLE": "0"},
+                       {"NCCL_CUMEM_ENABLE": "1"})["NCCL_CUMEM_ENABLE"].value for role in ROLES}
+    assert seen == {"1"}
