@@ -186,6 +186,7 @@ def unwrapped(exc: Exception) -> BaseException:
     """The error a user can act on behind `exc`: a `StartupInterrupted` raised inside Ray's own
     signal check (it comes out as a SystemError whose cause it is), or a known error raised in a
     Ray actor (Ray wraps it; `cause` is the original). Anything else unchanged."""
+    from polyrl.config import ConfigError
     from polyrl.rollout.factory import EngineUnavailable
     from polyrl.trainer.interrupts import StartupInterrupted
     from polyrl.training.base import NonFiniteUpdate
@@ -200,6 +201,7 @@ def unwrapped(exc: Exception) -> BaseException:
         seen.add(id(cause))
         cause = cause.__cause__ or cause.__context__
     inner = getattr(exc, "cause", None)
-    if isinstance(inner, (ModelLoadError, NonFiniteUpdate, EngineUnavailable, OSError, LoraError)):
+    # ConfigError: a plugin's output checked where a rank calls it (algorithms/plugin_checks.py)
+    if isinstance(inner, (ModelLoadError, NonFiniteUpdate, EngineUnavailable, OSError, LoraError, ConfigError)):
         return inner
     return exc

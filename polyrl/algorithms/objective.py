@@ -14,6 +14,7 @@ from polyrl.algorithms.config import AlgorithmConfig
 from polyrl.algorithms.kl import kl_loss
 from polyrl.algorithms.losses import POLICY_LOSSES, aggregate
 from polyrl.algorithms.off_policy import OffPolicyConfig, off_policy_correction
+from polyrl.algorithms.plugin_checks import checked_loss
 
 
 def actor_loss(
@@ -40,9 +41,9 @@ def actor_loss(
         advantages = advantages * corr.weights
         policy_mask = response_mask * corr.keep
         off_metrics = corr.metrics
-    loss, metrics = POLICY_LOSSES.get(cfg.policy_loss)(
+    loss, metrics = checked_loss(cfg.policy_loss, POLICY_LOSSES.get(cfg.policy_loss)(
         cfg, logprob, old_logprob, advantages, policy_mask, **agg
-    )
+    ), logprob, (old_logprob, advantages), policy_mask)
     metrics.update(off_metrics)
     if cfg.use_kl_loss:
         if ref_logprob is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from polyrl.agents.preflight import check_agent
+from polyrl.algorithms.plugin_checks import check_signatures
 from polyrl.backends import capabilities
 from polyrl.config import ConfigError
 from polyrl.job import JobConfig
@@ -34,6 +35,7 @@ def check_job(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any] |
     check_engine_capabilities(cfg)
     check_rollout_engine(cfg)
     check_reward_function(cfg)
+    check_signatures(cfg.algorithm)  # a plugin estimator / loss that cannot take polyrl's call
     check_agent(cfg.agent, train_set, val_set)  # tools, black-box agent, environment names
     check_batch_sizes(cfg, train_set, val_set)
     longest = longest_prompt(train_set, val_set)
@@ -41,6 +43,7 @@ def check_job(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any] |
     check_max_model_len(cfg, longest)
     check_lora(cfg, model_config)
     check_sequence_parallel(cfg, model_config)
+    check_router_replay(cfg, model_config)
     check_vision(cfg, train_set, val_set, model_config)
 
 
@@ -120,6 +123,23 @@ def check_engine_capabilities(cfg: JobConfig) -> None:
         raise ConfigError([f"async.partial_rollout=abort: the {backend} engine declares no partial_rollout "
                            "(abort_all returning each request's tokens so far, continued later); "
                            "set async.partial_rollout=wait"])
+
+
+def check_router_replay(cfg: JobConfig, model_config: Any | None) -> None:
+    """actor.router_replay (docs/moe.md): R3 needs an engine that returns the routes it used, and
+    any replay a mixture-of-experts policy (transformers' Qwen3-MoE / Qwen2-MoE routers)."""
+    mode = cfg.actor.router_replay
+    if mode == "off":
+        return
+    backend = cfg.rollout.backend
+    if mode == "R3" and not capabilities(backend).routed_experts:
+        raise ConfigError([f"actor.router_replay=R3: the {backend} engine declares no routed_experts (the experts "
+                           "each sampled token was routed to); set actor.router_replay=R2 or off, or "
+                           "rollout.backend=native (docs/moe.md)"])
+    model_type = getattr(model_config, "model_type", None)
+    if model_config is not None and model_type not in ("qwen3_moe", "qwen2_moe"):
+        raise ConfigError([f"actor.router_replay={mode}: model.path is a {model_type} model, not a Qwen3-MoE / "
+                           "Qwen2-MoE with routers to replay (docs/moe.md); set actor.router_replay=off"])
 
 
 def check_platform(cfg: JobConfig) -> None:

@@ -77,10 +77,12 @@ def compute_advantages(
             "critic/values_mean": masked_mean(values.to(returns.dtype), response_mask).item(),
         }
     else:
+        from polyrl.algorithms.plugin_checks import checked_advantages
+
         fn = ADV_ESTIMATORS.get(cfg.adv_estimator)
-        adv = fn(
+        adv = checked_advantages(cfg.adv_estimator, fn(
             rewards, group_ids, response_mask, norm_adv_by_std=cfg.norm_adv_by_std, eps=cfg.adv_eps
-        )
+        ), rewards, response_mask)
     tied, num_tied = tied_group_mask(rewards, group_ids)
     num_groups = group_stats(rewards, group_ids).num_groups
     mask = response_mask.bool()
