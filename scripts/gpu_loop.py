@@ -62,7 +62,8 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H20": 148.0, "B200": 2250.0, 
 MIN_RISE = 0.30
 """Held-out accuracy points the learn check asks for."""
 
-COMMON = ["ray.enabled=false", "trainer.progress_bar=false", "logging.samples_every=0"]
+COMMON = ["ray.enabled=false", "trainer.progress_bar=false", "logging.samples_every=0",
+          "logging.plot_at_end=false"]  # no matplotlib on the device
 LEARN = {
     "cuda": ["platform=cuda", "rollout.dtype=bfloat16", "actor.compute_dtype=bfloat16"],
     "cpu": ["platform=cpu", "trainer.total_steps=10"],
@@ -79,6 +80,35 @@ TIMEOUT_S = {"cuda": 240, "cpu": 240}
 """Per check: the two fit the 8 minutes a lent device gives the whole script."""
 
 RESULTS: list[dict] = []
+TORCH_DIR: Path | None = None
+
+LOOP_IMPORTS = ("transformers", "tokenizers", "safetensors", "pydantic", "pydantic_core", "yaml", "regex",
+                "numpy", "rich", "huggingface_hub", "pyarrow", "ray")
+"""What the loop imports besides torch (scripts/gpu_carry.sh lists all), and pyarrow and Ray,
+which it does without: where each comes from on this machine is the first line of output, so a
+lent device's image is known after one run."""
+
+
+def image_packages() -> dict[str, str]:
+    """Each of LOOP_IMPORTS: its version (with its directory where that is not torch's, e.g. the
+    carried build/gpu_carry) or "missing", found without importing it."""
+    import importlib.util
+    from importlib import metadata
+
+    found = {}
+    for name in LOOP_IMPORTS:
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            found[name] = "missing"
+            continue
+        dist = {"yaml": "pyyaml", "pydantic_core": "pydantic-core"}.get(name, name)
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            version = "?"
+        where = Path(spec.origin or "").parent.parent
+        found[name] = version if where == TORCH_DIR else f"{version} ({where})"  # carried: its dir
+    return found
 
 
 def report(name: str, ok: bool, detail: str, **numbers) -> None:
@@ -101,13 +131,37 @@ def train(out: Path, overrides: list[str], timeout_s: float) -> tuple[int, str, 
     return proc.returncode, (proc.stdout + proc.stderr)[-3000:], time.perf_counter() - start
 
 
+CARRIED_DATA = REPO / "build" / "gpu_carry" / "data"
+"""The bundled task as JSONL, written by scripts/gpu_carry.sh beside the carried packages."""
+
+
+def data_overrides() -> list[str]:
+    """The bundled arithmetic files: the parquet originals where pyarrow imports, else their
+    JSONL copies from scripts/gpu_carry.sh (pyarrow is too large to carry to a device; JSONL
+    reads with the standard library)."""
+    try:
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        files = [CARRIED_DATA / f"arithmetic_{split}.jsonl" for split in ("train", "val")]
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise FileNotFoundError(f"pyarrow is not installed and {', '.join(missing)} is missing: "
+                                    "run scripts/gpu_carry.sh where pyarrow is and carry build/gpu_carry")
+        return [f"data.train_files=[{files[0]}]", f"data.val_files=[{files[1]}]"]
+    return []
+
+
 def rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def learn(device: str, work: Path) -> None:
     out = work / "learn"
-    rc, log, wall = train(out, LEARN[device], TIMEOUT_S[device])
+    try:
+        data = data_overrides()
+    except FileNotFoundError as exc:
+        return report("learn", False, str(exc))
+    rc, log, wall = train(out, [*LEARN[device], *data], TIMEOUT_S[device])
     if rc != 0:
         return report("learn", False, f"polyrl train exited {rc}:\n{log}", wall_s=round(wall, 1))
     summary = json.loads((out / "summary.json").read_text())
@@ -153,7 +207,11 @@ def throughput(device: str, work: Path) -> None:
     except Exception as exc:  # the check fails with its cause; the summary still prints
         return report("throughput", False, f"building the random model: {type(exc).__name__}: {exc}")
     out = work / "throughput"
-    rc, log, wall = train(out, [f"model.path={model}", *THROUGHPUT[device], *THROUGHPUT_COMMON],
+    try:
+        data = data_overrides()
+    except FileNotFoundError as exc:
+        return report("throughput", False, str(exc))
+    rc, log, wall = train(out, [f"model.path={model}", *THROUGHPUT[device], *THROUGHPUT_COMMON, *data[:1]],
                           TIMEOUT_S[device])
     if rc != 0:
         return report("throughput", False, f"polyrl train exited {rc}:\n{log}", wall_s=round(wall, 1))
@@ -217,13 +275,17 @@ def main(argv: list[str] | None = None) -> int:
         print("FAIL all: no CUDA device visible to torch (run with --device cpu for the CPU form)")
         return 1
     print(f"polyrl loop check on {args.device}: torch {torch.__version__}", flush=True)
+    global TORCH_DIR
+    TORCH_DIR = Path(torch.__file__).parent.parent
+    packages = image_packages()
+    print("packages: " + ", ".join(f"{k} {v}" for k, v in packages.items()), flush=True)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="polyrl-loop-") as tmp:
         learn(args.device, Path(tmp))
         throughput(args.device, Path(tmp))
     failed = [r for r in RESULTS if r["status"] == "FAIL"]
     summary = {"device": args.device, "torch": torch.__version__, "wall_s": round(time.perf_counter() - start, 1),
-               "passed": not failed, "checks": RESULTS}
+               "passed": not failed, "packages": packages, "checks": RESULTS}
     print(json.dumps(summary, indent=2, default=str), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2, default=str))
