@@ -29,7 +29,7 @@ from polyrl.agents.environments import ENVIRONMENTS, StepResult, StepStats, Tool
 from polyrl.agents.executor import STUCK, STUCK_PER_PARALLEL_CALL, Outcome, call_in_thread, describe
 from polyrl.agents.parsers import get_parser
 from polyrl.agents.stats import AgentRollout, Trajectory, TrajectoryStats, to_rollout_batch
-from polyrl.agents.tools import Tool, load_tools
+from polyrl.agents.tools import Tool, load_agent_tools
 from polyrl.rollout.base import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ class AgentRunner:
 
     def __init__(self, engine: Any, tokenizer: Any, cfg: AgentConfig, tools: dict[str, Tool] | None = None):
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
-        self.tools = tools if tools is not None else load_tools(cfg.tools)
+        self.tools = tools if tools is not None else load_agent_tools(cfg)
         self.parser = get_parser(cfg.tool_parser)
         self._chat: ChatDelta | None = None
         self.eos = eos_ids(engine, tokenizer)

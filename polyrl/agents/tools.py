@@ -231,3 +231,18 @@ def load_tools(specs: list[Any]) -> dict[str, Tool]:
             raise ValueError(f"two tools are named '{tool.name}'")
         tools[tool.name] = tool
     return tools
+
+
+def load_agent_tools(cfg: Any) -> dict[str, Tool]:
+    """name -> Tool for an `AgentConfig`: `agent.tools`, then the tools of `agent.mcp_servers`
+    (this process's MCP sessions, started on first use: polyrl/agents/mcp_tools.py)."""
+    tools = load_tools(cfg.tools)
+    if cfg.mcp_servers:
+        from polyrl.agents.mcp_tools import server_tools
+
+        for name, tool in server_tools(cfg.mcp_servers, cfg.tool_timeout_s, cfg.mcp_start_timeout_s).items():
+            if name in tools:
+                raise ValueError(f"agent.mcp_servers: a server offers the tool '{name}', which agent.tools "
+                                 "already names; drop one of them")
+            tools[name] = tool
+    return tools
