@@ -44,9 +44,15 @@ from polyrl.rollout.base import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def load_agent(spec: str) -> Callable[..., Any]:
+def load_agent(spec: str, environment_kwargs: dict[str, Any] | None = None) -> Callable[..., Any]:
     """"package.module:function" or "/path/to/file.py:function" -> the callable (errors name
-    agent.black_box). A file is loaded once per process under a name derived from its path."""
+    agent.black_box). A file is loaded once per process under a name derived from its path.
+    "verifiers:TASKSET" is a verifiers environment loaded with `environment_kwargs`
+    (polyrl/agents/verifiers_env.py)."""
+    if spec.startswith("verifiers:"):
+        from polyrl.agents.verifiers_env import agent_for
+
+        return agent_for(spec, environment_kwargs or {})
     target, _, attr = spec.rpartition(":")
     try:
         module = import_target(target, "polyrl_user_agent_")
@@ -107,7 +113,7 @@ class BlackBoxRunner:
 
     def __init__(self, engine: Any, tokenizer: Any, cfg: AgentConfig, agent: Callable[..., Any] | None = None):
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
-        self.agent = agent if agent is not None else load_agent(cfg.black_box)
+        self.agent = agent if agent is not None else load_agent(cfg.black_box, cfg.environment_kwargs)
         self.server = server_for(engine, tokenizer)
         self.eos = eos_ids(engine, tokenizer)
         self._logged_error = False

@@ -12,7 +12,7 @@ from polyrl.config import Config
 from polyrl.config.targets import IMPORT_PATH_FORMS, is_file_target, split_import_path
 
 
-INTEGRATION_PREFIXES = ("openenv:",)
+INTEGRATION_PREFIXES = ("openenv:", "verifiers:")
 """`agent.environment` values served by an integration rather than imported (docs/agents.md)."""
 
 
@@ -54,7 +54,8 @@ class AgentConfig(Config):
     extra_info[environment_key] (rows naming none get a single turn)."""
 
     environment_kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments for every environment instance."""
+    """Keyword arguments for every environment instance (for verifiers:..., the rest of its env
+    config: docs/agents.md)."""
 
     max_turns: int = Field(4, ge=1)
     """Assistant turns per trajectory; a trajectory still calling tools at the last one ends
@@ -98,6 +99,17 @@ class AgentConfig(Config):
     max_parallel_agents: int = Field(64, ge=1)
     """Black-box agent runs at once per rollout call (a rollout worker's batch; an async replica
     serving several calls at once runs up to this many per call)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _verifiers_as_black_box(cls, data: Any) -> Any:
+        """A verifiers environment runs as a black-box agent against polyrl's endpoint
+        (polyrl/agents/verifiers_env.py): `environment: verifiers:X` becomes `black_box`."""
+        if isinstance(data, dict) and str(data.get("environment") or "").startswith("verifiers:"):
+            if data.get("black_box") is not None:
+                raise ValueError("agent.environment=verifiers:... runs as the black-box agent: unset agent.black_box")
+            data = {**data, "black_box": data["environment"], "environment": None}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> "AgentConfig":
@@ -146,7 +158,8 @@ class AgentConfig(Config):
         black-box agent (their directories must reach every Ray worker:
         polyrl/envplan/code_paths.py)."""
         specs = [self.environment, *self.tools, self.black_box]
-        return [s for s in specs if s is not None and split_import_path(s)[0]]
+        return [s for s in specs
+                if s is not None and split_import_path(s)[0] and not s.startswith(INTEGRATION_PREFIXES)]
 
     @property
     def enabled(self) -> bool:

@@ -30,7 +30,7 @@ def check_agent(cfg: AgentConfig, *datasets: Iterable[Any] | None) -> None:
 
             check_servers(cfg.mcp_servers, cfg.mcp_start_timeout_s)
         if cfg.black_box is not None:
-            load_agent(cfg.black_box)
+            load_agent(cfg.black_box, cfg.environment_kwargs)
     except ValueError as exc:  # both loaders' messages name the key and the spec
         raise ConfigError([(str(exc).strip().splitlines() or [""])[0]]) from None
     check_environments(cfg, (row for rows in datasets if rows is not None for row in rows))
