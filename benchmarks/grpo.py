@@ -21,6 +21,12 @@ cannot avoid and the fraction of plain-matmul peak each side reaches (`roofline_
     python benchmarks/grpo.py                    # = polyrl bench grpo: ~3 min on an idle 2-core machine
     python benchmarks/grpo.py --quick --json     # ~1 min (4M only, 4 steps); last line is JSON
     python benchmarks/grpo.py --threads 1        # steadier on a busy machine (and CPU-s ~ wall)
+    python benchmarks/grpo.py --contention       # each pair again beside one busy process (pinned to a core)
+
+`--contention`: after each idle pair, the same pair again beside one busy competitor process pinned
+to the last core (`benchmarks/_contention.py`); per cell `speedup_under_contention` (TRL's s/step
+over polyrl's, both under the load) and `kept_fraction` (polyrl's idle s/step over its s/step
+under the load); the date, CPU, flags and load average come with the JSON.
 
 Needs TRL (`pip install -e .[bench]`).
 """
@@ -298,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes")
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="torch threads of each trainer (default: all cores)")
+    parser.add_argument("--contention", action="store_true",
+                        help="each pair again beside one busy process pinned to a core")
     args = parser.parse_args(argv)
     sizes = (args.sizes or ("4M" if args.quick else "4M,30M")).split(",")
     dtypes = args.dtypes.split(",")
@@ -346,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(step_gflop=round(flops / 1e9, 1), matmul_peak_gflop_s=round(peak / 1e9, 1),
                            polyrl_roofline_fraction=round(flops / ours["s_per_step"] / peak, 3),
                            trl_roofline_fraction=round(flops / theirs["s_per_step"] / peak, 3))
+                if args.contention:
+                    row.update(under_contention(model_dir, files, Path(tmp) / f"{name}-{dtype}-load", dtype,
+                                                steps, args.threads, ours["s_per_step"], theirs["s_per_step"]))
                 results.append(row)
                 print(f"{name:>4} {params / 1e6:5.1f}M {dtype:>8}: polyrl {row['polyrl_s_per_step']:6.2f} s/step | "
                       f"TRL {row['trl_s_per_step']:6.2f} s/step | speedup {row['speedup']:5.2f}x | "
@@ -354,6 +365,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"mean length {row['polyrl_length_mean']:.1f} vs {row['trl_length_mean']:.1f}", flush=True)
                 print(f"      polyrl steps (s): {ours['step_s']}, phases: {ours['phases']}", flush=True)
                 print(f"      TRL steps (s):    {theirs['step_s']}, phases: {theirs['phases']}", flush=True)
+                if args.contention:
+                    load = row["contention"]
+                    print(f"      beside a busy process: polyrl {load['polyrl_s_per_step']:6.2f} s/step "
+                          f"(kept {row['kept_fraction']:.2f}) | TRL {load['trl_s_per_step']:6.2f} s/step "
+                          f"(kept {load['trl_kept_fraction']:.2f}) | speedup {row['speedup_under_contention']:.2f}x; "
+                          f"polyrl phases {load['polyrl_phases_s']}", flush=True)
                 print(f"      {row['step_gflop']} GFLOP/step; matmul peak {row['matmul_peak_gflop_s']} GFLOP/s; "
                       f"roofline fraction polyrl {row['polyrl_roofline_fraction']:.2f}, "
                       f"TRL {row['trl_roofline_fraction']:.2f}", flush=True)
@@ -362,8 +379,30 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.threads} torch threads, {cores} cores, load average {load:.1f} at start, "
           f"{os.getloadavg()[0]:.1f} at end")
     if args.json:
-        print(json.dumps({"results": results}))
+        header = {}
+        if args.contention:
+            from _contention import machine
+
+            header = {**machine(), "load_average_start": round(load, 2), "torch_threads": args.threads}
+        print(json.dumps({**header, "results": results}))
     return 0
+
+
+def under_contention(model_dir: str, files: dict, out: Path, dtype: str, steps: int, threads: int,
+                     idle_s_per_step: float, trl_idle_s_per_step: float) -> dict:
+    """The same pair beside one busy process pinned to the last core."""
+    from _contention import competitor
+
+    with competitor("pinned"):
+        ours, theirs = run_pair(model_dir, files, out, dtype, steps, threads)
+    return {"speedup_under_contention": round(theirs["s_per_step"] / ours["s_per_step"], 2),
+            "kept_fraction": round(idle_s_per_step / ours["s_per_step"], 2),
+            "contention": {"polyrl_s_per_step": round(ours["s_per_step"], 3),
+                           "trl_s_per_step": round(theirs["s_per_step"], 3),
+                           "trl_kept_fraction": round(trl_idle_s_per_step / theirs["s_per_step"], 2),
+                           "polyrl_step_s": ours["step_s"],
+                           "trl_step_s": theirs["step_s"], "polyrl_phases_s": ours["phases"],
+                           "trl_phases_s": theirs["phases"]}}
 
 
 if __name__ == "__main__":

@@ -12,9 +12,11 @@ nor does the engine's own process.
 
 The rule (`threads_for`, a pure function; never a timing of our own kernels). Over a window of
 /proc/stat samples, each core this process may run on (`os.sched_getaffinity`) contributes its
-idle share; time in the `nice` column counts as idle (niced work yields), and so does this
-process's own CPU time (it is the time we are about to reuse). The sum is the number of free
-cores `free`; a core counts when at least `FREE_SHARE` of it is free, so the engine uses
+idle share, and so does this process's own CPU time (it is the time we are about to reuse). Time
+in the `nice` column counts as idle for a process at nice 0 (niced work yields to it), as busy
+for a niced one (a Ray worker runs at nice 15, Ray's `worker_niceness`: another niced process is
+its equal, and one at nice 0 takes ~97% of a core it shares with it). The sum is the number of
+free cores `free`; a core counts when at least `FREE_SHARE` of it is free, so the engine uses
 floor(free + 1 - FREE_SHARE) threads, at least 1, at most the cores it may run on, the cgroup's
 CPU quota and the thread count the process had when the engine was built (a rank's reservation,
 `torch.set_num_threads`). One busy competitor on a 2-core machine gives free ~1.0: one thread, on
@@ -67,13 +69,13 @@ class CpuSample:
 
     wall_s: float
     own_cpu_s: float
-    ticks: Mapping[int, tuple[int, int]]
+    ticks: Mapping[int, tuple[int, int, int]]
 
 
-def parse_proc_stat(text: str) -> dict[int, tuple[int, int]]:
-    """Per core (`cpuN` lines): (busy ticks, all ticks). Busy is user + system + irq + softirq +
-    steal (a hypervisor's stolen time is not ours to use); nice, idle and iowait are not busy.
-    guest time is already inside user / nice, so it is not added again."""
+def parse_proc_stat(text: str) -> dict[int, tuple[int, int, int]]:
+    """Per core (`cpuN` lines): (busy ticks, nice ticks, all ticks). Busy is user + system +
+    irq + softirq + steal (a hypervisor's stolen time is not ours to use); idle and iowait are
+    free. guest time is already inside user / nice, so it is not added again."""
     out = {}
     for line in text.splitlines():
         if not (line.startswith("cpu") and line[3:4].isdigit()):
@@ -81,30 +83,28 @@ def parse_proc_stat(text: str) -> dict[int, tuple[int, int]]:
         name, *fields = line.split()
         user, nice, system, idle, iowait, irq, softirq, steal = ([int(f) for f in fields[:8]] + [0] * 8)[:8]
         busy = user + system + irq + softirq + steal
-        out[int(name[3:])] = (busy, busy + nice + idle + iowait)
+        out[int(name[3:])] = (busy, nice, busy + nice + idle + iowait)
     return out
 
 
-def free_cores(before: CpuSample, after: CpuSample, allowed: Collection[int], own_is_busy: bool) -> float | None:
+def free_cores(before: CpuSample, after: CpuSample, allowed: Collection[int], niced: bool) -> float | None:
     """Cores' worth of CPU free for this process between two samples: the idle share of each
-    allowed core, plus this process's own CPU share when the kernel counted it busy (a process at
-    nice 0; a niced one's time is in `nice`, already idle here). None when the samples hold none
-    of the allowed cores or no tick passed."""
+    allowed core (the `nice` column idle for a process at nice 0, busy for a `niced` one), plus
+    this process's own CPU share (counted busy by the kernel, ours to reuse). None when the
+    samples hold none of the allowed cores or no tick passed."""
     wall = after.wall_s - before.wall_s
     free, counted = 0.0, 0
     for cpu in allowed:
         if cpu not in before.ticks or cpu not in after.ticks:
             continue
-        busy = after.ticks[cpu][0] - before.ticks[cpu][0]
-        total = after.ticks[cpu][1] - before.ticks[cpu][1]
+        busy, nice, total = (a - b for a, b in zip(after.ticks[cpu], before.ticks[cpu]))
         if total <= 0:
             continue
-        free += 1.0 - min(max(busy / total, 0.0), 1.0)
+        free += 1.0 - min(max((busy + nice if niced else busy) / total, 0.0), 1.0)
         counted += 1
     if counted == 0 or wall <= 0:
         return None
-    if own_is_busy:
-        free += max(after.own_cpu_s - before.own_cpu_s, 0.0) / wall
+    free += max(after.own_cpu_s - before.own_cpu_s, 0.0) / wall
     return min(free, float(counted))
 
 
@@ -242,7 +242,7 @@ class FreeCoreThreads:
         window = _SAMPLER.window(length)
         if window is None:
             return
-        free = free_cores(*window, self.allowed, own_is_busy=_niceness() == 0)
+        free = free_cores(*window, self.allowed, niced=_niceness() > 0)
         if free is not None:
             self.free = free
             self.count = threads_for(free, len(self.allowed), self.limit)

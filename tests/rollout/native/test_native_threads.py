@@ -21,14 +21,14 @@ intr 1 2 3
 """
 
 
-def sample(wall: float, own: float, **cores: tuple[int, int]) -> CpuSample:
-    """cores: cpuN=(busy ticks, all ticks)."""
-    return CpuSample(wall, own, {int(k[3:]): v for k, v in cores.items()})
+def sample(wall: float, own: float, **cores: tuple[int, ...]) -> CpuSample:
+    """cores: cpuN=(busy ticks, all ticks) or (busy, nice, all)."""
+    return CpuSample(wall, own, {int(k[3:]): v if len(v) == 3 else (v[0], 0, v[1]) for k, v in cores.items()})
 
 
-def test_proc_stat_lines_give_busy_and_all_ticks_per_core():
-    # busy = user + system + irq + softirq + steal; nice, idle and iowait are not busy
-    assert parse_proc_stat(STAT) == {0: (100 + 50 + 0 + 1 + 2, 668), 1: (200 + 50 + 1 + 1 + 1, 763)}
+def test_proc_stat_lines_give_busy_nice_and_all_ticks_per_core():
+    # busy = user + system + irq + softirq + steal; idle and iowait are free
+    assert parse_proc_stat(STAT) == {0: (100 + 50 + 0 + 1 + 2, 10, 668), 1: (200 + 50 + 1 + 1 + 1, 10, 763)}
 
 
 @pytest.mark.parametrize("second,own_s,allowed,expected_free,expected_threads", [
@@ -42,18 +42,23 @@ def test_proc_stat_lines_give_busy_and_all_ticks_per_core():
 def test_free_cores_and_the_thread_count(second, own_s, allowed, expected_free, expected_threads):
     before = sample(0.0, 0.0, cpu0=(0, 0), cpu1=(0, 0))
     after = sample(1.0, own_s, cpu0=(0, 100), cpu1=second)
-    free = free_cores(before, after, allowed, own_is_busy=True)
+    free = free_cores(before, after, allowed, niced=False)
     assert free == pytest.approx(expected_free)
     assert threads_for(free, len(allowed), limit=8) == expected_threads
 
 
-def test_niced_work_and_a_niced_self():
-    before = sample(0.0, 0.0, cpu0=(0, 0), cpu1=(0, 0))
-    # a nice 19 loop on core 1 shows in the nice column, not in busy: the core is free
-    assert free_cores(before, sample(1.0, 0.0, cpu0=(0, 100), cpu1=(0, 100)), {0, 1}, own_is_busy=True) == 2.0
-    # this process niced: its time is in `nice` already, so it is not added back a second time
-    after = sample(1.0, 1.0, cpu0=(0, 100), cpu1=(100, 100))
-    assert free_cores(before, after, {0, 1}, own_is_busy=False) == pytest.approx(1.0)
+def test_niced_work_counts_free_for_a_normal_process_and_busy_for_a_niced_one():
+    before = sample(0.0, 0.0, cpu0=(0, 0, 0), cpu1=(0, 0, 0))
+    # a nice 19 loop on core 1 (the nice column): it yields to a process at nice 0, both cores free
+    niced_loop = sample(1.0, 0.0, cpu0=(0, 0, 100), cpu1=(0, 100, 100))
+    assert free_cores(before, niced_loop, {0, 1}, niced=False) == 2.0
+    # to a Ray worker (nice 15) the same loop is an equal: one core
+    assert free_cores(before, niced_loop, {0, 1}, niced=True) == 1.0
+    # the niced worker's own time, in the nice column too, is its own to reuse: both cores
+    own_on_core_1 = sample(1.0, 1.0, cpu0=(0, 0, 100), cpu1=(0, 100, 100))
+    assert free_cores(before, own_on_core_1, {0, 1}, niced=True) == 2.0
+    # and a nice 0 competitor is busy to it as to anyone
+    assert free_cores(before, sample(1.0, 0.0, cpu0=(0, 0, 100), cpu1=(100, 0, 100)), {0, 1}, niced=True) == 1.0
 
 
 def test_the_count_is_capped_and_never_zero():
@@ -61,7 +66,7 @@ def test_the_count_is_capped_and_never_zero():
     assert threads_for(16.0, allowed=16, limit=4) == 4       # the reservation / torch's count caps it
     assert threads_for(16.0, allowed=3, limit=8) == 3        # the affinity caps it
     assert threads_for(None, allowed=4, limit=2) == 2        # unknown load: the most allowed
-    assert free_cores(sample(0.0, 0.0), sample(1.0, 0.0), {0}, own_is_busy=True) is None  # no core read
+    assert free_cores(sample(0.0, 0.0), sample(1.0, 0.0), {0}, niced=False) is None  # no core read
 
 
 def test_window_is_the_latest_one_long_enough():
