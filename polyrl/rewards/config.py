@@ -1,8 +1,8 @@
 """`RewardConfig`: which scorer scores which data source, and how long a call may take.
 
-Four kinds of scorer: a Python function (built-in per data source, or `custom_function`), a
-remote verifier (`http`), a local reward model (`model`), and a weighted sum of those
-(`combine`). Routing is decided per data source by `polyrl/rewards/routing.py`; docs/rewards.md
+Five kinds of scorer: a Python function (built-in per data source, or `custom_function`), a
+remote verifier (`http`), a local reward model (`model`), an LLM judge (`judge`,
+polyrl/rewards/judge_config.py), and a weighted sum of those (`combine`). Routing is decided per data source by `polyrl/rewards/routing.py`; docs/rewards.md
 has an example of each.
 """
 
@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from polyrl.config import Config
+from polyrl.rewards.judge_config import JudgeRewardConfig
 
 
 class HttpRewardConfig(Config):
@@ -74,8 +75,8 @@ class ModelRewardConfig(Config):
 
 
 class RewardTerm(Config):
-    kind: Literal["function", "model", "http"]
-    """function: a Python function; model: reward.model; http: reward.http."""
+    kind: Literal["function", "model", "http", "judge"]
+    """function: a Python function; model: reward.model; http: reward.http; judge: reward.judge."""
     weight: float = 1.0
     """Factor of this term in the sum."""
     function: str | None = None
@@ -107,7 +108,8 @@ class RewardTerm(Config):
 
 
 SOURCES_KEY = {"reward.custom_function": "reward.custom_function_sources",
-               "reward.http": "reward.http.sources", "reward.model": "reward.model.sources"}
+               "reward.http": "reward.http.sources", "reward.model": "reward.model.sources",
+               "reward.judge": "reward.judge.sources"}
 
 
 class RewardConfig(Config):
@@ -128,6 +130,10 @@ class RewardConfig(Config):
 
     model: ModelRewardConfig | None = None
     """A local reward model run by a Ray reward worker (reward.model.path, ...)."""
+
+    judge: JudgeRewardConfig | None = None
+    """An LLM judge behind an OpenAI-compatible endpoint (reward.judge.url, reward.judge.model,
+    ...); see docs/rewards.md."""
 
     combine: dict[str, list[RewardTerm]] = Field(default_factory=dict)
     """Weighted sums per data_source ("*": every data source not listed), e.g.
@@ -176,7 +182,7 @@ class RewardConfig(Config):
                 raise ValueError(f"combine.{source} is empty; list at least one term "
                                  "({kind: function|model|http, weight: ...}) or remove it")
             for i, term in enumerate(terms):
-                section = {"model": self.model, "http": self.http}.get(term.kind, True)
+                section = {"model": self.model, "http": self.http, "judge": self.judge}.get(term.kind, True)
                 if section is None:
                     raise ValueError(f"combine.{source}[{i}] is kind={term.kind} but reward.{term.kind} "
                                      f"is not set; set reward.{term.kind}."
@@ -205,4 +211,6 @@ class RewardConfig(Config):
             out["reward.http"] = self.http.sources
         if self.model is not None:
             out["reward.model"] = self.model.sources
+        if self.judge is not None:
+            out["reward.judge"] = self.judge.sources
         return out

@@ -1,5 +1,5 @@
 """`RewardManager`: score a batch of responses; per data_source a function, a reward model, a
-remote verifier, or a weighted sum of those (routing: polyrl/rewards/routing.py).
+remote verifier, an LLM judge (polyrl/rewards/judge.py), or a weighted sum of those (routing: polyrl/rewards/routing.py).
 
 Every term of a batch starts before any is awaited: endpoint requests and the reward worker's
 batch run while the function pool works. A scorer that raises, returns garbage or runs past `reward.timeout_s` scores 0 for that
@@ -63,7 +63,13 @@ class RewardManager:
     def __init__(self, cfg: RewardConfig | None = None, platform_name: str | None = None):
         self.cfg = cfg or RewardConfig()
         self.router = Router(self.cfg)
-        self.http = self.model = None
+        self.http = self.model = self.judge = None
+        if self.cfg.judge is not None:
+            from polyrl.rewards.judge import JudgeScorer
+
+            self.judge = JudgeScorer(self.cfg.judge)
+            if self.cfg.judge.check_at_start:  # before Ray starts: one line (JudgeUnreachableError)
+                self.judge.check_reachable()
         if self.cfg.http is not None:
             from polyrl.rewards.http import HttpScorer
 
@@ -126,7 +132,9 @@ class RewardManager:
         """Every term of the batch: endpoint and reward model started first, functions on the
         pool while they run, then the endpoint's and the model's answers collected."""
         http_keys, model_keys, fn_keys = jobs.get("http", []), jobs.get("model", []), jobs.get("function", [])
+        judge_keys = jobs.get("judge", [])
         http_future = self.http.submit([requests[i] for i, _ in http_keys]) if http_keys else None
+        judge_future = self.judge.submit([requests[i] for i, _ in judge_keys]) if judge_keys else None
         model_handle = self.model.submit([requests[i] for i, _ in model_keys]) if model_keys else None
         outcomes: dict[tuple[int, int], Outcome] = {}
         if fn_keys:
@@ -141,6 +149,13 @@ class RewardManager:
                 http_future.cancel()
                 answers = [Outcome(timed_out=True) for _ in http_keys]
             outcomes.update(zip(http_keys, answers))
+        if judge_future is not None:
+            try:  # the loop bounds every sample; this bound only guards a dead loop (R5)
+                answers = judge_future.result(timeout=self.judge.wait_bound_s(len(judge_keys)))
+            except concurrent.futures.TimeoutError:
+                judge_future.cancel()
+                answers = [Outcome(timed_out=True) for _ in judge_keys]
+            outcomes.update(zip(judge_keys, answers))
         if model_handle is not None:
             outcomes.update(zip(model_keys, self.model.collect(model_handle, len(model_keys))))
         return outcomes
@@ -163,7 +178,8 @@ class RewardManager:
                     source, exc_info=out.error)
         limits = {"function": ("reward.timeout_s", self.cfg.timeout_s),
                   "http": ("reward.http.timeout_s", self.cfg.http and self.cfg.http.timeout_s),
-                  "model": ("reward.model.timeout_s", self.cfg.model and self.cfg.model.timeout_s)}
+                  "model": ("reward.model.timeout_s", self.cfg.model and self.cfg.model.timeout_s),
+                  "judge": ("reward.judge.timeout_s", self.cfg.judge and self.cfg.judge.timeout_s)}
         for kind, count in timeouts.items():
             key, value = limits[kind]
             logger.warning("%d reward call(s) exceeded %s=%s and scored 0", count, key, value)
@@ -185,6 +201,8 @@ class RewardManager:
         if self.http is not None:
             metrics["reward/http_retries"] = float(self.http.retries - self._http_retries_seen)
             self._http_retries_seen = self.http.retries
+        if self.judge is not None:
+            metrics.update(self.judge.metrics())
         return metrics
 
     def _count(self, calls: int, errors: int, timeouts: int, null_truth: int) -> None:
@@ -242,6 +260,6 @@ class RewardManager:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
-        for scorer in (self.http, self.model):
+        for scorer in (self.http, self.model, self.judge):
             if scorer is not None:
                 scorer.close()

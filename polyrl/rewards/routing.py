@@ -1,7 +1,7 @@
 """Which terms score a data source (the rule docs/rewards.md states):
 
 1. reward.combine.<data_source>, else reward.combine."*": a weighted sum of terms;
-2. the one scorer (reward.custom_function / reward.http / reward.model) whose `sources` list it;
+2. the one scorer (reward.custom_function / reward.http / reward.model / reward.judge) whose `sources` list it;
 3. the one scorer whose `sources` is null (RewardConfig allows at most one without combine."*");
 4. the built-in verifier registered for the data source (polyrl/rewards/registry.py).
 
@@ -18,8 +18,9 @@ from polyrl.rewards.functions import FunctionScorer, make_scorer
 from polyrl.rewards.gsm8k import gsm8k_score
 from polyrl.rewards.registry import REWARD_FNS, UnknownDataSourceError, load_function
 
-Kind = Literal["function", "model", "http"]
-KIND_OF = {"reward.custom_function": "function", "reward.http": "http", "reward.model": "model"}
+Kind = Literal["function", "model", "http", "judge"]
+KIND_OF = {"reward.custom_function": "function", "reward.http": "http", "reward.model": "model",
+           "reward.judge": "judge"}
 
 
 @dataclass(frozen=True)
