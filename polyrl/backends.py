@@ -66,6 +66,9 @@ class EngineCapabilities:
     """Has the trainer's batch-invariant forward (rollout.batch_invariant=true)."""
     images: bool = False
     """Serves image prompts of a vision-language model (`images=` of generate; docs/vision.md)."""
+    routed_experts: bool = False
+    """Returns the experts a mixture-of-experts model routed each generated token to
+    (`TokenOutput.extra["routed_experts"]`), for actor.router_replay=R3 (docs/moe.md)."""
     since: tuple[tuple[str, str], ...] = ()
     """Version floors: (capability, the lowest engine package version that serves it), for a
     capability that needs a newer engine than the backend's supported range starts at (a dict
@@ -280,7 +283,7 @@ def _check_capabilities(capabilities: Any, target: str) -> None:
 # outputs (polyrl/workers/partial_rollout.py continues them).
 register_backend("native", "polyrl.rollout.native.engine:NativeEngine", capabilities=EngineCapabilities(
     sleep=True, trainer_logprob_dtypes=frozenset({"float32"}), partial_rollout=True, batch_invariant=True,
-    images=True))
+    images=True, routed_experts=True))
 _GPU_ENGINE = EngineCapabilities(tensor_parallel=True, sleep=True, partial_rollout=True, fp8=True)
 VLLM_FP8_RELOAD_SINCE = "0.16.0"
 """vLLM's own layerwise weight reload (`model_loader.reload`), which FP8 updates go through:

@@ -15,6 +15,7 @@ import torch
 from polyrl.batch.images import distinct
 from polyrl.batch.ragged import Ragged
 from polyrl.batch.rollout_batch import RolloutBatch
+from polyrl.batch.routes import input_routes
 
 
 @dataclass
@@ -45,6 +46,9 @@ class MicroBatch:
     prompt_lengths: torch.Tensor | None = None
     """[b] prompt tokens per row, set with `images`: image placeholders count only there (a
     sampled response token is text, whatever its id)."""
+    routes: torch.Tensor | None = None
+    """[b, L, moe layers, k] int64 expert ids to replay at each input position (-1: the router
+    chooses), from the batch's routes column (polyrl/batch/routes.py); None without one."""
 
     @property
     def num_tokens(self) -> int:
@@ -84,7 +88,11 @@ def collate(batch: RolloutBatch, indices: list[int] | torch.Tensor, device: torc
         objects, index = distinct(sub.images)
         images = ImageInputs.concat(objects).to(device)
         per_object = torch.tensor([x.num_images for x in objects], dtype=torch.long)
+    routes = None
+    if sub.routes is not None and L:
+        routes = input_routes(sub.routes, P, L).to(device)
     return MicroBatch(
+        routes=routes,
         input_ids=input_ids.to(device), attention_mask=attention.long().to(device),
         gather_index=gather_index.to(device), target_ids=response.to(device),
         response_mask=mask.to(device), old_logprobs=rows(old),

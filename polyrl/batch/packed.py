@@ -68,7 +68,8 @@ def collate_packed(batch: RolloutBatch, indices: list[int] | torch.Tensor, devic
         returns=dev(mb.returns), indices=mb.indices, response_lengths=mb.response_lengths,
         images=None if mb.images is None else mb.images.to(device), image_index=mb.image_index,
         image_objects=mb.image_objects, prompt_lengths=mb.prompt_lengths,
-        position_ids=position_ids.to(device), cu_seq_lens=dev(cu_seq_lens))
+        position_ids=position_ids.to(device), cu_seq_lens=dev(cu_seq_lens),
+        routes=None if mb.routes is None else mb.routes[real].unsqueeze(0).to(device))
 
 
 def plan_packed(lengths: list[int] | torch.Tensor, token_budget: int) -> list[list[int]]:

@@ -121,6 +121,10 @@ class RolloutBatch:
     """Per sample, its prompt's `ImageInputs` (polyrl/data/multimodal.py) or None (text-only);
     None for a batch without images. Set from `prompts` by `for_training()`; the forward feeds
     each micro-batch's samples' images to the model (polyrl/training/vlm.py)."""
+    routes: Ragged | None = None
+    """Mixture-of-experts models: the expert ids each response token was routed to, per MoE
+    layer (polyrl/batch/routes.py), to replay in the trainer (`actor.router_replay`); None
+    otherwise."""
     agent: AgentColumns | None = None
     """Multi-turn rollouts: per-trajectory turns, tool calls, errors, limits, environment rewards."""
     texts: list[str] | None = None

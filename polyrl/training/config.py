@@ -94,6 +94,14 @@ class ActorConfig(Config):
     (docs/engine_plugins.md), else recomputes."""
     gradient_checkpointing: bool = False
     """Trade compute for memory in the policy forward."""
+    router_replay: Literal["off", "R2", "R3"] = "off"
+    """Mixture-of-experts policies (docs/moe.md): the experts the trainer's forward uses. off: its
+    own router's top-k; R2: the routes of its own old-policy forward (the proximal log-prob pass
+    of a multi-step update); R3: the routes the rollout engine sampled with (an engine that
+    declares `routed_experts`). The router still computes its scores, and keeps its gradient."""
+    router_aux_loss_coef: float = Field(0.0, ge=0.0)
+    """Mixture-of-experts: weight of the load-balancing loss E * sum_e f_e * P_e (averaged over
+    layers) added to the policy loss; 0 (the default) adds none."""
     max_nonfinite_steps: int = Field(3, ge=1)
     """Stop after this many consecutive updates with NaN/inf loss or gradients (each skipped)."""
     compile: Literal["auto", "on", "off"] = "auto"
@@ -136,6 +144,13 @@ class ActorConfig(Config):
         if self.packing == "on" and self.compile == "on":
             raise ValueError("actor.packing=on cannot run under actor.compile=on (the packed attention loops "
                              "over each row's samples in Python); set one of them to off or auto")
+        return self
+
+    @model_validator(mode="after")
+    def _replay_not_compiled(self) -> "ActorConfig":
+        if self.router_replay != "off" and self.compile == "on":
+            raise ValueError(f"actor.router_replay={self.router_replay} cannot run under actor.compile=on (the "
+                             "replayed routes are set per micro-batch in Python); set actor.compile=auto or off")
         return self
 
     @model_validator(mode="after")

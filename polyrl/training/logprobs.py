@@ -20,7 +20,7 @@ import torch
 
 from polyrl.algorithms import entropy_from_logits
 from polyrl.batch import MicroBatch
-from polyrl.training import batch_invariant, vlm
+from polyrl.training import batch_invariant, moe_replay, vlm
 from polyrl.training.ulysses import gather_shards, own_positions
 from polyrl.training.varlen import packed_forward_kwargs, use_varlen_attention
 
@@ -54,6 +54,7 @@ def response_logprobs(
             raise ValueError("rollout.batch_invariant=true has no forward for images; set it to false")
         return batch_invariant.invariant_response_logprobs(model, mb, with_entropy, entropy_grad)
     kwargs = packed_forward_kwargs(mb)
+    moe_replay.begin(model, mb)  # mixture-of-experts: the routes to replay (training/moe_replay.py)
     if kwargs:  # a packed row with segment boundaries (polyrl/batch/packed.py)
         use_varlen_attention(model)
     elif getattr(mb, "position_ids", None) is not None:  # packed with a dense block-diagonal mask
@@ -62,6 +63,7 @@ def response_logprobs(
         hidden = vlm.image_forward(model, mb, kwargs)
     else:
         hidden = model.base_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, **kwargs).last_hidden_state
+    moe_replay.end(model, mb)
     H = hidden.shape[-1]
     # gather_index indexes each row of a padded batch, or the single row of a packed one
     row_offset = 0 if hidden.shape[0] == 1 else torch.arange(hidden.shape[0], device=hidden.device).unsqueeze(1) * hidden.shape[1]

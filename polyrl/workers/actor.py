@@ -18,6 +18,7 @@ from polyrl.algorithms.off_policy import OffPolicyConfig
 from polyrl.batch import RolloutBatch, split_evenly
 from polyrl.training.base import TrainingEngine
 from polyrl.training.config import ActorConfig
+from polyrl.training.moe_replay import RouterReplay
 
 SHARE_METRICS = frozenset({"actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy"})
 """Metrics that are a micro-batch's share of a global mean: summed over micro-batches and ranks."""
@@ -36,6 +37,9 @@ class PPOActor:
                  off_policy: OffPolicyConfig, device: torch.device):
         self.engine, self.actor, self.algo, self.off_policy = engine, actor, algo, off_policy
         self.device = device
+        module = getattr(engine, "module", None)
+        # a mixture-of-experts policy: routing replay and the moe/ metrics (training/moe_replay.py)
+        self.replay = RouterReplay.install(module, actor.router_replay) if module is not None else None
 
     def update(self, batch: RolloutBatch, num_mini_batches: int, use_rollout_logprobs: bool,
                version: int | None = None) -> dict:
@@ -48,9 +52,16 @@ class PPOActor:
         single_step = num_mini_batches == 1 and self.actor.ppo_epochs == 1
         same = self._same_weights(batch, version)
         mismatch = LogprobMismatch(self.engine) if same is not None else None
+        r2 = self.replay is not None and self.actor.router_replay == "R2"
+        if r2:  # R2 replays the trainer's own old-policy routes, recorded below, not the engine's
+            batch = batch.replace(routes=None)
         if not single_step and not use_rollout_logprobs:
+            if r2:
+                self.replay.record_into = self.replay.empty_routes(batch.response_ids)
             # proximal; the rollout's stay for the off-policy correction
             batch = batch.replace(old_logprobs=self.engine.logprobs(batch))
+            if r2:
+                batch, self.replay.record_into = batch.replace(routes=self.replay.record_into), None
             if mismatch is not None:
                 mismatch.add_ragged(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, same)
                 same = None  # measured over the whole batch already
@@ -69,6 +80,8 @@ class PPOActor:
         out["perf/update_tokens_per_s"] = tokens / max(time.perf_counter() - start, 1e-9)
         if mismatch is not None:
             out.update(mismatch.metrics())
+        if self.replay is not None:
+            out.update(self.replay.metrics(self.engine))
         return out
 
     @staticmethod
@@ -100,6 +113,9 @@ class PPOActor:
             loss, m = actor_loss(algo, logprob, old, mb.advantages, mb.response_mask,
                                  ref_logprob=mb.ref_logprobs, entropy=entropy,
                                  rollout_logprob=mb.rollout_logprobs, off_policy=self.off_policy, **agg)
+            aux = self.replay.aux_loss() if self.replay is not None and self.actor.router_aux_loss_coef else None
+            if aux is not None:  # the load-balancing loss, this micro-batch's share of it
+                loss = loss + self.actor.router_aux_loss_coef * aux * (mb.num_tokens / agg["num_tokens"])
             engine.backward(loss)
             weight = mb.num_tokens / agg["num_tokens"]
             for k in MAX_METRICS & m.keys():

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import torch
 
 from polyrl.batch import AGENT_LIMITS, STOP_REASONS, AgentColumns, Ragged, RolloutBatch
+from polyrl.batch.routes import engine_routes
 from polyrl.rollout.base import SamplingParams, TokenOutput
 
 
@@ -53,6 +54,7 @@ def to_batch(tokenizer: Any, eos_token_ids: Sequence[int], prompts: Sequence[Seq
         max_version=long([out.extra.get("max_weight_version", out.weight_version) for _, out, _ in flat]),
         continuations=long([int(out.extra.get("continuations", 0)) for _, out, _ in flat]),
         rollout_logprobs=Ragged.from_rows([list(out.logprobs) for _, out, _ in flat], torch.float32),
+        routes=engine_routes([out for _, out, _ in flat]),
         texts=[tokenizer.decode(r, skip_special_tokens=True) for r in responses],
     )
 
@@ -79,6 +81,7 @@ def rollout_rows(engine: Any, tokenizer: Any, rows: Sequence[Any], sampling: Sam
         tool_errors=column("tool_errors", torch.long), tool_timeouts=column("tool_timeouts", torch.long),
         tool_seconds=column("tool_seconds", torch.float32), env_errors=column("env_errors", torch.long),
         limit=torch.tensor([AGENT_LIMITS.index(s.limit or "") for s in stats], dtype=torch.long),
-        env_rewards=out.env_rewards, prefix_mismatch=column("prefix_mismatch", torch.long))
+        env_rewards=out.env_rewards, prefix_mismatch=column("prefix_mismatch", torch.long),
+        reward_terms=out.reward_terms)
     out.batch.prompts = None  # the driver attaches its own rows
     return out.batch

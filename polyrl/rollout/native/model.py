@@ -65,6 +65,9 @@ class DecoderModel:
         self.scale = spec.head_dim**-0.5
         self.device = device
         self._rows = None if spec.vision is None else section_rows(spec.vision, spec.head_dim, device)
+        self.last_routes: torch.Tensor | None = None
+        """After a decode step of a mixture-of-experts model: the expert ids [B, moe layers, k]
+        each input token was routed to (the scheduler keeps them per sequence)."""
 
     # -- vision-language ------------------------------------------------------------------------
 
@@ -115,10 +118,12 @@ class DecoderModel:
         qk = qk * cos + qk.roll(s.head_dim // 2, -1) * sin
         return qk[..., : s.num_heads, :], qk[..., s.num_heads :, :], v
 
-    def _mlp_residual(self, x: torch.Tensor, lw: LayerWeights, cw: ComputeWeights) -> torch.Tensor:
-        """x + MLP(post_norm(x)); a mixture-of-experts layer's experts (moe.py) in place of the MLP."""
+    def _mlp_residual(self, x: torch.Tensor, lw: LayerWeights, cw: ComputeWeights,
+                      routes: list | None = None) -> torch.Tensor:
+        """x + MLP(post_norm(x)); a mixture-of-experts layer's experts (moe.py) in place of the
+        MLP, its top-k expert ids appended to `routes` where given."""
         if lw.moe is not None:
-            return x + moe_block(self._norm(x, lw.post_norm), lw.moe, self.spec.moe, self.act)
+            return x + moe_block(self._norm(x, lw.post_norm), lw.moe, self.spec.moe, self.act, routes)
         mm = cw.matmul
         gate, up = mm.linear(self._norm(x, lw.post_norm), lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
         return mm.residual_linear(x, self.act(gate) * up, lw.down, lw.down_bias)
@@ -187,6 +192,7 @@ class DecoderModel:
         bias = bias[:, None, None, :].expand(B, nkv, g, L).reshape(B * nkv, g, L)
         cw = self.w.compute
         x = F.embedding(tokens, self.w.embed)  # [B, H]
+        routes = [] if s.moe is not None else None
         for i, lw in enumerate(cw.layers):
             q, k, v = self._qkv(self._norm(x, lw.input_norm), lw, cw, cos, sin)
             q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)  # no-ops unless widened
@@ -199,5 +205,7 @@ class DecoderModel:
             scores = torch.baddbmm(bias, q.reshape(B * nkv, g, hd), keys_t, alpha=self.scale)
             attn = torch.bmm(torch.softmax(scores, dim=-1), values).to(x.dtype)  # [B * nkv, g, hd]
             x = cw.matmul.residual_linear(x, attn.view(B, s.q_size), lw.o, lw.o_bias)
-            x = self._mlp_residual(x, lw, cw)
+            x = self._mlp_residual(x, lw, cw, routes)
+        # a mixture-of-experts model: each input token's expert ids [B, moe layers, k] (routes.py)
+        self.last_routes = None if routes is None else torch.stack(routes, 1)
         return self._logits(x, cw)

@@ -22,6 +22,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from polyrl.batch.routes import encode, routes_dtype
+
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 """The mixture-of-experts decoders the engine runs (the router shapes implemented here)."""
 
@@ -137,6 +139,15 @@ def fold_expert_names(names: set[str], prefix: str, spec: MoeSpec) -> set[str]:
     if downs <= names:
         out.add(prefix + "experts.down_proj")
     return out
+
+
+def routed_experts(rows: list[torch.Tensor], length: int, spec: MoeSpec) -> torch.Tensor:
+    """A sample's routes for `TokenOutput.extra["routed_experts"]`: [length, moe layers, k] in
+    the routes column's compact dtype (polyrl/batch/routes.py); `rows` holds the expert ids of
+    each generated token that was fed back, the last one (never fed) is marked not routed."""
+    layers = sum(spec.sparse_layers)
+    stacked = torch.stack(rows) if rows else None
+    return encode(stacked, length, routes_dtype(spec.num_experts), layers, spec.top_k)
 
 
 def route(x: torch.Tensor, router: torch.Tensor, spec: MoeSpec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ from polyrl.rollout.base import RolloutInputError, SamplingParams, TokenOutput
 from polyrl.rollout.native.extend import extend
 from polyrl.rollout.native.kv_cache import KVCache
 from polyrl.rollout.native.model import DecoderModel, MultimodalInputs
+from polyrl.rollout.native.moe import routed_experts
 from polyrl.rollout.native.sampling import RowParams, sample
 from polyrl.rollout.native.streaming import SampleDelta, StreamUpdate
 from polyrl.rollout.native.vision import PromptImages, check_images
@@ -62,6 +63,8 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    routes: list[torch.Tensor] = field(default_factory=list)
+    """Mixture-of-experts: expert ids [moe layers, k] of each generated token fed back (moe.py)."""
     stop_reason: str | None = None
     text: str | None = None
     min_version: int = 0
@@ -285,6 +288,10 @@ class Scheduler:
             attend_len,
             *([torch.tensor(rotary, device=device)] if rotary else []),
         )
+        routes = getattr(self.model, "last_routes", None)
+        if routes is not None:  # the routes of each sequence's input token, its newest generated one
+            for s, r in zip(live, routes.cpu()):
+                s.routes.append(r)
         self._append(live, logits)
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(live)
@@ -380,7 +387,9 @@ class Scheduler:
             top_logprobs=list(s.top_logprobs) if s.request.sampling.top_logprobs else None,
             text=text,
             prompt_tokens=len(s.request.prompt),
-            extra={"min_weight_version": s.min_version, "max_weight_version": s.max_version},
+            extra={"min_weight_version": s.min_version, "max_weight_version": s.max_version,
+                   **({"routed_experts": routed_experts(s.routes, len(s.tokens), self.model.spec.moe)}
+                      if self.model.spec.moe is not None else {})},
         )
 
     # -- control --------------------------------------------------------------------------------

@@ -1,0 +1,207 @@
+"""Rollout routing replay for mixture-of-experts policies (`actor.router_replay`; docs/moe.md).
+
+The engine and the trainer can pick different experts for the same token: a tiny numeric
+difference flips a top-k. Replay makes the trainer use the routes the engine used (R3, the
+batch's routes column, polyrl/batch/routes.py) or the routes of the trainer's own old-policy
+forward (R2). The router still computes its scores; only the top-k choice is replaced, and the
+weights become `probs.gather(-1, replayed_ids)`, so the router keeps its gradient.
+
+`RouterReplay.install(model)` rebinds the forward of each Qwen3-MoE / Qwen2-MoE router
+(transformers' `*TopKRouter`: `weight`, `top_k`, `norm_topk_prob`); with nothing to replay it
+computes exactly what transformers computes. The head (training/logprobs.py) calls `begin(mb)`
+before each micro-batch's forward: the replay tensor stays set until the next micro-batch, so the
+recompute of gradient checkpointing (inside backward) routes as the forward did. Tokens marked -1
+(prompt positions, padding, tokens the engine did not route) are routed by the trainer.
+
+Measured on the way, every forward: the share of replayed (token, layer) top-k sets the trainer's
+own router agrees with (`moe/route_match`), and the most-loaded expert's share of the token-slots
+(`moe/expert_load_max`, averaged over layers); with `actor.router_aux_loss_coef` > 0 the
+Switch-style load-balancing loss E * sum_e f_e * P_e, averaged over layers (`aux_loss`).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+_ATTR = "_polyrl_router_replay"
+
+
+def is_router(module: torch.nn.Module) -> bool:
+    """transformers' top-k router of a Qwen3-MoE / Qwen2-MoE sparse block."""
+    return type(module).__name__ in ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter")
+
+
+def has_routers(model: torch.nn.Module) -> bool:
+    return any(is_router(m) for m in model.modules())
+
+
+class RouterReplay:
+    def __init__(self, routers: list[torch.nn.Module], mode: str):
+        self.routers, self.mode = routers, mode
+        self.num_experts = routers[0].num_experts
+        self.replay: torch.Tensor | None = None
+        """[N, layers, k] int64 ids for the current micro-batch's flattened tokens (-1: own)."""
+        self.valid: torch.Tensor | None = None
+        """[N] bool: real tokens (padding excluded) of the current micro-batch."""
+        self.record_into: Any = None
+        """A routes Ragged shaped like the batch's responses: R2's old-policy forward writes the
+        trainer's own routes there (`record`)."""
+        self._routed: list[torch.Tensor | None] = [None] * len(routers)
+        self._layer_stats: list[tuple[float, float, float]] = [(0.0, 0.0, 0.0)] * len(routers)
+        self.aux: list[torch.Tensor] = []
+        self.reset_metrics()
+
+    @classmethod
+    def install(cls, model: torch.nn.Module, mode: str) -> RouterReplay | None:
+        """Rebind `model`'s routers (None for a model without any, where `mode` must be off)."""
+        routers = [m for m in model.modules() if is_router(m)]
+        if not routers:
+            if mode != "off":
+                raise ValueError(f"actor.router_replay={mode}: the policy has no Qwen3-MoE / Qwen2-MoE router to "
+                                 "replay (docs/moe.md); set actor.router_replay=off")
+            return None
+        replay = cls(routers, mode)
+        for i, router in enumerate(routers):
+            router._polyrl_layer = i
+            router._polyrl_state = replay
+            router.forward = types.MethodType(_router_forward, router)
+        setattr(model, _ATTR, replay)
+        return replay
+
+    # -- per micro-batch --------------------------------------------------------------------------
+
+    def begin(self, mb: Any) -> None:
+        self._commit()
+        routes = getattr(mb, "routes", None)  # off: compared with, never replayed
+        self.replay = None if routes is None else routes.reshape(-1, *routes.shape[2:])
+        mask = mb.attention_mask
+        self.valid = mask.reshape(-1).bool() if mask is not None and mask.dim() == 2 else None
+        self.aux = []
+
+    def _commit(self) -> None:
+        """Add the finished micro-batch's per-layer statistics (a recompute overwrote them with
+        the same numbers) to the totals."""
+        for match, compared, load in self._layer_stats:
+            self.match += match
+            self.compared += compared
+            if load:
+                self.load_sum += load
+                self.load_count += 1
+        self._layer_stats = [(0.0, 0.0, 0.0)] * len(self.routers)
+
+    def routed(self, layer: int, ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """The ids the router uses: its own top-k `ids` [N, k], or the replayed ones."""
+        own = ids
+        match = compared = 0.0
+        if self.replay is not None:
+            if self.replay.shape[0] != ids.shape[0]:
+                raise ValueError(f"actor.router_replay: {self.replay.shape[0]} replayed tokens for a forward of "
+                                 f"{ids.shape[0]} (sequence-parallel slices are not supported)")
+            replay = self.replay[:, layer].to(ids.device)
+            use = replay[:, 0] >= 0
+            if bool(use.any()):
+                same = (own.sort(-1).values == replay.sort(-1).values).all(-1) & use
+                match, compared = float(same.sum()), float(use.sum())
+                if self.mode != "off":  # off: the agreement is measured, the router keeps its own
+                    ids = torch.where(use[:, None], replay, own)
+        valid = self.valid.to(ids.device) if self.valid is not None and len(self.valid) == len(ids) else None
+        chosen = ids if valid is None else ids[valid]
+        load = 0.0
+        if chosen.numel():
+            counts = torch.bincount(chosen.reshape(-1), minlength=self.num_experts).float()
+            load = float(counts.max() / chosen.numel())
+            if torch.is_grad_enabled() and probs.requires_grad:
+                share = counts / chosen.numel()  # f_e, no gradient
+                mean_prob = (probs if valid is None else probs[valid]).mean(0)  # P_e
+                self.aux.append(self.num_experts * (share * mean_prob).sum())
+        self._layer_stats[layer] = (match, compared, load)
+        self._routed[layer] = ids.detach()
+        return ids
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The load-balancing loss of the last forward, averaged over layers (None: no gradient)."""
+        return torch.stack(self.aux).mean() if self.aux else None
+
+    # -- R2: recording the trainer's own routes ---------------------------------------------------
+
+    def record(self, mb: Any) -> None:
+        """After a forward: the trainer's routes of each response token fed as input, written
+        into `record_into` at the micro-batch's rows (the last token, never fed, stays unmarked)."""
+        if self.record_into is None or any(r is None for r in self._routed):
+            return
+        ids = torch.stack(self._routed, 1).cpu()  # [N, layers, k]
+        rows, width = mb.input_ids.shape
+        b, R = mb.gather_index.shape
+        j = torch.arange(R).unsqueeze(0)
+        fed = j < (mb.response_lengths.unsqueeze(1) - 1)  # token j is an input when j < len - 1
+        row = torch.arange(b).unsqueeze(1) if rows == b else torch.zeros(b, 1, dtype=torch.long)
+        flat = (row * width + mb.gather_index.cpu() + 1)[fed]
+        starts = self.record_into.offsets[:-1][mb.indices.cpu()]
+        dest = (starts.unsqueeze(1) + j)[fed]
+        self.record_into.values[dest] = ids[flat].to(self.record_into.values.dtype)
+
+    # -- metrics -----------------------------------------------------------------------------------
+
+    def reset_metrics(self) -> None:
+        self.match = self.compared = self.load_sum = 0.0
+        self.load_count = 0
+
+    def empty_routes(self, response_ids: Any) -> Any:
+        """A routes column shaped like `response_ids`, every token unmarked (R2 fills it)."""
+        from polyrl.batch.ragged import Ragged
+        from polyrl.batch.routes import encode, routes_dtype
+
+        values = encode(None, len(response_ids.values), routes_dtype(self.num_experts), len(self.routers),
+                        self.routers[0].top_k)
+        return Ragged(values, response_ids.offsets)
+
+    def metrics(self, engine: Any = None) -> dict[str, float]:
+        """Since the last reset, summed over the ranks of `engine` (every rank calls this once per
+        update): `moe/expert_load_max`, and `moe/route_match` where the batch had routes."""
+        self._commit()
+        sums = torch.tensor([self.match, self.compared, self.load_sum, float(self.load_count)], dtype=torch.float64)
+        if engine is not None and getattr(engine, "world_size", 1) > 1:
+            sums = engine.all_reduce(sums)
+        match, compared, load_sum, load_count = sums.tolist()
+        out = {}
+        if load_count:
+            out["moe/expert_load_max"] = load_sum / load_count
+        if compared:
+            out["moe/route_match"] = match / compared
+        self.reset_metrics()
+        return out
+
+
+def replay_of(model: torch.nn.Module) -> RouterReplay | None:
+    return getattr(model, _ATTR, None)
+
+
+def _router_forward(self, hidden_states: torch.Tensor):
+    """transformers' top-k router with the top-k choice open to replay (see the module doc)."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    logits = F.linear(hidden_states, self.weight)
+    probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+    _, ids = torch.topk(probs, self.top_k, dim=-1)
+    ids = self._polyrl_state.routed(self._polyrl_layer, ids, probs)
+    top = probs.gather(-1, ids)  # without replay: exactly the top-k values
+    if self.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top.to(logits.dtype), ids
+
+
+def begin(model: torch.nn.Module, mb: Any) -> None:
+    """Before a micro-batch's forward (training/logprobs.py): set what its routers replay."""
+    replay = replay_of(model)
+    if replay is not None:
+        replay.begin(mb)
+
+
+def end(model: torch.nn.Module, mb: Any) -> None:
+    """After it: R2's old-policy forward records the trainer's routes."""
+    replay = replay_of(model)
+    if replay is not None:
+        replay.record(mb)

@@ -1,0 +1,153 @@
+"""Rollout routing replay (`actor.router_replay`, training/moe_replay.py; docs/moe.md): the native
+engine records each generated token's experts, the routes column (polyrl/batch/routes.py) carries
+them through micro-batching and packing, and the trainer's routers replay them with their
+gradient kept; R2 records the trainer's own old-policy routes; the moe/ metrics; the one-line
+refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine_ranks
+from moe_models import build_moe_model
+from polyrl.batch import collate
+from polyrl.batch.packed import collate_packed
+from polyrl.batch.routes import not_routed
+from polyrl.rollout.base import SamplingParams
+from polyrl.rollout.native.engine import NativeEngine
+from polyrl.training.moe_replay import replay_of
+from polyrl.workers.generation import to_batch
+
+PROMPTS = [[5, 6, 7, 8, 9], [8, 9], [3, 4, 5, 6]]
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory) -> str:
+    return build_moe_model(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def sampled(moe_path):
+    engine = NativeEngine(moe_path, max_model_len=64)
+    outs = engine.generate_batch(PROMPTS, SamplingParams(n=3, max_tokens=10, seed=0, ignore_eos=True))
+    batch = to_batch(engine.tokenizer, engine.eos_token_ids, PROMPTS, outs, [0, 1, 2])
+    return batch.replace(advantages=torch.randn(len(batch), generator=torch.Generator().manual_seed(0)))
+
+
+def test_engine_routes_column(sampled):
+    routes = sampled.routes
+    assert routes.values.dtype == torch.uint8 and routes.values.shape == (len(sampled.response_ids.values), 2, 2)
+    assert torch.equal(routes.offsets, sampled.response_ids.offsets)
+    last = routes.offsets[1:] - 1  # each sample's last token is never fed back: not routed
+    assert bool((routes.values[last] == not_routed(torch.uint8)).all())
+    assert bool((routes.values[routes.offsets[:-1]] < 6).all())
+    # every top-k set holds k distinct experts
+    ids = routes.values[routes.offsets[:-1]].long()
+    assert bool((ids[..., 0] != ids[..., 1]).all())
+
+
+def test_routes_survive_padding_packing_and_selection(sampled):
+    picked = [4, 0, 7]
+    padded = collate(sampled, picked, torch.device("cpu"))
+    packed = collate_packed(sampled, picked, torch.device("cpu"))
+    real = padded.attention_mask.bool()
+    assert torch.equal(packed.routes[0], padded.routes[real])
+    for row, i in enumerate(picked):
+        p = len(sampled.prompt_ids.row(i))
+        want = sampled.routes.row(i)[:-1].long()  # the fed response tokens
+        assert torch.equal(padded.routes[row, p: p + len(want)], want)
+        assert bool((padded.routes[row, :p] == -1).all())  # the trainer routes the prompt
+    # a pickled trip (Ray) and a selection keep them aligned
+    import pickle
+
+    back = pickle.loads(pickle.dumps(sampled.select([2, 5])))
+    assert torch.equal(back.routes.values, torch.cat([sampled.routes.row(2), sampled.routes.row(5)]))
+
+
+def test_fp32_engine_and_trainer_agree_and_replay_changes_nothing(moe_path, sampled):
+    """Same weights in fp32: the trainer's own routes are the engine's (route match 1), so a
+    single-step update with R3 is the update without it, to the bit."""
+    results = {}
+    for mode in ("off", "R3"):
+        trainer, actor = engine_ranks.build(moe_path, engine_ranks.actor_config("ddp", router_replay=mode, ppo_epochs=1), 0, 1)
+        metrics = actor.update(sampled, 1, False, version=0)
+        results[mode] = (metrics, engine_ranks.full_weights(trainer))
+        assert metrics["moe/route_match"] == 1.0
+        # a token's 2 slots go to 2 distinct experts of 6: the busiest holds 1/6 to 1/2 of them
+        assert 1 / 6 <= metrics["moe/expert_load_max"] <= 1 / 2
+    assert results["off"][0]["actor/loss"] == results["R3"][0]["actor/loss"]
+    for name, w in results["off"][1].items():
+        assert torch.equal(w, results["R3"][1][name]), name
+
+
+def test_replayed_routes_are_used_and_the_router_keeps_its_gradient(moe_path, sampled):
+    # routes the trainer would not choose: each expert id shifted by one
+    mark = not_routed(torch.uint8)
+    values = sampled.routes.values
+    shifted = torch.where(values == mark, values, (values + 1) % 6)
+    forced = sampled.replace(routes=sampled.routes.with_values(shifted))
+    trainer, actor = engine_ranks.build(moe_path, engine_ranks.actor_config("ddp", router_replay="R3"), 0, 1)
+    own = trainer.logprobs(sampled).values
+    assert replay_of(trainer.module).metrics()["moe/route_match"] == 1.0
+    replayed = trainer.logprobs(forced).values
+    assert (own - replayed).abs().max() > 1e-3
+    assert replay_of(trainer.module).metrics()["moe/route_match"] < 0.2
+    # the router's gradient flows through probs.gather(replayed ids)
+    mb = next(trainer.micro_batches(forced))
+    logprob, _ = trainer.forward(mb)
+    (logprob * mb.response_mask).sum().backward()
+    router = trainer.module.model.layers[0].mlp.gate.weight
+    assert router.grad is not None and router.grad.abs().sum() > 0
+
+
+def test_r2_records_the_trainers_own_routes(moe_path, sampled):
+    trainer, actor = engine_ranks.build(moe_path, engine_ranks.actor_config("ddp", router_replay="R2"), 0, 1)
+    replay = replay_of(trainer.module)
+    replay.record_into = replay.empty_routes(sampled.response_ids)
+    trainer.logprobs(sampled.replace(routes=None))
+    # fp32, same weights: the trainer's own routes are the engine's, token for token
+    assert torch.equal(replay.record_into.values, sampled.routes.values)
+    replay.record_into = None
+    metrics = actor.update(sampled, 2, False, version=0)  # two optimizer steps: R2 replays in the second
+    assert "moe/route_match" in metrics and "moe/expert_load_max" in metrics
+
+
+def test_aux_loss_reaches_the_router_and_the_update(moe_path, sampled):
+    routers = {}
+    for coef in (0.0, 1.0):
+        cfg = engine_ranks.actor_config("ddp", router_aux_loss_coef=coef, ppo_epochs=1)
+        trainer, actor = engine_ranks.build(moe_path, cfg, 0, 1)
+        actor.update(sampled, 1, False)
+        routers[coef] = engine_ranks.full_weights(trainer)["model.layers.0.mlp.gate.weight"]
+    mb = next(trainer.micro_batches(sampled))
+    trainer.forward(mb)
+    aux = replay_of(trainer.module).aux_loss()
+    assert aux is not None and aux.requires_grad and 0 < float(aux.detach()) <= 6
+    aux.backward()
+    assert trainer.module.model.layers[2].mlp.gate.weight.grad.abs().sum() > 0
+    # the update's loss includes it: the router moved elsewhere
+    assert (routers[1.0] - routers[0.0]).abs().max() > 1e-6
+
+
+def test_refusals_are_one_line(tmp_path):
+    from polyrl.config import ConfigError, load_config
+    from polyrl.job import JobConfig
+    from polyrl.trainer.preflight import check_router_replay
+
+    def problem(overrides, model_config):
+        with pytest.raises(ConfigError) as err:
+            check_router_replay(load_config(JobConfig, overrides=overrides), model_config)
+        (line,) = err.value.problems
+        assert "\n" not in line
+        return line
+
+    from moe_models import moe_config
+    from transformers import Qwen2Config
+
+    moe = moe_config("qwen3_moe")
+    assert "declares no routed_experts" in problem(["actor.router_replay=R3", "rollout.backend=vllm"], moe)
+    assert "not a Qwen3-MoE" in problem(["actor.router_replay=R2"], Qwen2Config())
+    check_router_replay(load_config(JobConfig, overrides=["actor.router_replay=R3"]), moe)  # native: fine
+    with pytest.raises(ValueError, match="actor.compile=on"):
+        engine_ranks.actor_config("ddp", router_replay="R3", compile="on")
