@@ -67,6 +67,32 @@ def _check_binds(key: str, name: str, fn: Callable, contract: str, positional: i
         raise PluginOutputError(key, name, f"cannot take polyrl's call ({exc})", contract) from None
 
 
+def call_with_deadline(call: Callable[[], Any], timeout_s: float, key: str, name: str, contract: str) -> Any:
+    """`call()` in a thread of its own, waited on for `timeout_s`: a plugin that never returns is
+    one line naming its key instead of a driver that hangs. The wait is in the calling thread,
+    so a signal's handler runs during it (a second SIGTERM or Ctrl-C abandons the step); the
+    stuck thread is a daemon, so it does not keep the process alive."""
+    import threading
+
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = call()
+        except BaseException as exc:  # re-raised in the caller's thread, traceback and all
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"polyrl {key}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise PluginOutputError(key, name, f"returned nothing within {timeout_s:g}s (still running: a loop "
+                                "that never ends, or a wait on something that never comes?)", contract)
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
 def checked_advantages(name: str, adv: Any, rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """`adv` as float32 [B, T] if it is a usable estimator output, else PluginOutputError."""
     key, shape = "algorithm.adv_estimator", list(response_mask.shape)

@@ -44,7 +44,10 @@ ACCEPTED_FORMS = (
 
 
 def make_scorer(fn: RewardFn, kwargs: dict[str, Any], who: str = "reward function") -> FunctionScorer:
-    """How to call `fn`; a ConfigError naming `who` and both accepted forms if it fits neither."""
+    """How to call `fn`; a ConfigError naming `who` and both accepted forms if it fits neither.
+    An `async def` function is awaited to completion on each call (in its pool thread)."""
+    if inspect.iscoroutinefunction(fn):
+        fn = _awaited(fn)
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins / C functions: call plainly
@@ -75,6 +78,19 @@ def make_scorer(fn: RewardFn, kwargs: dict[str, Any], who: str = "reward functio
         raise ConfigError([f"{who}: cannot call {getattr(fn, '__name__', fn)}{signature} ({exc}); "
                            f"accepted forms: {ACCEPTED_FORMS}"]) from None
     return scorer
+
+
+def _awaited(fn: Any) -> RewardFn:
+    """`fn` (async) as a plain function: each call runs the coroutine to its end on an event loop
+    of its own. The scoring pool's threads run no loop, so `asyncio.run` may start one there."""
+    import asyncio
+    import functools
+
+    @functools.wraps(fn)  # inspect.signature follows __wrapped__: the form is still read from fn
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return asyncio.run(fn(*args, **kwargs))
+
+    return run
 
 
 def call(scorer: FunctionScorer, req: "RewardRequest") -> tuple[float, float, dict[str, float]]:

@@ -69,9 +69,13 @@ def stop_on_signals() -> Iterator[StopFlag]:
     def handler(signum, frame):
         if flag.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if flag.requested and signum == signal.SIGTERM:  # the step does not finish (a plugin that hangs)
+            raise TrainingInterrupted("second SIGTERM: abandoned the current step without a checkpoint; rerun "
+                                      "the same command (trainer.resume=auto) to continue from the last "
+                                      "checkpoint", 128 + signal.SIGTERM)
         flag.signum = signum
         logger.warning("%s received: finishing the current step, then stopping "
-                       "(Ctrl-C again to abandon it)", signal.Signals(signum).name)
+                       "(the same signal again abandons it)", signal.Signals(signum).name)
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -215,11 +216,18 @@ class Trainer:
                      else "no checkpoint was written yet (trainer.save_every sets how often)")
             raise TrainingError(f"{exc}; {where}") from None
         finally:
-            self.shutdown()
-            if self.started_ray:
-                import ray
+            failing = sys.exc_info()[1]
+            try:
+                self.shutdown()
+            except Exception as exc:  # actors stuck in the failed call: report that call's error, not this
+                if failing is None:
+                    raise
+                logger.warning("shutting the run's actors down after the error below failed too: %s", exc)
+            finally:
+                if self.started_ray:
+                    import ray
 
-                ray.shutdown()
+                    ray.shutdown()
 
     def shutdown(self) -> None:
         """Stop generating and shut the run's actors down (Ray itself stays up)."""

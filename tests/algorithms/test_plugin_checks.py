@@ -45,6 +45,11 @@ def plugins(tmp_path_factory):
         body.append(f"def loss_{name}(cfg, logprob, old_logprob, advantages, response_mask, *, num_tokens=None,"
                     f" num_seqs=None):\n    {line}\n")
     body.append(textwrap.dedent("""
+        import threading
+        RELEASE = threading.Event()
+        def est_hang(rewards, group_ids, response_mask, *, norm_adv_by_std, eps):
+            RELEASE.wait()  # never set while the test waits: an estimator that never returns
+            return torch.zeros(response_mask.shape)
         def est_two_args(rewards, group_ids):
             return rewards
         async def loss_async(cfg, logprob, old_logprob, advantages, response_mask, **kw):
@@ -73,6 +78,17 @@ def test_bad_estimator_outputs_are_one_line_naming_the_key(plugins, name, needle
         compute_advantages(cfg, *inputs())
     (line,) = info.value.problems
     assert line.startswith(f"algorithm.adv_estimator={plugins}:est_{name}: ") and needle in line, line
+
+
+def test_an_estimator_that_never_returns_is_a_timeout_naming_it(plugins):
+    from polyrl.algorithms import ADV_ESTIMATORS
+
+    cfg = AlgorithmConfig(adv_estimator=f"{plugins}:est_hang")
+    try:
+        with pytest.raises(PluginOutputError, match=r"adv_estimator=.*est_hang: returned nothing within 0.2s"):
+            compute_advantages(cfg, *inputs(), timeout_s=0.2)
+    finally:  # let the plugin's thread end
+        ADV_ESTIMATORS.get(cfg.adv_estimator).__globals__["RELEASE"].set()
 
 
 def loss_inputs():

@@ -37,6 +37,12 @@ ADV_ESTIMATORS.register(
 )
 
 
+ESTIMATOR_TIMEOUT_S = 300.0
+"""How long an estimator may take before the run stops naming it. The math is a few tensor ops
+over [B, T] (milliseconds), so minutes mean a plugin that never returns, which would otherwise
+hang the driver with no message."""
+
+
 @dataclass
 class AdvantageOutput:
     advantages: torch.Tensor
@@ -55,6 +61,7 @@ def compute_advantages(
     response_mask: torch.Tensor,  # [B, T] loss mask (holes for multi-turn tool output allowed)
     *,
     values: torch.Tensor | None = None,  # [B, T] critic's values at rollout time; gae only
+    timeout_s: float = ESTIMATOR_TIMEOUT_S,
 ) -> AdvantageOutput:
     """Advantages with `cfg.adv_estimator`, plus the tied-group mask and metrics.
 
@@ -77,12 +84,13 @@ def compute_advantages(
             "critic/values_mean": masked_mean(values.to(returns.dtype), response_mask).item(),
         }
     else:
-        from polyrl.algorithms.plugin_checks import checked_advantages
+        from polyrl.algorithms.plugin_checks import ESTIMATOR_CONTRACT, call_with_deadline, checked_advantages
 
         fn = ADV_ESTIMATORS.get(cfg.adv_estimator)
-        adv = checked_advantages(cfg.adv_estimator, fn(
-            rewards, group_ids, response_mask, norm_adv_by_std=cfg.norm_adv_by_std, eps=cfg.adv_eps
-        ), rewards, response_mask)
+        adv = call_with_deadline(
+            lambda: fn(rewards, group_ids, response_mask, norm_adv_by_std=cfg.norm_adv_by_std, eps=cfg.adv_eps),
+            timeout_s, "algorithm.adv_estimator", cfg.adv_estimator, ESTIMATOR_CONTRACT)
+        adv = checked_advantages(cfg.adv_estimator, adv, rewards, response_mask)
     tied, num_tied = tied_group_mask(rewards, group_ids)
     num_groups = group_stats(rewards, group_ids).num_groups
     mask = response_mask.bool()
