@@ -83,3 +83,28 @@ def test_fsdp2_two_ranks_equal_ddp_one(moe_dirs, tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     for name, w in one["weights"].items():
         torch.testing.assert_close(two[0]["weights"][name], w, rtol=1e-4, atol=1e-5)
+
+
+def test_export_of_a_trained_moe_checkpoint_loads_back_with_equal_logprobs(moe_dirs, tmp_path):
+    """`polyrl export` of an MoE policy's checkpoint: transformers loads it back (experts as saved
+    per expert on disk, fused in memory) with the trained weights, so log-probs are equal, and
+    the native engine serves it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from polyrl.cli.main import main
+
+    path = moe_dirs["qwen2_moe"]
+    trainer, actor = engine_ranks.build(path, engine_ranks.actor_config("ddp", ppo_epochs=1), 0, 1)
+    actor.update(engine_ranks.make_batch(seed=2, n=4), 1, False)
+    ckpt = tmp_path / "step_000001"
+    ckpt.mkdir()
+    trainer.save(ckpt)
+    AutoTokenizer.from_pretrained(path).save_pretrained(str(ckpt / "policy"))
+    out = tmp_path / "exported"
+    assert main(["export", str(ckpt), "--output", str(out)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    params = dict(model.named_parameters())
+    trained = engine_ranks.full_weights(trainer)
+    assert all(torch.equal(params[k], v) for k, v in trained.items())
+    batch = sampled_batch(NativeEngine(str(out), max_model_len=64, tokenizer=False), n=1)
+    assert (trainer.logprobs(batch).values - batch.rollout_logprobs.values).abs().max().item() <= 1e-5
