@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,42 @@ def test_recipe_header_names_hardware_and_expected_accuracy(name):
     assert "Sized for: " in header and "H100" in header, name
     assert "Expect" in header, name
     assert f"polyrl train -c configs/{name} --dry-run --platform h100" in header, name
+
+
+GPU_ENGINES = {"vllm", "sglang", "trtllm"}
+
+
+@pytest.mark.parametrize("name", sorted(GPUS))
+def test_gpu_recipe_generates_with_a_gpu_engine(name, capsys):
+    """A GPU recipe names the engine GPU users run (the built-in engine is its documented
+    fallback), its header names the extra to install, and the dry run on simulated H100s shows
+    that engine's launch arguments on every engine host: on a GPU the engine is built from them."""
+    from polyrl.config import load_config
+    from polyrl.job import JobConfig
+    from polyrl.rollout.launch_args import VLLM_WORKER_EXTENSION
+
+    cfg = load_config(JobConfig, files=[CONFIGS / name])
+    backend = cfg.rollout.backend
+    assert backend in GPU_ENGINES, f"{name}: rollout.backend={backend}"
+    header = "".join(line for line in (CONFIGS / name).read_text().splitlines(keepends=True) if line.startswith("#"))
+    assert re.search(rf"polyrl\[[^\]]*\b{backend}\b", header) and "rollout.backend=native" in header, name
+    engines = [a["engine"] for a in plan(capsys, name)["actors"] if a.get("engine")]
+    assert engines, name
+    for engine in engines:
+        assert engine["backend"] == backend and not engine.get("error"), engine
+        args = engine["args"]
+        assert args["model"] == cfg.model.path and args["dtype"] == cfg.rollout.dtype
+        assert args["tensor_parallel_size"] == cfg.rollout.tensor_parallel_size
+        if backend == "vllm":  # hybrid: the engine sleeps while the policy trains, weights arrive in place
+            assert args["worker_extension_cls"] == VLLM_WORKER_EXTENSION and args["enable_sleep_mode"] is True
+            assert args["gpu_memory_utilization"] == cfg.rollout.gpu_memory_utilization
+
+
+@pytest.mark.parametrize("name", ["grpo_gsm8k_qwen2.5_0.5b_1gpu.yaml", "tools_gsm8k_qwen2.5_3b_8gpu.yaml"])
+def test_the_builtin_engine_fallback_plans(name, capsys):
+    code = main(["train", "-c", str(CONFIGS / name), "--dry-run", "--platform", "h100", "--json",
+                 "rollout.backend=native"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    p = json.loads(out.out)
+    assert p["errors"] == [] and {a["engine"]["backend"] for a in p["actors"] if a.get("engine")} == {"native"}
