@@ -231,7 +231,10 @@ def check_memory(cfg: JobConfig, model_config: Any | None, platform: Any = None)
     if not platform.ray_resource and cfg.ray.address not in (None, "local"):
         return
     device = mf.device_memory_bytes(platform)
-    shape = mf.model_shape(model_config, cfg.model.trust_remote_code) if device else None
+    try:
+        shape = mf.model_shape(model_config, cfg.model.trust_remote_code) if device else None
+    except ValueError as exc:
+        raise ConfigError([f"model.path: {cfg.model.path}'s {exc}"]) from None
     if shape is None:
         return
     actor, rollout = cfg.actor, cfg.rollout

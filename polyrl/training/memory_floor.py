@@ -42,9 +42,15 @@ by device name): the reported capacity for the H100, the vendors' nominal one fo
 def model_shape(config: Any, trust_remote_code: bool = False) -> Shape | None:
     """The shape and exact parameter count of the model a config.json describes (a dict or a
     transformers config): by formula for Qwen2 / Llama layouts, else counted on the meta device
-    (`count_on_meta`); None when neither can tell (not a causal LM transformers knows)."""
+    (`count_on_meta`); None when neither can tell (not a causal LM transformers knows). A size
+    that is present but not a positive integer (0 heads, -1 layers, "4096") is a ValueError naming it."""
     c = _as_dict(config)
     keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    for key in (*keys, "num_key_value_heads", "head_dim"):  # present but not a size: the config is broken
+        value = c.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"config.json has {key}={value!r}; a model's sizes are positive integers "
+                             "(is the file damaged or hand-edited?)")
     if any(not isinstance(c.get(k), int) for k in keys):
         return None
     c.setdefault("num_key_value_heads", c["num_attention_heads"])
