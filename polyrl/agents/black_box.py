@@ -189,7 +189,16 @@ class BlackBoxRunner:
         if isinstance(result, str):
             traj.final_text = result
             return None
-        return f"returned {type(result).__name__}; return None, a number (the reward) or a string (the final answer)"
+        if isinstance(result, dict) and result:  # named terms (a rubric's weighted functions)
+            bad = [k for k, v in result.items() if not isinstance(k, str) or isinstance(v, bool)
+                   or not isinstance(v, (int, float)) or not math.isfinite(v)]
+            if bad:
+                return f"returned the reward terms {result!r}; each must be a name and a finite number"
+            traj.stats.reward_terms = {k: float(v) for k, v in result.items()}
+            traj.stats.reward = sum(traj.stats.reward_terms.values())
+            return None
+        return (f"returned {type(result).__name__}; return None, a number (the reward), a dict of named "
+                "numbers (reward terms: their sum is the reward) or a string (the final answer)")
 
     def _count_error(self, traj: Trajectory, trajectory_id: str, error: str) -> None:
         traj.stats.env_errors += 1

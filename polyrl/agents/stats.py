@@ -39,6 +39,8 @@ class TrajectoryStats:
     prefix_mismatch: int = 0
     """1 when a black-box agent's later prompt did not extend its earlier prompt + sampled ids
     (the trajectory gets no loss)."""
+    reward_terms: dict[str, float] = field(default_factory=dict)
+    """The named terms a black-box agent returned, whose sum is `reward` (reward/<name>)."""
 
     def add(self, step: StepStats, reward: float) -> None:
         self.tool_calls += step.tool_calls
@@ -157,6 +159,13 @@ class AgentRollout:
                             dtype=torch.float32)
 
     @property
+    def reward_terms(self) -> dict[str, torch.Tensor]:
+        """[N] float32 per named reward term, NaN where a trajectory has none."""
+        names = sorted({k for s in self.stats for k in s.reward_terms})
+        return {k: torch.tensor([s.reward_terms.get(k, math.nan) for s in self.stats], dtype=torch.float32)
+                for k in names}
+
+    @property
     def transcripts(self) -> list[list[dict]]:
         return [t.messages for t in self.trajectories]
 
@@ -176,4 +185,7 @@ class AgentRollout:
         rewards = [s.env_reward for s in stats if s.env_reward is not None]
         if rewards:
             out["agent/env_reward_mean"] = sum(rewards) / len(rewards)
+        for name in sorted({k for s in stats for k in s.reward_terms}):
+            values = [s.reward_terms[name] for s in stats if name in s.reward_terms]
+            out[f"reward/{name}"] = sum(values) / len(values)
         return out

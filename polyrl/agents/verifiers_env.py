@@ -12,8 +12,9 @@ interception server verifiers starts, which forwards every model call to the cli
 episode's `ModelContext`; after the episode the task's `@vf.reward` functions and judges score the
 trace. Here that client's base URL is the trajectory URL polyrl's black-box runner gives each
 sample (polyrl/agents/black_box.py), so every model call is sampled by polyrl's engine and recorded
-as token ids: the trajectory is assembled from those ids, token-exact like any black-box agent's,
-and the episode's weighted reward (`trace.reward`) is the trajectory's reward.
+as token ids: the trajectory is assembled from those ids, token-exact like any black-box agent's.
+The agent returns each reward function's (and judge's) weighted score by name: their sum is the
+trajectory's reward, and each is logged as reward/<name>.
 
 `agent.environment=verifiers:...` is turned into `agent.black_box` when the config is read
 (config.py), so the black-box runner, its limits, timeouts and counters apply unchanged. The
@@ -91,7 +92,7 @@ class VerifiersAgent:
                 atexit.register(self.stop)
             return self._loop
 
-    def __call__(self, base_url: str, row: Any, trajectory_id: str) -> float:
+    def __call__(self, base_url: str, row: Any, trajectory_id: str) -> dict[str, float]:
         task = self.tasks().get((getattr(row, "extra_info", None) or {}).get(TASK_KEY))
         if task is None:
             raise ValueError(f"the row's extra_info.{TASK_KEY} names no task of {self.name} "
@@ -104,7 +105,12 @@ class VerifiersAgent:
         if failed:
             raise RuntimeError(f"the {self.name} episode's agent failed: {failed[0].type}: "
                                f"{_one_line(Exception(failed[0].message))}")
-        return float(sum(t.reward for t in episode.traces))  # each trace's weighted reward sum
+        terms: dict[str, float] = {}  # each reward function's weighted score: reward/<name>
+        for trace in episode.traces:
+            for name, reward in trace.rewards.items():
+                if reward is not None:
+                    terms[name] = terms.get(name, 0.0) + reward.value
+        return terms or {"reward": 0.0}
 
     async def _episode(self, task: Any, base_url: str) -> Any:
         from verifiers.v1.clients import EvalClientConfig, ModelContext

@@ -20,6 +20,7 @@ the policy ranks; the prompts' images stay, as `images` (polyrl/batch/images.py)
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,14 +50,23 @@ class AgentColumns:
     """float32: the environment's reward, NaN where no environment gave one."""
     prefix_mismatch: torch.Tensor
     """int64: 1 where a black-box agent's turns did not chain (the trajectory gets no loss)."""
+    reward_terms: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """float32 per named reward term a black-box agent returned (a verifiers rubric's weighted
+    functions: polyrl/agents/verifiers_env.py), NaN where a trajectory has none; reward/<name>."""
 
     def select(self, idx: torch.Tensor) -> AgentColumns:
-        return AgentColumns(**{f.name: getattr(self, f.name)[idx] for f in dataclasses.fields(self)})
+        return AgentColumns(**{f.name: getattr(self, f.name)[idx] for f in dataclasses.fields(self)
+                               if f.name != "reward_terms"},
+                            reward_terms={k: v[idx] for k, v in self.reward_terms.items()})
 
     @staticmethod
     def cat(parts: Sequence[AgentColumns]) -> AgentColumns:
+        names = sorted({k for p in parts for k in p.reward_terms})
+        terms = {k: torch.cat([p.reward_terms.get(k, torch.full((len(p.turns),), math.nan)) for p in parts])
+                 for k in names}
         return AgentColumns(**{f.name: torch.cat([getattr(p, f.name) for p in parts])
-                               for f in dataclasses.fields(AgentColumns)})
+                               for f in dataclasses.fields(AgentColumns) if f.name != "reward_terms"},
+                            reward_terms=terms)
 
     def metrics(self) -> dict[str, float]:
         n = max(len(self.turns), 1)
@@ -69,6 +79,10 @@ class AgentColumns:
         given = self.env_rewards[~self.env_rewards.isnan()]
         if len(given):
             out["agent/env_reward_mean"] = float(given.mean())
+        for name, values in self.reward_terms.items():
+            given = values[~values.isnan()]
+            if len(given):
+                out[f"reward/{name}"] = float(given.mean())
         return out
 
 

@@ -3,7 +3,8 @@
 again after a wrong answer), both written here, played by verifiers' own `null` chat harness
 against polyrl's trajectory endpoint over the bundled builtin:tiny-arith model. The trajectories
 are token-exact (each turn's sampled ids, what the next prompt adds masked), the reward is the
-rubric's weighted sum, and two GRPO steps train through Ray.
+rubric's weighted sum with each function logged as reward/<name>, and two GRPO steps train
+through Ray.
 
 verifiers 0.4 pins openai<3 and mcp==2.0.0, which the CPU lock excludes (pyproject.toml), so
 these tests run where `pip install 'polyrl[verifiers]'` was done (a separate environment) and skip
@@ -120,10 +121,14 @@ def test_an_environment_is_token_exact_and_scored_by_its_rubric(tasksets, arith,
     assert cfg.black_box == f"verifiers:{name}" and cfg.environment is None
     out = run_trajectories_sync(engine, tokenizer, data, SamplingParams(n=2, max_tokens=8, seed=0), cfg)
     assert out.metrics()["agent/env_errors"] == 0 and out.metrics()["agent/prefix_mismatch"] == 0
+    metrics = out.metrics()
+    assert metrics["reward/correct"] + metrics["reward/brief"] == pytest.approx(metrics["agent/env_reward_mean"])
     turns = []
     for traj in out.trajectories:
         answers = [m["content"] for m in traj.messages if m["role"] == "assistant"]
-        assert traj.stats.reward == weighted(answers[-1], traj.row.ground_truth)  # the rubric's sum
+        text, truth = answers[-1].strip(), traj.row.ground_truth
+        assert traj.stats.reward_terms == {"correct": float(text == truth), "brief": 0.5 * float(len(text) <= 3)}
+        assert traj.stats.reward == weighted(answers[-1], truth)  # the rubric's weighted sum
         mask = [0.0] * len(traj.response_ids)
         for start, end in traj.turn_spans:  # sampled ids train, everything between them is masked
             mask[start:end] = [1.0] * (end - start)
@@ -178,3 +183,4 @@ def test_training_on_a_verifiers_environment(ray_session, tasksets, tmp_path, mo
     for r in steps:
         assert r["agent/env_errors"] == 0 and r["agent/prefix_mismatch"] == 0 and r["agent/turns_mean"] == 1.0
         assert r["agent/env_reward_mean"] == r["reward/score_mean"]  # the rubric's reward is the reward
+        assert r["reward/correct"] + r["reward/brief"] == pytest.approx(r["reward/score_mean"])  # its terms
