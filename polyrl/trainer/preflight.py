@@ -193,10 +193,14 @@ def check_placement(cfg: JobConfig, platform: Any = None) -> None:
             f"{policy + rollout} ranks reserve {needed} ({per_rank} each); lower {keys} or "
             "actor.num_cpus_per_worker, or leave ray.address unset (a Ray sized for the ranks)"])
     limit = MAX_RANKS_PER_CORE * cores
-    if policy + rollout > limit:
+    teacher = cfg.distill.standalone_ranks  # processes too, though `keys` above names none of theirs
+    if policy + rollout + teacher > limit:
         ranks = (f"{policy} policy + {rollout} rollout ranks (actor.world_size={policy}, "
                  f"rollout.num_replicas={cfg.rollout.num_replicas})" if rollout
                  else f"actor.world_size={policy}: {policy} policy ranks")
+        if teacher:
+            ranks += f" + {teacher} teacher ranks (distill.world_size={teacher})"
+            keys += " or distill.world_size"
         raise ConfigError([
             f"{ranks} cannot be placed on this machine ({cores} "
             f"CPU cores, no GPUs): a local run starts at most {limit} rank processes "

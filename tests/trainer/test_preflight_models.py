@@ -110,3 +110,16 @@ def test_distill_coef_out_of_range_is_refused(value):
         job("distill.teacher=builtin:tiny-arith", f"distill.coef={value}")
     assert info.value.problems[0].startswith("distill.coef")
     job("distill.teacher=builtin:tiny-arith", "distill.coef=10")
+
+
+def test_standalone_teacher_ranks_count_against_the_ranks_per_core_cap():
+    import os
+
+    from polyrl.trainer.preflight import MAX_RANKS_PER_CORE, check_placement
+
+    limit = MAX_RANKS_PER_CORE * (os.cpu_count() or 1)
+    teacher = ["distill.teacher=builtin:tiny-arith", "distill.placement=standalone"]
+    check_placement(job(*teacher, f"distill.world_size={limit - 1}"))  # 1 policy rank + limit - 1
+    line = one_line(lambda: check_placement(job(*teacher, f"distill.world_size={limit}")))
+    assert f"1 policy ranks + {limit} teacher ranks (distill.world_size={limit})" in line
+    assert "lower actor.world_size or distill.world_size" in line
