@@ -22,6 +22,7 @@ from typing import Any
 from polyrl.data import hf_disk, reasoning_gym
 from polyrl.data.errors import DataFileError
 from polyrl.data.rows import MESSAGES_KEY, BadRows, row_problem, with_chat_prompt
+from polyrl.data.vision import anchor_image_paths
 
 REQUIRED = ("data_source", "reward_model")
 SUFFIXES = (".parquet", ".jsonl", ".json")
@@ -66,6 +67,8 @@ def read_source_rows(path: str | Path, prompt_key: str = "prompt",
     else:
         raise DataFileError(f"data file {path}: unsupported format '{suffix}'; use one of "
                             f"{', '.join(SUFFIXES)}, or a directory written by datasets' save_to_disk")
+    # relative image paths are the data file's, like a dataset's other relative references
+    rows = [SourceRow(r.where, anchor_image_paths(r.data, path.parent)) for r in rows]
     return _usable_rows(str(path), rows, prompt_key, bad_rows)
 
 

@@ -235,6 +235,47 @@ def _eight_bit(image: Any) -> Any:
     return Image.fromarray(np.rint(scaled).astype(np.uint8))  # 2-D uint8: mode "L"
 
 
+def anchor_image_paths(row: dict[str, Any], base_dir: str | Path) -> dict[str, Any]:
+    """`row` with each relative image path that names a file under `base_dir` (the data file's
+    directory) made absolute, as a dataset moved with its images expects; a relative path found
+    only from the working directory is left as it is (the way older polyrl read it). Covers the
+    images column and image content parts in any message list of the row."""
+    base = Path(base_dir)
+
+    def anchored(value: Any) -> Any:
+        if (isinstance(value, str) and value and "://" not in value and not value.startswith(("data:", "~"))
+                and not Path(value).is_absolute() and (base / value).is_file()):
+            return str(base / value)
+        return value
+
+    def entry(value: Any) -> Any:
+        if isinstance(value, dict) and value.get("bytes") is None:
+            return {k: anchored(v) if k in ("path", "image") else v for k, v in value.items()}
+        return anchored(value)
+
+    def part(value: Any) -> Any:
+        if not (isinstance(value, dict) and value.get("type") in IMAGE_PARTS):
+            return value
+        out = {k: entry(v) if k in ("image", "path", "url") else v for k, v in value.items()}
+        url = value.get("image_url")
+        if url is not None:
+            out["image_url"] = {**url, "url": anchored(url.get("url"))} if isinstance(url, dict) else anchored(url)
+        return out
+
+    out = dict(row)
+    images = row.get(IMAGES_KEY)
+    if isinstance(images, list):
+        out[IMAGES_KEY] = [entry(x) for x in images]
+    elif images is not None:
+        out[IMAGES_KEY] = entry(images)
+    for key, value in row.items():
+        if isinstance(value, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list)
+                                           for m in value):
+            out[key] = [{**m, "content": [part(p) for p in m["content"]]}
+                        if isinstance(m, dict) and isinstance(m.get("content"), list) else m for m in value]
+    return out
+
+
 def with_image_parts(messages: list[dict[str, Any]],
                      placeholders: bool = True) -> tuple[list[dict[str, Any]], list[Any]]:
     """`messages` with every `<image>` in a text split into an image content part (as verl

@@ -152,6 +152,7 @@ def read_file(path: str, cfg: SFTDataConfig, bad: BadRows) -> list[tuple[str, di
         columns = set().union(*(r.keys() for _, r in rows)) if rows else set()
     else:
         raise DataFileError(f"data file {p}: unsupported format '{suffix}'; use .parquet or .jsonl")
+    rows = [(where, vision.anchor_image_paths(r, p.parent)) for where, r in rows]  # the data file's
     return _check_columns(p, rows, columns, cfg)
 
 

@@ -183,6 +183,31 @@ def test_huge_odd_and_remote_images_are_bad_rows_named_as_such(tmp_path, vl_dir,
             open_image({"bytes": bomb_png(10000, 10000), "path": None})
 
 
+def test_relative_image_paths_are_the_data_files_then_the_working_directorys(tmp_path, vl_dir, vl_tokenizer,
+                                                                              monkeypatch):
+    """A dataset directory moved with its images loads from anywhere; a path found only from the
+    working directory still loads, as before."""
+    data, elsewhere = tmp_path / "dataset", tmp_path / "elsewhere"
+    (data / "img").mkdir(parents=True)
+    elsewhere.mkdir()
+    shape_image("red").save(data / "img" / "red.png")
+    shape_image("blue", 1).save(elsewhere / "blue.png")
+    rows = [geo3k_row(0, ["img/red.png"]),
+            {"data_source": "shapes", "reward_model": {"ground_truth": "1"},
+             "prompt": [{"role": "user", "content": [{"type": "image", "image": "img/red.png"},
+                                                     {"type": "text", "text": "how many?"}]}]},
+            geo3k_row(2, [{"bytes": None, "path": "blue.png"}]),  # only the working directory has it
+            geo3k_row(3, [str(data / "img" / "red.png")])]
+    path = data / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.chdir(elsewhere)
+    ds = load_dataset([str(path)], vl_tokenizer, DataConfig(on_bad_row="error"), model_dir=vl_dir)
+    assert len(ds) == 4
+    assert torch.equal(ds[0].images.pixel_values, ds[3].images.pixel_values)
+    assert torch.equal(ds[1].images.pixel_values, ds[3].images.pixel_values)
+    assert not torch.equal(ds[2].images.pixel_values, ds[3].images.pixel_values)
+
+
 def test_16_bit_images_are_scaled_to_8_bits(tmp_path):
     """PIL's own convert("RGB") clips 16-bit grey at 255; open_image scales it (and 32-bit / float grey)."""
     import numpy as np

@@ -160,6 +160,22 @@ def test_a_bomb_a_strip_and_a_remote_image_are_each_one_skipped_chat(tmp_path, c
         load(path, vl_tokenizer, vl_dir, on_bad_row="error")
 
 
+def test_relative_image_paths_are_the_data_files(tmp_path, chats, vl_dir, vl_tokenizer, monkeypatch):
+    """An image chat whose images column names "img/x.png" beside the data file loads from any
+    working directory, with the same pixels as the inline bytes."""
+    rows, _ = chats
+    good = rows[0]
+    (tmp_path / "data" / "img").mkdir(parents=True)
+    (tmp_path / "data" / "img" / "x.png").write_bytes(good["images"][0]["bytes"])
+    path = tmp_path / "data" / "rel.parquet"
+    write_parquet([good, {**good, "images": [{"bytes": None, "path": "img/x.png"}]}], path)
+    monkeypatch.chdir(tmp_path)
+    ds = load(path, vl_tokenizer, vl_dir, on_bad_row="error")
+    assert len(ds) == 2
+    first, second = ds.batch.images
+    assert torch.equal(first.pixel_values, second.pixel_values)
+
+
 def test_a_text_only_model_given_image_chats_names_the_fix(tmp_path, chats):
     from transformers import AutoTokenizer
 
