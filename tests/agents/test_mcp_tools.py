@@ -30,7 +30,6 @@ SERVER = textwrap.dedent('''
 
     from polyrl.agents.calculator import calculator as evaluate
 
-    logging.disable(logging.CRITICAL)  # the SDK logs a raising tool's traceback; the test reads results
     with open(sys.argv[1], "a") as starts:
         starts.write(f"{os.getpid()}\\n")
     server = MCPServer("calculator")
@@ -48,7 +47,11 @@ SERVER = textwrap.dedent('''
         raise ValueError(reason)
 
 
-    server.run()
+    if len(sys.argv) > 2:  # a port: Streamable HTTP on 127.0.0.1
+        server.run(transport="streamable-http", port=int(sys.argv[2]))
+    else:
+        logging.disable(logging.CRITICAL)  # the SDK logs a raising tool's traceback; the test reads results
+        server.run()
 ''')
 
 
@@ -111,6 +114,42 @@ def test_a_server_that_cannot_start_is_one_line_before_ray(train_here, tmp_path)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "Traceback" not in out.stderr
     assert "agent.mcp_servers: " in out.stderr and "failed to start" in out.stderr
+
+
+@pytest.mark.slow
+def test_a_streamable_http_server_serves_its_tools(server):
+    import socket
+    import subprocess
+    import threading
+
+    from polyrl.agents.mcp_tools import McpHub
+
+    command, _ = server
+    with socket.socket() as s:  # a free port for the server
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([*command.split(), str(port)], stderr=subprocess.PIPE, text=True)
+    try:
+        ready = threading.Event()
+
+        def watch():  # uvicorn says when it listens
+            for line in proc.stderr:
+                if "running on" in line.lower():
+                    ready.set()
+
+        threading.Thread(target=watch, daemon=True).start()
+        assert ready.wait(60), proc.poll()
+        hub = McpHub([f"http://127.0.0.1:{port}/mcp"], call_timeout_s=10.0, start_timeout_s=30.0)
+        try:
+            tools = hub.start()
+            assert tools["calculator"](expression="99*99") == "9801"
+            with pytest.raises(Exception, match="MCP|fail"):
+                tools["fail"](reason="nope")
+        finally:
+            hub.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 @pytest.mark.slow
