@@ -25,6 +25,7 @@ def solve(base_url, row, trajectory_id):
     return TERMS if row.index == 0 else {"correct": float("nan")}
 
 
+@pytest.mark.slow  # a native engine and its OpenAI server
 def test_terms_are_summed_logged_and_a_bad_one_is_the_agents_error():
     from polyrl.builtin import resolve
     from polyrl.rollout.native.engine import NativeEngine
