@@ -39,3 +39,30 @@ def build_moe_model(path: Path, arch: str = "qwen3_moe", seed: int = 0, **shape)
     model.save_pretrained(str(path))
     char_tokenizer().save_pretrained(str(path))
     return str(path)
+
+
+def lora_merged_after_update(rank: int, world_size: int, model_path: str, strategy: str) -> dict:
+    """One rank of a LoRA (rank 4, all-linear: attention and the fused experts) policy update on
+    `model_path` with `strategy`: the merged weights the engines are synced (Hugging Face names)."""
+    import torch.distributed as dist
+
+    import engine_ranks
+    from polyrl.algorithms import AlgorithmConfig
+    from polyrl.algorithms.off_policy import OffPolicyConfig
+    from polyrl.batch import shard
+    from polyrl.platform import get_platform
+    from polyrl.training import build_engine
+    from polyrl.training.lora import LoraConfig, apply_lora
+    from polyrl.training.model_loading import load_causal_lm
+    from polyrl.workers.actor import PPOActor
+
+    platform = get_platform("cpu")
+    device = platform.torch_device(0)
+    cfg = engine_ranks.actor_config(strategy, ppo_epochs=1)
+    torch.manual_seed(0)  # LoRA's A starts random: the same on every rank
+    model = apply_lora(load_causal_lm(model_path), LoraConfig(lora_rank=4))
+    engine = build_engine(model, cfg, platform, device, rank=rank, world_size=world_size,
+                          group=dist.group.WORLD if dist.is_initialized() else None, horizon=4)
+    actor = PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve("sync"), device)
+    actor.update(shard(engine_ranks.make_batch(3, 6), world_size)[rank], 1, False)
+    return engine_ranks.full_weights(engine)

@@ -155,12 +155,30 @@ def _merge_plan(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Paramete
         if ".lora_" in name:
             continue
         owner, _, leaf = name.rpartition(".")
+        if owner.endswith(".base_layer") and leaf != "weight":  # a mixture-of-experts' fused experts
+            yield _expert_plan(adapted, owner, leaf, param)
+            continue
         module_name = owner.removesuffix(".base_layer")
         layer = adapted.get(module_name) if owner.endswith(".base_layer") else None
         hf_name = f"{module_name}.{leaf}" if layer is not None else name
         merge = layer is not None and leaf == "weight" and not layer.merged \
             and not getattr(layer, "disable_adapters", False)
         yield hf_name, param, layer if merge else None
+
+
+def _expert_plan(adapted: dict, owner: str, leaf: str, param: torch.nn.Parameter) -> tuple[str, Any, Any]:
+    """A 3-D expert tensor (transformers 5's fused `gate_up_proj` / `down_proj` of a Qwen3-MoE /
+    Qwen2-MoE, docs/moe.md) under peft's `ParamWrapper`s, one per adapted tensor, nested: its
+    Hugging Face name, and the wrapper whose `parameter_name` it is (None: not adapted)."""
+    module_name = owner
+    while module_name.endswith(".base_layer"):
+        module_name = module_name.removesuffix(".base_layer")
+    layer = None
+    for candidate in (m for n, m in adapted.items() if n == module_name or n.startswith(module_name + ".base_layer")):
+        if getattr(candidate, "parameter_name", None) == leaf:
+            layer = candidate
+    merge = layer is not None and not layer.merged and not getattr(layer, "disable_adapters", False)
+    return f"{module_name}.{leaf}", param, layer if merge else None
 
 
 @torch.no_grad()
@@ -189,6 +207,11 @@ def _full_delta(layer: Any, adapter: str, full: Callable[[torch.Tensor], torch.T
     times the scaling) from gathered A and B."""
     a = full(layer.lora_A[adapter].weight.detach())
     b = full(layer.lora_B[adapter].weight.detach())
+    experts = getattr(layer, "num_experts", 1)
+    if experts > 1:  # peft's ParamWrapper on fused experts: its get_delta_weight, from whole A and B
+        a, b = a.reshape(experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, experts)
+        pattern = "o r e, e r i -> e o i" if layer._did_swap_in_out_features else "o r e, e r i -> e i o"
+        return torch.einsum(pattern, b, a) * layer.scaling[adapter]
     delta = b @ a
     return (delta.T if layer.fan_in_fan_out else delta) * layer.scaling[adapter]
 

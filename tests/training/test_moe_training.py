@@ -108,3 +108,56 @@ def test_export_of_a_trained_moe_checkpoint_loads_back_with_equal_logprobs(moe_d
     assert all(torch.equal(params[k], v) for k, v in trained.items())
     batch = sampled_batch(NativeEngine(str(out), max_model_len=64, tokenizer=False), n=1)
     assert (trainer.logprobs(batch).values - batch.rollout_logprobs.values).abs().max().item() <= 1e-5
+
+
+def test_lora_on_an_moe_policy_syncs_merged_weights_to_the_engine(moe_dirs):
+    """LoRA (all-linear) on a Qwen3-MoE: adapters on the attention projections and, through peft's
+    ParamWrapper, on the fused experts (docs/moe.md); the merged weights (expert deltas folded in)
+    load into the engine, whose log-probs then equal the adapted policy's."""
+    from polyrl.training.lora import apply_lora, merged_named_weights
+    from polyrl.training.lora_config import LoraConfig
+    from polyrl.training.model_loading import load_causal_lm
+
+    path = moe_dirs["qwen3_moe"]
+    model = apply_lora(load_causal_lm(path), LoraConfig(lora_rank=4))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("self_attn.q_proj.lora_A" in n for n in trainable)
+    assert any("mlp.experts.lora_A" in n for n in trainable)  # the experts' adapters
+    assert not any("mlp.gate." in n for n in trainable)  # the router is not a linear layer
+    with torch.no_grad():  # a non-trivial adapter
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    merged = dict(merged_named_weights(model))
+    base_weights = dict(load_causal_lm(path).named_parameters())
+    assert set(merged) == set(base_weights)  # Hugging Face names, experts fused
+    assert not torch.equal(merged["model.layers.0.mlp.experts.gate_up_proj"],
+                           base_weights["model.layers.0.mlp.experts.gate_up_proj"])
+    engine = NativeEngine(path, max_model_len=64, tokenizer=False)
+    engine.update_weights(merged, version=1)
+    batch = sampled_batch(engine, n=1)
+    base = model.get_base_model().eval()
+    with torch.no_grad():
+        for i in range(len(batch)):
+            ids = torch.cat([batch.prompt_ids.row(i), batch.response_ids.row(i)])[None]
+            logp = torch.log_softmax(base(ids).logits[0].float(), -1)
+            p = len(batch.prompt_ids.row(i))
+            ref = logp[p - 1:-1].gather(1, batch.response_ids.row(i)[:, None]).squeeze(1)
+            assert (ref - batch.rollout_logprobs.row(i)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.slow
+def test_fsdp2_lora_on_experts_merges_as_ddp(moe_dirs, tmp_path):
+    """FSDP2 gathers the experts' LoRA factors (peft's ParamWrapper) and folds them in as DDP does."""
+    from moe_models import lora_merged_after_update
+    from polyrl.training.model_loading import load_causal_lm
+
+    path = moe_dirs["qwen3_moe"]
+    one = lora_merged_after_update(0, 1, path, "ddp")
+    two = run_world_ok(lora_merged_after_update, 2, tmp_path, args=(path, "fsdp2"), timeout_s=240)[0]
+    assert set(one) == set(two)
+    for name, w in one.items():
+        torch.testing.assert_close(two[name], w, rtol=1e-4, atol=1e-5)
+    base = dict(load_causal_lm(path).named_parameters())
+    assert not torch.equal(one["model.layers.0.mlp.experts.down_proj"], base["model.layers.0.mlp.experts.down_proj"])
+
