@@ -118,3 +118,21 @@ def test_one_process_matches_the_ray_run_and_starts_no_ray(tiny_model, arith_fil
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} differs between the Ray and the in-process run"
+
+
+@pytest.mark.slow
+def test_a_debugger_stops_inside_the_policy_worker(tmp_path):
+    """`python -m pdb -m polyrl train ray.enabled=false`: a breakpoint in the worker's generate
+    (which runs in a Ray actor otherwise) is hit in the same process, with the worker's state."""
+    import inspect
+
+    from polyrl.workers.policy import PolicyWorker
+
+    lines, first = inspect.getsourcelines(PolicyWorker.generate)
+    line = first + next(i for i, text in enumerate(lines) if "wake_up()" in text)
+    commands = f"b polyrl/workers/policy.py:{line}\nc\np ('rank', self.rank, type(self).__name__)\nq\n"
+    proc = subprocess.run([sys.executable, "-m", "pdb", "-m", "polyrl", "train", "ray.enabled=false",
+                           "trainer.total_steps=1", "trainer.progress_bar=false", f"--output-dir={tmp_path}"],
+                          input=commands, capture_output=True, text=True, timeout=300)
+    assert f"policy.py({line})generate()" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "('rank', 0, 'PolicyWorker')" in proc.stdout
