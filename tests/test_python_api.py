@@ -3,6 +3,7 @@ actors left behind, a light `import polyrl`, and docs/python_api.md's examples, 
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -88,12 +89,15 @@ def live_actors() -> list[dict]:
 
 @pytest.mark.slow
 def test_a_call_that_starts_ray_shuts_it_down(tmp_path):
-    import ray
-
-    if ray.is_initialized():
-        pytest.skip("a Ray session of this test process is running (run this file alone)")
-    assert polyrl.train(tiny(tmp_path / "a"))["steps"] == 2
-    assert not ray.is_initialized()
+    """In a process of its own: this test process may hold the session's Ray (a full run does),
+    and the call must be the one that starts it."""
+    code = ("import json, sys, ray, polyrl; assert not ray.is_initialized(); "
+            "steps = polyrl.train(json.loads(sys.argv[1]))['steps']; "
+            "print(json.dumps({'steps': steps, 'ray_up': ray.is_initialized()}))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(tiny(tmp_path / "a"))], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"steps": 2, "ray_up": False}
 
 
 @pytest.mark.slow
