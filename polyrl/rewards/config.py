@@ -2,8 +2,8 @@
 
 Five kinds of scorer: a Python function (built-in per data source, or `custom_function`), a
 remote verifier (`http`), a local reward model (`model`), an LLM judge (`judge`,
-polyrl/rewards/judge_config.py), and a weighted sum of those (`combine`). Routing is decided per data source by `polyrl/rewards/routing.py`; docs/rewards.md
-has an example of each.
+polyrl/rewards/judge_config.py), and a weighted sum of those (`combine`). Routing is decided
+per data source by `polyrl/rewards/routing.py`; docs/rewards.md has an example of each.
 """
 
 from __future__ import annotations

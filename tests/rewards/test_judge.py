@@ -152,10 +152,9 @@ def test_an_unreachable_judge_is_one_line_before_ray(train_here):
     assert "starting the actors" not in out.stdout + out.stderr
 
 
-@pytest.mark.slow
-def test_polyrl_serve_as_the_judge():
-    """A real `polyrl serve` process serving the bundled tiny-arith model is the judge: its rubric
-    "{response}+0=" asks it to copy the response's number, which the number parser reads on 0..99."""
+@pytest.fixture(scope="module")
+def served_judge():
+    """A real `polyrl serve` process serving the bundled tiny-arith model; its base URL."""
     proc = subprocess.Popen([sys.executable, "-m", "polyrl", "serve", "--model", "builtin:tiny-arith",
                              "--port", "0", "--max-model-len", "64", "--served-model-name", "tiny-judge"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -166,16 +165,50 @@ def test_polyrl_serve_as_the_judge():
         reader.join(120)
         url = re.search(r"(http://\S+/v1)", line[0] if line else "")
         assert url, (line, proc.poll())
-        judge = JudgeRewardConfig(url=url.group(1), model="tiny-judge", prompt="{response}+0=",
-                                  score_range=(0, 99), max_tokens=4, acc_threshold=0.3)
-        manager = RewardManager(RewardConfig(judge=judge))  # its check_at_start passes
-        answers = ["12", "30", "41", "12"]
-        result = manager.score([request(a) for a in answers])
-        manager.close()
-        assert result.metrics["reward/errors"] == 0 and result.metrics["reward/timeouts"] == 0
-        assert result.scores == [int(a) / 99 for a in answers]  # carry-free: the warm start copies them
-        assert result.accs == [0.0, 1.0, 1.0, 0.0]
-        assert result.metrics["reward/judge/requests"] == 3 and result.metrics["reward/judge/cache_hits"] == 1
+        yield url.group(1)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_polyrl_serve_as_the_judge(served_judge):
+    """The served tiny-arith model is the judge: its rubric "{response}+0=" asks it to copy the
+    response's number, which the number parser reads on 0..99."""
+    judge = JudgeRewardConfig(url=served_judge, model="tiny-judge", prompt="{response}+0=",
+                              score_range=(0, 99), max_tokens=4, acc_threshold=0.3)
+    manager = RewardManager(RewardConfig(judge=judge))  # its check_at_start passes
+    answers = ["12", "30", "41", "12"]
+    result = manager.score([request(a) for a in answers])
+    manager.close()
+    assert result.metrics["reward/errors"] == 0 and result.metrics["reward/timeouts"] == 0
+    assert result.scores == [int(a) / 99 for a in answers]  # carry-free: the warm start copies them
+    assert result.accs == [0.0, 1.0, 1.0, 0.0]
+    assert result.metrics["reward/judge/requests"] == 3 and result.metrics["reward/judge/cache_hits"] == 1
+
+
+@pytest.mark.slow
+def test_training_with_the_served_judge_as_a_weighted_term(served_judge, ray_session, tmp_path):
+    """Two GRPO steps of the embedded task, rewarded by its verifier plus the served judge at
+    weight 0.5: every response is judged, the term is logged, and a reply the parser cannot read
+    (the warm start's stuttered answers make numbers beyond the range) is counted, not raised."""
+    from polyrl.cli.train import EMBEDDED_DEFAULT
+    from polyrl.config import load_config
+    from polyrl.job import JobConfig
+    from polyrl.trainer.loop import Trainer
+
+    cfg = load_config(JobConfig, files=[EMBEDDED_DEFAULT], overrides=[
+        f"reward.judge.url={served_judge}", "reward.judge.model=tiny-judge", 'reward.judge.prompt="{response}+0="',
+        "reward.judge.score_range=[0, 199]", "reward.judge.max_tokens=4", "reward.judge.sources=[]",
+        'reward.combine={"*": [{kind: function}, {kind: judge, weight: 0.5}]}',
+        "trainer.total_steps=2", "trainer.val_every=0", "data.train_batch_size=4", "trainer.progress_bar=false",
+        "logging.plot_at_end=false", f"trainer.output_dir={tmp_path}"])
+    Trainer(cfg).fit()
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "reward/judge/requests" in s and "actor/loss" in s]
+    assert len(steps) == 2
+    for s in steps:
+        assert s["reward/timeouts"] == 0 and s["reward/judge/http_errors"] == 0, s
+        assert s["reward/errors"] == s["reward/judge/unparsed"], s  # the function term never fails
+        assert s["reward/judge/requests"] + s["reward/judge/cache_hits"] == 4 * 8  # every sample judged
+        assert 0.0 <= s["reward/term/judge"] <= 1.0 and "reward/term/function" in s
