@@ -81,6 +81,23 @@ def test_a_server_that_dies_ends_its_trajectory_and_is_started_again(arith):
     assert again.stats[0].env_errors == 0 and again.stats[0].env_reward == 1.0
 
 
+@pytest.mark.slow
+def test_a_running_server_is_reached_by_its_url(arith):
+    from polyrl.agents.openenv_env import LocalServer
+    from polyrl.agents.preflight import check_environments
+
+    engine, tokenizer = arith
+    server = LocalServer(str(SERVER))
+    try:
+        cfg = AgentConfig(environment=f"openenv:{server.ensure()}", max_turns=2, max_response_tokens=32)
+        check_environments(cfg)  # GET /health answers
+        out = run_trajectories_sync(engine, tokenizer, [row(tokenizer, 0, 12, 34)],
+                                    SamplingParams(n=1, max_tokens=8, seed=0), cfg)
+        assert out.stats[0].env_errors == 0 and out.stats[0].env_reward == 1.0
+    finally:
+        server.stop()
+
+
 def test_bad_targets_are_one_line_naming_the_key(tmp_path):
     from polyrl.agents.preflight import check_environments
     from polyrl.config import ConfigError
