@@ -10,6 +10,7 @@ every step, so "nothing is spawned" is observed, not assumed.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -94,6 +95,34 @@ def test_a_local_actor_keeps_its_own_random_state_as_a_process_would():
     torch.manual_seed(99)
     assert torch.equal(torch.rand(()), caller)
     group.shutdown()  # no process to end: Ray is not asked
+
+
+def test_a_cuda_plan_in_process_has_no_ray_options_and_the_workers_device_is_cuda_0(monkeypatch):
+    """What differs on a GPU, on a simulated H100: the in-process launch asks Ray for nothing
+    (no options, no placement groups) while the plan still gives the rank device 0; the worker,
+    with no Ray reservation, computes on cuda:0; the policy's planned variables are set for the
+    run and the caller's come back; a LocalActor swaps the device module's random state too."""
+    from types import SimpleNamespace
+
+    from polyrl.cli.common import choose_platform
+    from polyrl.topology.base import plan_in_process
+
+    platform = choose_platform("h100")
+    cfg = JobConfig.model_validate({"ray": {"enabled": False}, "rollout": {"max_model_len": 64},
+                                    "platform": "cuda"})
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)  # the caller leaves it unset
+    launch = plan_in_process(SimpleNamespace(cfg=cfg, platform=platform))
+    try:
+        (policy,) = launch.of("policy")
+        assert launch.in_process and launch.options == {} and launch.placement is None
+        assert policy.devices.ids == (0,) and policy.resources.get("num_gpus") == 1
+        assert os.environ["TOKENIZERS_PARALLELISM"] == "false"  # as a Ray actor's runtime env
+    finally:
+        launch.release()
+    assert "TOKENIZERS_PARALLELISM" not in os.environ
+    assert platform.reserved_device() == torch.device("cuda", 0)
+    actor = LocalActor(Drawer(), platform)
+    assert actor.devices is torch.cuda  # its state is swapped once CUDA is initialised
 
 
 @pytest.mark.slow
