@@ -100,7 +100,7 @@ def run_training(cfg: "JobConfig") -> dict[str, Any]:
                 stop_ray_leftovers(children)
             raise
     except Exception as exc:
-        actionable = unwrapped(exc)
+        actionable = with_distill_hint(unwrapped(exc), cfg)
         if isinstance(actionable, StartupInterrupted) and children is not None:
             stop_ray_leftovers(children)
         if actionable is exc:
@@ -111,6 +111,19 @@ def run_training(cfg: "JobConfig") -> dict[str, Any]:
 
         upload_run_files(cfg.output_path)
     return summary
+
+
+def with_distill_hint(exc: BaseException, cfg: "JobConfig") -> BaseException:
+    """Non-finite updates of a distillation run: the rank's message names the usual suspects
+    (actor.lr, actor.grad_clip, the rewards) but not distill.coef, which scales every token's
+    advantage."""
+    from polyrl.training.base import NonFiniteUpdate
+
+    if isinstance(exc, NonFiniteUpdate) and cfg.distill.enabled and "distill.coef" not in str(exc):
+        hint = NonFiniteUpdate(f"{exc} With distillation on, also lower distill.coef (now {cfg.distill.coef:g}: "
+                               "it scales every token's advantage).")
+        return hint
+    return exc
 
 
 def ray_is_up() -> bool:

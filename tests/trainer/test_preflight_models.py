@@ -123,3 +123,16 @@ def test_standalone_teacher_ranks_count_against_the_ranks_per_core_cap():
     line = one_line(lambda: check_placement(job(*teacher, f"distill.world_size={limit}")))
     assert f"1 policy ranks + {limit} teacher ranks (distill.world_size={limit})" in line
     assert "lower actor.world_size or distill.world_size" in line
+
+
+def test_non_finite_updates_of_a_distillation_run_name_distill_coef():
+    """The rank's message (training/ddp.py) names actor.lr and the rewards; polyrl.train adds
+    distill.coef when distillation is on (polyrl/api.py `with_distill_hint`)."""
+    from polyrl.api import with_distill_hint
+    from polyrl.training.base import NonFiniteUpdate
+
+    rank = NonFiniteUpdate("3 updates in a row had a NaN/inf loss or gradient (each was skipped); stopping. "
+                           "Lower actor.lr, enable actor.grad_clip, or check the rewards.")
+    hinted = with_distill_hint(rank, job("distill.teacher=builtin:tiny-arith", "distill.coef=500"))
+    assert isinstance(hinted, NonFiniteUpdate) and "lower distill.coef (now 500" in str(hinted)
+    assert with_distill_hint(rank, job()) is rank  # no distillation: the rank's message as it is
