@@ -136,7 +136,7 @@ def checked_loss(name: str, out: Any, logprob: torch.Tensor, inputs: tuple[torch
     for metric, value in metrics.items():
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
-        if isinstance(value, bool) or not isinstance(value, Real):
+        if not isinstance(value, Real):  # numbers (bools and numpy scalars too) become floats
             raise PluginOutputError(key, name, f"returned metric {metric!r} = {_what(value)}, not a number",
                                     LOSS_CONTRACT)
         floats[str(metric)] = float(value)
