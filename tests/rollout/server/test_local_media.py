@@ -143,8 +143,9 @@ def test_polyrl_serve_opts_in_to_a_directory_and_warns_beyond_loopback(media):
             proc.wait(timeout=10)
 
 
-def test_polyrl_serve_refuses_a_media_directory_that_is_not_one(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "polyrl", "serve", "--model", "builtin:tiny-vl",
-                           "--allowed-local-media-path", str(tmp_path / "nope")],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--allowed-local-media-path" in proc.stderr and "not a directory" in proc.stderr
+def test_polyrl_serve_refuses_a_media_directory_that_is_not_one(tmp_path, capsys):
+    from polyrl.cli.main import main
+
+    assert main(["serve", "--model", "builtin:tiny-vl", "--allowed-local-media-path", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert f"--allowed-local-media-path {tmp_path / 'nope'}: not a directory" in err
