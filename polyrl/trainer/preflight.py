@@ -220,7 +220,8 @@ def check_memory(cfg: JobConfig, model_config: Any | None, platform: Any = None)
     at least, what a rank has and the settings that would fit (polyrl/training/memory_floor.py
     `rank_floor`, `fitting_changes`), then on a device that an engine rank holds its weights
     (`check_engine_memory`). The floor counts what the code surely allocates for the
-    policy, its reference and a colocated engine (no activations, critic or teacher), so a run it
+    policy, its reference, a colocated distillation teacher and a colocated engine (no activations
+    or critic), so a run it
     refuses cannot fit. On a device platform a rank has one device; on a CPU a local run's ranks
     share the host's memory, and a cluster's CPU nodes (ray.address) are not checked.
     `model_config`: config.json as a dict or a transformers config (None: not checked);
@@ -251,13 +252,35 @@ def check_memory(cfg: JobConfig, model_config: Any | None, platform: Any = None)
                          engine=ENGINE_MEMORY.get(rollout.backend, "weights"),
                          engine_dtype=DTYPE_BYTES[rollout.dtype], tensor_parallel=rollout.tensor_parallel_size,
                          memory_share=rollout.gpu_memory_utilization, device_bytes=device, on_device=on_device,
-                         other_ranks=0 if on_device else num_rollout_ranks(cfg))
+                         other_ranks=0 if on_device else num_rollout_ranks(cfg), teacher=colocated_teacher_params(cfg))
     need, phase = mf.rank_need(shape, knobs, setting)
     have = mf.available_bytes(knobs, setting)
     if need > have:
         raise ConfigError([memory_message(cfg, shape, knobs, setting, need, phase, have, platform)])
     if on_device:
         check_engine_memory(cfg, shape, setting, platform)
+
+
+def colocated_teacher_params(cfg: JobConfig) -> int:
+    """Parameters of a distillation teacher held on the policy ranks (distill.placement=colocated),
+    from its config.json; 0 when there is none or its size cannot be told."""
+    import json
+    from pathlib import Path
+
+    from polyrl.builtin import resolve
+    from polyrl.training import memory_floor as mf
+
+    if not cfg.distill.enabled or cfg.distill.placement != "colocated":
+        return 0
+    try:
+        config = json.loads((Path(resolve(cfg.distill.teacher)).expanduser() / "config.json").read_text())
+    except (FileNotFoundError, OSError, ValueError):
+        return 0  # a teacher that is not there is reported by the checks that load it
+    try:
+        shape = mf.model_shape(config, cfg.model.trust_remote_code)
+    except ValueError as exc:
+        raise ConfigError([f"distill.teacher: {cfg.distill.teacher}'s {exc}"]) from None
+    return shape.params if shape is not None else 0
 
 
 def check_engine_memory(cfg: JobConfig, shape: Any, setting: Any, platform: Any) -> None:

@@ -139,6 +139,7 @@ class Setting:
     device_bytes: int  # one device's memory; on a CPU the host's
     on_device: bool  # False: a CPU host, shared by every rank (offload moves nothing)
     other_ranks: int = 0  # CPU: standalone rollout ranks sharing the host
+    teacher: int = 0  # parameters of a colocated distillation teacher: frozen, held like the reference
 
 
 def available_bytes(k: Knobs, f: Setting) -> float:
@@ -176,7 +177,8 @@ def rank_floor(s: Shape, k: Knobs, f: Setting) -> dict[str, dict[str, float]]:
         awake, asleep = f.engine_dtype * P / f.tensor_parallel, 0.0
     state = {"parameters": on_device * m * (P + adapters) / N, "gradients": on_device * m * trainable / N,
              "AdamW": on_device * 2 * m * trainable / N,
-             "reference": on_device * m * P / N if f.reference and not k.lora_rank else 0.0}
+             "reference": on_device * m * P / N if f.reference and not k.lora_rank else 0.0,
+             "teacher": on_device * m * f.teacher / N}
     # step temporaries: foreach AdamW's (the sqrt of the second moments) or, when larger,
     # FSDP2's two gathered layers in the compute dtype
     transient = max(on_device * m * trainable / N, 2 * f.compute * s.layer_params if k.strategy == "fsdp2" else 0)
@@ -189,7 +191,7 @@ def rank_floor(s: Shape, k: Knobs, f: Setting) -> dict[str, dict[str, float]]:
     if k.hybrid:
         phases["engine start"] = {"whole model": m * P, "engine": awake}
         phases["generate"] = {"parameters": state["parameters"], "AdamW": state["AdamW"],
-                              "reference": state["reference"], "engine": awake}
+                              "reference": state["reference"], "teacher": state["teacher"], "engine": awake}
     return phases
 
 

@@ -32,3 +32,25 @@ def test_bad_sizes_are_one_line_naming_the_key(tmp_path, capsys, key, value):
 
 def test_good_sizes_still_plan():
     assert mf.model_shape(QWEN25_7B).params > 7e9
+
+
+def test_a_colocated_teacher_counts_in_the_policy_ranks_memory(tmp_path):
+    """Qwen2.5-7B on 4 fsdp2 H100 ranks fits alone (20 bytes a parameter / 4), not beside a
+    colocated 72B teacher's fp32 shards; a standalone teacher is not on those ranks."""
+    from polyrl.cli.common import choose_platform
+    from polyrl.config import ConfigError, load_config
+    from polyrl.job import JobConfig
+    from polyrl.trainer.preflight import check_memory
+
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text(json.dumps({**mp.QWEN25["Qwen2.5-72B"], "model_type": "qwen2",
+                                                     "architectures": ["Qwen2ForCausalLM"]}))
+    run = ["actor.strategy=fsdp2", "actor.world_size=4", "rollout.placement=standalone"]
+    h100 = choose_platform("h100")
+    check_memory(load_config(JobConfig, overrides=run), QWEN25_7B, h100)
+    with pytest.raises(ConfigError) as info:
+        check_memory(load_config(JobConfig, overrides=[*run, f"distill.teacher={teacher}"]), QWEN25_7B, h100)
+    assert "teacher 67.7" in info.value.problems[0], info.value.problems[0]  # 4 bytes x 72.7B / 4, in GiB
+    standalone = [*run, f"distill.teacher={teacher}", "distill.placement=standalone", "distill.world_size=4"]
+    check_memory(load_config(JobConfig, overrides=standalone), QWEN25_7B, h100)
