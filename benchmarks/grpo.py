@@ -366,11 +366,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"      polyrl steps (s): {ours['step_s']}, phases: {ours['phases']}", flush=True)
                 print(f"      TRL steps (s):    {theirs['step_s']}, phases: {theirs['phases']}", flush=True)
                 if args.contention:
-                    load = row["contention"]
-                    print(f"      beside a busy process: polyrl {load['polyrl_s_per_step']:6.2f} s/step "
-                          f"(kept {row['kept_fraction']:.2f}) | TRL {load['trl_s_per_step']:6.2f} s/step "
-                          f"(kept {load['trl_kept_fraction']:.2f}) | speedup {row['speedup_under_contention']:.2f}x; "
-                          f"polyrl phases {load['polyrl_phases_s']}", flush=True)
+                    contended = row["contention"]
+                    print(f"      beside a busy process: polyrl {contended['polyrl_s_per_step']:6.2f} s/step "
+                          f"(kept {row['kept_fraction']:.2f}) | TRL {contended['trl_s_per_step']:6.2f} s/step "
+                          f"(kept {contended['trl_kept_fraction']:.2f}) | speedup {row['speedup_under_contention']:.2f}x; "
+                          f"polyrl phases {contended['polyrl_phases_s']}", flush=True)
                 print(f"      {row['step_gflop']} GFLOP/step; matmul peak {row['matmul_peak_gflop_s']} GFLOP/s; "
                       f"roofline fraction polyrl {row['polyrl_roofline_fraction']:.2f}, "
                       f"TRL {row['trl_roofline_fraction']:.2f}", flush=True)

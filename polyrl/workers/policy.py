@@ -12,6 +12,7 @@ freed while training), whether it sends weights and over which transport.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from polyrl.distributed.layout import build_groups, group_leader
 from polyrl.distributed.role import RolePlan
 from polyrl.platform import get_platform
 from polyrl.rollout.factory import build_colocated_engine, colocated_engine_streams
+from polyrl.rollout.native.threads import FreeCoreThreads
 from polyrl.training import batch_invariant, build_engine, sharded_load
 from polyrl.training.lora import adapters_disabled, apply_lora
 from polyrl.modeling import torch_dtype
@@ -51,6 +53,8 @@ class PolicyWorker:
         torch.set_num_threads(role.num_threads)
         self.platform = get_platform(cfg.platform)
         self.device = self.platform.claim_device()  # the Ray reservation's, made current
+        # on a CPU the update runs on the cores that are free, at most role.num_threads (threads.py)
+        self.threads = FreeCoreThreads() if self.device.type == "cpu" else None
         self.version = 0
         self.transport = None  # set by setup(); a shutdown during set-up finds none to close
 
@@ -227,12 +231,13 @@ class PolicyWorker:
         """The critic's update (if any), then the policy's — except during the critic's warm-up."""
         out: dict[str, float] = {}
         self.updates += 1
-        if self.critic is not None:
-            out.update(self.critic.update(batch, num_mini_batches))
-            if self.updates <= self.cfg.critic.warmup_steps:
-                out["critic/warmup"] = 1.0
-                return out
-        out.update(self.actor.update(batch, num_mini_batches, use_rollout_logprobs, self.version))
+        with self.threads.applied() if self.threads is not None else nullcontext():
+            if self.critic is not None:
+                out.update(self.critic.update(batch, num_mini_batches))
+                if self.updates <= self.cfg.critic.warmup_steps:
+                    out["critic/warmup"] = 1.0
+                    return out
+            out.update(self.actor.update(batch, num_mini_batches, use_rollout_logprobs, self.version))
         out["perf/peak_memory_gb"] = self.platform.peak_memory_bytes() / 2**30
         return out
 

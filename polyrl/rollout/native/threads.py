@@ -38,6 +38,7 @@ depend on the machine's load at all pins it: `NativeEngine(num_threads=N)`
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -253,6 +254,18 @@ class FreeCoreThreads:
         if before != self.count:
             torch.set_num_threads(self.count)
         return before
+
+    @contextlib.contextmanager
+    def applied(self):
+        """The block runs at the count decided on entry (a training rank's update: one decision
+        per update); the thread's own count comes back after it."""
+        self.refresh()
+        before = self.apply()
+        try:
+            yield self.count
+        finally:
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
 
 
 def _niceness() -> int:

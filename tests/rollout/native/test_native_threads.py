@@ -133,3 +133,16 @@ def test_a_pinned_count_ignores_the_load_and_computes_the_same(qwen3_dir, monkey
     # the count changes no bit of the tokens or log-probs (docs/native_engine.md)
     assert [[(o.token_ids, o.logprobs) for o in g] for g in outs[1]] == \
         [[(o.token_ids, o.logprobs) for o in g] for g in outs[2]]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the free cores are read from /proc/stat")
+def test_a_training_rank_update_runs_on_the_free_cores_and_restores_its_count(monkeypatch, two_threads):
+    # PolicyWorker.update's block: one decision on entry, the rank's own count (2) back after it
+    window = (sample(0.0, 0.0, cpu0=(0, 0), cpu1=(0, 0)), sample(1.0, 0.0, cpu0=(0, 100), cpu1=(100, 100)))
+    monkeypatch.setattr(threads._SAMPLER, "window", lambda length: window)
+    monkeypatch.setattr(threads, "allowed_cpus", lambda: {0, 1})
+    rank = FreeCoreThreads()
+    assert rank.limit == 2
+    with rank.applied() as count:
+        assert count == 1 and torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 2
