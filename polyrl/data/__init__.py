@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from polyrl.data import reasoning_gym
 from polyrl.data.config import DataConfig
 from polyrl.data.dataset import PromptDataset, PromptSample, load_dataset, render_prompt
 from polyrl.data.errors import DataFileError
@@ -30,6 +31,7 @@ def build_loaders(cfg: DataConfig, tokenizer: Any,
     val = None
     if cfg.val_files:
         val_set = load_dataset(cfg.val_files, tokenizer, cfg, split="val", model_dir=model_dir)
+        reasoning_gym.drop_training_prompts(val_set, train_set)  # held out, though seeds collide
         val = PromptLoader(
             val_set, cfg.val_batch_size or len(val_set), shuffle=False, drop_last=False, name="val"
         )

@@ -14,13 +14,16 @@ run and nothing is downloaded. Every other KEY=VALUE is a field of the task's ow
 Each row is scored by the task's own scorer (data_source "reasoning_gym",
 polyrl/rewards/reasoning_gym.py), which reads the generated entry kept in extra_info. Validation
 rows should come from another seed; the row at index i of seed S is usually drawn from
-`Random(S + i)`, so keep the two seed ranges [S, S + size) apart (docs/recipes.md).
+`Random(S + i)`, so keep the two seed ranges [S, S + size) apart (docs/recipes.md). Even then a
+small task draws the same problem under two seeds, so validation prompts the training set also
+holds are dropped (`drop_training_prompts`, logged) and validation stays held out.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import re
 from typing import Any, Callable
 from urllib.parse import unquote
@@ -28,6 +31,8 @@ from urllib.parse import unquote
 import yaml
 
 from polyrl.data.errors import DataFileError
+
+logger = logging.getLogger(__name__)
 
 PREFIX = "reasoning_gym:"
 DATA_SOURCE = "reasoning_gym"
@@ -83,6 +88,22 @@ def generate_rows(spec_text: str, prompt_key: str = "prompt") -> list[dict[str, 
             "extra_info": {"task": spec.task, "index": index, "entry": entry},
         })
     return rows
+
+
+def drop_training_prompts(val_set: Any, train_set: Any) -> int:
+    """Remove from `val_set` (a PromptDataset) the reasoning-gym prompts `train_set` also holds;
+    their number. Other data sources are left as they are."""
+    seen = {s.prompt_text for s in train_set if s.data_source == DATA_SOURCE}
+    kept = [s for s in val_set.samples if s.data_source != DATA_SOURCE or s.prompt_text not in seen]
+    dropped = len(val_set.samples) - len(kept)
+    if not kept:
+        raise DataFileError(f"data.val_files: all {dropped} validation prompts are also training prompts; "
+                            "generate them from a seed outside the training seeds' range, or a larger task")
+    if dropped:
+        val_set.samples[:] = kept
+        logger.info("validation: dropped %d reasoning-gym prompt(s) the training set also holds "
+                    "(%d left); a task draws the same problem under two seeds", dropped, len(kept))
+    return dropped
 
 
 def bare_expression(entry: dict[str, Any]) -> str:

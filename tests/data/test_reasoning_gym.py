@@ -82,3 +82,21 @@ def test_unknown_task_is_one_line_before_ray(train_here):
     assert "Traceback" not in out.stderr
     assert "unknown reasoning-gym task 'no_such_task'" in out.stderr
     assert "starting the actors" not in out.stdout + out.stderr
+
+
+def test_validation_prompts_the_training_set_holds_are_dropped(tiny_tokenizer):
+    from polyrl.builtin import resolve
+    from polyrl.data import DataConfig, build_loaders
+
+    small = "reasoning_gym:basic_arithmetic?size={size}&seed={seed}&min_terms=2&max_terms=2&max_digits=1&operators=+"
+    cfg = DataConfig(train_files=[small.format(size=60, seed=0)], val_files=[small.format(size=40, seed=1000),
+                     resolve("builtin:arithmetic_val")], train_batch_size=4)
+    train, val = build_loaders(cfg, tiny_tokenizer)
+    seen = {s.prompt_text for s in train.dataset}
+    gym = [s for s in val.dataset if s.data_source == "reasoning_gym"]
+    assert 0 < len(gym) < 40 and not any(s.prompt_text in seen for s in gym)  # 1-digit sums collide
+    assert sum(s.data_source == "arithmetic" for s in val.dataset) == 500  # other data untouched
+    assert val.batch_size == len(val.dataset)
+    every = DataConfig(train_files=[small.format(size=60, seed=0)], val_files=[small.format(size=5, seed=0)])
+    with pytest.raises(DataFileError, match="all 5 validation prompts are also training prompts"):
+        build_loaders(every, tiny_tokenizer)
