@@ -61,10 +61,11 @@ def engine_routes(outputs: Sequence[Any]) -> Ragged | None:
     resumed partial rollout whose earlier segment's were not kept) is marked not routed: the
     trainer routes it itself."""
     found = [getattr(o, "extra", {}).get("routed_experts") for o in outputs]
-    if not found or any(r is None for r in found):
+    first = next((r for r in found if r is not None), None)
+    if first is None:
         return None
-    dtype, (_, layers, k) = found[0].dtype, found[0].shape
-    rows = [r if len(r) == len(o.token_ids) else encode(None, len(o.token_ids), dtype, layers, k)
+    dtype, (_, layers, k) = first.dtype, first.shape
+    rows = [r if r is not None and len(r) == len(o.token_ids) else encode(None, len(o.token_ids), dtype, layers, k)
             for r, o in zip(found, outputs)]
     return routes_column(rows)
 

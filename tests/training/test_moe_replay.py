@@ -151,3 +151,23 @@ def test_refusals_are_one_line(tmp_path):
     check_router_replay(load_config(JobConfig, overrides=["actor.router_replay=R3"]), moe)  # native: fine
     with pytest.raises(ValueError, match="actor.compile=on"):
         engine_ranks.actor_config("ddp", router_replay="R3", compile="on")
+
+
+def test_outputs_without_routes_are_marked_not_routed():
+    """A sample whose engine output has no routes (or routes not covering its tokens, a resumed
+    partial rollout) gets unmarked rows, so the batch's column stays whole."""
+    from polyrl.batch.routes import encode, engine_routes
+    from polyrl.rollout.base import TokenOutput
+
+    def out(n, routes):
+        extra = {} if routes is None else {"routed_experts": routes}
+        return TokenOutput(token_ids=list(range(n)), logprobs=[0.0] * n, stop_reason="length", weight_version=0,
+                           extra=extra)
+
+    mark = not_routed(torch.uint8)
+    good = encode(torch.ones(2, 2, 2, dtype=torch.long), 3, torch.uint8, 2, 2)
+    column = engine_routes([out(3, good), out(2, None), out(4, good)])
+    assert column.lengths.tolist() == [3, 2, 4]
+    assert bool((column.row(0)[:2] == 1).all()) and bool((column.row(0)[2] == mark).all())
+    assert bool((column.row(1) == mark).all()) and bool((column.row(2) == mark).all())
+    assert engine_routes([out(2, None)]) is None
