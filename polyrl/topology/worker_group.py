@@ -96,8 +96,8 @@ class PolicyGroup(WorkerGroup):
         return [parts[self.mesh.data_rank(r)] for r in range(self.world_size)]
 
     def _one_per_shard(self, answers: list) -> list:
-        """The answers of the first rank of each sequence-parallel group, in shard order."""
-        return [a for r, a in enumerate(answers) if self.mesh.sequence_rank(r) == 0]
+        """The answers of the first rank of each shard's sequence- and tensor-parallel groups, in shard order."""
+        return [a for r, a in enumerate(answers) if self.mesh.first_of_shard(r)]
 
     def logprobs(self, batch: RolloutBatch, which: str) -> Ragged:
         shards = [(part, which) for part in self._per_rank(batch)]

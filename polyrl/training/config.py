@@ -76,6 +76,13 @@ class ActorConfig(Config):
     the other world_size / k ways stay data parallel (the mesh: polyrl/training/mesh.py). Needs
     packed micro-batches (actor.packing auto or on; auto always packs under it) and a model whose
     attention heads and key-value heads divide by k (docs/training.md, "Sequence parallelism")."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Ranks that split every attention and MLP projection, and the vocabulary, of each layer
+    (torch.distributed.tensor.parallel on the model's own tensor-parallel plan,
+    polyrl/training/tensor_parallel.py), so each rank holds and computes about 1/k of the model
+    on the same samples. Needs actor.strategy=fsdp2, which shards each slice over the other
+    world_size / k ranks (a 2-D mesh), and a model whose attention heads, key-value heads and
+    MLP width divide by k (docs/training.md, "Tensor parallelism")."""
     offload: bool = False
     """fsdp2 only: keep the parameter shards and optimizer state in host memory, moving each
     layer to the device for its forward/backward (no effect on a CPU platform)."""
@@ -131,6 +138,16 @@ class ActorConfig(Config):
             raise ValueError(f"actor.sequence_parallel_size={k} splits packed rows: set actor.packing=auto or on")
         if self.compile == "on":
             raise ValueError(f"actor.sequence_parallel_size={k} runs eagerly: set actor.compile=auto or off")
+        return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel_fits(self) -> "ActorConfig":
+        if self.tensor_parallel_size > 1:  # the mesh's own checks, before Ray starts
+            # mesh.py is pure arithmetic: imported when used, so importing a config imports no layout code
+            from polyrl.training.mesh import ParallelDims
+
+            ParallelDims.of(self.strategy, self.world_size, self.sequence_parallel_size,
+                            self.tensor_parallel_size).validate()
         return self
 
     @field_validator("compile", "packing", mode="before")

@@ -80,13 +80,14 @@ class DDPEngine:
         self.nonfinite_in_a_row = 0
         self.optimizer = self.scheduler = None
         self.compute_dtype = torch.bfloat16 if cfg.compute_dtype == "bfloat16" else torch.float32
-        dims = mesh or ParallelDims.of(cfg.strategy, world_size, cfg.sequence_parallel_size)
+        dims = mesh or ParallelDims.of(cfg.strategy, world_size, cfg.sequence_parallel_size,
+                                       getattr(cfg, "tensor_parallel_size", 1))
         self.mesh = mesh_groups(dims, group)
         self.rank = rank
         self.world_size = dims.data_parallel_size
         """Ranks with different samples: what sums over samples (`all_reduce`) run over."""
         self.group = self.mesh.data
-        self.gradient_ranks, self.gradient_group = dims.world_size, self.mesh.gradient
+        self.gradient_ranks, self.gradient_group = dims.gradient_parallel_size, self.mesh.gradient
         self.sp = self.mesh.sequence
         if self.sp is not None:
             ulysses.check_heads(self.module, self.sp.size)

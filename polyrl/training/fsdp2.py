@@ -50,12 +50,13 @@ from torch.distributed.tensor import DTensor
 from polyrl.batch import MicroBatch, Ragged, RolloutBatch, scatter_rows
 from polyrl.batch.packed import plan_layout
 from polyrl.platform import Platform
-from polyrl.training import checkpoint_io, lora, sharded_load
+from polyrl.training import batch_invariant, checkpoint_io, lora, sharded_load, tensor_parallel
 from polyrl.training.ddp import _OPS, DDPEngine
 from polyrl.training.logprobs import response_logprobs
 from polyrl.training.config import ActorConfig
 from polyrl.training.mesh import ParallelDims
 from polyrl.training.optim import build_optimizer
+from polyrl.training.vlm import is_vlm_config
 from polyrl.weights.base import TensorSpec, WeightStream, row_pieces
 
 logger = logging.getLogger(__name__)
@@ -126,7 +127,11 @@ class FSDP2Engine(DDPEngine):
         # reduce in fp32 whatever the compute dtype; all-gather in the compute dtype
         mp = MixedPrecisionPolicy(param_dtype=None if self.compute_dtype == param_dtype else self.compute_dtype,
                                   reduce_dtype=torch.float32)
-        kwargs = dict(mesh=DeviceMesh.from_group(self.shard_group, device.type), mp_policy=mp)
+        if self.mesh.tensor is not None:  # tensor parallelism: slice, then shard each slice (2-D mesh)
+            mesh2d = self._tensor_parallel(model, device)
+            kwargs = dict(mesh=mesh2d["shard"], mp_policy=mp)
+        else:
+            kwargs = dict(mesh=DeviceMesh.from_group(self.shard_group, device.type), mp_policy=mp)
         if cfg.offload and device.type != "cpu":
             kwargs["offload_policy"] = CPUOffloadPolicy()
         elif cfg.offload:
@@ -149,6 +154,26 @@ class FSDP2Engine(DDPEngine):
         self.control = self.shard_group if device.type == "cpu" else dist.new_group(
             dist.get_process_group_ranks(self.shard_group), backend=platform.cpu_dist_backend(),
             use_local_synchronization=True)
+
+    def _tensor_parallel(self, model: torch.nn.Module, device: torch.device):
+        """Slice the model over the tp ranks (training/tensor_parallel.py) and return the 2-D
+        mesh fsdp2 shards the slices over; refuses what is not implemented with tp."""
+        tp = self.mesh.dims.tp
+        refused = {"model.lora_rank > 0 (LoRA)": self.lora,
+                   "a vision-language model": is_vlm_config(getattr(self.module, "config", None)),
+                   "rollout.batch_invariant=true": batch_invariant.is_enabled(self.module),
+                   "actor.offload=true": self.cfg.offload}
+        for what, present in refused.items():
+            if present:
+                raise ValueError(f"actor.tensor_parallel_size={tp} with {what} is not implemented; "
+                                 "set actor.tensor_parallel_size=1")
+        if sharded_load.is_deferred(self.module):
+            # the sharded read takes dim-0 shards only; tp slices columns too, so each rank reads
+            # the whole model once and tensor_parallel keeps its slices
+            sharded_load.materialize(self.module, device)
+        mesh2d = self.mesh.device_mesh(device.type)
+        tensor_parallel.parallelize(self.module, mesh2d["tp"], tp=tp)
+        return mesh2d
 
     # --- forward / backward -----------------------------------------------------------------------
     def forward(self, mb: MicroBatch, with_entropy: bool = False,
@@ -218,6 +243,8 @@ class FSDP2Engine(DDPEngine):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
+        if self.mesh.tensor is not None:
+            return _clip_across_meshes(grads, self.cfg.grad_clip)
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
@@ -315,6 +342,28 @@ class FSDP2Engine(DDPEngine):
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer state (its shards)."""
         return checkpoint_io.local_state_bytes(self.model, self.optimizer)
+
+
+def _clip_across_meshes(grads: list[torch.Tensor], max_norm: float | None) -> float:
+    """The global gradient norm (and clipping to `max_norm`) under tensor parallelism, where the
+    gradients lie on two meshes: the sliced parameters' on (shard, tp), the rest (norms, a MoE
+    layer's experts) on shard alone, whole on every tp rank. Each mesh's norm is completed over
+    its own ranks, so a tp-replicated gradient counts once."""
+    by_mesh: dict = {}
+    for g in grads:  # parameter order: the same on every rank, and so are the collectives
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    squares = torch.zeros((), dtype=torch.float32)
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares += norm.float().cpu() ** 2
+    total = float(squares.sqrt())
+    if max_norm is not None:
+        coef = min(1.0, max_norm / (total + 1e-6))  # torch's clip_grads_with_norm_
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+    return total
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

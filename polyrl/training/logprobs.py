@@ -12,6 +12,9 @@ logsumexp, target log-prob and entropy, and a backward that recomputes the chunk
 autograd keeps only the hidden states (plus two floats per row). Below it the plain path is
 faster: its extra head matmul in the backward costs more than the memory traffic it saves
 (docs/benchmarks.md, "Fused log-prob + entropy").
+
+Under tensor parallelism the head is sliced by vocabulary rows and each rank computes its own
+logits only (training/vocab_parallel.py): no rank ever holds [rows, vocab].
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 from polyrl.algorithms import entropy_from_logits
 from polyrl.batch import MicroBatch
-from polyrl.training import batch_invariant, moe_replay, vlm
+from polyrl.training import batch_invariant, moe_replay, vlm, vocab_parallel
 from polyrl.training.ulysses import gather_shards, own_positions
 from polyrl.training.varlen import packed_forward_kwargs, use_varlen_attention
 
@@ -74,6 +77,15 @@ def response_logprobs(
     # sequence parallelism: this rank's hidden rows are a slice of the row, and it computes the
     # tokens read from there (the rest of the group computes the others; training/ulysses.py)
     index, real = own_positions(mb, mb.gather_index + row_offset, real)
+    shard = vocab_parallel.vocab_shard(head.weight)
+    if shard is not None:  # tensor parallelism: this rank's vocabulary rows only (training/vocab_parallel.py)
+        picked = hidden.reshape(-1, H).index_select(0, index[real])  # [n, H]: real response rows
+        lp, ent = vocab_parallel.vocab_parallel_logprobs(picked, shard, mb.target_ids[real],
+                                                         with_entropy=with_entropy or entropy_grad)
+        if ent is not None and not entropy_grad:
+            ent = ent.detach()
+        entropy = None if ent is None else ent.new_zeros(b, R).masked_scatter(real, ent)
+        return gather_shards(mb, lp.new_zeros(b, R).masked_scatter(real, lp)), gather_shards(mb, entropy)
     threshold = FUSED_MIN_ELEMENTS if torch.is_grad_enabled() else FUSED_MIN_ELEMENTS_NO_GRAD
     if _fusable(head) and b * R * vocab >= threshold:
         # only real response rows: padding past a row's length gets 0 (masked everywhere anyway)

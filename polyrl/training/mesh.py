@@ -8,7 +8,9 @@ sequence-parallel group are neighbours: on one node when ranks are packed by nod
     dp_shard      data parallel, parameters sharded over its ranks (actor.strategy=fsdp2)
     sp            sequence parallel (DeepSpeed-Ulysses, training/ulysses.py): the ranks of one
                   group hold the same samples, each a 1/sp slice of every packed row's tokens
-    tp            tensor parallel: declared, not implemented (refused by `validate`)
+    tp            tensor parallel (actor.tensor_parallel_size, actor.strategy=fsdp2;
+                  training/tensor_parallel.py): the ranks of one group hold the same samples
+                  and each a 1/tp slice of every projection, and of the vocabulary
 
 Which ranks do what:
 
@@ -19,6 +21,9 @@ Which ranks do what:
   group already hold the same, gathered, values (`data_group`).
 * Gradients are summed over the data *and* sp axes (`gradient_group`; torchtitan's
   dp_shard_cp): each rank of an sp group back-propagates only its own tokens' share.
+* The tp axis is in neither: a tp group's ranks hold different slices of one parameter, whose
+  gradients DTensor already completes inside the forward / backward (`tensor_group`). fsdp2
+  shards each slice further over the gradient axes: a 2-D mesh (gradient axes x tp).
 
 The module is pure arithmetic, so the dry run shows the groups without starting anything; the
 engines turn them into process groups (training/mesh_groups.py).
@@ -56,18 +61,26 @@ class ParallelDims:
         """The mesh of an `ActorConfig` (or a critic's copy of it): `world_size` ranks,
         `sequence_parallel_size` per sp group, the rest data parallel, replicated (ddp) or
         sharded (fsdp2)."""
-        return cls.of(actor.strategy, actor.world_size, getattr(actor, "sequence_parallel_size", 1))
+        return cls.of(actor.strategy, actor.world_size, getattr(actor, "sequence_parallel_size", 1),
+                      getattr(actor, "tensor_parallel_size", 1))
 
     @classmethod
-    def of(cls, strategy: str, world_size: int, sequence_parallel_size: int = 1) -> "ParallelDims":
-        sp = sequence_parallel_size
+    def of(cls, strategy: str, world_size: int, sequence_parallel_size: int = 1,
+           tensor_parallel_size: int = 1) -> "ParallelDims":
+        sp, tp = sequence_parallel_size, tensor_parallel_size
+        if tp > 1 and strategy != "fsdp2":
+            raise MeshError(f"actor.tensor_parallel_size={tp} needs actor.strategy=fsdp2 ({strategy} keeps whole "
+                            "parameters on every rank); set actor.strategy=fsdp2")
         if world_size % sp:
             raise MeshError(f"actor.sequence_parallel_size={sp} does not divide actor.world_size={world_size}: "
                             f"set actor.world_size to a multiple of {sp}")
-        dp = world_size // sp
+        if world_size % (sp * tp):
+            raise MeshError(f"actor.tensor_parallel_size={tp} x actor.sequence_parallel_size={sp} does not divide "
+                            f"actor.world_size={world_size}: set actor.world_size to a multiple of {sp * tp}")
+        dp = world_size // (sp * tp)
         if strategy == "fsdp2":
-            return cls(dp_shard=dp, sp=sp)
-        return cls(dp_replicate=dp, sp=sp)
+            return cls(dp_shard=dp, sp=sp, tp=tp)
+        return cls(dp_replicate=dp, sp=sp, tp=tp)
 
     # --- sizes ----------------------------------------------------------------------------------
     @property
@@ -87,8 +100,17 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def gradient_parallel_size(self) -> int:
+        """Ranks whose gradients are summed (and over which fsdp2 shards): all but the tp axis."""
+        return self.world_size // self.tp
+
+    @property
     def sequence_parallel(self) -> bool:
         return self.sp > 1
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.tp > 1
 
     # --- coordinates and groups -----------------------------------------------------------------
     def coordinates(self, rank: int) -> dict[str, int]:
@@ -116,6 +138,13 @@ class ParallelDims:
         """`rank`'s slice of each packed row's tokens (0 .. sp - 1)."""
         return self.coordinates(rank)["sp"]
 
+    def first_of_shard(self, rank: int) -> bool:
+        """Whether `rank` is the first of the ranks that train on its batch shard (the ranks of
+        its sp and tp groups, which all answer with the same gathered result): the one answer
+        the driver keeps."""
+        c = self.coordinates(rank)
+        return c["sp"] == 0 and c["tp"] == 0
+
     def group_of(self, rank: int, axes: tuple[str, ...]) -> tuple[int, ...]:
         """The ranks that differ from `rank` only along `axes` (`rank` included), ascending."""
         c = self.coordinates(rank)
@@ -138,6 +167,10 @@ class ParallelDims:
         """Ranks whose gradients are summed (and over which fsdp2 shards): data and sp axes."""
         return self.group_of(rank, (*DATA_AXES, "sp"))
 
+    def tensor_group(self, rank: int) -> tuple[int, ...]:
+        """Ranks that hold the slices of one parameter (neighbours: tp varies fastest)."""
+        return self.group_of(rank, ("tp",))
+
     def groups(self) -> list[tuple[str, tuple[int, ...]]]:
         """(axis, member ranks) of every group of every axis with more than one rank, outermost
         axis first: what the dry run shows."""
@@ -149,9 +182,13 @@ class ParallelDims:
 
     def validate(self) -> None:
         """Refuse what the engines do not implement, with the key to change."""
-        if self.tp > 1:
-            raise MeshError(f"tensor parallelism in training (tp={self.tp}) is not implemented; "
-                            "train with data and sequence parallelism (actor.sequence_parallel_size)")
+        if self.tp > 1 and self.dp_replicate > 1:
+            raise MeshError(f"actor.tensor_parallel_size={self.tp} needs actor.strategy=fsdp2 (ddp replicates whole "
+                            "parameters, tp slices them); set actor.strategy=fsdp2")
+        if self.tp > 1 and self.sp > 1:
+            raise MeshError(f"actor.tensor_parallel_size={self.tp} with actor.sequence_parallel_size={self.sp} is not "
+                            "implemented (the Ulysses all-to-all splits the heads tp has already sliced); "
+                            "set one of them to 1")
         if self.dp_replicate > 1 and self.dp_shard > 1:
             raise MeshError(f"hybrid sharding (dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}) "
                             "is not implemented; use actor.strategy=ddp or fsdp2 over all data ranks")

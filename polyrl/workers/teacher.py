@@ -42,7 +42,7 @@ def teacher_actor_config(cfg: JobConfig) -> ActorConfig:
         return cfg.actor
     strategy = d.strategy or cfg.actor.strategy
     return cfg.actor.model_copy(update={"strategy": strategy, "world_size": d.world_size,
-                                        "sequence_parallel_size": 1,
+                                        "sequence_parallel_size": 1, "tensor_parallel_size": 1,
                                         "offload": cfg.actor.offload and strategy == "fsdp2"})
 
 

@@ -53,8 +53,8 @@ def test_a_mesh_that_does_not_fit_is_refused_naming_the_key():
         ActorConfig(world_size=2, sequence_parallel_size=2, packing="off")
     with pytest.raises(MeshError, match="outside the mesh of 2 ranks"):
         ParallelDims(dp_shard=2).coordinates(2)
-    with pytest.raises(MeshError, match="tensor parallelism in training"):
-        ParallelDims(tp=2).validate()
+    with pytest.raises(MeshError, match="actor.tensor_parallel_size=2 with actor.sequence_parallel_size=2"):
+        ParallelDims(sp=2, tp=2).validate()
     with pytest.raises(MeshError, match="hybrid sharding"):
         ParallelDims(dp_replicate=2, dp_shard=2).validate()
     ParallelDims(dp_shard=2, sp=2).validate()

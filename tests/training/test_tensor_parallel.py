@@ -1,0 +1,119 @@
+"""Tensor parallelism in training (actor.tensor_parallel_size) on real gloo ranks: tp=2, and
+tp=2 x dp_shard=2 on 4 ranks, train exactly as one rank does (fp32): the same log-probs and
+entropies, losses, gradient norms, and weights after the updates; the weight sync gathers one
+tensor at a time; the vocabulary-parallel head never holds the full logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import tp_ranks
+from gloo_world import run_world_ok
+from polyrl.training.config import ActorConfig
+from polyrl.training.mesh import MeshError, ParallelDims
+from polyrl.training.tensor_parallel import DEFAULT_PLAN, TensorParallelError, check_divisible, model_plan
+
+TOL = 1e-5
+
+
+def qwen3_untied(path: Path) -> str:
+    """A Qwen3 (per-head q/k norms: the plan's replicated_with_grad_allreduce) with an untied head
+    and a vocabulary of 131 tokens, which tp=2 cannot split evenly."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(1)
+    config = Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, intermediate_size=128, vocab_size=131, max_position_embeddings=128,
+                         eos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
+    return str(path)
+
+
+def same_run(tp_rank: dict, one: dict) -> None:
+    torch.testing.assert_close(tp_rank["logprobs"], one["logprobs"], rtol=TOL, atol=TOL)
+    torch.testing.assert_close(tp_rank["entropy"], one["entropy"], rtol=TOL, atol=TOL)
+    assert len(tp_rank["metrics"]) == len(one["metrics"])
+    for a, b in zip(tp_rank["metrics"], one["metrics"]):
+        for k in ("actor/loss", "actor/grad_norm", "actor/lr"):
+            assert a[k] == pytest.approx(b[k], rel=TOL, abs=1e-9), (k, a, b)
+    assert sorted(tp_rank["weights"]) == sorted(one["weights"])
+    for k, w in one["weights"].items():
+        # Adam divides by sqrt(v): summation-order noise (1e-9) in a ~0 gradient moves an element
+        # by ~1e-6 (tests/training/test_fsdp2.py, same tolerance)
+        torch.testing.assert_close(tp_rank["weights"][k], w, rtol=TOL, atol=TOL, msg=k)
+    assert tp_rank["specs_match"] and tp_rank["live_peak"] == 1  # whole tensors, one at a time
+
+
+@pytest.mark.slow
+def test_tp2_trains_as_one_rank_qwen3_untied_uneven_vocab(tmp_path):
+    model = qwen3_untied(tmp_path / "qwen3")
+    one = tp_ranks.one_rank(model)
+    assert one["metrics"][0]["actor/grad_norm"] > 0.5  # clipped to 0.5: the clip path runs too
+    ranks = run_world_ok(tp_ranks.run, 2, tmp_path, args=(model, 2), timeout_s=300, backend_timeout_s=240)
+    full = sum(w.numel() * 4 for w in one["weights"].values())
+    for r in ranks.values():
+        assert r["dims"] == "2 ranks: tp=2" and r["data_rank"] == 0  # both ranks on the same samples
+        same_run(r, one)
+        # every projection and the vocabulary sliced; only norms whole on both ranks
+        assert 0.5 * full <= r["param_bytes"] <= 0.52 * full, (r["param_bytes"], full)
+
+
+@pytest.mark.slow
+def test_tp2_by_dp_shard2_on_four_ranks_trains_as_one_rank(tiny_model, tmp_path):
+    one = tp_ranks.one_rank(tiny_model)
+    ranks = run_world_ok(tp_ranks.run, 4, tmp_path, args=(tiny_model, 2), timeout_s=400, backend_timeout_s=300)
+    full = sum(w.numel() * 4 for w in one["weights"].values())
+    assert [r["data_rank"] for r in ranks.values()] == [0, 0, 1, 1]  # tp ranks are neighbours
+    for r in ranks.values():
+        assert r["dims"] == "4 ranks: dp_shard=2 x tp=2"
+        same_run(r, one)
+        assert 0.24 * full <= r["param_bytes"] <= 0.27 * full, (r["param_bytes"], full)
+
+
+def test_mesh_with_tp_keeps_tp_out_of_data_and_gradient_groups():
+    dims = ParallelDims.from_actor(ActorConfig(world_size=4, strategy="fsdp2", tensor_parallel_size=2))
+    assert (dims.dp_shard, dims.tp) == (2, 2) and dims.data_parallel_size == 2
+    assert dims.groups() == [("dp_shard", (0, 2)), ("dp_shard", (1, 3)), ("tp", (0, 1)), ("tp", (2, 3))]
+    assert [dims.data_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert dims.data_group(1) == dims.gradient_group(1) == (1, 3) and dims.tensor_group(1) == (0, 1)
+    assert dims.gradient_parallel_size == 2
+    assert [dims.first_of_shard(r) for r in range(4)] == [True, False, True, False]  # the driver keeps one answer
+    assert dims.describe() == "4 ranks: dp_shard=2 x tp=2"
+
+
+def test_unsupported_tensor_parallel_settings_are_refused_naming_the_key():
+    with pytest.raises(ValueError, match="actor.tensor_parallel_size=2 needs actor.strategy=fsdp2"):
+        ActorConfig(world_size=2, tensor_parallel_size=2)  # ddp
+    with pytest.raises(ValueError, match=r"actor.tensor_parallel_size=2 x actor.sequence_parallel_size=1 does not "
+                                         r"divide actor.world_size=3"):
+        ActorConfig(world_size=3, strategy="fsdp2", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="with actor.sequence_parallel_size=2 is not implemented"):
+        ActorConfig(world_size=4, strategy="fsdp2", tensor_parallel_size=2, sequence_parallel_size=2)
+    with pytest.raises(MeshError, match="needs actor.strategy=fsdp2"):
+        ParallelDims.of("ddp", 2, tensor_parallel_size=2)
+
+
+def test_the_divisibility_check_names_the_model_size():
+    from transformers import Qwen2Config
+
+    check_divisible(Qwen2Config(num_attention_heads=4, num_key_value_heads=2, intermediate_size=384), 2)
+    with pytest.raises(TensorParallelError, match=r"actor.tensor_parallel_size=4 does not divide the model's "
+                                                  r"num_key_value_heads=2"):
+        check_divisible(Qwen2Config(num_attention_heads=4, num_key_value_heads=2, intermediate_size=384), 4)
+    with pytest.raises(TensorParallelError, match="intermediate_size=6"):
+        check_divisible(Qwen2Config(num_attention_heads=4, num_key_value_heads=4, intermediate_size=6), 4)
+
+
+def test_plans_come_from_the_model_config_else_polyrls():
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    small = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                 intermediate_size=64, vocab_size=64)
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(**small, head_dim=16))
+    assert model_plan(qwen3)["layers.*.self_attn.q_norm"] == "replicated_with_grad_allreduce"
+    llama = LlamaForCausalLM(LlamaConfig(**small))
+    llama.config.base_model_tp_plan = None  # a model that ships none
+    assert model_plan(llama) == DEFAULT_PLAN

@@ -1,0 +1,62 @@
+"""What one rank of a tensor-parallel test runs (imported by the gloo ranks of gloo_world.py):
+the fixed batches of engine_ranks.py, each rank training on its data shard (the ranks of one tp
+group on the same one), with log-probs and entropies before training and a weight sync after."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+import engine_ranks
+from polyrl.batch import shard
+from polyrl.training.mesh import ParallelDims
+
+
+ADAM_EPS = 1e-5
+"""AdamW's epsilon in these runs: its step is lr * g / (|g| + eps), so a gradient element that is
+~0 (Qwen3's k_proj behind its k_norm has many) turns summation-order noise into up to lr / eps
+times as much movement; at the default 1e-8 that is 1e5, at 1e-5 it is 100, and the weights
+after training compare at 1e-5 as the log-probs, losses and gradient norms do."""
+
+
+def run(rank: int, world_size: int, model_path: str, tp: int, strategy: str = "fsdp2",
+        batches=engine_ranks.BATCHES) -> dict:
+    cfg = engine_ranks.actor_config(strategy, world_size=world_size, tensor_parallel_size=tp, eps=ADAM_EPS)
+    dims = ParallelDims.from_actor(cfg)
+    engine, actor = engine_ranks.build(model_path, cfg, rank, world_size)
+
+    def mine(seed: int, n: int):
+        return shard(engine_ranks.make_batch(seed, n), dims.data_parallel_size)[dims.data_rank(rank)]
+
+    out: dict = {"dims": dims.describe(), "data_rank": dims.data_rank(rank), "metrics": []}
+    probe = engine_ranks.make_batch(5, 5)  # the whole batch on every rank: comparable to one rank
+    out["logprobs"] = engine.logprobs(probe).values
+    # entropy with its gradient: the forward the entropy bonus differentiates
+    mb = next(engine.micro_batches(probe))
+    lp, ent = engine.forward(mb, with_entropy=True, entropy_grad=True)
+    # real response tokens only (a padded micro-batch's plain head computes padding too)
+    real = torch.arange(ent.shape[1]).unsqueeze(0) < mb.response_lengths.cpu().unsqueeze(1)
+    out["entropy"] = ent.detach()[real]
+    (ent.sum() * 0.0).backward()  # a zero-loss backward: every rank moves the same collectives
+    engine.model.zero_grad(set_to_none=True)
+    for seed, n in batches:
+        m = actor.update(mine(seed, n), num_mini_batches=1, use_rollout_logprobs=False)
+        out["metrics"].append({k: m[k] for k in engine_ranks.SHARE_KEYS})
+    # weight sync: full tensors one at a time; how many are alive at once when none is kept
+    refs, live_peak, weights = [], 0, {}
+    for name, t in engine.named_weights():
+        weights[name] = t.detach().clone()
+        refs.append(weakref.ref(t))
+        live_peak = max(live_peak, sum(r() is not None for r in refs))
+        del t
+    out["weights"], out["live_peak"] = weights, live_peak
+    out["specs_match"] = [(n, tuple(w.shape), w.dtype) for n, w in weights.items()] == [
+        (n, tuple(s), d) for n, s, d in engine.weight_specs()]
+    out["param_bytes"] = engine.state_bytes()["params"] if hasattr(engine, "state_bytes") else None
+    return out
+
+
+def one_rank(model_path: str) -> dict:
+    """The reference: one rank, ddp, in this process."""
+    return run(0, 1, model_path, tp=1, strategy="ddp")
