@@ -161,3 +161,13 @@ def test_fsdp2_lora_on_experts_merges_as_ddp(moe_dirs, tmp_path):
     base = dict(load_causal_lm(path).named_parameters())
     assert not torch.equal(one["model.layers.0.mlp.experts.down_proj"], base["model.layers.0.mlp.experts.down_proj"])
 
+
+
+def test_a_critic_on_an_moe_trunk_trains(moe_dirs):
+    """PPO's critic (a value head on the policy's trunk, training/values.py) on a Qwen3-MoE: three
+    updates through the engine seam, finite losses and gradients."""
+    metrics = engine_ranks.critic_updates(0, 1, moe_dirs["qwen3_moe"], "ddp")
+    assert len(metrics) == 3
+    for m in metrics:
+        assert torch.isfinite(torch.tensor([m["critic/value_loss"], m["critic/grad_norm"]])).all()
+        assert m["critic/grad_norm"] > 0
