@@ -7,7 +7,8 @@ weights cast back to the model's dtype before they scale the experts' outputs.
 
 The experts run batched, never a Python loop per token: the (token, slot) pairs are sorted by
 expert and each projection is one grouped matmul over the contiguous per-expert segments
-(`torch._grouped_mm`; where this torch lacks it, one `mm` per expert that received tokens).
+(`torch._grouped_mm` on a CPU; elsewhere, or where this torch lacks it, one `mm` per expert that
+received tokens).
 
 Weights are held fused as transformers holds them in memory ([E, 2I, H] gate/up, [E, H, I] down);
 a checkpoint on disk names each expert apart (`mlp.experts.{e}.gate_proj.weight`), so both
@@ -161,7 +162,7 @@ def route(x: torch.Tensor, router: torch.Tensor, spec: MoeSpec) -> tuple[torch.T
 
 def _grouped(x: torch.Tensor, w_t: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Rows of x sorted by expert (segment e ends at ends[e]) times w_t[e] [in, out]."""
-    if hasattr(torch, "_grouped_mm"):
+    if x.is_cpu and hasattr(torch, "_grouped_mm"):  # CUDA's kernel takes bf16 on sm90+ only: not relied on
         return torch._grouped_mm(x, w_t, offs=ends.to(torch.int32))
     out = x.new_empty(x.shape[0], w_t.shape[-1])
     start = 0

@@ -104,3 +104,26 @@ def test_unsupported_moe_is_one_line_before_ray(tmp_path):
     # a supported one passes the same check
     path = build_moe_model(tmp_path / "ok", "qwen3_moe")
     check_rollout_engine(load_config(JobConfig, overrides=[f"model.path={path}"]))
+
+
+def test_grouped_and_per_expert_products_agree(monkeypatch):
+    """The experts' two paths (moe.py): torch._grouped_mm over the sorted segments, and one mm
+    per expert that received tokens (a torch without it, a GPU) give the same output."""
+    import torch.nn.functional as F
+
+    from polyrl.rollout.native import moe
+
+    g = torch.Generator().manual_seed(0)
+    E, H, I, k, N = 6, 32, 16, 2, 11
+    w = moe.MoeWeights(router=torch.randn(E, H, generator=g), gate_up=torch.randn(E, 2 * I, H, generator=g),
+                       down=torch.randn(E, H, I, generator=g))
+    x = torch.randn(N, H, generator=g)
+    weights, ids = moe.route(x, w.router, moe.MoeSpec(E, k, I, True, (True,)))
+    grouped = moe.experts_forward(x, weights, ids, w, F.silu)
+    monkeypatch.delattr(torch, "_grouped_mm", raising=False)
+    looped = moe.experts_forward(x, weights, ids, w, F.silu)
+    torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-5)
+    # and both are the plain sum over each token's experts
+    ref = torch.stack([sum(weights[n, j] * F.linear(F.silu(F.linear(x[n], w.gate_up[e, :I])) * F.linear(x[n], w.gate_up[e, I:]),
+                                                 w.down[e]) for j, e in enumerate(ids[n].tolist())) for n in range(N)])
+    torch.testing.assert_close(grouped, ref, rtol=1e-4, atol=1e-4)
