@@ -46,6 +46,13 @@ class StartupInterrupted(BaseException):
         super().__init__(message)
 
 
+class StepAbandoned(StartupInterrupted):
+    """A second SIGTERM while a step does not finish: stopped at once, without a checkpoint. A
+    BaseException (as StartupInterrupted, which callers already handle), so an `except Exception`
+    it lands in cannot swallow it: the second signal may arrive while the first one's handler is
+    still inside a logging handler, which catches every Exception."""
+
+
 class StopFlag:
     def __init__(self):
         self.signum: int | None = None
@@ -70,9 +77,9 @@ def stop_on_signals() -> Iterator[StopFlag]:
         if flag.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         if flag.requested and signum == signal.SIGTERM:  # the step does not finish (a plugin that hangs)
-            raise TrainingInterrupted("second SIGTERM: abandoned the current step without a checkpoint; rerun "
-                                      "the same command (trainer.resume=auto) to continue from the last "
-                                      "checkpoint", 128 + signal.SIGTERM)
+            raise StepAbandoned("second SIGTERM: abandoned the current step without a checkpoint; rerun "
+                                "the same command (trainer.resume=auto) to continue from the last "
+                                "checkpoint", 128 + signal.SIGTERM)
         flag.signum = signum
         logger.warning("%s received: finishing the current step, then stopping "
                        "(the same signal again abandons it)", signal.Signals(signum).name)
