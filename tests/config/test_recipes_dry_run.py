@@ -31,7 +31,7 @@ GPUS = {  # recipe -> H100s it was sized for (one node each)
 }
 # the bundled model and data, any machine
 EMBEDDED_TASK = {"dapo_arith.yaml", "tools_calculator.yaml", "distill_arith.yaml", "vision_shapes.yaml",
-                 "reasoning_gym_arith.yaml"}
+                 "reasoning_gym_arith.yaml", "moe_arith.yaml"}
 SFT = {"sft_chat_qwen_gpu.yaml"}  # `polyrl sft` configs, not `polyrl train`
 
 
