@@ -23,22 +23,40 @@ from rich.text import Text
 from rich.tree import Tree
 
 from polyrl.distributed.role import RolePlan
-from polyrl.topology.launch_plan import ActorPlan, LaunchPlan, plan_launch
-from polyrl.training.mesh import ParallelDims
+from polyrl.topology.launch_plan import ActorPlan, LaunchPlan
+from polyrl.topology.run_plan import RunData, RunPlan, resolve
 from polyrl.job import JobConfig
 
 
 def dry_run(cfg: JobConfig, platform: Any, engine_version: str | None, as_json: bool,
             nodes: int | None = None) -> int:
-    """Print the plan; `nodes`: simulate a cluster of that many nodes (None: as many as needed).
-    A model too big for the planned ranks is refused first, as the run's pre-flight refuses it."""
+    """Print the run's plan (`resolve`, polyrl/topology/run_plan.py: the plan `polyrl train`
+    starts); `nodes`: simulate a cluster of that many nodes (None: as many as needed). A model
+    too big for the planned ranks is refused first, as the run's pre-flight refuses it."""
     check_memory_fits(cfg, platform)
-    plan = plan_launch(cfg, platform, engine_version, nodes)
+    plan = resolve(cfg, dry_run_data(cfg), platform, engine_version, nodes)
     if as_json:
-        print(json.dumps(plan_json(cfg, plan, engine_version), indent=2, default=str))
+        print(json.dumps(plan_json(plan), indent=2, default=str))
     else:
-        render(cfg, plan, engine_version, Console(soft_wrap=False))
-    return 1 if plan.errors else 0
+        render(plan, Console(soft_wrap=False))
+    return 1 if plan.launch.errors else 0
+
+
+def dry_run_data(cfg: JobConfig) -> RunData | None:
+    """The data's shape, as the run reads it, where the plan needs it (rollout.max_model_len or
+    trainer.total_steps unset) and the tokenizer and data files are on this machine; None
+    otherwise (the plan's notes then say what the run fills in at start)."""
+    if cfg.rollout.max_model_len is not None and cfg.trainer.total_steps:
+        return None
+    from polyrl.data import DataFileError
+    from polyrl.trainer.run_data import load_run_data
+    from polyrl.training.model_loading import ModelLoadError
+
+    try:
+        _, train, val = load_run_data(cfg)
+    except (DataFileError, ModelLoadError, OSError, ValueError):
+        return None
+    return RunData.of(train, val)
 
 
 def check_memory_fits(cfg: JobConfig, platform: Any) -> None:
@@ -59,32 +77,21 @@ def check_memory_fits(cfg: JobConfig, platform: Any) -> None:
         raise CLIError("; ".join(exc.problems)) from None
 
 
-def placement_summary(cfg: JobConfig, plan: LaunchPlan, engine_version: str | None) -> dict[str, Any]:
-    """The run's shape as the plan decided it (its topology, not the config keys)."""
-    r, t = cfg.rollout, plan.topology
-    replicas = 0 if t.colocated_engine else r.num_replicas
-    return {"placement": t.placement, "mode": t.mode, "topology": t.name, "backend": r.backend,
-            "engine_version": engine_version, "policy_ranks": cfg.actor.world_size,
-            "training_mesh": ParallelDims.from_actor(cfg.actor).describe(),
-            "rollout_replicas": replicas, "tensor_parallel_size": r.tensor_parallel_size,
-            "rollout_ranks": replicas * r.tensor_parallel_size}
-
-
-def plan_json(cfg: JobConfig, plan: LaunchPlan, engine_version: str | None) -> dict[str, Any]:
-    return {"dry_run": True, "placement": placement_summary(cfg, plan, engine_version),
-            **plan.as_dict(), "config": cfg.model_dump(mode="json")}
+def plan_json(plan: RunPlan) -> dict[str, Any]:
+    return {"dry_run": True, **plan.as_dict()}
 
 
 # --- human output ---------------------------------------------------------------------------
 # Every user-controlled string goes through Text(...): rich markup would eat `[vllm]`.
 
 
-def render(cfg: JobConfig, plan: LaunchPlan, engine_version: str | None, console: Console) -> None:
+def render(run_plan: RunPlan, console: Console) -> None:
     from polyrl.config import to_yaml
 
     console.rule(Text("resolved config"))
-    console.print(Text(to_yaml(cfg).rstrip()))
-    p, s = plan.platform, placement_summary(cfg, plan, engine_version)
+    console.print(Text(to_yaml(run_plan.cfg).rstrip()))
+    plan, engine_version = run_plan.launch, run_plan.engine_version
+    p, s = plan.platform, run_plan.summary()
     tree = Tree(Text("launch plan (dry run: no Ray, no model load, no engine import)", style="bold"))
     tree.add(Text(f"platform: {p.describe()}" + (" [simulated]" if p.probe.simulated else "")))
     rollout = ("engine colocated on each policy rank" if plan.topology.colocated_engine

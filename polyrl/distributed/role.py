@@ -4,7 +4,8 @@ The launch plan (polyrl/topology/launch_plan.py:plan_launch) builds one `RolePla
 rank, rollout actor and standalone distillation teacher rank from the run's topology
 (polyrl/distributed/topologies.py) and starts the actor with it; the workers
 (polyrl/workers/policy.py, rollout_worker.py, streaming_replica.py, teacher.py) act on it and
-never read `rollout.placement` or `trainer.mode`. `polyrl train --dry-run` prints the same plans. Pure data: it pickles into a Ray actor and is compared in tests.
+never read `rollout.placement` or `trainer.mode`. A policy rank's plan carries its training mesh
+(`mesh`, `mesh_coordinates`). `polyrl train --dry-run` prints the same plans. Pure data: it pickles into a Ray actor and is compared in tests.
 """
 
 from __future__ import annotations
@@ -72,6 +73,14 @@ class RolePlan:
     """Most versions a trained sample may lag (0 when on-policy)."""
     engine: EngineLaunch | None = None
     """The engine's launch arguments as the dry run shows them (None: hosts no engine)."""
+    mesh: Any = None
+    """(policy) the training mesh its rank is in (a `ParallelDims`, polyrl/training/mesh.py),
+    planned once (polyrl/topology/run_plan.py); None for rollout and teacher actors."""
+
+    @property
+    def mesh_coordinates(self) -> dict[str, int] | None:
+        """(policy) {axis: index} of this rank in the training mesh (None: no mesh)."""
+        return self.mesh.coordinates(self.index) if self.mesh is not None else None
 
     @property
     def mode(self) -> str:
@@ -89,4 +98,6 @@ class RolePlan:
                 "hosts_engine": self.hosts_engine, "colocated_engine": self.colocated_engine,
                 "engine_seed": self.engine_seed, "transport": self.transport,
                 "sends_weights": self.sends_weights, "background_publish": self.background_publish,
-                "on_policy": self.on_policy, "max_staleness": self.max_staleness}
+                "on_policy": self.on_policy, "max_staleness": self.max_staleness,
+                "mesh": self.mesh.describe() if self.mesh is not None else None,
+                "mesh_coordinates": self.mesh_coordinates}

@@ -32,9 +32,10 @@ from polyrl.platform import Platform
 from polyrl.rollout.base import SamplingParams
 from polyrl.rewards.reward_model import use_planned_options
 from polyrl.topology.in_process import LocalActor, is_local, local_gather
-from polyrl.topology.launch_plan import REWARD_ACTOR, ActorPlan, plan_launch
+from polyrl.placement import PlacementError, plan_placement
+from polyrl.topology.launch_plan import REWARD_ACTOR, ActorPlan, LaunchPlan
+from polyrl.topology.run_plan import RunPlan
 from polyrl.topology.worker_group import PolicyGroup, Waiter
-from polyrl.training.mesh import ParallelDims
 from polyrl.workers.policy import PolicyWorker
 from polyrl.workers.teacher import TeacherWorker
 
@@ -57,14 +58,25 @@ Scorer = Callable[[RolloutBatch], dict]
 class TopologyContext:
     """What a topology is built from (explicit: nothing is patched in later)."""
 
-    cfg: JobConfig
-    platform: Platform
-    total_steps: int
+    plan: RunPlan
+    """The run's plan (polyrl/topology/run_plan.py): the topology launches exactly its actors."""
     loader: Any
     """The training data (`ResumableLoader`): draws the prompts of each step."""
     score: Scorer
     timer: Any
     """`PhaseTimer`: `with timer("generate")` records timing/generate."""
+
+    @property
+    def cfg(self) -> JobConfig:
+        return self.plan.cfg
+
+    @property
+    def platform(self) -> Platform:
+        return self.plan.platform
+
+    @property
+    def total_steps(self) -> int:
+        return self.plan.total_steps or 0
 
 
 class Topology(abc.ABC):
@@ -160,11 +172,15 @@ class Launch:
 
 
 def plan(ctx: TopologyContext) -> Launch:
-    if not ctx.cfg.ray.enabled:
-        return plan_in_process(ctx)
-    launch_plan = plan_launch(ctx.cfg, ctx.platform, nodes=_device_nodes(ctx.platform))
+    """The run plan's actors with the `.options(...)` they start with (and, on device
+    platforms, the live placement groups that pin them): nothing is planned again here."""
+    run_plan = ctx.plan
+    if not run_plan.cfg.ray.enabled:
+        return plan_in_process(run_plan)
+    launch_plan = run_plan.launch
     if launch_plan.placement_error:
         raise TrainingError(launch_plan.placement_error)
+    check_cluster(launch_plan, _device_nodes(launch_plan.platform))
     options = {a.name: a.ray_options() for a in launch_plan.actors}
     placed = [a for a in launch_plan.actors if a.devices]
     live = None
@@ -175,20 +191,31 @@ def plan(ctx: TopologyContext) -> Launch:
         options.update(options_for(live, placed))
     # the reward worker (reward.model) starts on first use, with its planned share
     use_planned_options(options.get(REWARD_ACTOR))
-    return Launch(launch_plan.actors, options, live)
+    return Launch(list(launch_plan.actors), options, live)
 
 
-def plan_in_process(ctx: TopologyContext) -> Launch:
+def check_cluster(launch_plan: LaunchPlan, nodes: int | None) -> None:
+    """The planned placement fits the live cluster's `nodes` device nodes (None: not known):
+    the planner's own check, with its message (what fits)."""
+    if launch_plan.placement is None or nodes is None or launch_plan.placement.nodes_used <= nodes:
+        return
+    try:
+        plan_placement(launch_plan.placement.gangs, launch_plan.devices_per_node, nodes)
+    except PlacementError as exc:
+        raise TrainingError(str(exc)) from None
+
+
+def plan_in_process(run_plan: RunPlan) -> Launch:
     """ray.enabled=false: the same plan (JobConfig allows one policy rank and nothing else), no
     Ray options or placement groups; the policy's planned variables go into this process's
     environment, as a Ray actor would have been started with them (the caller's values come back
     at `release`). Variables read only at process start (the allocator's) act only when exported
     before it: `polyrl env --role trainer` prints them."""
-    launch_plan = plan_launch(ctx.cfg, ctx.platform, nodes=1 if ctx.platform.ray_resource else None)
+    launch_plan = run_plan.launch
     if launch_plan.placement_error:
         raise TrainingError(launch_plan.placement_error)
     (policy,) = [a for a in launch_plan.actors if a.role == "policy"]  # JobConfig allows no other
-    return Launch(launch_plan.actors, {}, in_process=True, saved_env=apply_here(policy.env.values()))
+    return Launch(list(launch_plan.actors), {}, in_process=True, saved_env=apply_here(policy.env.values()))
 
 
 def _device_nodes(platform: Platform) -> int | None:
@@ -214,9 +241,8 @@ def start_policy(ctx: TopologyContext, launch: Launch, waiter: Waiter = gather) 
         cls = ray.remote(PolicyWorker)
         workers = [cls.options(**launch.options[a.name]).remote(cfg, a.plan, ctx.total_steps)
                    for a in planned]
-    # the same shard to every rank of a sequence-parallel group (polyrl/training/mesh.py)
-    return PolicyGroup(workers, [a.name for a in planned], cfg.ray.timeout_s, waiter,
-                       mesh=ParallelDims.from_actor(cfg.actor))
+    # the same shard to every rank of a sequence-parallel group: the plan's mesh (polyrl/training/mesh.py)
+    return PolicyGroup(workers, [a.name for a in planned], cfg.ray.timeout_s, waiter, mesh=ctx.plan.mesh)
 
 
 def start_teacher(ctx: TopologyContext, launch: Launch, waiter: Waiter = gather) -> PolicyGroup:

@@ -22,7 +22,7 @@ import dataclasses
 import importlib.util
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from polyrl.builtin import resolve
@@ -40,6 +40,7 @@ from polyrl.rollout.launch_args import TRTLLM_WORKER_GPU_SHARE, check_replica_la
 from polyrl.rewards.reward_model import reward_worker_options
 from polyrl.topology.process_groups import WorldPlan, plan_world
 from polyrl.topology.resources import cpus_needed
+from polyrl.training.mesh import ParallelDims
 from polyrl.job import JobConfig
 
 ENV_ROLE = {"policy": "trainer", "rollout": "rollout", "teacher": "trainer"}
@@ -119,13 +120,13 @@ class JobPlan:
                 "env": self.env.to_json()}
 
 
-@dataclass
+@dataclass(frozen=True)
 class LaunchPlan:
     platform: Platform
     job: JobPlan
-    actors: list[ActorPlan]
+    actors: tuple[ActorPlan, ...]
     topology: TopologySpec
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()
     """Facts worth knowing that do not stop the run (engine not installed here, ...)."""
     placement: PlacementPlan | None = None
     """Nodes and device ids of the actors (None on a platform without devices, or when the
@@ -237,7 +238,8 @@ def replica_concurrency(cfg: JobConfig) -> int:
     return math.ceil(inflight / a.groups_per_request) + 3
 
 
-def plan_actors(cfg: JobConfig, platform: Platform, engine_version: str | None = None) -> list[ActorPlan]:
+def plan_actors(cfg: JobConfig, platform: Platform, engine_version: str | None = None,
+                mesh: ParallelDims | None = None) -> list[ActorPlan]:
     """Every Ray actor `worker_group.launch` starts for `cfg`, in start order: the policy ranks,
     then the topology's rollout actors (disaggregated: one per rollout rank, in the policy ranks'
     world; streaming: one per replica, outside any process group), then the weight mailbox when
@@ -253,7 +255,7 @@ def plan_actors(cfg: JobConfig, platform: Platform, engine_version: str | None =
                                                    num_cpus=per_actor)
     env_kw = _env_kwargs(cfg, engine_version)
     engine = engine_launch(cfg, platform, engine_version)
-    roles = role_plans(cfg, per_actor, engine)
+    roles = role_plans(cfg, per_actor, engine, mesh or ParallelDims.from_actor(cfg.actor))
     colocated = spec.colocated_engine
     # beside a device's TRT-LLM worker an actor asks Ray for the rest of the device while its
     # bundle keeps the whole device (`engine_worker`)
@@ -299,10 +301,13 @@ def plan_actors(cfg: JobConfig, platform: Platform, engine_version: str | None =
     return actors + ([reward] if reward else [])
 
 
-def role_plans(cfg: JobConfig, num_threads: int, engine: EngineLaunch | None = None) -> dict[str, list[RolePlan]]:
+def role_plans(cfg: JobConfig, num_threads: int, engine: EngineLaunch | None = None,
+               mesh: ParallelDims | None = None) -> dict[str, list[RolePlan]]:
     """The `RolePlan` of every policy rank, rollout actor and standalone teacher rank of `cfg`,
     by role, in start order: what the topology (`cfg.topology`) makes each one do. `engine`:
-    the engine's launch arguments as the plan shows them."""
+    the engine's launch arguments as the plan shows them; `mesh`: the policy ranks' training
+    mesh, which each policy rank's plan carries (default: the config's)."""
+    mesh = mesh or ParallelDims.from_actor(cfg.actor)
     spec = cfg.topology
     seed, world = cfg.trainer.seed, cfg.actor.world_size
     common = dict(topology=spec.name, num_threads=num_threads, transport=cfg.weight_transport,
@@ -314,7 +319,7 @@ def role_plans(cfg: JobConfig, num_threads: int, engine: EngineLaunch | None = N
                             tensor_parallel_size=cfg.rollout.tensor_parallel_size, trainer_world_size=world)
         infos = [layout.rank_info(r) for r in range(layout.world_size)]
         policy = [RolePlan(role="policy", index=r, rank=r, world_size=layout.world_size, layout=layout,
-                           groups=tuple(infos[r].groups), hosts_engine=False, engine_seed=None,
+                           groups=tuple(infos[r].groups), hosts_engine=False, engine_seed=None, mesh=mesh,
                            sends_weights=infos[r].leaders.get("weight_sync") == r, **common)
                   for r in range(world)]
         rollout = [RolePlan(role="rollout", index=i.replica, rank=i.rank, world_size=layout.world_size,
@@ -323,7 +328,7 @@ def role_plans(cfg: JobConfig, num_threads: int, engine: EngineLaunch | None = N
                             sends_weights=False, engine=engine if i.is_replica_leader else None, **common)
                    for i in infos[world:]]
         return {"policy": policy, "rollout": rollout, "teacher": teacher_plans(cfg, common)}
-    policy = [RolePlan(role="policy", index=r, rank=r, world_size=world, layout=None,
+    policy = [RolePlan(role="policy", index=r, rank=r, world_size=world, layout=None, mesh=mesh,
                        groups=("trainer",) if world > 1 else (), hosts_engine=spec.colocated_engine,
                        engine_seed=seed + 1000 * r if spec.colocated_engine else None,
                        # colocated: every rank into its own engine; else rank 0 publishes
@@ -497,25 +502,29 @@ def job_gangs(cfg: JobConfig, actors: list[ActorPlan]) -> list[Gang]:
 
 
 def plan_launch(cfg: JobConfig, platform: Platform, engine_version: str | None = None,
-                nodes: int | None = None) -> LaunchPlan:
+                nodes: int | None = None, mesh: ParallelDims | None = None) -> LaunchPlan:
     """The whole plan: Ray job, actors with their devices, and notes on what the plan could not
-    settle here. `nodes`: the cluster's node count (None: as many as the job needs)."""
-    plan = LaunchPlan(platform, plan_job(cfg, platform, engine_version),
-                      plan_actors(cfg, platform, engine_version), cfg.topology)
+    settle here. `nodes`: the cluster's node count (None: as many as the job needs). `mesh`: the
+    policy ranks' training mesh (the run's plan passes the one it holds,
+    polyrl/topology/run_plan.py; default: the config's)."""
+    mesh = mesh or ParallelDims.from_actor(cfg.actor)
+    actors = plan_actors(cfg, platform, engine_version, mesh)
+    plan = LaunchPlan(platform, plan_job(cfg, platform, engine_version), tuple(actors), cfg.topology)
+    placement = placement_error = None
     if platform.ray_resource:
         try:
-            plan.placement = plan_placement(job_gangs(cfg, plan.actors), plan.devices_per_node, nodes)
+            placement = plan_placement(job_gangs(cfg, actors), plan.devices_per_node, nodes)
         except PlacementError as exc:
-            plan.placement_error = str(exc)
+            placement_error = str(exc)
         else:
-            where = plan.placement.assignments
-            plan.actors = [dataclasses.replace(a, devices=where.get(a.name)) for a in plan.actors]
-            plan.actors = [_hand_devices(cfg, platform, a, plan.actors, engine_version)
-                           if a.hands is not None else a for a in plan.actors]
-            plan.actors = in_bundles(plan.placement, plan.actors)
-    plan.world = plan_world(cfg, platform, plan.actors)
-    plan.notes.extend(_notes(cfg, platform, plan))
-    return plan
+            where = placement.assignments
+            actors = [dataclasses.replace(a, devices=where.get(a.name)) for a in actors]
+            actors = [_hand_devices(cfg, platform, a, actors, engine_version)
+                      if a.hands is not None else a for a in actors]
+            actors = in_bundles(placement, actors)
+    plan = dataclasses.replace(plan, actors=tuple(actors), placement=placement, placement_error=placement_error,
+                               world=plan_world(cfg, platform, actors, mesh))
+    return dataclasses.replace(plan, notes=tuple(_notes(cfg, platform, plan)))
 
 
 def in_bundles(placement: PlacementPlan, actors: list[ActorPlan]) -> list[ActorPlan]:

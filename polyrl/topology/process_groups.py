@@ -71,9 +71,10 @@ class WorldPlan:
                 "groups": [g.as_dict() for g in self.groups]}
 
 
-def plan_world(cfg: Any, platform: Platform, actors: Sequence[Any]) -> WorldPlan | None:
+def plan_world(cfg: Any, platform: Platform, actors: Sequence[Any], mesh: ParallelDims) -> WorldPlan | None:
     """The run's world and groups (None: no process group forms: one policy rank and no
-    rollout ranks in its world). `actors`: the launch plan's, for each rank's planned node."""
+    rollout ranks in its world). `actors`: the launch plan's, for each rank's planned node;
+    `mesh`: the policy ranks' training mesh (the plan's, polyrl/topology/run_plan.py)."""
     device = bool(platform.ray_resource)
     backend = platform.dist_backend() if device else platform.cpu_dist_backend()
     library = library_of(platform, backend)
@@ -96,13 +97,13 @@ def plan_world(cfg: Any, platform: Platform, actors: Sequence[Any]) -> WorldPlan
     for kind, ranks in kinds:
         if len(ranks) < 2:
             continue
-        groups.append(group(kind, ranks, _purpose(kind, cfg, ranks)))
+        groups.append(group(kind, ranks, _purpose(kind, cfg, ranks, mesh)))
         if kind == "trainer" and cfg.actor.strategy == "fsdp2" and device:
             groups.append(group("fsdp2_control", ranks, "FSDP2's announce / drain handshake before "
                                 "each forward, on the host: no device sync per micro-batch",
                                 on_host=True))
         if kind == "trainer":
-            groups += [group(k, r, p) for k, r, p in mesh_groups(ParallelDims.from_actor(cfg.actor))]
+            groups += [group(k, r, p) for k, r, p in mesh_groups(mesh)]
     return WorldPlan(size, backend, library, groups)
 
 
@@ -123,10 +124,9 @@ def mesh_groups(dims: ParallelDims) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
-def _purpose(kind: str, cfg: Any, ranks: tuple[int, ...]) -> str:
+def _purpose(kind: str, cfg: Any, ranks: tuple[int, ...], dims: ParallelDims) -> str:
     n = len(ranks)
     if kind == "trainer":
-        dims = ParallelDims.from_actor(cfg.actor)
         if dims.sequence_parallel:
             return (f"the training mesh ({dims.describe()}): gradients summed over its data and sp "
                     f"axes{' and parameters sharded over them (FSDP2)' if cfg.actor.strategy == 'fsdp2' else ''}")

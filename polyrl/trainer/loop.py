@@ -26,15 +26,13 @@ from polyrl.algorithms import compute_advantages, kl_penalized_rewards, overlong
 from polyrl.algorithms.distill import check_teacher_tokenizer, distill_advantages
 from polyrl.backends import capabilities
 from polyrl.batch import Ragged, RolloutBatch
-from polyrl.builtin import resolve
 from polyrl.config import ConfigError, to_yaml
-from polyrl.data import build_loaders
 from polyrl.distributed.waits import RemoteActorDied
 from polyrl.modeling import seed_everything
 from polyrl.platform import get_platform
 from polyrl.rewards import RewardManager, RewardRequest
 from polyrl.rollout.base import SamplingParams
-from polyrl.rollout.factory import require_backend
+from polyrl.rollout.factory import installed_version, require_backend
 from polyrl.topology import Topology, TopologyContext, TrainingError, build_topology
 from polyrl.topology.base import prompt_seeds, teacher_generate
 from polyrl.topology.resources import cpus_needed
@@ -50,15 +48,16 @@ from polyrl.trainer.checkpoint import (
 )
 from polyrl.job import JobConfig
 from polyrl.trainer.interrupts import TrainingInterrupted, stop_on_signals
-from polyrl.topology.launch_plan import plan_job, plugin_code_dirs
+from polyrl.topology.launch_plan import plugin_code_dirs
+from polyrl.topology.run_plan import RunData, RunPlan, resolve
 from polyrl.trainer.metrics import MetricsWriter, PhaseTimer, response_metrics
 from polyrl.trainer.plots import plot_run, print_summary
 from polyrl.trainer.preflight import check_job
+from polyrl.trainer.run_data import load_run_data
 from polyrl.trainer.sample_images import RowImages, SampleImages
 from polyrl.trainer.samples_log import SampleLog, rows_from_batch
 from polyrl.trainer.sinks import build_sinks, check_available
 from polyrl.training.base import NonFiniteUpdate
-from polyrl.training.model_loading import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +79,23 @@ def use_rollout_logprobs(cfg: JobConfig) -> bool:
     return capabilities(r.backend).logprobs_match_trainer(r.dtype, a.param_dtype, a.compute_dtype)
 
 
+def wait_for_cpus(needed: int, per_actor: int, within_s: float = 10.0) -> None:
+    """Ray's free CPUs reach `needed` (a previous run's killed actors free theirs lazily), or one
+    line naming the keys that lower the need."""
+    import ray
+
+    available = ray.available_resources().get("CPU", 0)
+    deadline = time.perf_counter() + within_s
+    while available < needed and time.perf_counter() < deadline:
+        time.sleep(0.2)  # polling Ray's accounting: it offers no event to wait on
+        available = ray.available_resources().get("CPU", 0)
+    if available < needed:
+        raise TrainingError(
+            f"the run's actors reserve {needed} CPUs ({per_actor} per rank) but Ray has {available:g} "
+            "free; lower actor.world_size, actor.num_cpus_per_worker or rollout.num_replicas, or "
+            "add CPUs (ray.num_cpus)")
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
@@ -94,8 +110,21 @@ class Trainer:
         self.teacher_val: dict[str, float] | None = None
         """The distillation teacher's held-out metrics (distill/teacher_val_*), once at the start."""
 
-    # --- set-up -------------------------------------------------------------------------------
+    # --- set-up: check, load the data, plan, write, start ---------------------------------------
     def setup(self) -> None:
+        """Everything before the first step, in order: the checks that need no data, the data
+        (and the checks that need it), the plan (`resolve`: pure, before Ray), the run's files,
+        then `start(plan)`."""
+        self.check_config()
+        self.load_data()
+        self.plan = resolve(self.cfg, RunData.of(self.train_loader, self.val_loader),
+                            get_platform(self.cfg.platform), installed_version(self.cfg.rollout.backend))
+        self.cfg, self.platform, self.total_steps = self.plan.cfg, self.plan.platform, self.plan.total_steps
+        self.write_run_files()
+        self.start(self.plan)
+
+    def check_config(self) -> None:
+        """What the config alone decides, before anything is loaded: one line each."""
         cfg = self.cfg
         require_backend(cfg.rollout.backend)  # a plugin that cannot be imported: one line, now
         if cfg.rollout.tensor_parallel_size > 1 and not capabilities(cfg.rollout.backend).tensor_parallel:
@@ -104,16 +133,15 @@ class Trainer:
                                 "replica (set rollout.tensor_parallel_size=1)")
         check_available(cfg.logging.sinks)  # a missing tensorboard/wandb fails now, not after loading
         check_writable(self.out, need_bytes=0)
-        (self.out / "config.yaml").write_text(to_yaml(cfg))
-        seed_everything(cfg.trainer.seed)
 
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
-        data_cfg = cfg.data.model_copy(update={
-            "train_files": [resolve(f) for f in cfg.data.train_files],
-            "val_files": [resolve(f) for f in cfg.data.val_files]})
-        self.train_loader, self.val_loader = build_loaders(data_cfg, self.tokenizer, model_dir=resolve(cfg.model.path))
+    def load_data(self) -> None:
+        """The tokenizer, the data and the reward functions, with the checks they allow (one
+        clear line now, not a traceback after Ray started)."""
+        cfg = self.cfg
+        seed_everything(cfg.trainer.seed)
+        self.tokenizer, self.train_loader, self.val_loader = load_run_data(cfg)
         check_job(cfg, self.train_loader.dataset, self.val_loader.dataset if self.val_loader else None,
-                  self._model_config())  # one clear line now, not a traceback after Ray started
+                  self._model_config())
         if cfg.distill.enabled:  # the teacher scores the student's token ids: same vocabulary
             try:
                 check_teacher_tokenizer(cfg.distill.teacher, cfg.model.tokenizer_path or cfg.model.path,
@@ -124,34 +152,28 @@ class Trainer:
         self.rewards.check_sources(self.train_loader.dataset.data_sources)
         if self.val_loader is not None:
             self.rewards.check_sources(self.val_loader.dataset.data_sources)
-        self.total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * len(self.train_loader)
-        if cfg.rollout.max_model_len is None:
-            longest = max(len(p.prompt_ids) for p in self.train_loader.dataset)
-            if self.val_loader is not None:
-                longest = max(longest, max(len(p.prompt_ids) for p in self.val_loader.dataset))
-            response = cfg.rollout.response_length
-            if cfg.agent.enabled:  # a multi-turn response holds every turn, tool output included
-                response = max(response, cfg.agent.max_response_tokens)
-            cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
-                update={"max_model_len": longest + response})})
-            self.cfg = cfg
 
-        # a checkpoint this run cannot resume (another model, strategy or LoRA setting) fails
-        # now, as one line, not inside an actor after Ray and the model started
-        self.resume_point = read_resume_point(cfg.trainer.resume, self.out, cfg.model_dump(mode="json"))
+    def write_run_files(self) -> None:
+        """config.yaml (the planned config, filled in), and the resume point read and checked: a
+        checkpoint this run cannot resume (another model, strategy or LoRA setting) fails now,
+        as one line, not inside an actor after Ray and the model started."""
+        (self.out / "config.yaml").write_text(to_yaml(self.cfg))
+        self.resume_point = read_resume_point(self.cfg.trainer.resume, self.out, self.cfg.model_dump(mode="json"))
 
-        self.platform = get_platform(cfg.platform)
+    def start(self, plan: RunPlan) -> None:
+        """Launch exactly `plan`: Ray (or this process, ray.enabled=false), then the topology's
+        actors with their planned options and role plans, then a standalone teacher's."""
+        cfg = plan.cfg
         if cfg.ray.enabled:
-            self._start_ray(cfg)
+            self._start_ray(plan)
         else:  # the policy worker and its engine are objects of this process (topology/in_process.py)
             logger.info("ray.enabled=false: one rank, its engine and the trainer in this process")
-        self.topology = build_topology(TopologyContext(cfg, self.platform, self.total_steps,
-                                                       self.train_loader, self.score, self.timer))
+        self.topology = build_topology(TopologyContext(plan, self.train_loader, self.score, self.timer))
         logger.info("starting the actors (%s)", self.topology.name)  # the interrupt tests signal on this line
         self.topology.start()
         self.policy = self.topology.policy
         self.teacher = self.policy  # the ranks that hold the distillation teacher
-        if cfg.distill.standalone_ranks:  # distill.placement=standalone: its own ranks
+        if plan.roles("teacher"):  # distill.placement=standalone: its own ranks
             self.teacher = self.topology.start_teacher()
             logger.info("distillation teacher: %s (%.2fM parameters) on %d rank(s) of its own (%s)",
                         cfg.distill.teacher, self.teacher.num_params / 1e6, self.teacher.world_size,
@@ -165,32 +187,24 @@ class Trainer:
                     cfg.model.path, self.policy.num_params / 1e6, self.platform.describe(),
                     self.policy.world_size, self.total_steps, cfg.data.train_batch_size, cfg.rollout.n)
 
-    def _start_ray(self, cfg: JobConfig) -> None:
-        """Join or start Ray (the arguments `polyrl train --dry-run` shows) with room for the
-        run's actors."""
+    def _start_ray(self, plan: RunPlan) -> None:
+        """Join or start Ray with the plan's arguments (what `polyrl train --dry-run` shows), then
+        wait until the run's actors' CPUs are free."""
         import ray
 
         from polyrl.distributed.ray_launch import init_ray
 
+        cfg = plan.cfg
         self.started_ray = not ray.is_initialized()
         per_actor, needed = cpus_needed(cfg)
         cores = os.cpu_count() or 1
         if cfg.ray.num_cpus is None and cfg.ray.address is None and needed > cores:
             logger.warning("%d actors x %d CPU(s) on %d core(s): they share cores (slower, "
                            "not wrong)", needed // per_actor, per_actor, cores)
-        init_ray(self.platform, **plan_job(cfg, self.platform).ray_init, config_env=cfg.env,
-                 backend=cfg.rollout.backend, placement=cfg.topology.placement, mode=cfg.topology.mode,
+        init_ray(plan.platform, **plan.launch.job.ray_init, config_env=cfg.env,
+                 backend=cfg.rollout.backend, placement=plan.topology.placement, mode=plan.topology.mode,
                  code_dirs=plugin_code_dirs(cfg))
-        available = ray.available_resources().get("CPU", 0)
-        deadline = time.perf_counter() + 10  # a previous run's killed actors free CPUs lazily
-        while available < needed and time.perf_counter() < deadline:
-            time.sleep(0.2)
-            available = ray.available_resources().get("CPU", 0)
-        if available < needed:
-            raise TrainingError(
-                f"the run's actors reserve {needed} CPUs ({per_actor} per rank) but Ray has {available:g} "
-                "free; lower actor.world_size, actor.num_cpus_per_worker or rollout.num_replicas, or "
-                "add CPUs (ray.num_cpus)")
+        wait_for_cpus(needed, per_actor)
 
     def _model_config(self) -> Any:
         from transformers import AutoConfig

@@ -411,8 +411,8 @@ def test_the_placement_probe_names_a_trtllm_worker_with_no_room_in_its_bundle(cl
     from polyrl.placement.probe import probe_plan, problems
 
     plan = planned("standalone", 1, 1)
-    plan.actors = [dataclasses.replace(a, resources=dict(a.bundle_resources)) if a.bundle else a
-                   for a in plan.actors]
+    plan = dataclasses.replace(plan, actors=tuple(dataclasses.replace(a, resources=dict(a.bundle_resources))
+                                                  if a.bundle else a for a in plan.actors))
     node_ids, seen = probe_plan(plan, timeout_s=120, worker_timeout_s=5)
     starters = starters_of(plan)
     assert problems(plan, node_ids, seen) == {

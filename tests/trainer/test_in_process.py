@@ -102,16 +102,15 @@ def test_a_cuda_plan_in_process_has_no_ray_options_and_the_workers_device_is_cud
     (no options, no placement groups) while the plan still gives the rank device 0; the worker,
     with no Ray reservation, computes on cuda:0; the policy's planned variables are set for the
     run and the caller's come back; a LocalActor swaps the device module's random state too."""
-    from types import SimpleNamespace
-
     from polyrl.cli.common import choose_platform
     from polyrl.topology.base import plan_in_process
+    from polyrl.topology.run_plan import resolve
 
     platform = choose_platform("h100")
     cfg = JobConfig.model_validate({"ray": {"enabled": False}, "rollout": {"max_model_len": 64},
                                     "platform": "cuda"})
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)  # the caller leaves it unset
-    launch = plan_in_process(SimpleNamespace(cfg=cfg, platform=platform))
+    launch = plan_in_process(resolve(cfg, None, platform))
     try:
         (policy,) = launch.of("policy")
         assert launch.in_process and launch.options == {} and launch.placement is None

@@ -224,6 +224,7 @@ def test_missing_builder_is_an_error_in_the_plan_not_a_crash(monkeypatch):
 
 def test_plan_equals_a_real_standalone_launch(ray_session, tiny_model, monkeypatch, tmp_path):
     from polyrl.topology import TopologyContext, build_topology
+    from polyrl.topology.run_plan import resolve
 
     ray = ray_session
 
@@ -245,7 +246,7 @@ def test_plan_equals_a_real_standalone_launch(ray_session, tiny_model, monkeypat
               "env={POLYRL_PLAN_CHECK: checked}", f"trainer.output_dir={tmp_path}", "ray.timeout_s=120")
     platform = get_platform("cpu")
     plan = plan_actors(cfg, platform)
-    topology = build_topology(TopologyContext(cfg, platform, 1, loader=None, score=None, timer=None))
+    topology = build_topology(TopologyContext(resolve(cfg, None, platform), loader=None, score=None, timer=None))
     topology.start()
     policy, rollout = topology.policy, topology.rollout
     try:

@@ -55,10 +55,11 @@ def test_a_two_rank_replica_generates_on_its_leader_and_takes_weights_through_it
     from polyrl.platform import get_platform
     from polyrl.rollout.base import SamplingParams
     from polyrl.topology import TopologyContext, build_topology
+    from polyrl.topology.run_plan import resolve
 
     cfg = job(tiny_model, arith_files, tmp_path / "o", "rollout.placement=standalone",
               "rollout.tensor_parallel_size=2", "rollout.max_model_len=64")
-    topology = build_topology(TopologyContext(cfg, get_platform(cfg.platform), 1, None, None, None))
+    topology = build_topology(TopologyContext(resolve(cfg, None, get_platform(cfg.platform)), None, None, None))
     try:
         topology.start()
         assert topology.engines.names == ["rollout replica 0 (rank 1)"]

@@ -1,0 +1,86 @@
+"""The run's plan (polyrl/topology/run_plan.py): computed once, pure and frozen, before Ray; the
+dry run prints it and `Trainer.start` launches it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import yaml
+
+from polyrl.cli.train import EMBEDDED_DEFAULT
+from polyrl.config import load_config, to_yaml
+from polyrl.job import JobConfig
+from polyrl.platform import get_platform
+from polyrl.topology.run_plan import RunData, resolve
+from polyrl.training.mesh import ParallelDims
+
+
+def job(*overrides: str) -> JobConfig:
+    return load_config(JobConfig, overrides=["actor.num_cpus_per_worker=1", *overrides])
+
+
+def test_resolve_fills_the_config_in_and_every_policy_rank_carries_the_one_mesh():
+    cfg = job("actor.strategy=fsdp2", "actor.world_size=4", "actor.sequence_parallel_size=2",
+              "rollout.response_length=6", "trainer.total_epochs=3")
+    assert cfg.rollout.max_model_len is None and cfg.trainer.total_steps is None
+    plan = resolve(cfg, RunData(longest_prompt=10, batches_per_epoch=5), get_platform("cpu"))
+    # what Trainer.setup once changed after validation is in the plan: the engine launches with it
+    assert plan.cfg.rollout.max_model_len == 16 and plan.total_steps == 15
+    engines = [a.engine for a in plan.launch.actors if a.engine is not None]
+    assert engines and all(e.args["max_model_len"] == 16 for e in engines)
+    assert not any("max_model_len is unset" in n for n in plan.launch.notes)
+    assert plan.mesh == ParallelDims(dp_shard=2, sp=2)
+    policy = plan.roles("policy")
+    assert [r.mesh for r in policy] == [plan.mesh] * 4  # the same object, not rebuilt per rank
+    assert all(r.mesh is plan.mesh for r in policy)
+    assert [r.mesh_coordinates["sp"] for r in policy] == [0, 1, 0, 1]
+    assert [r.mesh_coordinates["dp_shard"] for r in policy] == [0, 0, 1, 1]
+    assert [r.as_dict()["mesh_coordinates"] for r in policy] == [plan.mesh.coordinates(i) for i in range(4)]
+    assert {g.ranks for g in plan.launch.world.groups if g.kind == "mesh_sp"} == {(0, 1), (2, 3)}
+    # frozen: nothing downstream edits the plan it was handed
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.total_steps = 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.launch.actors = ()
+    # pure: the same input gives the same plan, and the input config is not changed
+    assert resolve(cfg, RunData(10, 5), get_platform("cpu")).as_dict() == plan.as_dict()
+    assert cfg.rollout.max_model_len is None
+
+
+def test_without_data_an_unset_max_model_len_stays_unset_and_the_notes_say_so():
+    plan = resolve(job("trainer.total_steps=2"), None, get_platform("cpu"))
+    assert plan.cfg.rollout.max_model_len is None and plan.total_steps == 2
+    assert any("max_model_len is unset" in n for n in plan.launch.notes)
+    filled = resolve(job("trainer.total_steps=2", "rollout.max_model_len=64"), RunData(500, 1))
+    assert filled.cfg.rollout.max_model_len == 64  # a set value is the user's
+
+
+@pytest.mark.slow  # loads the bundled model and starts its engine (in this process, no Ray)
+def test_the_dry_run_prints_the_plan_that_start_launches(tmp_path, capsys):
+    from polyrl.cli.main import main
+    from polyrl.trainer.loop import Trainer
+
+    overrides = ["ray.enabled=false", f"trainer.output_dir={tmp_path}", "trainer.total_steps=1",
+                 "actor.num_cpus_per_worker=1"]
+    assert main(["train", "--dry-run", "--json", *overrides]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed.pop("dry_run") is True
+    # the dry run loaded the bundled data as the run does: max_model_len is filled in
+    assert printed["config"]["rollout"]["max_model_len"] is not None
+
+    trainer = Trainer(load_config(JobConfig, files=[EMBEDDED_DEFAULT], overrides=overrides))
+    try:
+        trainer.setup()
+        plan = trainer.plan
+        assert json.loads(json.dumps(plan.as_dict(), default=str)) == printed
+        # start launched exactly that plan: its actors, its role plans, its mesh, its config
+        assert trainer.topology.launch.actors == list(plan.launch.actors)
+        (worker,) = trainer.policy.workers
+        assert worker.worker.role is plan.roles("policy")[0]
+        assert worker.worker.cfg is plan.cfg and trainer.cfg is plan.cfg
+        assert trainer.policy.mesh is plan.mesh
+        assert yaml.safe_load((tmp_path / "config.yaml").read_text()) == yaml.safe_load(to_yaml(plan.cfg))
+    finally:
+        trainer.shutdown()
