@@ -278,7 +278,9 @@ class FSDP2Engine(DDPEngine):
         return WeightStream(self.stream_specs(), self._weight_items(), device=self.device)
 
     def _pieces(self, p: torch.Tensor) -> tuple[int, ...]:
-        if not (isinstance(p, DTensor) and p.device_mesh.ndim == 1 and p.placements[0].is_shard(0)):
+        # FSDP2's dim-0 shards; on the (shard, tp) mesh over a tp slice of rows they are torch's
+        # _StridedShard (rows of each tp slice), which is not a Shard
+        if not (isinstance(p, DTensor) and getattr(p.placements[0], "dim", None) == 0):
             return ()
         return row_pieces(p.shape, p.dtype, self.piece_bytes)
 
@@ -294,8 +296,9 @@ class FSDP2Engine(DDPEngine):
             if not pieces:
                 yield name, _full(p)
                 continue
+            gather = _gather_rows if p.device_mesh.ndim == 1 else _gather_rows_2d
             for start, stop in zip(pieces, pieces[1:]):
-                yield name, _gather_rows(p, start, stop, self.device)
+                yield name, gather(p, start, stop, self.device)
 
     @torch.no_grad()
     def adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -376,17 +379,58 @@ def _gather_rows(p: DTensor, start: int, stop: int, device: torch.device) -> tor
     rank owning some of them broadcasts them into one buffer of the slice's size (no gather of
     the full tensor, no padded all-gather buffer). FSDP2 shards dim 0 as torch.chunk does:
     rank k holds rows [k c, (k + 1) c) with c = ceil(rows / ranks)."""
+    return _gather_local_rows(p.to_local(), tuple(p.shape), start, stop, p.device_mesh.get_group(), device)
+
+
+def _gather_rows_2d(p: DTensor, start: int, stop: int, device: torch.device) -> torch.Tensor:
+    """Rows [start, stop) of a parameter on the (shard, tp) mesh, whole on every rank, holding
+    no more than the rows: FSDP2 shards each tp slice by rows over the shard group, so the ranks
+    of one tp slice gather its part of the rows (`_gather_local_rows`), then the tp group puts
+    the slices together: by rows (a slice of output features or vocabulary: its owner
+    broadcasts them) or by columns (a row-wise layer's input features: all-gathered)."""
+    mesh = p.device_mesh
+    shard_group, tp_group = mesh.get_group("shard"), mesh.get_group("tp")
+    tp_place = p.placements[1]
     local = p.to_local()
-    group = p.device_mesh.get_group()
+    ranks, me = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    if not tp_place.is_shard():  # replicated over tp (Qwen3's per-head norms)
+        return _gather_local_rows(local, tuple(p.shape), start, stop, shard_group, device)
+    if tp_place.dim == 1:
+        cols = p.shape[1] // ranks  # tensor_parallel.check_divisible: the sliced input widths divide
+        mine = _gather_local_rows(local, (p.shape[0], cols, *p.shape[2:]), start, stop, shard_group, device)
+        blocks = [torch.empty_like(mine) for _ in range(ranks)]
+        dist.all_gather(blocks, mine.contiguous(), group=tp_group)
+        return torch.cat(blocks, dim=1)
+    if tp_place.dim != 0:
+        raise RuntimeError(f"fsdp2: a tensor-parallel slice along dim {tp_place.dim} of {tuple(p.shape)}")
+    chunk = -(-p.shape[0] // ranks)  # tp slices rows as torch.chunk does (a vocabulary need not divide)
+    out = torch.empty((stop - start, *p.shape[1:]), dtype=p.dtype, device=device)
+    for k in range(ranks):
+        lo, hi = max(start, k * chunk), min(stop, (k + 1) * chunk)
+        if lo >= hi:
+            continue
+        rows = out[lo - start: hi - start]
+        if k == me:  # every rank of this slice's shard group has k == me: they gather together
+            slice_rows = max(0, min(p.shape[0], (k + 1) * chunk) - k * chunk)
+            rows.copy_(_gather_local_rows(local, (slice_rows, *p.shape[1:]), lo - k * chunk, hi - k * chunk,
+                                          shard_group, device))
+        dist.broadcast(rows, src=dist.get_global_rank(tp_group, k), group=tp_group)
+    return out
+
+
+def _gather_local_rows(local: torch.Tensor, shape: tuple[int, ...], start: int, stop: int, group,
+                       device: torch.device) -> torch.Tensor:
+    """Rows [start, stop) of a tensor of `shape` whose rows `group`'s ranks hold as torch.chunk
+    gives them (`local`: this rank's), whole on every rank of `group`."""
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
     if ranks == 1:
         return local[start:stop].detach()
-    chunk = -(-p.shape[0] // ranks)
-    mine = max(0, min(p.shape[0], (me + 1) * chunk) - me * chunk)
+    chunk = -(-shape[0] // ranks)
+    mine = max(0, min(shape[0], (me + 1) * chunk) - me * chunk)
     if local.shape[0] != mine:
         raise RuntimeError(f"fsdp2: a shard of {local.shape[0]} rows where torch.chunk gives {mine} "
-                           f"(rank {me} of {ranks}, {p.shape[0]} rows)")
-    out = torch.empty((stop - start, *p.shape[1:]), dtype=p.dtype, device=device)
+                           f"(rank {me} of {ranks}, {shape[0]} rows)")
+    out = torch.empty((stop - start, *shape[1:]), dtype=local.dtype, device=device)
     for k in range(ranks):
         lo, hi = max(start, k * chunk), min(stop, (k + 1) * chunk)
         if lo >= hi:

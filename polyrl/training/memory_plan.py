@@ -136,20 +136,28 @@ class Shape:
         return 2 * self.layers * self.kv_width * 2
 
 
-def _device_transient(s: Shape, checkpointing: bool, compute: int = 2, tokens: int = MICRO_BATCH_TOKENS) -> float:
-    """What the backward adds to the state: activations, the LM head's logits, two gathered units."""
-    per_token_layer = 7 * s.hidden + 2 * s.kv_width + 4 * s.intermediate
+def _device_transient(s: Shape, checkpointing: bool, compute: int = 2, tokens: int = MICRO_BATCH_TOKENS,
+                      tp: int = 1) -> float:
+    """What the backward adds to the state: activations, the LM head's logits, two gathered units.
+    Tensor parallelism (tp) slices the per-head and MLP activations (q, attention, its output,
+    k, v, the MLP's four I-wide tensors), the head's logits and each gathered layer; the
+    hidden-wide ones (residual, norms, projections' outputs: 4 h) stay whole on every rank."""
+    per_token_layer = 4 * s.hidden + (3 * s.hidden + 2 * s.kv_width + 4 * s.intermediate) / tp
     layers = (s.layers * s.hidden + per_token_layer) if checkpointing else s.layers * per_token_layer
-    head = 8 * tokens * s.vocab if tokens * s.vocab < 2**28 else 0
-    return tokens * layers * compute + head + 2 * compute * s.layer_params
+    # the vocabulary-parallel head (tp > 1, training/vocab_parallel.py) always runs in chunks
+    head = 8 * tokens * s.vocab if tp == 1 and tokens * s.vocab < 2**28 else 0
+    return tokens * layers * compute + head + 2 * compute * s.layer_params / tp
 
 
 def training_bytes(s: Shape, ranks: int, *, master: int = 4, compute: int = 2, reference: bool = False,
-                   tokens: int = MICRO_BATCH_TOKENS, checkpointing: bool = False) -> dict[str, float]:
-    """Per-rank bytes of one FSDP2 policy rank during its update (the peak: gradients alive)."""
+                   tokens: int = MICRO_BATCH_TOKENS, checkpointing: bool = False, tp: int = 1) -> dict[str, float]:
+    """Per-rank bytes of one FSDP2 policy rank during its update (the peak: gradients alive).
+    `ranks`: all the policy's ranks; under tensor parallelism (`tp` of them per slice group) each
+    holds 1/tp of every parameter sharded over ranks / tp, i.e. 1/ranks of the model as before
+    (the norms, whole on every tp rank, are a negligible share)."""
     P, N = s.params, ranks
     # the backward's peak (activations) and the optimizer step's (its temporary) do not overlap
-    transient = max(_device_transient(s, checkpointing, compute, tokens), master * P / N)
+    transient = max(_device_transient(s, checkpointing, compute, tokens, tp), master * P / N)
     return {"parameters": master * P / N, "gradients": master * P / N, "optimizer": 2 * master * P / N,
             "reference": master * P / N if reference else 0.0, "transient": transient}
 
@@ -248,4 +256,27 @@ def scaling_rows() -> list[dict]:
                 row["fits_bf16_master"] = layout(s, gpus, mode, master=2)["fits"]
                 row["fits_offload"] = layout(s, gpus, mode, offload=True)["fits"]
                 rows.append(row)
+    return rows
+
+
+def tensor_parallel_rows(model: str = "Qwen2.5-72B", gpus: int = 16, tokens: int = 32768,
+                         checkpointing: bool = True) -> list[dict]:
+    """Per-GPU update peak of `model` trained on `gpus` ranks with one `tokens`-token sample per
+    micro-batch (a 32K context needs micro-batches of 32K tokens), for actor.tensor_parallel_size
+    1, 2, 4, 8: GB of state (fp32 and bf16 master, a KL reference) and of the backward's transient
+    (docs/scaling.md, "Tensor parallelism in training")."""
+    s = Shape.from_config(QWEN25[model])
+    budget = USABLE * H100_GB * GB
+    rows = []
+    for tp in (1, 2, 4, 8):
+        row = {"model": model, "gpus": gpus, "tokens": tokens, "tp": tp,
+               "transient_gb": _device_transient(s, checkpointing, 2, tokens, tp) / GB}
+        for master, name in ((4, "fp32"), (2, "bf16")):
+            t = training_bytes(s, gpus, master=master, reference=True, tokens=tokens,
+                               checkpointing=checkpointing, tp=tp)
+            row[f"peak_{name}_gb"] = sum(t.values()) / GB
+            row[f"fits_{name}"] = sum(t.values()) <= budget
+        row["peak_offload_gb"] = row["transient_gb"]  # actor.offload: only the backward's transient on the GPU
+        row["fits_offload"] = row["transient_gb"] * GB <= budget
+        rows.append(row)
     return rows

@@ -15,6 +15,10 @@ communication for the head: d/dz_r is local (onehot - p for the log-prob,
 -p (log p + entropy) for the entropy), and so is the head's gradient, which is this rank's rows.
 The hidden states' gradient is a partial sum, h's gradient from each slice of the vocabulary,
 and is all-reduced over the tp group: the step ColwiseParallel's input takes elsewhere.
+
+Rows go in chunks, each chunk's logits recomputed in the backward (as logprobs.py's fused path
+does for a whole head), so not even [tokens, V_r] is kept for the backward: a 32K-token
+micro-batch of a 152K vocabulary would otherwise hold 10 GB of float32 per rank at tp=2.
 """
 
 from __future__ import annotations
@@ -46,63 +50,84 @@ def vocab_shard(weight: torch.Tensor):
     return local, start, group
 
 
-def vocab_parallel_logprobs(hidden: torch.Tensor, shard, targets: torch.Tensor, with_entropy: bool = True
-                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def vocab_parallel_logprobs(hidden: torch.Tensor, shard, targets: torch.Tensor, with_entropy: bool = True,
+                            rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden [n, H] (the same on every tp rank), `shard` from `vocab_shard`, targets [n] ->
-    (log p(target) [n], entropy [n] or None), float32, the same on every tp rank."""
+    (log p(target) [n], entropy [n] or None), float32, the same on every tp rank. Rows go in
+    chunks of `rows` (default: about logprobs.CHUNK_ELEMENTS local logits), the backward
+    recomputing each chunk's logits, as logprobs.fused_logprobs does for a whole head: autograd
+    keeps the hidden states and two floats per row, never [n, V_r]."""
+    from polyrl.training.logprobs import CHUNK_ELEMENTS, MIN_CHUNK_ROWS
+
     local, start, group = shard
     dtype = local.dtype
     if torch.is_autocast_enabled(hidden.device.type):  # the head matmul in the autocast dtype, like Linear
         dtype = torch.get_autocast_dtype(hidden.device.type)
+    rows = rows or max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // max(local.shape[0], 1))
     with torch.autocast(hidden.device.type, enabled=False):
-        lp, ent = _VocabParallelLogProbs.apply(hidden, local, targets, start, group, dtype, with_entropy)
+        lp, ent = _VocabParallelLogProbs.apply(hidden, local, targets, start, group, dtype, with_entropy, rows)
     return lp, ent if with_entropy else None
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, start, group, dtype, with_entropy):
-        z = (hidden.to(dtype) @ weight.to(dtype).t()).float()  # [n, V_r]: this rank's logits only
-        m = z.max(-1).values if z.shape[1] else z.new_full((z.shape[0],), float("-inf"))
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        sumexp = (z - m.unsqueeze(1)).exp().sum(-1)
-        dist.all_reduce(sumexp, group=group)
-        lse = m + sumexp.log()
-        logp = z.sub_(lse.unsqueeze(1))  # in place: [n, V_r] log-probs of this rank's rows
+    def forward(ctx, hidden, weight, targets, start, group, dtype, with_entropy, rows):
+        n, w = hidden.shape[0], weight.to(dtype)
+        lse = hidden.new_empty(n, dtype=torch.float32)
+        logprob = hidden.new_zeros(n, dtype=torch.float32)
+        entropy = hidden.new_zeros(n if with_entropy else 0, dtype=torch.float32)
         local_t = targets - start
-        mine = (local_t >= 0) & (local_t < logp.shape[1])
-        picked = logp.gather(1, local_t.clamp(0, max(logp.shape[1] - 1, 0)).unsqueeze(1)).squeeze(1)
-        logprob = torch.where(mine, picked, torch.zeros_like(picked))
-        dist.all_reduce(logprob, group=group)
-        entropy = logp.new_empty(0)
+        mine = (local_t >= 0) & (local_t < weight.shape[0])
+        for s in range(0, n, rows):
+            e = min(s + rows, n)
+            z = (hidden[s:e].to(dtype) @ w.t()).float()  # [c, V_r]: this rank's logits only
+            m = z.max(-1).values if z.shape[1] else z.new_full((e - s,), float("-inf"))
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            sumexp = (z - m.unsqueeze(1)).exp().sum(-1)
+            dist.all_reduce(sumexp, group=group)
+            lse[s:e] = m + sumexp.log()
+            logp = z.sub_(lse[s:e].unsqueeze(1))  # in place: the chunk's only [c, V_r] float buffer
+            picked = logp.gather(1, local_t[s:e].clamp(0, max(logp.shape[1] - 1, 0)).unsqueeze(1)).squeeze(1)
+            logprob[s:e] = torch.where(mine[s:e], picked, torch.zeros_like(picked))
+            if with_entropy:
+                entropy[s:e] = -(logp.exp().mul_(logp)).sum(-1)
+        dist.all_reduce(logprob, group=group)  # the target's owner contributes it, the others 0
         if with_entropy:
-            entropy = -(logp.exp() * logp).sum(-1)
             dist.all_reduce(entropy, group=group)
-        ctx.save_for_backward(hidden, weight, logp, local_t, mine, entropy)
-        ctx.group, ctx.dtype = group, dtype
+        ctx.save_for_backward(hidden, weight, lse, local_t, mine, entropy)
+        ctx.group, ctx.dtype, ctx.rows = group, dtype, rows
         return logprob, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
-        hidden, weight, logp, local_t, mine, entropy = ctx.saved_tensors
-        n = hidden.shape[0]
+        hidden, weight, lse, local_t, mine, entropy = ctx.saved_tensors
+        dtype, rows, n = ctx.dtype, ctx.rows, hidden.shape[0]
+        w = weight.to(dtype)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         if grad_logprob is None:
-            grad_logprob = logp.new_zeros(n)
-        g = grad_logprob.unsqueeze(1)
-        p = logp.exp()
-        # d logp_t / dz = onehot_t - p;  d entropy / dz = -p * (logp + entropy)
-        if grad_entropy is not None and entropy.numel() == n:
-            gz = -(p * (logp + entropy.unsqueeze(1)) * grad_entropy.unsqueeze(1) + p * g)
-        else:
-            gz = -(p * g)
-        rows = mine.nonzero().squeeze(1)
-        gz[rows, local_t[rows]] += grad_logprob[rows]
-        gz = gz.to(ctx.dtype)
-        w = weight.to(ctx.dtype)
-        grad_hidden = grad_weight = None
-        if ctx.needs_input_grad[0]:
-            grad_hidden = (gz @ w).to(hidden.dtype)
+            grad_logprob = lse.new_zeros(n)
+        use_ent = grad_entropy is not None and entropy.numel() == n
+        for s in range(0, n, rows):
+            e = min(s + rows, n)
+            h = hidden[s:e].to(dtype)
+            logp = (h @ w.t()).float().sub_(lse[s:e].unsqueeze(1))  # recomputed: [c, V_r]
+            g = grad_logprob[s:e].unsqueeze(1)
+            p = logp.exp()
+            # d logp_t / dz = onehot_t - p;  d entropy / dz = -p * (logp + entropy)
+            if use_ent:
+                gz = p.mul_(logp.add_(entropy[s:e].unsqueeze(1)).mul_(grad_entropy[s:e].unsqueeze(1)).add_(g)).neg_()
+            else:
+                gz = p.mul_(g).neg_()
+            own = mine[s:e].nonzero().squeeze(1)
+            gz[own, local_t[s:e][own]] += grad_logprob[s:e][own]
+            gz = gz.to(dtype)
+            if need_h:
+                grad_hidden[s:e] = (gz @ w).float()
+            if need_w:
+                grad_w.add_((gz.t() @ h).float())
+        if need_h:
             dist.all_reduce(grad_hidden, group=ctx.group)  # each vocabulary slice's share of d/dh
-        if ctx.needs_input_grad[1]:
-            grad_weight = (gz.t() @ hidden.to(ctx.dtype)).to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        return (grad_hidden, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None, None)

@@ -45,6 +45,12 @@ def same_run(tp_rank: dict, one: dict) -> None:
         # by ~1e-6 (tests/training/test_fsdp2.py, same tolerance)
         torch.testing.assert_close(tp_rank["weights"][k], w, rtol=TOL, atol=TOL, msg=k)
     assert tp_rank["specs_match"] and tp_rank["live_peak"] == 1  # whole tensors, one at a time
+    # the bucketed stream: every parameter above 2 KiB in row slices of at most 2 KiB, equal to the whole
+    big = sum(w.nbytes > 2048 and w.shape[0] > 1 for w in tp_rank["weights"].values())
+    assert big >= 8 and tp_rank["sliced"] == big and tp_rank["largest_piece"] <= 2048, (big, tp_rank["sliced"])
+    assert sorted(tp_rank["streamed"]) == sorted(tp_rank["weights"])
+    for k, w in tp_rank["weights"].items():
+        assert torch.equal(tp_rank["streamed"][k], w), k
 
 
 @pytest.mark.slow
@@ -117,3 +123,52 @@ def test_plans_come_from_the_model_config_else_polyrls():
     llama = LlamaForCausalLM(LlamaConfig(**small))
     llama.config.base_model_tp_plan = None  # a model that ships none
     assert model_plan(llama) == DEFAULT_PLAN
+
+
+def test_vocab_parallel_head_in_chunks_equals_the_plain_log_softmax_and_its_gradients():
+    """The chunked forward and recomputing backward of training/vocab_parallel.py on a one-rank
+    group (the cross-rank reductions are the 2- and 4-rank tests'): rows in chunks of 3."""
+    import torch.distributed as dist
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        _check_chunked_head(dist.group.WORLD)
+    finally:
+        if started:  # leave the process as it was for the tests that follow
+            dist.destroy_process_group()
+
+
+def _check_chunked_head(group) -> None:
+    from polyrl.training.vocab_parallel import vocab_parallel_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(10, 8, generator=g, requires_grad=True)
+    weight = torch.randn(13, 8, generator=g, requires_grad=True)
+    targets = torch.randint(0, 13, (10,), generator=g)
+    seed_lp, seed_ent = torch.randn(10, generator=g), torch.randn(10, generator=g)
+
+    lp, ent = vocab_parallel_logprobs(hidden, (weight, 0, group), targets, rows=3)
+    grads = torch.autograd.grad((lp * seed_lp).sum() + (ent * seed_ent).sum(), (hidden, weight))
+    logp = torch.log_softmax(hidden @ weight.t(), dim=-1)
+    ref_lp = logp.gather(1, targets.unsqueeze(1)).squeeze(1)
+    ref_ent = -(logp.exp() * logp).sum(-1)
+    ref_grads = torch.autograd.grad((ref_lp * seed_lp).sum() + (ref_ent * seed_ent).sum(), (hidden, weight))
+    torch.testing.assert_close(lp, ref_lp)
+    torch.testing.assert_close(ent, ref_ent)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_memory_model_under_tp_keeps_the_state_and_slices_the_transient():
+    from polyrl.training.memory_plan import QWEN25, Shape, tensor_parallel_rows, training_bytes
+
+    s = Shape.from_config(QWEN25["Qwen2.5-72B"])
+    one, two = (training_bytes(s, 16, tokens=32768, checkpointing=True, tp=tp) for tp in (1, 2))
+    assert {k: one[k] for k in one if k != "transient"} == {k: two[k] for k in two if k != "transient"}
+    rows = tensor_parallel_rows()
+    transients = [r["transient_gb"] for r in rows]
+    assert [r["tp"] for r in rows] == [1, 2, 4, 8] and transients == sorted(transients, reverse=True)
+    # the residual checkpoints (T L h c) are not sliced: the transient stays above them
+    assert transients[-1] > 32768 * 80 * 8192 * 2 / 1e9

@@ -53,6 +53,19 @@ def run(rank: int, world_size: int, model_path: str, tp: int, strategy: str = "f
     out["weights"], out["live_peak"] = weights, live_peak
     out["specs_match"] = [(n, tuple(w.shape), w.dtype) for n, w in weights.items()] == [
         (n, tuple(s), d) for n, s, d in engine.weight_specs()]
+    # the stream a transport sends, with buckets of 2 KiB: a bigger parameter comes in row slices,
+    # each gathered on its own (over the shard ranks, then put together over the tp ranks)
+    if hasattr(engine, "piece_bytes"):
+        engine.piece_bytes = 2048
+        stream = engine.weight_stream()
+        rows: dict[str, list[torch.Tensor]] = {}
+        largest = 0
+        for name, piece in stream.pieces():
+            rows.setdefault(name, []).append(piece.clone())
+            largest = max(largest, piece.nbytes)
+        out["sliced"] = sum(len(s.pieces) > 0 for s in stream.specs)
+        out["largest_piece"] = largest
+        out["streamed"] = {name: torch.cat(parts) for name, parts in rows.items()}
     out["param_bytes"] = engine.state_bytes()["params"] if hasattr(engine, "state_bytes") else None
     return out
 
