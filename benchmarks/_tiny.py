@@ -47,12 +47,15 @@ def char_tokenizer(vocab_size: int):
 
 
 def build_model(path: str | Path, shape: dict, seed: int = 0, max_positions: int = 256) -> int:
-    """Write a random Qwen2ForCausalLM + tokenizer to `path`; returns the parameter count."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    """Write a random Qwen2ForCausalLM + tokenizer to `path` (a `shape` with a model_type, such as
+    rollout.py's qwen3_moe cells, that model instead); returns the parameter count."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(**shape, tie_word_embeddings=True, max_position_embeddings=max_positions,
-                         eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=None)
+    shape = dict(shape)
+    config = AutoConfig.for_model(shape.pop("model_type", "qwen2"), **shape, tie_word_embeddings=True,
+                                  max_position_embeddings=max_positions, eos_token_id=EOS_ID,
+                                  pad_token_id=PAD_ID, bos_token_id=None)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(str(path))
     char_tokenizer(shape["vocab_size"]).save_pretrained(str(path))

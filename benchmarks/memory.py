@@ -108,6 +108,27 @@ def qwen2_shape(params: int) -> dict:
     return best[1]
 
 
+def qwen3_moe_shape(params: int) -> dict:
+    """A Qwen3-MoE shape of about `params` parameters (`--moe`): `qwen2_shape`'s hidden size,
+    heads and vocabulary, 8 experts of 1.5 x hidden, top-2 (Qwen3-30B-A3B's 128 of 768 at 2048,
+    top-8, scaled down), as many layers as the count allows."""
+    from polyrl.training.memory_plan import Shape
+
+    dense = qwen2_shape(params)
+    h = dense["hidden_size"]
+    moe = dict(model_type="qwen3_moe", vocab_size=dense["vocab_size"], hidden_size=h, num_hidden_layers=1,
+               num_attention_heads=dense["num_attention_heads"], num_key_value_heads=2, head_dim=64,
+               intermediate_size=dense["intermediate_size"], moe_intermediate_size=round(1.5 * h / 64) * 64,
+               num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True)
+
+    def count(layers: int) -> int:
+        return Shape.from_config({**moe, "num_hidden_layers": layers}).params
+
+    moe["num_hidden_layers"] = max(2, round((params - count(0)) / (count(1) - count(0))))
+    moe.pop("tie_word_embeddings")
+    return moe
+
+
 def measure(model_dir: str, world: int, tmp: Path, options: dict) -> list[dict]:
     from _memory_rank import run_rank
     from fsdp2_memory import run_ranks
@@ -140,12 +161,13 @@ def goal(results: list[dict]) -> dict | None:
     return {name: at["ratio_vs_1"][name] <= GOAL_RATIO for name in PHASES}
 
 
-def run(params: int, worlds: list[int], bucket_mb: float, tmp: Path, mmap_threshold_mb: float = 0) -> dict:
+def run(params: int, worlds: list[int], bucket_mb: float, tmp: Path, mmap_threshold_mb: float = 0,
+        moe: bool = False) -> dict:
     from _tiny import build_model
     from logprobs import cpu_flags
     from memory_model import predict_bench
 
-    shape = qwen2_shape(params)
+    shape = qwen3_moe_shape(params) if moe else qwen2_shape(params)
     model_dir = tmp / "model"
     num_params = build_model(model_dir, shape)
     options = {"strategy": "fsdp2", "bucket_mb": bucket_mb, "vocab": shape["vocab_size"],
@@ -155,7 +177,13 @@ def run(params: int, worlds: list[int], bucket_mb: float, tmp: Path, mmap_thresh
     tokens = BATCH["num_samples"] * (BATCH["prompt_len"] + BATCH["response_len"])
     for entry in results:  # benchmarks/memory_model.py's formula for the same run, to compare
         entry["predicted"] = predict_bench(shape, entry["world_size"], tokens // entry["world_size"], bucket_mb)
+    active = None
+    if moe:  # what one token's forward uses: its top-k of the experts (polyrl/training/memory_plan.py)
+        from polyrl.training.memory_plan import Shape
+
+        active = Shape.from_config({"tie_word_embeddings": True, **shape}).active_params
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+            "active_params": active,
             "cpu_flags": cpu_flags(), "load_average": list(os.getloadavg()), "num_params": num_params,
             "model_mib": num_params * 4 / MiB, "shape": shape, "dtype": "float32", "strategy": "fsdp2",
             "bucket_mb": bucket_mb, "mmap_threshold_mb": mmap_threshold_mb, "batch": BATCH, "results": results,
@@ -164,6 +192,9 @@ def run(params: int, worlds: list[int], bucket_mb: float, tmp: Path, mmap_thresh
 
 def print_table(report: dict) -> None:
     print(f"{report['date']}  {report['num_params'] / 1e6:.1f}M parameters (fp32, {report['model_mib']:.0f} MiB), "
+          + (f"mixture-of-experts: {report['active_params'] / 1e6:.1f}M active, "
+             f"{report['shape']['num_experts']} experts, top-{report['shape']['num_experts_per_tok']}"
+             if report.get("active_params") else "") + f"  "
           f"fsdp2 on gloo, bucket {report['bucket_mb']} MiB  cpu: {' '.join(report['cpu_flags'])}  "
           f"load average {report['load_average'][0]:.1f}"
           + (f"  mmap threshold {report['mmap_threshold_mb']} MiB" if report.get('mmap_threshold_mb') else ""))
@@ -193,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="serve allocations of at least this many MiB by mmap, returned when freed "
                              "(glibc mallopt), so the resident set follows what the code holds "
                              "(default 0: glibc's defaults)")
+    parser.add_argument("--moe", action="store_true",
+                        help="a Qwen3-MoE of about --params (8 experts, top-2) instead of a dense Qwen2")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = parser.parse_args(argv)
     try:
@@ -207,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --world-sizes: '{args.world_sizes}' must be positive counts such as 1,2,4", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
-        report = run(params, worlds, args.bucket_mb, Path(tmp), args.mmap_threshold_mb)
+        report = run(params, worlds, args.bucket_mb, Path(tmp), args.mmap_threshold_mb, args.moe)
     if args.json:
         print(json.dumps(report))
     else:

@@ -246,7 +246,8 @@ def check_memory(cfg: JobConfig, model_config: Any | None, platform: Any = None)
     on_device = bool(platform.ray_resource)
     knobs = mf.Knobs(world_size=actor.world_size, strategy=actor.strategy, offload=actor.offload,
                      master=DTYPE_BYTES[actor.param_dtype], lora_rank=cfg.model.lora_rank,
-                     hybrid=cfg.topology.colocated_engine)
+                     hybrid=cfg.topology.colocated_engine,
+                     expert_parallel=getattr(actor, "expert_parallel_size", 1))
     setting = mf.Setting(compute=DTYPE_BYTES[actor.compute_dtype], reference=cfg.algorithm.uses_reference,
                          lora_targets=cfg.model.lora_target_modules,
                          engine=ENGINE_MEMORY.get(rollout.backend, "weights"),
@@ -331,7 +332,7 @@ def memory_message(cfg: JobConfig, shape: Any, knobs: Any, setting: Any, need: f
     fix = ("fits: " + "; ".join(changes)) if changes else (
         "nothing fits by more ranks, offload, LoRA, bfloat16 master weights or standalone placement alone: "
         "use a smaller model or devices with more memory")
-    return (f"model.path={cfg.model.path}: its {shape.params / 1e9:.2f}B parameters need at least "
+    return (f"model.path={cfg.model.path}: its {mf.describe_params(shape, knobs.expert_parallel)} need at least "
             f"{need / gib:.1f} GiB per policy rank during the {phase} ({parts} GiB) with {run}, but "
             f"{where}; {fix}")
 

@@ -18,9 +18,13 @@ from typing import Any
 
 from polyrl.training.memory_plan import MiB, Shape
 
-FORMULA_MODEL_TYPES = ("qwen2", "llama")
+FORMULA_MODEL_TYPES = ("qwen2", "llama", "qwen3_moe", "qwen2_moe")
 """config.json model types whose parameters `Shape` counts by formula (no torch, no transformers:
-the dry run stays light); other models are counted on the meta device."""
+the dry run stays light); other models are counted on the meta device. The mixture-of-experts
+ones must be: their layers differ (mlp_only_layers, decoder_sparse_step), which the meta count's
+extrapolation from one and two layers cannot see."""
+HEAD_DIM_FORMULA_TYPES = ("qwen3_moe", "qwen2_moe")
+"""Of those, the ones whose formula takes an explicit head_dim (heads x head_dim != hidden)."""
 LORA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MAX_MEMORY_SHARE = 0.95
 """The largest rollout.gpu_memory_utilization the pre-flight suggests (the CUDA context and the
@@ -56,7 +60,9 @@ def model_shape(config: Any, trust_remote_code: bool = False) -> Shape | None:
     c.setdefault("num_key_value_heads", c["num_attention_heads"])
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     shape = Shape.from_config(c)
-    if c.get("model_type") in FORMULA_MODEL_TYPES and head_dim * c["num_attention_heads"] == c["hidden_size"]:
+    model_type = c.get("model_type")
+    if model_type in FORMULA_MODEL_TYPES and (head_dim * c["num_attention_heads"] == c["hidden_size"]
+                                              or model_type in HEAD_DIM_FORMULA_TYPES):
         return shape
     counted = count_on_meta(config, trust_remote_code)
     if counted is None:
@@ -102,6 +108,19 @@ def count_on_meta(config: Any, trust_remote_code: bool = False) -> tuple[int, in
     return one + (layers - 1) * (two - one), two - one
 
 
+def describe_params(s: Shape, expert_parallel: int = 1) -> str:
+    """'7.62B parameters', or for a mixture-of-experts model also what one token uses and how the
+    experts lie: '30.53B parameters (mixture-of-experts: 3.35B active per token; 128 experts per
+    layer, 16 per rank at actor.expert_parallel_size=8)'."""
+    text = f"{s.params / 1e9:.2f}B parameters"
+    if not s.experts:
+        return text
+    per_rank = (f"{s.experts_per_rank(expert_parallel)} per rank at actor.expert_parallel_size={expert_parallel}"
+                if expert_parallel > 1 else "all on every rank's shard")
+    return (f"{text} (mixture-of-experts: {s.active_params / 1e9:.2f}B active per token; {s.experts} experts "
+            f"per layer, {per_rank})")
+
+
 def lora_params(s: Shape, rank: int, targets: Any = "all-linear") -> int:
     """Adapter parameters of LoRA rank `rank` on the decoder's linear layers `targets`
     ("all-linear" or module names; names outside the attention and MLP projections add none)."""
@@ -122,6 +141,7 @@ class Knobs:
     master: int  # bytes of actor.param_dtype
     lora_rank: int  # model.lora_rank
     hybrid: bool  # rollout.placement=hybrid: an engine in every policy rank
+    expert_parallel: int = 1  # actor.expert_parallel_size (mixture-of-experts; 1: experts on every rank)
 
 
 @dataclass(frozen=True)
@@ -180,8 +200,12 @@ def rank_floor(s: Shape, k: Knobs, f: Setting) -> dict[str, dict[str, float]]:
              "reference": on_device * m * P / N if f.reference and not k.lora_rank else 0.0,
              "teacher": on_device * m * f.teacher / N}
     # step temporaries: foreach AdamW's (the sqrt of the second moments) or, when larger,
-    # FSDP2's two gathered layers in the compute dtype
-    transient = max(on_device * m * trainable / N, 2 * f.compute * s.layer_params if k.strategy == "fsdp2" else 0)
+    # FSDP2's two gathered layers in the compute dtype (under expert parallelism a layer's
+    # gather holds only the rank's own experts). The state terms need no expert term: every
+    # expert is held once over the N ranks however they are split (E / ep experts, each sharded
+    # over N / ep), so a rank holds P / N of every kind of parameter.
+    gathered = s.gathered_layer_params(k.expert_parallel)
+    transient = max(on_device * m * trainable / N, 2 * f.compute * gathered if k.strategy == "fsdp2" else 0)
     if loads_sharded(k.strategy, k.hybrid, bool(k.lora_rank)):
         load = on_device * m * P / N
     else:  # whole on the device, then (fsdp2) the shard copied out of it, to the host under offload

@@ -38,7 +38,7 @@ allocator) of `ENGINE_RESERVE_GB`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GB = 1e9
 SYNC_BUCKET_BYTES = 64 * 2**20
@@ -79,6 +79,21 @@ BANDWIDTH_GBPS = {
 ~80-90% of them)."""
 
 
+def moe_fields(c: dict) -> dict:
+    """Shape's mixture-of-experts fields from a config.json (Qwen3-MoE, Qwen2-MoE spelling:
+    num_experts, num_experts_per_tok, moe_intermediate_size, decoder_sparse_step, mlp_only_layers,
+    shared_expert_intermediate_size); {} for a dense model."""
+    experts = c.get("num_experts") or 0
+    if not isinstance(experts, int) or experts < 2 or not c.get("moe_intermediate_size"):
+        return {}
+    step, dense = c.get("decoder_sparse_step") or 1, set(c.get("mlp_only_layers") or ())
+    # transformers' Qwen3MoeDecoderLayer: experts where (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers
+    layers = sum(1 for i in range(c["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+    return dict(experts=experts, experts_per_token=c.get("num_experts_per_tok") or 1,
+                expert_intermediate=c["moe_intermediate_size"], expert_layers=layers,
+                shared_intermediate=c.get("shared_expert_intermediate_size") or 0)
+
+
 @dataclass(frozen=True)
 class Shape:
     vocab: int
@@ -96,20 +111,48 @@ class Shape:
     """The parameter count when it was counted on the meta device (`count_on_meta`), not derived."""
     counted_layer: int | None = None
     """Parameters of one decoder layer when counted on the meta device."""
+    explicit_head_dim: int = 0
+    """config.json's head_dim where heads x head_dim is not the hidden size (Qwen3: 32 x 128 at
+    hidden 2048); 0: hidden / heads."""
+    qk_norm: bool = False
+    """Qwen3's RMSNorm on each head's query and key (2 x head_dim weights per layer)."""
+    experts: int = 0
+    """Mixture-of-experts (docs/moe.md): routed experts per expert layer (config.json num_experts);
+    0 for a dense model."""
+    experts_per_token: int = 0
+    """num_experts_per_tok: the top-k each token is routed to."""
+    expert_intermediate: int = 0
+    """moe_intermediate_size: one expert's MLP width."""
+    expert_layers: int = 0
+    """Decoder layers whose MLP is the expert block (the rest, mlp_only_layers and those off
+    decoder_sparse_step, have the dense MLP of `intermediate`)."""
+    shared_intermediate: int = 0
+    """Qwen2-MoE's shared expert width (shared_expert_intermediate_size), gated per token; 0: none."""
 
     @classmethod
     def from_config(cls, c: dict) -> "Shape":
-        """Qwen2-shaped (the default, as the QWEN25 dicts) or Llama-shaped (`model_type: llama`:
-        its attention_bias and mlp_bias)."""
-        llama = c.get("model_type") == "llama"
-        bias = ("qkvo" if c.get("attention_bias") else "") if llama else "qkv"
-        return cls(c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
-                   c["num_key_value_heads"], c["intermediate_size"], bool(c.get("tie_word_embeddings", False)),
-                   attention_bias=bias, mlp_bias=llama and bool(c.get("mlp_bias")))
+        """Qwen2-shaped (the default, as the QWEN25 dicts), Llama-shaped (`model_type: llama`:
+        its attention_bias and mlp_bias), or a Qwen3 / Qwen3-MoE / Qwen2-MoE (no attention biases
+        on Qwen3, q/k norms; the expert keys of `moe_fields`)."""
+        model_type = c.get("model_type")
+        llama, qwen3 = model_type == "llama", model_type in ("qwen3", "qwen3_moe")
+        bias = ("qkvo" if c.get("attention_bias") else "") if llama or qwen3 else "qkv"
+        heads = c["num_attention_heads"]
+        head_dim = c.get("head_dim") or 0
+        return cls(c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], heads,
+                   c.get("num_key_value_heads", heads), c["intermediate_size"],
+                   bool(c.get("tie_word_embeddings", False)), attention_bias=bias,
+                   mlp_bias=llama and bool(c.get("mlp_bias")),
+                   explicit_head_dim=head_dim if head_dim * heads != c["hidden_size"] else 0,
+                   qk_norm=qwen3, **moe_fields(c))
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.explicit_head_dim or self.hidden // self.heads
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
 
     @property
     def kv_width(self) -> int:
@@ -119,16 +162,62 @@ class Shape:
     def layer_params(self) -> int:
         if self.counted_layer is not None:
             return self.counted_layer
-        h, kv, i = self.hidden, self.kv_width, self.intermediate
-        bias = {"qkv": h + 2 * kv, "qkvo": 2 * h + 2 * kv, "": 0}[self.attention_bias]
-        mlp_bias = 2 * i + h if self.mlp_bias else 0
-        return 2 * h * h + 2 * h * kv + bias + 3 * h * i + mlp_bias + 2 * h
+        return max(self._dense_layer, self._expert_layer) if self.experts else self._dense_layer
+
+    @property
+    def _attention(self) -> int:
+        h, q, kv = self.hidden, self.q_width, self.kv_width
+        bias = {"qkv": q + 2 * kv, "qkvo": q + h + 2 * kv, "": 0}[self.attention_bias]
+        return 2 * h * q + 2 * h * kv + bias + (2 * self.head_dim if self.qk_norm else 0) + 2 * h
+
+    @property
+    def _dense_layer(self) -> int:
+        h, i = self.hidden, self.intermediate
+        return self._attention + 3 * h * i + (2 * i + h if self.mlp_bias else 0)
+
+    @property
+    def _expert_layer(self) -> int:
+        """Attention, the router (E x h), every routed expert and the gated shared expert."""
+        h = self.hidden
+        shared = 3 * h * self.shared_intermediate + h if self.shared_intermediate else 0
+        return self._attention + self.experts * h + self.experts * self.expert_params_one + shared
+
+    @property
+    def expert_params_one(self) -> int:
+        """One routed expert of one layer: gate, up and down projections."""
+        return 3 * self.hidden * self.expert_intermediate
+
+    @property
+    def routed_expert_params(self) -> int:
+        """Every routed expert of every expert layer: what expert parallelism splits."""
+        return self.expert_layers * self.experts * self.expert_params_one
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's forward uses: all but the experts it is not routed to (top-k of E)."""
+        return self.params - self.expert_layers * (self.experts - self.experts_per_token) * self.expert_params_one
+
+    def experts_per_rank(self, expert_parallel: int = 1) -> int:
+        """Routed experts (per expert layer) the busiest rank holds with the experts split over
+        `expert_parallel` ranks (actor.expert_parallel_size; a size that does not divide them is
+        the config's to refuse)."""
+        return -(-self.experts // expert_parallel)
+
+    def gathered_layer_params(self, expert_parallel: int = 1) -> int:
+        """Parameters FSDP2 gathers for the largest decoder layer: under expert parallelism a rank
+        gathers only its own experts (the others live on the other expert ranks)."""
+        if not self.experts or expert_parallel == 1:
+            return self.layer_params
+        skipped = (self.experts - self.experts_per_rank(expert_parallel)) * self.expert_params_one
+        return max(self.layer_params - skipped, self._dense_layer)
 
     @property
     def params(self) -> int:
         if self.counted is not None:
             return self.counted
-        return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * self.layer_params + self.hidden
+        dense_layers = self.layers - self.expert_layers if self.experts else self.layers
+        layers = dense_layers * self._dense_layer + (self.expert_layers * self._expert_layer if self.experts else 0)
+        return self.vocab * self.hidden * (1 if self.tied else 2) + layers + self.hidden
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -223,6 +312,72 @@ def layout(s: Shape, gpus: int, mode: str, *, reference: bool = True, checkpoint
             "load_today_fits": load_today <= budget, "load_sharded_gb": sharded / GB}
 
 
+# config.json of each (Hugging Face Qwen/Qwen3-*-A*B: the keys above plus head_dim and the expert
+# keys; no mlp_only_layers, decoder_sparse_step 1: every layer is an expert layer)
+QWEN3_MOE = {
+    "Qwen3-30B-A3B": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False),
+    "Qwen3-235B-A22B": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=4096, num_hidden_layers=94,
+                            num_attention_heads=64, num_key_value_heads=4, head_dim=128, intermediate_size=12288,
+                            moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
+                            decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False),
+}
+
+MOE_GPUS = {"Qwen3-30B-A3B": (8, 16, 64), "Qwen3-235B-A22B": (64, 128, 256)}
+"""The GPU counts docs/moe.md's table shows for each."""
+
+
+def moe_training_shape(s: Shape, expert_parallel: int = 1) -> Shape:
+    """`s` as the training terms see it under expert parallelism: the same parameters (each rank
+    holds P / N whatever the split: E / ep experts, each sharded over N / ep ranks), a gathered
+    layer of only the rank's own experts, and the activation width of a token's k experts (plus
+    a shared expert) in place of a dense MLP's."""
+    if not s.experts:
+        return s
+    width = s.experts_per_token * s.expert_intermediate + s.shared_intermediate
+    return replace(s, counted=s.params, counted_layer=s.gathered_layer_params(expert_parallel), intermediate=width)
+
+
+def moe_layout(s: Shape, gpus: int, mode: str, expert_parallel: int = 1, master: int = 4) -> dict:
+    """`layout` for a mixture-of-experts model: training terms from `moe_training_shape`, and an
+    engine replica of as many GPUs as its weights need (tensor / expert parallel: vLLM and SGLang
+    span nodes for an MoE), where `layout` stops at one node of 8."""
+    budget = USABLE * H100_GB * GB
+    trainers = gpus if mode == "hybrid" else gpus // 2
+    t = moe_training_shape(s, expert_parallel)
+    row = layout(t, gpus, mode, master=master)
+    train = training_bytes(t, trainers, master=master, reference=True, checkpointing=True)
+    resident = train["parameters"] + train["optimizer"] + train["reference"] if mode == "hybrid" else 0.0
+    engine_gpus = next((e for e in (1, 2, 4, 8, 16, 32, 64)
+                        if e <= gpus and resident + sum(engine_bytes(s, e).values()) <= budget), None)
+    if engine_gpus is not None:
+        row["generate_gb"] = (resident + sum(engine_bytes(s, engine_gpus).values())) / GB
+    row.update(fits=engine_gpus is not None and row["update_gb"] * GB <= budget, engine_gpus=engine_gpus,
+               ep=expert_parallel, experts_per_rank=s.experts_per_rank(expert_parallel),
+               gathered_layer_gb=2 * t.layer_params / GB)
+    return row
+
+
+def moe_scaling_rows() -> list[dict]:
+    """docs/moe.md's table: Qwen3-30B-A3B and Qwen3-235B-A22B per H100 at a few GPU counts and
+    expert-parallel sizes (bf16 compute, fp32 master, reference, gradient checkpointing)."""
+    rows = []
+    for name, config in QWEN3_MOE.items():
+        s = Shape.from_config(config)
+        for gpus in MOE_GPUS[name]:
+            for ep in (1, 8):
+                for mode in ("hybrid", "standalone"):
+                    if (gpus if mode == "hybrid" else gpus // 2) % ep:
+                        continue
+                    row = moe_layout(s, gpus, mode, ep)
+                    row.update(model=name, params_b=s.params / 1e9, active_b=s.active_params / 1e9,
+                               fits_bf16_master=moe_layout(s, gpus, mode, ep, master=2)["fits"])
+                    rows.append(row)
+    return rows
+
+
 def sync_seconds(s: Shape) -> dict[str, float]:
     """One publish of the bfloat16 weights (2 P bytes) at each bandwidth."""
     return {name: 2 * s.params / (gbps * GB) for name, gbps in BANDWIDTH_GBPS.items()}
@@ -233,11 +388,13 @@ def predict_bench(shape: dict, ranks: int, tokens_per_rank: int, bucket_mb: floa
     no checkpointing), MiB above the baseline: load = this rank's shard (sharded loading), step =
     the training peak, sync = what stays after the step (parameters + AdamW) +
     one bucket's scratch or, when larger, a gathered largest tensor with its gather buffer."""
-    s = Shape.from_config({"tie_word_embeddings": True, **shape})
+    s = moe_training_shape(Shape.from_config({"tie_word_embeddings": True, **shape}))
     train = training_bytes(s, ranks, master=4, compute=4, tokens=tokens_per_rank)
     # a tensor bigger than a bucket travels in row slices (polyrl/weights/bucketing.py row_pieces):
     # one rank holds a bucket; several hold the slice being gathered and the one before it
-    bucket, largest = bucket_mb * MiB, 4 * max(s.vocab * s.hidden, s.hidden * s.intermediate)
+    # an MoE's largest tensor is a layer's fused experts (transformers' gate_up_proj [E, 2 I, h])
+    experts = s.experts * 2 * s.expert_intermediate * s.hidden
+    bucket, largest = bucket_mb * MiB, 4 * max(s.vocab * s.hidden, s.hidden * s.intermediate, experts)
     piece = largest / math.ceil(largest / bucket) if largest > bucket else largest
     extra = bucket if ranks == 1 else max(bucket, 2 * piece)
     return {"load_mib": load_bytes_sharded(s, ranks) / MiB, "step_mib": sum(train.values()) / MiB,
