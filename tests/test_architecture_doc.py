@@ -119,3 +119,46 @@ def test_workers_act_on_their_role_plan():
     # teacher's validation engine, polyrl/workers/teacher.py)
     assert sorted(builders) == ["polyrl/workers/rollout_worker.py", "polyrl/workers/teacher.py"]
     assert "RolePlan" in DOC.read_text()
+
+
+# --- "Topologies": the run's plan is computed once ------------------------------------------------
+
+PLANNER = {"polyrl/topology/run_plan.py", "polyrl/topology/launch_plan.py"}
+"""The planner (`resolve`, `plan_launch`): the only code that builds a `ParallelDims`, besides the
+class itself (polyrl/training/mesh.py)."""
+PENDING_MESH_BUILDS: dict[str, str] = {
+    "polyrl/training/config.py": "the job schema's divisibility check builds one to validate "
+                                 "actor.sequence/tensor_parallel_size (to read the planner's check)",
+    "polyrl/training/ddp.py": "an engine built without a mesh (tests, SFT) lays one out from its "
+                              "config; the run's engines get the plan's (RolePlan.mesh)",
+}
+"""Modules that still build one, each with why; the test fails once one stops (the list only
+shrinks)."""
+
+
+def mesh_builds(tree: ast.AST) -> list[int]:
+    """Lines calling `ParallelDims(...)`, `ParallelDims.of(...)` or `ParallelDims.from_actor(...)`."""
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if (isinstance(f, ast.Name) and f.id == "ParallelDims") or (
+                isinstance(f, ast.Attribute) and f.attr in ("of", "from_actor")
+                and isinstance(f.value, ast.Name) and f.value.id == "ParallelDims"):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_mesh_is_built_by_the_planner_only():
+    """Every other holder of a `ParallelDims` (the policy group's batch sharding, the process-group
+    plan, the dry run, each rank's training engines) is handed the plan's."""
+    builds = {path: mesh_builds(ast.parse(text)) for path, text in sources().items()
+              if path.startswith("polyrl/") and path.endswith(".py") and path != "polyrl/training/mesh.py"}
+    builders = {path for path, lines in builds.items() if lines}
+    assert PLANNER <= builders, "the pattern is wrong: the planner itself builds the mesh"
+    outside = builders - PLANNER - set(PENDING_MESH_BUILDS)
+    assert not outside, {p: builds[p] for p in outside}
+    assert set(PENDING_MESH_BUILDS) <= builders, (
+        f"no longer builds one: drop from PENDING_MESH_BUILDS: {set(PENDING_MESH_BUILDS) - builders}")
+    assert "RunPlan" in DOC.read_text() and "polyrl/topology/run_plan.py" in DOC.read_text()

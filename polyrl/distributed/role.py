@@ -74,12 +74,13 @@ class RolePlan:
     engine: EngineLaunch | None = None
     """The engine's launch arguments as the dry run shows them (None: hosts no engine)."""
     mesh: Any = None
-    """(policy) the training mesh its rank is in (a `ParallelDims`, polyrl/training/mesh.py),
-    planned once (polyrl/topology/run_plan.py); None for rollout and teacher actors."""
+    """(policy, teacher) the mesh of the ranks it trains or scores with (a `ParallelDims`,
+    polyrl/training/mesh.py), planned once (polyrl/topology/run_plan.py): the driver shards each
+    batch over it and the rank's training engines are laid out by it; None for rollout actors."""
 
     @property
     def mesh_coordinates(self) -> dict[str, int] | None:
-        """(policy) {axis: index} of this rank in the training mesh (None: no mesh)."""
+        """(policy, teacher) {axis: index} of this rank in its mesh (None: no mesh)."""
         return self.mesh.coordinates(self.index) if self.mesh is not None else None
 
     @property

@@ -255,7 +255,8 @@ def start_teacher(ctx: TopologyContext, launch: Launch, waiter: Waiter = gather)
     planned = launch.of("teacher")
     cls = ray.remote(TeacherWorker)
     workers = [cls.options(**launch.options[a.name]).remote(cfg, a.plan) for a in planned]
-    teacher = PolicyGroup(workers, [a.name for a in planned], cfg.ray.timeout_s, waiter)
+    teacher = PolicyGroup(workers, [a.name for a in planned], cfg.ray.timeout_s, waiter,
+                          mesh=planned[0].plan.mesh)  # the teacher ranks' own, planned
     setup_all(teacher, teacher.refs("setup", rendezvous(teacher, len(workers) > 1)), [])
     return teacher
 

@@ -350,7 +350,9 @@ def teacher_plans(cfg: JobConfig, common: dict[str, Any]) -> list[RolePlan]:
     weights (the teacher is frozen). Empty otherwise."""
     n = cfg.distill.standalone_ranks
     own = {**common, "colocated_engine": False}
-    return [RolePlan(role="teacher", index=r, rank=r, world_size=n, layout=None,
+    # every teacher rank data parallel: whole (ddp) or sharded (fsdp2), no sp or tp
+    mesh = ParallelDims.of(cfg.distill.strategy or cfg.actor.strategy, n) if n else None
+    return [RolePlan(role="teacher", index=r, rank=r, world_size=n, layout=None, mesh=mesh,
                      groups=("teacher",) if n > 1 else (), hosts_engine=False, engine_seed=None,
                      sends_weights=False, **own)
             for r in range(n)]

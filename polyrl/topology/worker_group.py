@@ -83,10 +83,10 @@ class PolicyGroup(WorkerGroup):
     num_params: int = 0
 
     def __init__(self, workers: list, names: list[str], timeout_s: float, waiter: Waiter = gather,
-                 helpers: Sequence[Any] = (), mesh: ParallelDims | None = None):
+                 helpers: Sequence[Any] = (), *, mesh: ParallelDims):
         super().__init__(workers, names, timeout_s, waiter, helpers)
-        self.mesh = mesh or ParallelDims(dp_replicate=len(workers))
-        """The ranks' layout (default: every rank data parallel)."""
+        self.mesh = mesh
+        """The ranks' layout, the run plan's (polyrl/topology/run_plan.py): never guessed here."""
         if self.mesh.world_size != len(workers):
             raise ValueError(f"the policy mesh ({self.mesh.describe()}) does not match its {len(workers)} ranks")
 

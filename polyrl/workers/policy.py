@@ -96,7 +96,8 @@ class PolicyWorker:
             for p in model.parameters():
                 dist.broadcast(p.data, src=src, group=train_group)
         horizon = total_optimizer_steps(cfg.actor, self.total_steps, cfg.num_mini_batches)
-        engine_args = dict(rank=rank, world_size=self.world_size, group=train_group)
+        # the planned mesh (RolePlan.mesh): the engine's groups are the ones the driver shards for
+        engine_args = dict(rank=rank, world_size=self.world_size, group=train_group, mesh=role.mesh)
         actor_cfg = cfg.actor
         if cfg.model.enabled:
             actor_cfg = actor_cfg.model_copy(update={"lr": cfg.actor.lr * cfg.model.lora_lr_scale})

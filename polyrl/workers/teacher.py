@@ -104,7 +104,7 @@ class TeacherWorker:
                                     rank=role.rank, world_size=role.world_size,
                                     timeout=timedelta(seconds=self.cfg.ray.timeout_s))
         self.engine = teacher_engine(self.cfg, teacher_actor_config(self.cfg), self.platform, self.device,
-                                     rank=role.rank, world_size=role.world_size)
+                                     rank=role.rank, world_size=role.world_size, mesh=role.mesh)
         return self.engine.num_params
 
     def logprobs(self, batch: RolloutBatch, which: str = "teacher") -> Ragged:

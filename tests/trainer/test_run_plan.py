@@ -49,6 +49,16 @@ def test_resolve_fills_the_config_in_and_every_policy_rank_carries_the_one_mesh(
     assert cfg.rollout.max_model_len is None
 
 
+def test_a_standalone_teachers_ranks_carry_their_own_mesh():
+    plan = resolve(job("distill.teacher=builtin:tiny-arith", "distill.placement=standalone",
+                       "distill.world_size=2", "distill.strategy=fsdp2", "rollout.max_model_len=64"),
+                   None, get_platform("cpu"))
+    teacher = plan.roles("teacher")
+    assert [r.mesh for r in teacher] == [ParallelDims(dp_shard=2)] * 2 and teacher[0].mesh is teacher[1].mesh
+    assert [r.mesh_coordinates["dp_shard"] for r in teacher] == [0, 1]
+    assert plan.mesh == ParallelDims() and all(r.mesh is None for r in plan.roles("rollout"))
+
+
 def test_without_data_an_unset_max_model_len_stays_unset_and_the_notes_say_so():
     plan = resolve(job("trainer.total_steps=2"), None, get_platform("cpu"))
     assert plan.cfg.rollout.max_model_len is None and plan.total_steps == 2
@@ -80,7 +90,8 @@ def test_the_dry_run_prints_the_plan_that_start_launches(tmp_path, capsys):
         (worker,) = trainer.policy.workers
         assert worker.worker.role is plan.roles("policy")[0]
         assert worker.worker.cfg is plan.cfg and trainer.cfg is plan.cfg
-        assert trainer.policy.mesh is plan.mesh
+        assert trainer.policy.mesh is plan.mesh  # the driver shards over the plan's mesh
+        assert worker.worker.engine.mesh.dims is plan.mesh  # and the rank's engine is laid out by it
         assert yaml.safe_load((tmp_path / "config.yaml").read_text()) == yaml.safe_load(to_yaml(plan.cfg))
     finally:
         trainer.shutdown()
