@@ -78,14 +78,21 @@ def test_tp2_trains_as_one_rank_qwen3_moe_untied_uneven_vocab(tmp_path):
 
 @pytest.mark.slow
 def test_tp2_by_dp_shard2_on_four_ranks_trains_as_one_rank(tiny_model, tmp_path):
-    one = tp_ranks.one_rank(tiny_model)
-    ranks = run_world_ok(tp_ranks.run, 4, tmp_path, args=(tiny_model, 2), timeout_s=400, backend_timeout_s=300)
+    one = tp_ranks.one_rank(tiny_model, extras=True)
+    ranks = run_world_ok(tp_ranks.run, 4, tmp_path, args=(tiny_model, 2, "fsdp2", tp_ranks.engine_ranks.BATCHES, True),
+                         timeout_s=400, backend_timeout_s=300)
     full = sum(w.numel() * 4 for w in one["weights"].values())
     assert [r["data_rank"] for r in ranks.values()] == [0, 0, 1, 1]  # tp ranks are neighbours
     for r in ranks.values():
         assert r["dims"] == "4 ranks: dp_shard=2 x tp=2"
         same_run(r, one)
         assert 0.24 * full <= r["param_bytes"] <= 0.27 * full, (r["param_bytes"], full)
+        # the frozen reference and a critic (value head whole over the sliced trunk) on the same mesh
+        torch.testing.assert_close(r["reference"], one["reference"], rtol=TOL, atol=TOL)
+        assert r["reference_trainable"] == 0
+        for a, b in zip(r["critic"], one["critic"]):
+            for k in a:
+                assert a[k] == pytest.approx(b[k], rel=TOL), (k, a, b)
 
 
 def test_mesh_with_tp_keeps_tp_out_of_data_and_gradient_groups():
