@@ -83,6 +83,12 @@ class ActorConfig(Config):
     on the same samples. Needs actor.strategy=fsdp2, which shards each slice over the other
     world_size / k ranks (a 2-D mesh), and a model whose attention heads, key-value heads and
     MLP width divide by k (docs/training.md, "Tensor parallelism")."""
+    expert_parallel_size: int = Field(1, ge=1)
+    """Mixture-of-experts policies: data-parallel ranks that split every MoE layer's experts
+    (each holds num_experts / k of them; tokens travel to their experts by an all-to-all,
+    polyrl/training/expert_parallel.py). Needs actor.strategy=fsdp2, which shards the experts over
+    the other world_size / k data ranks; must divide world_size and the model's num_experts
+    (docs/moe.md, "Expert parallelism")."""
     offload: bool = False
     """fsdp2 only: keep the parameter shards and optimizer state in host memory, moving each
     layer to the device for its forward/backward (no effect on a CPU platform)."""
@@ -148,6 +154,15 @@ class ActorConfig(Config):
 
             ParallelDims.of(self.strategy, self.world_size, self.sequence_parallel_size,
                             self.tensor_parallel_size).validate()
+        return self
+
+    @model_validator(mode="after")
+    def _expert_parallel_fits(self) -> "ActorConfig":
+        if self.expert_parallel_size > 1:  # the mesh's own checks, before Ray starts
+            from polyrl.training.mesh import ParallelDims
+
+            ParallelDims.of(self.strategy, self.world_size, self.sequence_parallel_size, self.tensor_parallel_size,
+                            self.expert_parallel_size).validate()
         return self
 
     @field_validator("compile", "packing", mode="before")

@@ -50,7 +50,7 @@ from torch.distributed.tensor import DTensor
 from polyrl.batch import MicroBatch, Ragged, RolloutBatch, scatter_rows
 from polyrl.batch.packed import plan_layout
 from polyrl.platform import Platform
-from polyrl.training import batch_invariant, checkpoint_io, lora, sharded_load, tensor_parallel
+from polyrl.training import batch_invariant, checkpoint_io, expert_parallel, lora, sharded_load, tensor_parallel
 from polyrl.training.ddp import _OPS, DDPEngine
 from polyrl.training.logprobs import response_logprobs
 from polyrl.training.config import ActorConfig
@@ -137,6 +137,9 @@ class FSDP2Engine(DDPEngine):
         elif cfg.offload:
             logger.info("actor.offload=true on a CPU device: parameters and optimizer state are "
                         "already in host memory; nothing to offload")
+        # expert parallelism: each rank's experts sharded on their own mesh first (expert_parallel.py)
+        self.expert_mesh = (expert_parallel.shard_experts(self, model, device, kwargs)
+                            if getattr(cfg, "expert_parallel_size", 1) > 1 else None)
         for layer in layers:
             fully_shard(layer, **kwargs)
         fully_shard(self.root, **kwargs)
@@ -243,7 +246,7 @@ class FSDP2Engine(DDPEngine):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
-        if self.mesh.tensor is not None:
+        if self.mesh.tensor is not None or self.expert_mesh is not None:
             return _clip_across_meshes(grads, self.cfg.grad_clip)
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         if isinstance(norm, DTensor):
@@ -278,6 +281,8 @@ class FSDP2Engine(DDPEngine):
         return WeightStream(self.stream_specs(), self._weight_items(), device=self.device)
 
     def _pieces(self, p: torch.Tensor) -> tuple[int, ...]:
+        if expert_parallel.is_expert_param(p):  # one expert per piece, each from its owner
+            return expert_parallel.expert_pieces(p)
         # FSDP2's dim-0 shards; on the (shard, tp) mesh over a tp slice of rows they are torch's
         # _StridedShard (rows of each tp slice), which is not a Shard
         if not (isinstance(p, DTensor) and getattr(p.placements[0], "dim", None) == 0):
@@ -292,6 +297,9 @@ class FSDP2Engine(DDPEngine):
             yield from lora.merged_named_weights(self.model, full=_full)
             return
         for name, p in self.model.named_parameters():
+            if expert_parallel.is_expert_param(p):
+                yield from ((name, row) for row in expert_parallel.stream_pieces(p, self.device))
+                continue
             pieces = self._pieces(p)
             if not pieces:
                 yield name, _full(p)

@@ -12,6 +12,12 @@ sequence-parallel group are neighbours: on one node when ranks are packed by nod
                   training/tensor_parallel.py): the ranks of one group hold the same samples
                   and each a 1/tp slice of every projection, and of the vocabulary
 
+`ep` (expert parallel, actor.expert_parallel_size; training/expert_parallel.py) is no axis of its
+own: it subdivides dp_shard (torchtitan's and verl's layout). dp_shard index d = efsdp * ep + e:
+the ep ranks of one expert group (same efsdp, every e) train different samples and split each
+MoE layer's experts; FSDP2 shards the non-expert parameters over all gradient ranks as before and
+each rank's experts over its `expert_shard_group` (same e, every efsdp).
+
 Which ranks do what:
 
 * The *data* axes (dp_replicate, dp_shard) shard the batch: the driver hands rank r the shard
@@ -50,11 +56,17 @@ class ParallelDims:
     dp_shard: int = 1
     sp: int = 1
     tp: int = 1
+    ep: int = 1
+    """Expert parallel: a divisor of dp_shard (see the module doc), not a factor of the world."""
 
     def __post_init__(self):
         for axis in AXES:
             if getattr(self, axis) < 1:
                 raise MeshError(f"mesh axis {axis}={getattr(self, axis)}: every axis needs at least 1 rank")
+        if self.ep < 1 or self.dp_shard % self.ep:
+            raise MeshError(f"actor.expert_parallel_size={self.ep} does not divide the {self.dp_shard} data-sharding "
+                            "ranks (it splits fsdp2's data-parallel ranks); set it to a divisor of "
+                            "actor.world_size / (sequence x tensor parallel size)")
 
     @classmethod
     def from_actor(cls, actor) -> "ParallelDims":
@@ -62,12 +74,15 @@ class ParallelDims:
         `sequence_parallel_size` per sp group, the rest data parallel, replicated (ddp) or
         sharded (fsdp2)."""
         return cls.of(actor.strategy, actor.world_size, getattr(actor, "sequence_parallel_size", 1),
-                      getattr(actor, "tensor_parallel_size", 1))
+                      getattr(actor, "tensor_parallel_size", 1), getattr(actor, "expert_parallel_size", 1))
 
     @classmethod
     def of(cls, strategy: str, world_size: int, sequence_parallel_size: int = 1,
-           tensor_parallel_size: int = 1) -> "ParallelDims":
-        sp, tp = sequence_parallel_size, tensor_parallel_size
+           tensor_parallel_size: int = 1, expert_parallel_size: int = 1) -> "ParallelDims":
+        sp, tp, ep = sequence_parallel_size, tensor_parallel_size, expert_parallel_size
+        if ep > 1 and strategy != "fsdp2":
+            raise MeshError(f"actor.expert_parallel_size={ep} needs actor.strategy=fsdp2 ({strategy} keeps every "
+                            "expert on every rank); set actor.strategy=fsdp2")
         if tp > 1 and strategy != "fsdp2":
             raise MeshError(f"actor.tensor_parallel_size={tp} needs actor.strategy=fsdp2 ({strategy} keeps whole "
                             "parameters on every rank); set actor.strategy=fsdp2")
@@ -79,7 +94,7 @@ class ParallelDims:
                             f"actor.world_size={world_size}: set actor.world_size to a multiple of {sp * tp}")
         dp = world_size // (sp * tp)
         if strategy == "fsdp2":
-            return cls(dp_shard=dp, sp=sp, tp=tp)
+            return cls(dp_shard=dp, sp=sp, tp=tp, ep=ep)
         return cls(dp_replicate=dp, sp=sp, tp=tp)
 
     # --- sizes ----------------------------------------------------------------------------------
@@ -171,6 +186,17 @@ class ParallelDims:
         """Ranks that hold the slices of one parameter (neighbours: tp varies fastest)."""
         return self.group_of(rank, ("tp",))
 
+    def expert_group(self, rank: int) -> tuple[int, ...]:
+        """Ranks that split one MoE layer's experts (the all-to-all): the ep neighbours along dp_shard."""
+        c = self.coordinates(rank)
+        base = c["dp_shard"] - c["dp_shard"] % self.ep
+        return tuple(self.rank_of({**c, "dp_shard": base + e}) for e in range(self.ep))
+
+    def expert_shard_group(self, rank: int) -> tuple[int, ...]:
+        """Ranks that hold the same experts, over which fsdp2 shards them (same ep index)."""
+        c = self.coordinates(rank)
+        return tuple(self.rank_of({**c, "dp_shard": d}) for d in range(c["dp_shard"] % self.ep, self.dp_shard, self.ep))
+
     def groups(self) -> list[tuple[str, tuple[int, ...]]]:
         """(axis, member ranks) of every group of every axis with more than one rank, outermost
         axis first: what the dry run shows."""
@@ -178,6 +204,8 @@ class ParallelDims:
         for axis, size in zip(AXES, self.shape):
             if size > 1:
                 out.extend((axis, members) for members in self.groups_along((axis,)))
+        if self.ep > 1:
+            out.extend(("ep", members) for members in sorted({self.expert_group(r) for r in range(self.world_size)}))
         return out
 
     def validate(self) -> None:
@@ -189,6 +217,10 @@ class ParallelDims:
             raise MeshError(f"actor.tensor_parallel_size={self.tp} with actor.sequence_parallel_size={self.sp} is not "
                             "implemented (the Ulysses all-to-all splits the heads tp has already sliced); "
                             "set one of them to 1")
+        if self.ep > 1 and (self.sp > 1 or self.tp > 1):
+            raise MeshError(f"actor.expert_parallel_size={self.ep} with actor.sequence_parallel_size={self.sp} / "
+                            f"actor.tensor_parallel_size={self.tp} is not implemented; set "
+                            "actor.expert_parallel_size=1 or both others to 1")
         if self.dp_replicate > 1 and self.dp_shard > 1:
             raise MeshError(f"hybrid sharding (dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}) "
                             "is not implemented; use actor.strategy=ddp or fsdp2 over all data ranks")
@@ -196,4 +228,6 @@ class ParallelDims:
     def describe(self) -> str:
         """One line: the axes with more than one rank, e.g. `4 ranks: dp_shard=2 x sp=2`."""
         axes = [f"{axis}={size}" for axis, size in zip(AXES, self.shape) if size > 1]
+        if self.ep > 1:
+            axes.append(f"ep={self.ep} (within dp_shard)")
         return f"{self.world_size} rank{'s' if self.world_size != 1 else ''}: " + (" x ".join(axes) or "single")

@@ -1,0 +1,104 @@
+"""Expert parallelism (`actor.expert_parallel_size`, training/expert_parallel.py; docs/moe.md):
+the ep groups of the mesh, the one-line refusals, and on two real gloo ranks (fsdp2 x ep=2,
+routing replay R3 on) the same log-probs, loss, gradient norm and weights as one rank, with the
+weights streamed one expert at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine_ranks
+from gloo_world import run_world_ok
+from moe_models import build_moe_model
+from polyrl.batch import shard
+from polyrl.batch.routes import not_routed
+from polyrl.training.config import ActorConfig
+from polyrl.training.mesh import MeshError, ParallelDims
+
+EXPERTS, TOP_K, MOE_LAYERS = 6, 2, 2  # tests/moe_models.py: 3 layers, the middle one dense
+
+
+def test_ep_groups_subdivide_the_data_sharding_ranks():
+    dims = ParallelDims.of("fsdp2", 4, expert_parallel_size=2)
+    assert (dims.world_size, dims.data_parallel_size, dims.gradient_parallel_size) == (4, 4, 4)
+    assert [dims.expert_group(r) for r in range(4)] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert [dims.expert_shard_group(r) for r in range(4)] == [(0, 2), (1, 3), (0, 2), (1, 3)]
+    assert ("ep", (2, 3)) in dims.groups() and "ep=2" in dims.describe()
+    two = ParallelDims.of("fsdp2", 2, expert_parallel_size=2)
+    assert [two.expert_shard_group(r) for r in range(2)] == [(0,), (1,)]
+
+
+@pytest.mark.parametrize("fields, key", [
+    (dict(strategy="ddp", world_size=2, expert_parallel_size=2), "needs actor.strategy=fsdp2"),
+    (dict(strategy="fsdp2", world_size=3, expert_parallel_size=2), "does not divide"),
+    (dict(strategy="fsdp2", world_size=4, sequence_parallel_size=2, expert_parallel_size=2), "not implemented"),
+    (dict(strategy="fsdp2", world_size=4, tensor_parallel_size=2, expert_parallel_size=2), "not implemented"),
+])
+def test_refusals_name_the_key(fields, key):
+    with pytest.raises(ValueError, match=key) as info:
+        ActorConfig(**fields)
+    assert "actor.expert_parallel_size=2" in str(info.value)
+    with pytest.raises(MeshError):
+        ParallelDims(dp_shard=3, ep=2)
+
+
+def with_routes(batch, seed: int):
+    """The batch with engine routes (R3): k distinct random experts per fed response token of
+    each MoE layer, some tokens unmarked (routed by the trainer)."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(batch.response_ids.values)
+    ids = torch.rand(n, MOE_LAYERS, EXPERTS, generator=g).argsort(-1)[..., :TOP_K].to(torch.uint8)
+    ids[torch.rand(n, generator=g) < 0.2] = not_routed(torch.uint8)
+    return batch.replace(routes=batch.response_ids.with_values(ids))
+
+
+BATCHES = ((1, 7), (2, 7), (3, 1))
+"""(seed, samples): 7 samples split 4 / 3 over two ranks, then 1 (rank 1 idle: it mirrors the
+other's forwards, all-to-alls included)."""
+
+
+def ep_rank(rank: int, world_size: int, model_path: str, ep: int, replay: str) -> dict:
+    """One rank: log-probs of a whole batch (the same on every rank), then a PPO update per
+    batch of BATCHES on this rank's shard; the metrics, the streamed weights and what the stream
+    announced."""
+    strategy = "fsdp2" if world_size > 1 else "ddp"
+    cfg = engine_ranks.actor_config(strategy, world_size=world_size, expert_parallel_size=ep, router_replay=replay,
+                                    gradient_checkpointing=True)
+    engine, actor = engine_ranks.build(model_path, cfg, rank, world_size)
+    out = {"logprobs": engine.logprobs(with_routes(engine_ranks.make_batch(9, 5), 9)).values, "metrics": []}
+    for seed, n in BATCHES:
+        mine = shard(with_routes(engine_ranks.make_batch(seed, n), seed), world_size)[rank]
+        m = actor.update(mine, num_mini_batches=1, use_rollout_logprobs=False)
+        out["metrics"].append({k: m[k] for k in ("actor/loss", "actor/grad_norm")})
+    out["weights"] = engine_ranks.full_weights(engine)
+    if world_size == 1:
+        return out
+    out["pieces"] = {s.name: s.pieces for s in engine.stream_specs()}
+    # what a bucketed sender gets: the experts one at a time, each [1, ...] (checked against the specs)
+    out["expert_items"] = [tuple(t.shape) for name, t in engine.weight_stream().pieces()
+                           if name == "model.layers.2.mlp.experts.gate_up_proj"]
+    out["experts_held"] = {n: tuple(p.to_local().shape) for n, p in engine.model.named_parameters()
+                           if n.endswith("experts.gate_up_proj")}
+    return out
+
+
+@pytest.mark.slow
+def test_ep2_equals_one_rank_with_r3(tmp_path):
+    path = build_moe_model(tmp_path / "moe", "qwen3_moe")
+    one = ep_rank(0, 1, path, 1, "R3")
+    two = run_world_ok(ep_rank, 2, tmp_path, args=(path, 2, "R3"), timeout_s=300)
+    for rank in (0, 1):
+        got = two[rank]
+        torch.testing.assert_close(got["logprobs"], one["logprobs"], rtol=0, atol=1e-5)
+        for a, b in zip(one["metrics"], got["metrics"]):
+            for key in ("actor/loss", "actor/grad_norm"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+        assert got["weights"].keys() == one["weights"].keys()
+        for name, w in one["weights"].items():
+            torch.testing.assert_close(got["weights"][name], w, rtol=0, atol=1e-5)
+        # each rank holds 3 of the 6 experts; the stream sends one expert per piece
+        assert got["experts_held"] == {"model.layers.0.mlp.experts.gate_up_proj": (3, 32, 32),
+                                       "model.layers.2.mlp.experts.gate_up_proj": (3, 32, 32)}
+        assert got["pieces"]["model.layers.0.mlp.experts.down_proj"] == tuple(range(EXPERTS + 1))
+        assert got["expert_items"] == [(1, 32, 32)] * EXPERTS
