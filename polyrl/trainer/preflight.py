@@ -44,6 +44,7 @@ def check_job(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any] |
     check_lora(cfg, model_config)
     check_sequence_parallel(cfg, model_config)
     check_router_replay(cfg, model_config)
+    check_expert_parallel(cfg, model_config)
     check_vision(cfg, train_set, val_set, model_config)
 
 
@@ -140,6 +141,21 @@ def check_router_replay(cfg: JobConfig, model_config: Any | None) -> None:
     if model_config is not None and model_type not in ("qwen3_moe", "qwen2_moe"):
         raise ConfigError([f"actor.router_replay={mode}: model.path is a {model_type} model, not a Qwen3-MoE / "
                            "Qwen2-MoE with routers to replay (docs/moe.md); set actor.router_replay=off"])
+
+
+def check_expert_parallel(cfg: JobConfig, model_config: Any | None) -> None:
+    """actor.expert_parallel_size (docs/moe.md): a Qwen3-MoE / Qwen2-MoE policy whose num_experts
+    it divides (the mesh's own checks ran in the config)."""
+    ep = cfg.actor.expert_parallel_size
+    if ep == 1 or model_config is None:
+        return
+    experts = getattr(model_config, "num_experts", None)
+    if getattr(model_config, "model_type", None) not in ("qwen3_moe", "qwen2_moe") or not experts:
+        raise ConfigError([f"actor.expert_parallel_size={ep}: model.path is a {model_config.model_type} model, not a "
+                           "Qwen3-MoE / Qwen2-MoE with experts to split (docs/moe.md); set actor.expert_parallel_size=1"])
+    if experts % ep:
+        raise ConfigError([f"actor.expert_parallel_size={ep} does not divide the model's num_experts={experts}; "
+                           f"set it to a divisor of {experts}"])
 
 
 def check_platform(cfg: JobConfig) -> None:
@@ -269,9 +285,10 @@ def colocated_teacher_params(cfg: JobConfig) -> int:
     from pathlib import Path
 
     from polyrl.builtin import resolve
+    from polyrl.distributed.topologies import teacher_placement_of
     from polyrl.training import memory_floor as mf
 
-    if not cfg.distill.enabled or cfg.distill.placement != "colocated":
+    if teacher_placement_of(cfg) != "colocated":
         return 0
     try:
         config = json.loads((Path(resolve(cfg.distill.teacher)).expanduser() / "config.json").read_text())

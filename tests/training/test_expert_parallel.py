@@ -43,6 +43,30 @@ def test_refusals_name_the_key(fields, key):
         ParallelDims(dp_shard=3, ep=2)
 
 
+def test_preflight_refuses_a_model_ep_cannot_split():
+    from transformers import Qwen2Config
+
+    from moe_models import moe_config
+    from polyrl.config import ConfigError, load_config
+    from polyrl.job import JobConfig
+    from polyrl.trainer.preflight import check_expert_parallel
+
+    def problem(ep: int, model_config):
+        cfg = load_config(JobConfig, overrides=["actor.strategy=fsdp2", f"actor.world_size={ep}",
+                                                f"actor.expert_parallel_size={ep}"])
+        with pytest.raises(ConfigError) as err:
+            check_expert_parallel(cfg, model_config)
+        (line,) = err.value.problems
+        assert "\n" not in line and f"actor.expert_parallel_size={ep}" in line
+        return line
+
+    assert "num_experts=6" in problem(4, moe_config("qwen3_moe", experts=6))
+    assert "not a Qwen3-MoE" in problem(2, Qwen2Config())
+    cfg = load_config(JobConfig, overrides=["actor.strategy=fsdp2", "actor.world_size=2",
+                                            "actor.expert_parallel_size=2"])
+    check_expert_parallel(cfg, moe_config("qwen3_moe", experts=6))  # 2 divides 6: fine
+
+
 def with_routes(batch, seed: int):
     """The batch with engine routes (R3): k distinct random experts per fed response token of
     each MoE layer, some tokens unmarked (routed by the trainer)."""
