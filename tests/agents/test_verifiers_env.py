@@ -7,8 +7,8 @@ rubric's weighted sum with each function logged as reward/<name>, and two GRPO s
 through Ray.
 
 verifiers 0.4 pins openai<3 and mcp==2.0.0, which the CPU lock excludes (pyproject.toml), so
-these tests run where `pip install 'polyrl[verifiers]'` was done (a separate environment) and skip
-elsewhere. Its harness program is a PEP 723 script verifiers prepares with `uv` on first use."""
+these tests run where `pip install 'polyrl[verifiers]'` was done (a separate environment: CI's
+verifiers tier, scripts/verifiers_tier.sh) and skip elsewhere. Its harness program is a PEP 723 script verifiers prepares with `uv` on first use."""
 
 from __future__ import annotations
 
