@@ -67,7 +67,8 @@ def run(rank: int, world_size: int, model_path: str, tp: int, strategy: str = "f
         out["largest_piece"] = largest
         out["streamed"] = {name: torch.cat(parts) for name, parts in rows.items()}
     if extras:  # the frozen reference and a critic on the same mesh
-        reference, _ = engine_ranks.build(model_path, cfg, rank, world_size, horizon=None)
+        # built on the meta device and read from the files, as PolicyWorker loads fsdp2's reference
+        reference = _deferred_reference(model_path, cfg, rank, world_size)
         out["reference"] = reference.logprobs(probe).values
         out["reference_trainable"] = sum(p.requires_grad for p in reference.model.parameters())
         out["critic"] = critic_updates(rank, world_size, model_path, tp, strategy)
@@ -78,6 +79,20 @@ def run(rank: int, world_size: int, model_path: str, tp: int, strategy: str = "f
 def one_rank(model_path: str, extras: bool = False) -> dict:
     """The reference: one rank, ddp, in this process."""
     return run(0, 1, model_path, tp=1, strategy="ddp", extras=extras)
+
+
+def _deferred_reference(model_path: str, cfg, rank: int, world_size: int):
+    import torch.distributed as dist
+
+    from polyrl.platform import get_platform
+    from polyrl.training import build_engine, sharded_load
+    from polyrl.training.model_loading import load_causal_lm
+
+    model = load_causal_lm(model_path, cfg.param_dtype, deferred=cfg.strategy == "fsdp2")
+    assert sharded_load.is_deferred(model) == (cfg.strategy == "fsdp2")
+    platform = get_platform("cpu")
+    return build_engine(model, cfg, platform, platform.torch_device(0), rank=rank, world_size=world_size,
+                        group=dist.group.WORLD if dist.is_initialized() else None, horizon=None)
 
 
 def critic_updates(rank: int, world_size: int, model_path: str, tp: int, strategy: str) -> list[dict]:
