@@ -65,22 +65,23 @@ written down for their owners); the test fails once one stops, so the list only 
 
 
 def topology_key_reads(tree: ast.AST) -> list[int]:
-    """Lines reading `<x>.rollout.placement` or `<x>.trainer.mode` (also on names `rollout` /
-    `trainer`)."""
-    keys = {"placement": "rollout", "mode": "trainer"}
+    """Lines reading `<x>.rollout.placement`, `<x>.trainer.mode` or `<x>.distill.placement`
+    (also on names `rollout` / `trainer` / `distill`)."""
+    keys = {"placement": ("rollout", "distill"), "mode": ("trainer",)}
     lines = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr in keys:
             base = node.value
             name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", None)
-            if name == keys[node.attr]:
+            if name in keys[node.attr]:
                 lines.append(node.lineno)
     return lines
 
 
 def test_topology_is_decided_in_one_place():
-    """Only the topology table reads rollout.placement and trainer.mode; the rest of polyrl
-    reads the spec it returns (`cfg.topology`) or an actor's `RolePlan`."""
+    """Only the topology table reads rollout.placement, trainer.mode and distill.placement; the
+    rest of polyrl reads the spec it returns (`cfg.topology`, `teacher_placement_of`) or an
+    actor's `RolePlan`."""
     reads = {path: topology_key_reads(ast.parse(text)) for path, text in sources().items()
              if path.startswith("polyrl/") and path.endswith(".py")}
     readers = {path for path, lines in reads.items() if lines}

@@ -176,6 +176,8 @@ def duty_text(role: RolePlan) -> str:
     if role.role == "teacher":  # distill.placement=standalone (polyrl/workers/teacher.py)
         parts.append("scores each step's samples with the distillation teacher (log-probs per sample "
                      "to the driver); its own process group")
+    if role.role == "policy" and role.holds_teacher:  # distill.placement=colocated
+        parts.append("holds the distillation teacher (frozen) and scores each step's samples with it")
     if role.hosts_engine:
         parts.append("hosts a colocated rollout engine (asleep while training)" if role.colocated_engine
                      else "hosts its replica's rollout engine")

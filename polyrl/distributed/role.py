@@ -73,6 +73,10 @@ class RolePlan:
     """Most versions a trained sample may lag (0 when on-policy)."""
     engine: EngineLaunch | None = None
     """The engine's launch arguments as the dry run shows them (None: hosts no engine)."""
+    holds_teacher: bool = False
+    """The distillation teacher is loaded in this actor: a policy rank under
+    distill.placement=colocated (beside the policy, frozen), or a teacher rank
+    (`polyrl.distributed.topologies.teacher_placement_of`)."""
     mesh: Any = None
     """(policy, teacher) the mesh of the ranks it trains or scores with (a `ParallelDims`,
     polyrl/training/mesh.py), planned once (polyrl/topology/run_plan.py): the driver shards each
@@ -100,5 +104,6 @@ class RolePlan:
                 "engine_seed": self.engine_seed, "transport": self.transport,
                 "sends_weights": self.sends_weights, "background_publish": self.background_publish,
                 "on_policy": self.on_policy, "max_staleness": self.max_staleness,
+                "holds_teacher": self.holds_teacher,
                 "mesh": self.mesh.describe() if self.mesh is not None else None,
                 "mesh_coordinates": self.mesh_coordinates}

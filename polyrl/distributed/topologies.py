@@ -1,7 +1,7 @@
 """What each rollout topology is, as data, and which one a config selects.
 
 This module is the one place that reads `rollout.placement` and `trainer.mode`
-(`topology_of`); everything else reads the `TopologySpec` it returns, or the typed plan each
+(`topology_of`) and `distill.placement` (`teacher_placement_of`); everything else reads the `TopologySpec` it returns, or the typed plan each
 actor is handed (polyrl/distributed/role.py, built by polyrl/topology/launch_plan.py). The
 topology classes (polyrl/topology/) each name their spec. It sits low (it imports nothing of
 polyrl), so the job schema (polyrl/job.py) and the weights' config validate against the same
@@ -113,6 +113,19 @@ def topology_of(cfg: Any) -> TopologySpec:
     """The topology of a job config (a `JobConfig`): the one read of rollout.placement and
     trainer.mode."""
     return select_topology(cfg.rollout.placement, cfg.trainer.mode)
+
+
+TEACHER_PLACEMENTS = ("none", "colocated", "standalone")
+"""Where a distillation teacher is held: no teacher; loaded on every policy rank beside the
+policy (frozen, like the reference); on ranks of its own (polyrl/workers/teacher.py)."""
+
+
+def teacher_placement_of(cfg: Any) -> str:
+    """Where a job config's (a `JobConfig`'s) distillation teacher is held (`TEACHER_PLACEMENTS`):
+    the one read of distill.placement. The launch plan hands it to each actor
+    (`RolePlan.holds_teacher`, polyrl/topology/launch_plan.py)."""
+    d = cfg.distill
+    return d.placement if d.enabled else "none"
 
 
 def colocated_engine(rollout: Any) -> bool:

@@ -28,7 +28,7 @@ from typing import Any
 from polyrl.builtin import resolve
 from polyrl.distributed.layout import RankLayout
 from polyrl.distributed.role import EngineLaunch, RolePlan
-from polyrl.distributed.topologies import TopologySpec
+from polyrl.distributed.topologies import TopologySpec, teacher_placement_of
 from polyrl.distributed.ray_launch import actor_options, plan_for_role
 from polyrl.envplan import EnvPlan
 from polyrl.envplan.code_paths import plugin_dirs
@@ -309,6 +309,7 @@ def role_plans(cfg: JobConfig, num_threads: int, engine: EngineLaunch | None = N
     mesh, which each policy rank's plan carries (default: the config's)."""
     mesh = mesh or ParallelDims.from_actor(cfg.actor)
     spec = cfg.topology
+    teacher_here = teacher_placement_of(cfg) == "colocated"  # on every policy rank
     seed, world = cfg.trainer.seed, cfg.actor.world_size
     common = dict(topology=spec.name, num_threads=num_threads, transport=cfg.weight_transport,
                   background_publish=cfg.resolved_weights.background_publish, on_policy=spec.on_policy,
@@ -320,6 +321,7 @@ def role_plans(cfg: JobConfig, num_threads: int, engine: EngineLaunch | None = N
         infos = [layout.rank_info(r) for r in range(layout.world_size)]
         policy = [RolePlan(role="policy", index=r, rank=r, world_size=layout.world_size, layout=layout,
                            groups=tuple(infos[r].groups), hosts_engine=False, engine_seed=None, mesh=mesh,
+                           holds_teacher=teacher_here,
                            sends_weights=infos[r].leaders.get("weight_sync") == r, **common)
                   for r in range(world)]
         rollout = [RolePlan(role="rollout", index=i.replica, rank=i.rank, world_size=layout.world_size,
@@ -329,6 +331,7 @@ def role_plans(cfg: JobConfig, num_threads: int, engine: EngineLaunch | None = N
                    for i in infos[world:]]
         return {"policy": policy, "rollout": rollout, "teacher": teacher_plans(cfg, common)}
     policy = [RolePlan(role="policy", index=r, rank=r, world_size=world, layout=None, mesh=mesh,
+                       holds_teacher=teacher_here,
                        groups=("trainer",) if world > 1 else (), hosts_engine=spec.colocated_engine,
                        engine_seed=seed + 1000 * r if spec.colocated_engine else None,
                        # colocated: every rank into its own engine; else rank 0 publishes
@@ -352,7 +355,7 @@ def teacher_plans(cfg: JobConfig, common: dict[str, Any]) -> list[RolePlan]:
     own = {**common, "colocated_engine": False}
     # every teacher rank data parallel: whole (ddp) or sharded (fsdp2), no sp or tp
     mesh = ParallelDims.of(cfg.distill.strategy or cfg.actor.strategy, n) if n else None
-    return [RolePlan(role="teacher", index=r, rank=r, world_size=n, layout=None, mesh=mesh,
+    return [RolePlan(role="teacher", index=r, rank=r, world_size=n, layout=None, mesh=mesh, holds_teacher=True,
                      groups=("teacher",) if n > 1 else (), hosts_engine=False, engine_seed=None,
                      sends_weights=False, **own)
             for r in range(n)]

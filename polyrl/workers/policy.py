@@ -118,7 +118,7 @@ class PolicyWorker:
                 batch_invariant.enable(reference, cfg.rollout.dtype)
             self.reference = build_engine(reference, cfg.actor, self.platform, self.device, **engine_args)
         self.teacher = None
-        if cfg.distill.enabled and cfg.distill.placement == "colocated":  # frozen like the
+        if role.holds_teacher:  # distill.placement=colocated (the plan's): frozen like the
             # reference, its own model even under LoRA (standalone: workers/teacher.py's ranks)
             self.teacher = teacher_engine(cfg, cfg.actor, self.platform, self.device, **engine_args)
         self.actor = PPOActor(self.engine, cfg.actor, cfg.algorithm,

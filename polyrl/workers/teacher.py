@@ -34,12 +34,10 @@ logger = logging.getLogger(__name__)
 
 
 def teacher_actor_config(cfg: JobConfig) -> ActorConfig:
-    """The teacher engine's settings: the policy's log-prob path (micro-batches, packing,
-    dtypes); standalone, laid out over its own ranks by distill.strategy (default actor.strategy),
-    without sequence parallelism."""
+    """The teacher ranks' engine settings: the policy's log-prob path (micro-batches, packing,
+    dtypes), laid out over the teacher's own ranks by distill.strategy (default actor.strategy),
+    without sequence or tensor parallelism (a teacher on the policy ranks uses actor's own)."""
     d = cfg.distill
-    if d.placement != "standalone":
-        return cfg.actor
     strategy = d.strategy or cfg.actor.strategy
     return cfg.actor.model_copy(update={"strategy": strategy, "world_size": d.world_size,
                                         "sequence_parallel_size": 1, "tensor_parallel_size": 1,

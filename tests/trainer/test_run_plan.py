@@ -57,6 +57,13 @@ def test_a_standalone_teachers_ranks_carry_their_own_mesh():
     assert [r.mesh for r in teacher] == [ParallelDims(dp_shard=2)] * 2 and teacher[0].mesh is teacher[1].mesh
     assert [r.mesh_coordinates["dp_shard"] for r in teacher] == [0, 1]
     assert plan.mesh == ParallelDims() and all(r.mesh is None for r in plan.roles("rollout"))
+    # where the teacher is held is part of each actor's plan (distill.placement is read once)
+    assert all(r.holds_teacher for r in teacher) and not any(r.holds_teacher for r in plan.roles("policy"))
+    colocated = resolve(job("distill.teacher=builtin:tiny-arith", "actor.world_size=2",
+                            "rollout.max_model_len=64"), None, get_platform("cpu"))
+    assert [r.holds_teacher for r in colocated.roles("policy")] == [True, True]
+    assert not colocated.roles("teacher")
+    assert not any(r.holds_teacher for r in resolve(job("rollout.max_model_len=64"), None).roles("policy"))
 
 
 def test_without_data_an_unset_max_model_len_stays_unset_and_the_notes_say_so():
