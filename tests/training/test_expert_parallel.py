@@ -82,7 +82,7 @@ BATCHES = ((1, 7), (2, 7), (3, 1))
 other's forwards, all-to-alls included)."""
 
 
-def ep_rank(rank: int, world_size: int, model_path: str, ep: int, replay: str) -> dict:
+def ep_rank(rank: int, world_size: int, model_path: str, ep: int, replay: str, ckpt: str | None = None) -> dict:
     """One rank: log-probs of a whole batch (the same on every rank), then a PPO update per
     batch of BATCHES on this rank's shard; the metrics, the streamed weights and what the stream
     announced."""
@@ -102,6 +102,14 @@ def ep_rank(rank: int, world_size: int, model_path: str, ep: int, replay: str) -
     # what a bucketed sender gets: the experts one at a time, each [1, ...] (checked against the specs)
     out["expert_items"] = [tuple(t.shape) for name, t in engine.weight_stream().pieces()
                            if name == "model.layers.2.mlp.experts.gate_up_proj"]
+    if ckpt is not None:  # DCP shards of the (efsdp, ep) DTensors, and the Hugging Face policy/
+        from pathlib import Path
+
+        Path(ckpt).mkdir(parents=True, exist_ok=True)
+        engine.save(Path(ckpt))
+        fresh, _ = engine_ranks.build(model_path, cfg, rank, world_size)
+        fresh.load(Path(ckpt))
+        out["resumed"] = engine_ranks.full_weights(fresh)
     out["experts_held"] = {n: tuple(p.to_local().shape) for n, p in engine.model.named_parameters()
                            if n.endswith("experts.gate_up_proj")}
     return out
@@ -111,7 +119,8 @@ def ep_rank(rank: int, world_size: int, model_path: str, ep: int, replay: str) -
 def test_ep2_equals_one_rank_with_r3(tmp_path):
     path = build_moe_model(tmp_path / "moe", "qwen3_moe")
     one = ep_rank(0, 1, path, 1, "R3")
-    two = run_world_ok(ep_rank, 2, tmp_path, args=(path, 2, "R3"), timeout_s=300)
+    ckpt = tmp_path / "ckpt"
+    two = run_world_ok(ep_rank, 2, tmp_path, args=(path, 2, "R3", str(ckpt)), timeout_s=300)
     for rank in (0, 1):
         got = two[rank]
         torch.testing.assert_close(got["logprobs"], one["logprobs"], rtol=0, atol=1e-5)
@@ -126,3 +135,10 @@ def test_ep2_equals_one_rank_with_r3(tmp_path):
                                        "model.layers.2.mlp.experts.gate_up_proj": (3, 32, 32)}
         assert got["pieces"]["model.layers.0.mlp.experts.down_proj"] == tuple(range(EXPERTS + 1))
         assert got["expert_items"] == [(1, 32, 32)] * EXPERTS
+        for name, w in got["weights"].items():  # a checkpoint resumes to the same experts on each rank
+            assert torch.equal(got["resumed"][name], w), name
+    from transformers import AutoModelForCausalLM
+
+    saved = dict(AutoModelForCausalLM.from_pretrained(str(ckpt / "policy"), dtype=torch.float32).named_parameters())
+    for name, w in two[0]["weights"].items():
+        assert torch.equal(saved[name], w), name
