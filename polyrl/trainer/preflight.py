@@ -43,6 +43,7 @@ def check_job(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any] |
     check_max_model_len(cfg, longest)
     check_lora(cfg, model_config)
     check_sequence_parallel(cfg, model_config)
+    check_tensor_parallel(cfg, model_config)
     check_router_replay(cfg, model_config)
     check_expert_parallel(cfg, model_config)
     check_vision(cfg, train_set, val_set, model_config)
@@ -448,6 +449,29 @@ def check_sequence_parallel(cfg: JobConfig, model_config: Any | None) -> None:
         raise ConfigError([f"actor.sequence_parallel_size={k}: the model ({cfg.model.path}) has {heads} "
                            f"attention heads and {kv_heads} key-value heads, which must both divide by {k}; "
                            f"choose {' or '.join(map(str, divisors)) if divisors else '1'}"])
+
+
+def check_tensor_parallel(cfg: JobConfig, model_config: Any | None) -> None:
+    """actor.tensor_parallel_size=k: the model's heads, key-value heads and MLP width divide by
+    k (polyrl/training/tensor_parallel.py `check_divisible`, which the engine repeats on the
+    built model), and none of the settings tp does not take yet."""
+    k = cfg.actor.tensor_parallel_size
+    if k <= 1:
+        return
+    unsupported = {"model.lora_rank": cfg.model.lora_rank > 0, "rollout.batch_invariant": cfg.rollout.batch_invariant,
+                   "actor.offload": cfg.actor.offload}
+    for key, on in unsupported.items():
+        if on:
+            raise ConfigError([f"actor.tensor_parallel_size={k} with {key} is not implemented; "
+                               f"set actor.tensor_parallel_size=1 or leave {key} at its default"])
+    if model_config is None:
+        return
+    from polyrl.training.tensor_parallel import TensorParallelError, check_divisible
+
+    try:
+        check_divisible(language_config(model_config), k)
+    except TensorParallelError as exc:
+        raise ConfigError([f"{exc} ({cfg.model.path})"]) from None
 
 
 def check_max_model_len(cfg: JobConfig, longest: int) -> None:

@@ -170,10 +170,8 @@ class FSDP2Engine(DDPEngine):
             if present:
                 raise ValueError(f"actor.tensor_parallel_size={tp} with {what} is not implemented; "
                                  "set actor.tensor_parallel_size=1")
-        if sharded_load.is_deferred(self.module):
-            # the sharded read takes dim-0 shards only; tp slices columns too, so each rank reads
-            # the whole model once and tensor_parallel keeps its slices
-            sharded_load.materialize(self.module, device)
+        # a deferred model is sliced on the meta device and each rank reads its block of every
+        # tensor once FSDP2 has sharded the slices (sharded_load.py, as without tp)
         mesh2d = self.mesh.device_mesh(device.type)
         tensor_parallel.parallelize(self.module, mesh2d["tp"], tp=tp)
         return mesh2d

@@ -251,26 +251,28 @@ def _set_parameter(model: torch.nn.Module, name: str, value: torch.nn.Parameter)
     setattr(model.get_submodule(owner), attr, value)
 
 
-def _local_rows(tensor: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, int]:
-    """This rank's part of `tensor` and the row of the full tensor it starts at: for a DTensor
-    the rows torch itself assigns to this rank (FSDP2: an uneven dim-0 chunk, maybe empty)."""
+def _local_rows(tensor: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, int, int]:
+    """This rank's part of `tensor`, the row of the full tensor it starts at and the column:
+    for a DTensor the block torch itself assigns to this rank (FSDP2: an uneven dim-0 chunk,
+    maybe empty; under tensor parallelism a chunk of a tp slice, whose columns are a slice of
+    the full rows for a row-wise layer)."""
     if not is_dtensor(tensor):
-        return tensor, 0
+        return tensor, 0, 0
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local = tensor.to_local()
     local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    if (tuple(local_shape) != tuple(local.shape) or any(o != 0 for o in offset[1:])
-            or tuple(local_shape[1:]) != shape[1:]):
+    if (tuple(local_shape) != tuple(local.shape) or any(o != 0 for o in offset[2:])
+            or tuple(local_shape[2:]) != shape[2:]):
         raise RuntimeError(f"sharded load: {tuple(local.shape)} at {tuple(offset)} of {shape} "
-                           "is not a dim-0 shard")
-    return local, offset[0] if offset else 0
+                           "is not a block of rows and columns")
+    return local, offset[0] if offset else 0, offset[1] if len(offset) > 1 else 0
 
 
 def _fill_initial(tensor: torch.Tensor, value: torch.Tensor) -> None:
     """This rank's rows of `value`, as its group's first rank drew it (the whole load broadcasts
     those from the leader: the same values on every rank, whatever each rank's RNG)."""
-    local, first = _local_rows(tensor, tuple(value.shape))
+    local, first, column = _local_rows(tensor, tuple(value.shape))
     if is_dtensor(tensor):
         import torch.distributed as dist
 
@@ -278,14 +280,22 @@ def _fill_initial(tensor: torch.Tensor, value: torch.Tensor) -> None:
         if dist.get_world_size(group) > 1:
             value = value.to(local.device).contiguous()
             dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
+    if local.dim() > 1:
+        value = value[:, column: column + local.shape[1]]
     local.copy_(value[first: first + local.shape[0]] if local.dim() else value)
 
 
 def _fill(tensor: torch.Tensor, entry: StoredTensor) -> None:
     """Copy this rank's part of `tensor` from the checkpoint, read with plain file reads (an
     mmap's touched pages would count in the rank's resident memory until it is closed)."""
-    local, first = _local_rows(tensor, entry.shape)
+    local, first, column = _local_rows(tensor, entry.shape)
     if local.numel() == 0:
+        return
+    if local.dim() > 1 and local.shape[1] != entry.shape[1]:  # a column block: read its whole rows
+        rows = torch.empty((local.shape[0], *entry.shape[1:]), dtype=entry.dtype)
+        itemsize = torch.empty((), dtype=entry.dtype).element_size()
+        _read_into(entry.file, entry.begin + first * rows[0].numel() * itemsize, rows.reshape(-1).view(torch.uint8))
+        local.copy_(rows[:, column: column + local.shape[1]])
         return
     row_elems = local[0].numel() if local.dim() else 1
     itemsize = torch.empty((), dtype=entry.dtype).element_size()

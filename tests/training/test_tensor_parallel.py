@@ -188,3 +188,20 @@ def test_memory_model_under_tp_keeps_the_state_and_slices_the_transient():
     assert [r["tp"] for r in rows] == [1, 2, 4, 8] and transients == sorted(transients, reverse=True)
     # the residual checkpoints (T L h c) are not sliced: the transient stays above them
     assert transients[-1] > 32768 * 80 * 8192 * 2 / 1e9
+
+
+def test_preflight_refuses_what_tp_cannot_slice_before_ray_starts():
+    from transformers import Qwen2Config
+
+    from polyrl.config import ConfigError
+    from polyrl.job import JobConfig
+    from polyrl.trainer.preflight import check_tensor_parallel
+
+    cfg = JobConfig(actor={"strategy": "fsdp2", "world_size": 4, "tensor_parallel_size": 4})
+    model = Qwen2Config(num_attention_heads=4, num_key_value_heads=2, intermediate_size=384)
+    with pytest.raises(ConfigError, match="actor.tensor_parallel_size=4 does not divide the model's num_key_value_heads=2"):
+        check_tensor_parallel(cfg, model)
+    check_tensor_parallel(JobConfig(actor={"strategy": "fsdp2", "world_size": 2, "tensor_parallel_size": 2}), model)
+    lora = JobConfig(actor={"strategy": "fsdp2", "world_size": 2, "tensor_parallel_size": 2}, model={"lora_rank": 8})
+    with pytest.raises(ConfigError, match="actor.tensor_parallel_size=2 with model.lora_rank is not implemented"):
+        check_tensor_parallel(lora, model)
