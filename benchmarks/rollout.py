@@ -298,33 +298,42 @@ def main(argv: list[str] | None = None) -> int:
 # --- under contention (--contention) ---------------------------------------------------------------
 
 def contention(sizes: list[str], dtypes: list[str], quick: bool, as_json: bool) -> int:
-    """Per cell: both engines idle (interleaved, best of `reps`), then under each load of
-    `_contention.LOADS` the same. The native engine keeps its default thread rule (it follows the
-    free cores, polyrl/rollout/native/threads.py); `generate` runs with torch's thread count, as a
-    user gets it."""
+    """Per cell: both engines idle, then beside each load of `_contention.LOADS`; the phases
+    alternate `reps` times (idle, pinned, unpinned, idle, ...), best of each kept, so a change in
+    the machine's other load between phases hits every phase alike. The native engine keeps its
+    default thread rule (it follows the free cores, polyrl/rollout/native/threads.py); `generate`
+    runs with torch's thread count, as a user gets it."""
+    import contextlib
+
     from _contention import LOADS, competitor, machine
 
     num_prompts, n, prompt_len = 16, 4, 32
-    new_tokens, reps = (16, 1) if quick else (32, 2)
+    new_tokens, reps = (16, 2) if quick else (32, 3)
     gen = torch.Generator().manual_seed(0)
     start = machine()
     print(f"{start['date']}; {start['cpu']}, {start['cores']} cores; flags {' '.join(start['cpu_flags'])}; "
           f"load average {start['load_average']}; torch threads {torch.get_num_threads()}", flush=True)
     results = []
 
-    def measure(ours: PolyrlRunner, theirs: HFRunner) -> dict:
-        native = hf = hf_1 = 0.0
+    def measure(ours: PolyrlRunner, theirs: HFRunner) -> dict[str, dict]:
+        best = {phase: dict(native=0.0, hf=0.0, hf_1=0.0, threads=set(), free=[]) for phase in ("idle", *LOADS)}
         threads = torch.get_num_threads()
-        for _ in range(reps):  # interleaved, best of each
-            native = max(native, ours.run()[0])
-            hf = max(hf, theirs.run())
-            torch.set_num_threads(1)  # `generate` as someone who knew about the load would run it
-            hf_1 = max(hf_1, theirs.run())
-            torch.set_num_threads(threads)
-        health = ours.engine.health()
-        return dict(native_tok_s=round(native, 1), hf_tok_s=round(hf, 1), speedup=round(native / hf, 2),
-                    hf_1_thread_tok_s=round(hf_1, 1), speedup_vs_hf_1_thread=round(native / hf_1, 2),
-                    native_threads=health["threads"], free_cores_seen=health["free_cores"])
+        for _ in range(reps):
+            for phase, b in best.items():
+                with competitor(phase) if phase != "idle" else contextlib.nullcontext():
+                    b["native"] = max(b["native"], ours.run()[0])
+                    health = ours.engine.health()
+                    b["threads"].add(health["threads"])
+                    b["free"].append(health["free_cores"])
+                    b["hf"] = max(b["hf"], theirs.run())
+                    torch.set_num_threads(1)  # `generate` as someone who knew about the load would run it
+                    b["hf_1"] = max(b["hf_1"], theirs.run())
+                    torch.set_num_threads(threads)
+        return {phase: dict(native_tok_s=round(b["native"], 1), hf_tok_s=round(b["hf"], 1),
+                            speedup=round(b["native"] / b["hf"], 2), hf_1_thread_tok_s=round(b["hf_1"], 1),
+                            speedup_vs_hf_1_thread=round(b["native"] / b["hf_1"], 2),
+                            native_threads=sorted(b["threads"]), free_cores_seen=b["free"])
+                for phase, b in best.items()}
 
     with tempfile.TemporaryDirectory() as tmp:
         for name in sizes:
@@ -335,11 +344,9 @@ def contention(sizes: list[str], dtypes: list[str], quick: bool, as_json: bool) 
             for dtype_name in dtypes:
                 ours = PolyrlRunner(str(path), dtype_name, prompts, n, new_tokens)
                 theirs = HFRunner(str(path), DTYPES[dtype_name], prompts, n, new_tokens)
-                idle = measure(ours, theirs)
-                loads = {}
+                loads = measure(ours, theirs)
+                idle = loads.pop("idle")
                 for load in LOADS:
-                    with competitor(load):
-                        loads[load] = measure(ours, theirs)
                     loads[load]["kept_fraction"] = round(loads[load]["native_tok_s"] / idle["native_tok_s"], 2)
                     loads[load]["hf_kept_fraction"] = round(loads[load]["hf_tok_s"] / idle["hf_tok_s"], 2)
                 del ours, theirs
