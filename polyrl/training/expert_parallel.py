@@ -164,8 +164,7 @@ def shard_experts(engine: Any, model: torch.nn.Module, device: torch.device, fsd
         "model.lora_rank > 0 (LoRA)": engine.lora,
         "rollout.batch_invariant=true": batch_invariant.is_enabled(engine.module),
         "actor.offload=true": engine.cfg.offload,
-        "actor.tensor_parallel_size > 1": engine.mesh.tensor is not None,
-        "actor.sequence_parallel_size > 1": engine.sp is not None})
+        "actor.tensor_parallel_size > 1": engine.mesh.tensor is not None})
     dims = replace(engine.mesh.dims, ep=ep)  # checks that ep divides the data-sharding ranks
     if sharded_load.is_deferred(engine.module):
         # the sharded read lays out FSDP2's dim-0 shards only: read the model whole, keep the experts

@@ -14,9 +14,9 @@ sequence-parallel group are neighbours: on one node when ranks are packed by nod
 
 `ep` (expert parallel, actor.expert_parallel_size; training/expert_parallel.py) is no axis of its
 own: it subdivides dp_shard (torchtitan's and verl's layout). dp_shard index d = efsdp * ep + e:
-the ep ranks of one expert group (same efsdp, every e) train different samples and split each
-MoE layer's experts; FSDP2 shards the non-expert parameters over all gradient ranks as before and
-each rank's experts over its `expert_shard_group` (same e, every efsdp).
+the ep ranks of one expert group (same efsdp and sp, every e) train different samples and split
+each MoE layer's experts; FSDP2 shards the non-expert parameters over all gradient ranks as before
+and each rank's experts over its `expert_shard_group` (same e, every efsdp and sp).
 
 Which ranks do what:
 
@@ -193,9 +193,12 @@ class ParallelDims:
         return tuple(self.rank_of({**c, "dp_shard": base + e}) for e in range(self.ep))
 
     def expert_shard_group(self, rank: int) -> tuple[int, ...]:
-        """Ranks that hold the same experts, over which fsdp2 shards them (same ep index)."""
+        """Ranks that hold the same experts, over which fsdp2 shards them: the same ep index, every
+        efsdp index and every sp rank (an sp group's ranks route their own slices of the same
+        rows, so the experts' gradients are summed over sp as every other parameter's)."""
         c = self.coordinates(rank)
-        return tuple(self.rank_of({**c, "dp_shard": d}) for d in range(c["dp_shard"] % self.ep, self.dp_shard, self.ep))
+        return tuple(sorted(self.rank_of({**c, "dp_shard": d, "sp": s})
+                            for d in range(c["dp_shard"] % self.ep, self.dp_shard, self.ep) for s in range(self.sp)))
 
     def groups(self) -> list[tuple[str, tuple[int, ...]]]:
         """(axis, member ranks) of every group of every axis with more than one rank, outermost
@@ -217,10 +220,9 @@ class ParallelDims:
             raise MeshError(f"actor.tensor_parallel_size={self.tp} with actor.sequence_parallel_size={self.sp} is not "
                             "implemented (the Ulysses all-to-all splits the heads tp has already sliced); "
                             "set one of them to 1")
-        if self.ep > 1 and (self.sp > 1 or self.tp > 1):
-            raise MeshError(f"actor.expert_parallel_size={self.ep} with actor.sequence_parallel_size={self.sp} / "
-                            f"actor.tensor_parallel_size={self.tp} is not implemented; set "
-                            "actor.expert_parallel_size=1 or both others to 1")
+        if self.ep > 1 and self.tp > 1:
+            raise MeshError(f"actor.expert_parallel_size={self.ep} with actor.tensor_parallel_size={self.tp} is not "
+                            "implemented; set one of them to 1")
         if self.dp_replicate > 1 and self.dp_shard > 1:
             raise MeshError(f"hybrid sharding (dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}) "
                             "is not implemented; use actor.strategy=ddp or fsdp2 over all data ranks")

@@ -32,7 +32,6 @@ def test_ep_groups_subdivide_the_data_sharding_ranks():
 @pytest.mark.parametrize("fields, key", [
     (dict(strategy="ddp", world_size=2, expert_parallel_size=2), "needs actor.strategy=fsdp2"),
     (dict(strategy="fsdp2", world_size=3, expert_parallel_size=2), "does not divide"),
-    (dict(strategy="fsdp2", world_size=4, sequence_parallel_size=2, expert_parallel_size=2), "not implemented"),
     (dict(strategy="fsdp2", world_size=4, tensor_parallel_size=2, expert_parallel_size=2), "not implemented"),
 ])
 def test_refusals_name_the_key(fields, key):
@@ -82,17 +81,20 @@ BATCHES = ((1, 7), (2, 7), (3, 1))
 other's forwards, all-to-alls included)."""
 
 
-def ep_rank(rank: int, world_size: int, model_path: str, ep: int, replay: str, ckpt: str | None = None) -> dict:
+def ep_rank(rank: int, world_size: int, model_path: str, ep: int, replay: str, ckpt: str | None = None,
+            sp: int = 1) -> dict:
     """One rank: log-probs of a whole batch (the same on every rank), then a PPO update per
-    batch of BATCHES on this rank's shard; the metrics, the streamed weights and what the stream
-    announced."""
+    batch of BATCHES on this rank's shard (the same for the ranks of an sp group); the
+    metrics, the streamed weights and what the stream announced."""
     strategy = "fsdp2" if world_size > 1 else "ddp"
     cfg = engine_ranks.actor_config(strategy, world_size=world_size, expert_parallel_size=ep, router_replay=replay,
-                                    gradient_checkpointing=True)
+                                    gradient_checkpointing=True, sequence_parallel_size=sp)
+    dims = ParallelDims.from_actor(cfg)
+    routed = with_routes if replay != "off" else (lambda batch, seed: batch)  # none under sp (docs/moe.md)
     engine, actor = engine_ranks.build(model_path, cfg, rank, world_size)
-    out = {"logprobs": engine.logprobs(with_routes(engine_ranks.make_batch(9, 5), 9)).values, "metrics": []}
+    out = {"logprobs": engine.logprobs(routed(engine_ranks.make_batch(9, 5), 9)).values, "metrics": []}
     for seed, n in BATCHES:
-        mine = shard(with_routes(engine_ranks.make_batch(seed, n), seed), world_size)[rank]
+        mine = shard(routed(engine_ranks.make_batch(seed, n), seed), dims.data_parallel_size)[dims.data_rank(rank)]
         m = actor.update(mine, num_mini_batches=1, use_rollout_logprobs=False)
         out["metrics"].append({k: m[k] for k in ("actor/loss", "actor/grad_norm")})
     out["weights"] = engine_ranks.full_weights(engine)
@@ -115,9 +117,14 @@ def ep_rank(rank: int, world_size: int, model_path: str, ep: int, replay: str, c
     return out
 
 
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory) -> str:
+    return build_moe_model(tmp_path_factory.mktemp("moe"), "qwen3_moe")
+
+
 @pytest.mark.slow
-def test_ep2_equals_one_rank_with_r3(tmp_path):
-    path = build_moe_model(tmp_path / "moe", "qwen3_moe")
+def test_ep2_equals_one_rank_with_r3(moe_path, tmp_path):
+    path = moe_path
     one = ep_rank(0, 1, path, 1, "R3")
     ckpt = tmp_path / "ckpt"
     two = run_world_ok(ep_rank, 2, tmp_path, args=(path, 2, "R3", str(ckpt)), timeout_s=300)
@@ -142,3 +149,20 @@ def test_ep2_equals_one_rank_with_r3(tmp_path):
     saved = dict(AutoModelForCausalLM.from_pretrained(str(ckpt / "policy"), dtype=torch.float32).named_parameters())
     for name, w in two[0]["weights"].items():
         assert torch.equal(saved[name], w), name
+
+
+@pytest.mark.slow
+def test_ep2_composes_with_sequence_parallelism(moe_path, tmp_path):
+    """4 ranks: dp_shard=2 (the ep group) x sp=2; each rank's 3 experts are sharded by FSDP2 over
+    its sp group (2 rows and 1), and each rank dispatches its own slice of the packed rows."""
+    one = ep_rank(0, 1, moe_path, 1, "off")
+    four = run_world_ok(ep_rank, 4, tmp_path, args=(moe_path, 2, "off", None, 2), timeout_s=400)
+    for rank, got in four.items():
+        torch.testing.assert_close(got["logprobs"], one["logprobs"], rtol=0, atol=1e-5)
+        for a, b in zip(one["metrics"], got["metrics"]):
+            for key in ("actor/loss", "actor/grad_norm"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+        for name, w in one["weights"].items():
+            torch.testing.assert_close(got["weights"][name], w, rtol=0, atol=1e-5)
+        rows = 2 if rank % 2 == 0 else 1  # torch.chunk of 3 experts over the 2 ranks of an sp group
+        assert got["experts_held"]["model.layers.0.mlp.experts.gate_up_proj"] == (rows, 32, 32)
