@@ -22,6 +22,7 @@ cannot avoid and the fraction of plain-matmul peak each side reaches (`roofline_
     python benchmarks/grpo.py --quick --json     # ~1 min (4M only, 4 steps); last line is JSON
     python benchmarks/grpo.py --threads 1        # steadier on a busy machine (and CPU-s ~ wall)
     python benchmarks/grpo.py --contention       # each pair again beside one busy process (pinned to a core)
+    python benchmarks/grpo.py --sizes moe        # the mixture-of-experts cell (a ~32M / ~7.5M-active Qwen3-MoE)
 
 `--contention`: after each idle pair, the same pair again beside one busy competitor process pinned
 to the last core (`benchmarks/_contention.py`); per cell `speedup_under_contention` (TRL's s/step
@@ -52,7 +53,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from _moe import MOE_MODELS  # noqa: E402
 from _tiny import EOS_ID, MODELS, build_model  # noqa: E402
+
+SHAPES = {**MODELS, "moe": MOE_MODELS["moe"]}
+"""`--sizes`: the dense 4M and 30M, and `moe` (benchmarks/_moe.py: a Qwen3-MoE of ~32M total /
+~7.5M active parameters, 16 experts, top-2)."""
+
+
+def flop_shape(shape: dict) -> dict:
+    """The dense shape whose matmul FLOPs per token equal `shape`'s: an MoE's k experts as one MLP
+    of k x moe_intermediate_size (the router's E x h is negligible)."""
+    if "num_experts" not in shape:
+        return shape
+    return {**shape, "intermediate_size": shape["num_experts_per_tok"] * shape["moe_intermediate_size"]}
 
 PROMPTS, SAMPLES, COMPLETION_TOKENS, LR = 8, 8, 32, 1e-6
 
@@ -300,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--quick", action="store_true", help="4M model only, fewer steps (~3 minutes)")
     parser.add_argument("--steps", type=int, default=None, help="steps per run, the first is warm-up")
-    parser.add_argument("--sizes", default=None, help="comma-separated model sizes (4M,30M)")
+    parser.add_argument("--sizes", default=None, help="comma-separated model sizes (4M,30M,moe)")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes")
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="torch threads of each trainer (default: all cores)")
@@ -310,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = (args.sizes or ("4M" if args.quick else "4M,30M")).split(",")
     dtypes = args.dtypes.split(",")
     for name in sizes:
-        if name not in MODELS:
-            parser.error(f"unknown size {name}; choose from {', '.join(MODELS)}")
+        if name not in SHAPES:
+            parser.error(f"unknown size {name}; choose from {', '.join(SHAPES)}")
     try:
         import trl
     except ImportError:
@@ -331,9 +345,9 @@ def main(argv: list[str] | None = None) -> int:
         files = write_arithmetic_dataset(Path(tmp) / "data", n_train=512, n_val=16, seed=0)
         prompt_len = mean(len(r["prompt"][0]["content"]) for r in _rows(files["train"]))  # 1 token/char
         for name in sizes:
-            steps = args.steps or (4 if args.quick else {"4M": 6, "30M": 4}[name])
+            steps = args.steps or (4 if args.quick else {"4M": 6}.get(name, 4))
             model_dir = str(Path(tmp) / name)
-            params = build_model(model_dir, MODELS[name])
+            params = build_model(model_dir, SHAPES[name])
             for dtype in dtypes:
                 ours, theirs = run_pair(model_dir, files, Path(tmp) / f"{name}-{dtype}", dtype, steps,
                                          args.threads)
@@ -348,8 +362,8 @@ def main(argv: list[str] | None = None) -> int:
                            polyrl_length_mean=round(ours["length_mean"], 2),
                            trl_length_mean=round(theirs["length_mean"], 2),
                            polyrl_phases_s=ours["phases"], trl_phases_s=theirs["phases"])
-                flops = step_flops(MODELS[name], prompt_len, ours["length_mean"])
-                peak = matmul_peak(MODELS[name], PROMPTS * SAMPLES * round(prompt_len + COMPLETION_TOKENS),
+                flops = step_flops(flop_shape(SHAPES[name]), prompt_len, ours["length_mean"])
+                peak = matmul_peak(flop_shape(SHAPES[name]), PROMPTS * SAMPLES * round(prompt_len + COMPLETION_TOKENS),
                                    getattr(torch, dtype))
                 row.update(step_gflop=round(flops / 1e9, 1), matmul_peak_gflop_s=round(peak / 1e9, 1),
                            polyrl_roofline_fraction=round(flops / ours["s_per_step"] / peak, 3),

@@ -31,7 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks against a baseline in the same run (rollout, grpo, ...)",
                        description=f"Run benchmarks/NAME.py; available: {', '.join(available()) or 'none'}. "
                        "Arguments after NAME go to the benchmark (e.g. --json, --quick; "
-                       "rollout --against vllm: the native engine vs the real vLLM).")
+                       "rollout --against vllm: the native engine vs the real vLLM; rollout --moe, "
+                       "grpo --sizes moe: the mixture-of-experts cells).")
     p.add_argument("name", help="benchmark name")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     p.set_defaults(func=run)
