@@ -147,7 +147,11 @@ class McpHub:
         except Exception as exc:  # noqa: BLE001 - the transport's errors, e.g. a server that died
             raise McpToolError(f"MCP server '{self.specs[i]}': {_describe(exc)}") from None
         text = _text(result)
-        if getattr(result, "is_error", None) or getattr(result, "isError", None):
+        # mcp 2.x names the flag is_error (isError is a deprecated alias there); 1.x only isError
+        failed = getattr(result, "is_error", None)
+        if failed is None:
+            failed = getattr(result, "isError", False)
+        if failed:
             raise McpToolError(text or "the tool reported an error")
         return text
 
