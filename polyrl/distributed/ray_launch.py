@@ -53,22 +53,21 @@ def submitted_env_vars(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def init_ray(
-    platform: Platform,
+    plan: EnvPlan,
     *,
     address: str | None = None,
     num_cpus: int | None = None,
     namespace: str = "polyrl",
-    config_env: Mapping[str, str] | None = None,
-    **plan_kwargs: Any,
 ) -> EnvPlan:
-    """Join or start Ray with the job-level plan as the job's runtime env. Returns the plan.
+    """Join or start Ray with `plan`, the job-level environment plan (the run plan's
+    `launch.job.env`, polyrl/topology/run_plan.py: what `polyrl train --dry-run` prints), as the
+    job's runtime env. Returns the plan.
 
     If Ray is already initialised in this process (a test session, a notebook), it is reused
     and the plan is applied per actor instead.
     """
     import ray  # here: the plans above are read where Ray is not installed (ray.enabled=false)
 
-    plan = plan_for_role(platform, "job", config_env=config_env, **plan_kwargs)
     if ray.is_initialized():
         return plan
     runtime_env = plan.runtime_env()

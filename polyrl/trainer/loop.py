@@ -48,7 +48,6 @@ from polyrl.trainer.checkpoint import (
 )
 from polyrl.job import JobConfig
 from polyrl.trainer.interrupts import TrainingInterrupted, stop_on_signals
-from polyrl.topology.launch_plan import plugin_code_dirs
 from polyrl.topology.run_plan import RunData, RunPlan, resolve
 from polyrl.trainer.metrics import MetricsWriter, PhaseTimer, response_metrics
 from polyrl.trainer.plots import plot_run, print_summary
@@ -201,9 +200,7 @@ class Trainer:
         if cfg.ray.num_cpus is None and cfg.ray.address is None and needed > cores:
             logger.warning("%d actors x %d CPU(s) on %d core(s): they share cores (slower, "
                            "not wrong)", needed // per_actor, per_actor, cores)
-        init_ray(plan.platform, **plan.launch.job.ray_init, config_env=cfg.env,
-                 backend=cfg.rollout.backend, placement=plan.topology.placement, mode=plan.topology.mode,
-                 code_dirs=plugin_code_dirs(cfg))
+        init_ray(plan.launch.job.env, **plan.launch.job.ray_init)  # the planned job env, as printed
         wait_for_cpus(needed, per_actor)
 
     def _model_config(self) -> Any:
