@@ -92,17 +92,20 @@ def warm_up(cfg, platform, device, rank: int, world: int) -> None:
     from polyrl.algorithms.off_policy import OffPolicyConfig
     from polyrl.batch import shard
     from polyrl.training import build_engine
+    from polyrl.training.mesh import ParallelDims
     from polyrl.workers.actor import PPOActor
 
     tiny = AutoModelForCausalLM.from_config(Qwen2Config(
-        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
         intermediate_size=128, tie_word_embeddings=True, max_position_embeddings=256), attn_implementation="sdpa")
     for p in tiny.parameters():
         dist.broadcast(p.data, src=0)
     engine = build_engine(tiny.to(device), cfg, platform, device, rank=rank, world_size=world,
                           group=dist.group.WORLD, horizon=10)
     actor = PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve("sync"), device)
-    actor.update(shard(make_batch(8, 16, 48, 256), world)[rank], num_mini_batches=1, use_rollout_logprobs=False)
+    dims = ParallelDims.from_actor(cfg)  # under --tp the ranks of a tp group train on one shard
+    actor.update(shard(make_batch(8, 16, 48, 256), dims.data_parallel_size)[dims.data_rank(rank)],
+                 num_mini_batches=1, use_rollout_logprobs=False)
     for _ in engine.weight_stream():
         pass
 
@@ -123,6 +126,7 @@ def run_rank(rank: int, world: int, model_dir: str, options: dict, store: str, o
     from polyrl.training import build_engine, sharded_load
     from polyrl.training.checkpoint_io import local_state_bytes
     from polyrl.training.config import ActorConfig
+    from polyrl.training.mesh import ParallelDims
     from polyrl.training.model_loading import load_causal_lm
     from polyrl.weights.bucketing import iter_buckets, plan_buckets
     from polyrl.workers.actor import PPOActor
@@ -132,9 +136,11 @@ def run_rank(rank: int, world: int, model_dir: str, options: dict, store: str, o
     platform = get_platform("cpu")
     device = platform.torch_device(0)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-    cfg = ActorConfig(strategy=options["strategy"], world_size=world, lr=1e-5, ppo_epochs=1)
+    cfg = ActorConfig(strategy=options["strategy"], world_size=world, lr=1e-5, ppo_epochs=1,
+                      tensor_parallel_size=options.get("tensor_parallel_size", 1))
+    dims = ParallelDims.from_actor(cfg)
     batch = make_batch(options["num_samples"], options["prompt_len"], options["response_len"], options["vocab"])
-    mine = shard(batch, world)[rank]
+    mine = shard(batch, dims.data_parallel_size)[dims.data_rank(rank)]
     warm_up(cfg, platform, device, rank, world)
     gc.collect()
     trim_heap()

@@ -162,7 +162,7 @@ def goal(results: list[dict]) -> dict | None:
 
 
 def run(params: int, worlds: list[int], bucket_mb: float, tmp: Path, mmap_threshold_mb: float = 0,
-        moe: bool = False) -> dict:
+        moe: bool = False, tensor_parallel: bool = False) -> dict:
     from _tiny import build_model
     from logprobs import cpu_flags
     from memory_model import predict_bench
@@ -172,7 +172,9 @@ def run(params: int, worlds: list[int], bucket_mb: float, tmp: Path, mmap_thresh
     num_params = build_model(model_dir, shape)
     options = {"strategy": "fsdp2", "bucket_mb": bucket_mb, "vocab": shape["vocab_size"],
                "mmap_threshold_mb": mmap_threshold_mb, **BATCH}
-    per_world = {world: measure(str(model_dir), world, tmp, options) for world in worlds}
+    # --tp: N ranks of one tensor-parallel group (actor.tensor_parallel_size=N), the model sliced
+    per_world = {world: measure(str(model_dir), world, tmp, {**options, "tensor_parallel_size": world}
+                                if tensor_parallel else options) for world in worlds}
     results = summarise(per_world)
     tokens = BATCH["num_samples"] * (BATCH["prompt_len"] + BATCH["response_len"])
     for entry in results:  # benchmarks/memory_model.py's formula for the same run, to compare
@@ -187,6 +189,7 @@ def run(params: int, worlds: list[int], bucket_mb: float, tmp: Path, mmap_thresh
             "cpu_flags": cpu_flags(), "load_average": list(os.getloadavg()), "num_params": num_params,
             "model_mib": num_params * 4 / MiB, "shape": shape, "dtype": "float32", "strategy": "fsdp2",
             "bucket_mb": bucket_mb, "mmap_threshold_mb": mmap_threshold_mb, "batch": BATCH, "results": results,
+            "tensor_parallel": tensor_parallel,
             "goal": {"world_size": GOAL_WORLD, "max_ratio": GOAL_RATIO, "met": goal(results)}}
 
 
@@ -195,7 +198,8 @@ def print_table(report: dict) -> None:
           + (f"mixture-of-experts: {report['active_params'] / 1e6:.1f}M active, "
              f"{report['shape']['num_experts']} experts, top-{report['shape']['num_experts_per_tok']}"
              if report.get("active_params") else "") + f"  "
-          f"fsdp2 on gloo, bucket {report['bucket_mb']} MiB  cpu: {' '.join(report['cpu_flags'])}  "
+          f"fsdp2{' (N = tensor_parallel_size)' if report.get('tensor_parallel') else ''} on gloo, "
+          f"bucket {report['bucket_mb']} MiB  cpu: {' '.join(report['cpu_flags'])}  "
           f"load average {report['load_average'][0]:.1f}"
           + (f"  mmap threshold {report['mmap_threshold_mb']} MiB" if report.get('mmap_threshold_mb') else ""))
     print("peak resident MiB above the rank's baseline before the model, max over ranks "
@@ -226,11 +230,14 @@ def main(argv: list[str] | None = None) -> int:
                              "(default 0: glibc's defaults)")
     parser.add_argument("--moe", action="store_true",
                         help="a Qwen3-MoE of about --params (8 experts, top-2) instead of a dense Qwen2")
+    parser.add_argument("--tp", default=None,
+                        help="comma-separated tensor-parallel sizes instead of --world-sizes: each on as many "
+                             "ranks, one tp group (actor.tensor_parallel_size), e.g. 1,2")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = parser.parse_args(argv)
     try:
         params = parse_params(args.params)
-        worlds = sorted({int(n) for n in args.world_sizes.split(",")})
+        worlds = sorted({int(n) for n in (args.tp or args.world_sizes).split(",")})
     except ValueError as exc:
         text = str(exc) if str(exc).startswith("--") else \
             f"--world-sizes: '{args.world_sizes}' is not a list such as 1,2,4"
@@ -240,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --world-sizes: '{args.world_sizes}' must be positive counts such as 1,2,4", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
-        report = run(params, worlds, args.bucket_mb, Path(tmp), args.mmap_threshold_mb, args.moe)
+        report = run(params, worlds, args.bucket_mb, Path(tmp), args.mmap_threshold_mb, args.moe, bool(args.tp))
     if args.json:
         print(json.dumps(report))
     else:

@@ -4,7 +4,9 @@ Each decoder layer is one FSDP unit, the rest of the model (embeddings, final no
 or not) is the root unit. Every rank stores 1/N of the parameters, gradients and AdamW state (N:
 the data-parallel x sequence-parallel ranks, training/mesh.py `gradient_group`);
 a unit's parameters are all-gathered for its forward / backward and its gradients
-reduce-scattered after its backward.
+reduce-scattered after its backward. Under tensor parallelism (actor.tensor_parallel_size,
+training/tensor_parallel.py) the model is first sliced over the tp ranks and FSDP2 shards each
+slice over the other ranks: a 2-D mesh (shard x tp, training/mesh_groups.py `device_mesh`).
 
 Three differences from the replicated engine (ddp.py), each for a reason:
 
