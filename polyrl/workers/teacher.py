@@ -36,11 +36,12 @@ logger = logging.getLogger(__name__)
 def teacher_actor_config(cfg: JobConfig) -> ActorConfig:
     """The teacher ranks' engine settings: the policy's log-prob path (micro-batches, packing,
     dtypes), laid out over the teacher's own ranks by distill.strategy (default actor.strategy),
-    without sequence or tensor parallelism (a teacher on the policy ranks uses actor's own)."""
+    without sequence, tensor or expert parallelism (a teacher on the policy ranks uses actor's own)."""
     d = cfg.distill
     strategy = d.strategy or cfg.actor.strategy
     return cfg.actor.model_copy(update={"strategy": strategy, "world_size": d.world_size,
                                         "sequence_parallel_size": 1, "tensor_parallel_size": 1,
+                                        "expert_parallel_size": 1,
                                         "offload": cfg.actor.offload and strategy == "fsdp2"})
 
 
