@@ -2,7 +2,8 @@
 build serves a Qwen3-MoE and its sampled log-probs equal the trainer's (transformers) forward in
 fp32. The model is the bundled tiny-moe's shape with 64-wide attention heads: vLLM's CPU attention
 kernel refuses tiny-moe's head_dim 16 ("Unsupported CPU attention configuration: head_dim=16"),
-which is the attention's limit, not the experts'."""
+which is the attention's limit, not the experts'. A weight sync then corrupts the CPU build's
+prepacked experts: a strict xfail until vLLM repacks them on an update."""
 
 from __future__ import annotations
 
@@ -39,33 +40,54 @@ def moe_dir(tmp_path_factory):
     return d
 
 
-def test_vllm_samples_a_qwen3_moe_with_the_trainer_s_logprobs(vllm_available, moe_dir):
-    from transformers import AutoModelForCausalLM
-
-    from polyrl.rollout.base import SamplingParams
+@pytest.fixture(scope="module")
+def engine(vllm_available, moe_dir):
     from polyrl.rollout.config import RolloutConfig
     from polyrl.rollout.factory import build_standalone_engine
 
     cfg = RolloutConfig(backend="vllm", placement="standalone", dtype="float32", max_model_len=64,
                         max_num_seqs=16, enforce_eager=True)
-    engine = build_standalone_engine(cfg, str(moe_dir), torch.device("cpu"))
-    try:
-        outs = engine.generate_batch(PROMPTS, SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=1,
-                                                             logprobs=True, ignore_eos=True))
-    finally:
-        engine.shutdown()
-    model = AutoModelForCausalLM.from_pretrained(str(moe_dir), dtype=torch.float32).eval()
+    eng = build_standalone_engine(cfg, str(moe_dir), torch.device("cpu"))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model(moe_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(moe_dir), dtype=torch.float32).eval()
+
+
+def sampled_gap(engine, model) -> torch.Tensor:
+    """|engine log-prob - transformers log-prob| of every sampled token (2 samples per prompt)."""
+    from polyrl.rollout.base import SamplingParams
+
+    outs = engine.generate_batch(PROMPTS, SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=1,
+                                                         logprobs=True, ignore_eos=True))
     diffs = []
     for prompt, group in zip(PROMPTS, outs):
         assert len(group) == 2
         for out in group:
             assert len(out.token_ids) == len(out.logprobs) == 12
+            # vLLM's CPU build routes with the V1 model runner, which returns no routes (docs/moe.md)
+            assert "routed_experts" not in out.extra
             ids = torch.tensor([prompt + list(out.token_ids)])
             with torch.no_grad():
                 logp = torch.log_softmax(model(ids).logits[0].float(), -1)
             ref = logp[len(prompt) - 1:-1].gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
             diffs.append((ref - torch.tensor(out.logprobs)).abs())
-    gap = torch.cat(diffs)
+    return torch.cat(diffs)
+
+
+def test_vllm_samples_a_qwen3_moe_with_the_trainer_s_logprobs(engine, model):
+    gap = sampled_gap(engine, model)
     assert gap.max() < 1e-5, f"vLLM vs transformers log-prob gap {gap.max():.2e}"
-    # vLLM's CPU build routes with the V1 model runner, which returns no routes (docs/moe.md)
-    assert all("routed_experts" not in out.extra for group in outs for out in group)
+
+
+@pytest.mark.xfail(strict=True, reason="vLLM 0.32 CPU: a weight update writes plain rows into the experts' "
+                   "prepacked tensors and skips the repack (docs/moe.md 'vLLM'); passing means vLLM fixed it")
+def test_a_sync_of_unchanged_weights_keeps_the_logprobs(engine, model):
+    engine.update_weights(list(model.named_parameters()), 1)
+    gap = sampled_gap(engine, model)
+    assert gap.max() < 1e-5, f"after a sync: vLLM vs transformers log-prob gap {gap.max():.2e}"
