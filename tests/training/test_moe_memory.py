@@ -99,3 +99,21 @@ def test_the_pre_flight_names_total_and_active_parameters(tmp_path, capsys):
     assert "its 30.53B parameters (mixture-of-experts: 3.35B active per token; 128 experts per layer, " \
            "all on every rank's shard) need at least" in err
     assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_bench_memory_moe_shape_and_its_prediction():
+    """`polyrl bench memory --moe`: a Qwen3-MoE of about the requested size, whose largest synced
+    tensor (the prediction's row-slice term) is a layer's fused experts."""
+    from polyrl.cli.bench import load
+
+    memory = load("memory")
+    shape = memory.qwen3_moe_shape(20_000_000)
+    s = mp.Shape.from_config({**shape, "tie_word_embeddings": True})
+    assert shape["model_type"] == "qwen3_moe" and abs(s.params - 20e6) < 3e6
+    assert s.active_params < s.params / 2  # top-2 of 8 experts
+    fused = 4 * 8 * 2 * shape["moe_intermediate_size"] * shape["hidden_size"] / 2**20  # gate_up_proj, MiB
+    assert fused > 4 * shape["vocab_size"] * shape["hidden_size"] / 2**20  # the largest tensor
+    bucket = 0.95 * fused  # the fused experts travel as two row slices, both held while gathered
+    train = mp.training_bytes(mp.moe_training_shape(s), 2, master=4, compute=4, tokens=256)
+    held = (train["parameters"] + train["optimizer"]) / 2**20
+    assert mp.predict_bench(shape, 2, 256, bucket)["sync_mib"] - held == pytest.approx(fused)
