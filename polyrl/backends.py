@@ -30,8 +30,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-from polyrl.config.targets import IMPORT_PATH_FORMS, is_file_target, is_import_path, split_import_path
-from polyrl.registry import Registry, import_target
+from polyrl.config.targets import IMPORT_PATH_FORMS, is_file_target, is_import_path
+from polyrl.registry import PluginLoadError, Registry, load_plugin
 
 ENTRY_POINT_GROUP = "polyrl.rollout_backends"
 
@@ -139,8 +139,7 @@ class RolloutBackend:
     """What the engine can do (see `EngineCapabilities`); read without importing the engine."""
 
     def engine_class(self) -> type:
-        module, attr = split_import_path(self.engine)
-        return getattr(import_target(module, "polyrl_user_backend_"), attr)
+        return load_plugin(self.engine, "polyrl_user_backend_")
 
 
 class BackendError(ValueError):
@@ -210,13 +209,12 @@ def load_backend(name: str, target: str) -> RolloutBackend:
     class, checked against the `RolloutEngine` protocol, whose `capabilities` class attribute
     (its own, not inherited: a subclass may change what its base did) is its declaration;
     none declared: `EngineCapabilities()`. Raises BackendError (one line)."""
-    module_name, attr = split_import_path(target)
-    if not module_name:
+    if not is_import_path(target):
         raise BackendError(f"{target!r} is not 'package.module:Name' or '/path/to/file.py:Name'")
-    module = _import_module(target, module_name)
-    if not hasattr(module, attr):
-        raise BackendError(f"{target!r}: {module_name} has no attribute {attr!r}")
-    obj = getattr(module, attr)
+    try:
+        obj = load_plugin(target, "polyrl_user_backend_")
+    except PluginLoadError as exc:
+        raise BackendError(_load_error(target, exc)) from None
     if isinstance(obj, RolloutBackend):
         if not is_import_path(obj.engine):
             raise BackendError(f"{target!r}: its engine must be a dotted path 'module:Class', got {obj.engine!r}")
@@ -231,19 +229,20 @@ def load_backend(name: str, target: str) -> RolloutBackend:
     return RolloutBackend(name, target, capabilities=declared)
 
 
-def _import_module(target: str, module_name: str) -> Any:
-    try:
-        return import_target(module_name, "polyrl_user_backend_")
-    except FileNotFoundError as exc:
-        raise BackendError(f"{target!r}: no file {exc}") from None
-    except ModuleNotFoundError as exc:
-        if not is_file_target(module_name) and exc.name and (module_name + ".").startswith(exc.name + "."):
-            raise BackendError(f"{target!r}: no module {exc.name!r} here; put the directory that "
-                               "holds it on PYTHONPATH, or pip install its package (docs/engine_plugins.md)"
-                               ) from None
-        raise BackendError(f"{target!r}: importing {module_name} raised {_one_line(exc)}") from None
-    except Exception as exc:  # the plugin's own module failed while it was imported
-        raise BackendError(f"{target!r}: importing {module_name} raised {_one_line(exc)}; fix the module") from None
+def _load_error(target: str, exc: PluginLoadError) -> str:
+    """The one line for what `load_plugin` could not do with a backend's import path."""
+    module_name, cause = exc.target, exc.cause
+    if exc.stage == "file":
+        return f"{target!r}: no file {cause}"
+    if exc.stage == "attribute":
+        return f"{target!r}: {module_name} has no attribute {exc.attr!r}"
+    if (isinstance(cause, ModuleNotFoundError) and not is_file_target(module_name) and cause.name
+            and (module_name + ".").startswith(cause.name + ".")):
+        return (f"{target!r}: no module {cause.name!r} here; put the directory that holds it on "
+                "PYTHONPATH, or pip install its package (docs/engine_plugins.md)")
+    # anything but a missing module: the plugin's own module failed while it was imported
+    fix = "" if isinstance(cause, ModuleNotFoundError) else "; fix the module"
+    return f"{target!r}: importing {module_name} raised {_one_line(cause)}{fix}"  # type: ignore[arg-type]
 
 
 def _one_line(exc: BaseException) -> str:

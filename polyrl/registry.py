@@ -10,6 +10,9 @@ entries (`name = "module:attr"`) it registers the first time it is asked anythin
 `import_paths=True`, so a config may also name an object outside polyrl directly as
 "package.module:name" or "/path/to/file.py:name". Both are resolved in whichever process asks
 (the driver's config check, every Ray worker), so nothing has to be registered by hand.
+
+`load_plugin` is the one loader of such an import path, for the registries and for every other
+key that names a user's code (tools, reward functions, black-box agents, rollout backends).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
-from polyrl.config.targets import IMPORT_PATH_FORMS, is_file_target, is_import_path, split_import_path
+from polyrl.config.targets import IMPORT_PATH_FORMS, is_file_target, is_import_path
 
 T = TypeVar("T")
 
@@ -90,24 +93,14 @@ class Registry(Generic[T]):
         line (naming the spec and what went wrong) when it cannot be."""
         if spec in self._plugins:
             return self._plugins[spec]
-        target, attr = split_import_path(spec)
         slug = "".join(c if c.isalnum() else "_" for c in self.kind)
         try:
-            module = import_target(target, f"polyrl_user_{slug}_")
-        except FileNotFoundError as exc:
-            raise RegistryError(f"{self.kind} '{spec}': file {exc} does not exist") from None
-        except ImportError as exc:
-            raise RegistryError(f"{self.kind} '{spec}': cannot import '{target}': {_one_line(exc)}"
-                                " (is its directory on PYTHONPATH? docs/plugins.md)") from None
-        except Exception as exc:  # noqa: BLE001 - the user's module raised while it was imported
-            raise RegistryError(f"{self.kind} '{spec}': importing '{target}' raised "
-                                f"{type(exc).__name__}: {_one_line(exc)}") from None
-        if not hasattr(module, attr):
-            public = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
-                      and getattr(v, "__module__", None) == module.__name__]
-            raise RegistryError(f"{self.kind} '{spec}': '{target}' has no '{attr}'; defined there: "
-                                f"{', '.join(public) or '(nothing callable)'}")
-        self._plugins[spec] = obj = getattr(module, attr)
+            obj = load_plugin(spec, f"polyrl_user_{slug}_")
+        except PluginLoadError as exc:
+            if exc.stage == "import":
+                raise RegistryError(f"{self.kind} {exc} (is its directory on PYTHONPATH? docs/plugins.md)") from None
+            raise RegistryError(f"{self.kind} {exc}") from None
+        self._plugins[spec] = obj
         return obj
 
     def names(self) -> list[str]:
@@ -144,6 +137,63 @@ def lazy(factory: Callable[[], T]) -> Callable[[], T]:
         return cache[0]
 
     return get
+
+
+class PluginLoadError(ImportError):
+    """Why an object named by import path could not be loaded. `stage` says which step failed:
+    "form" (not "target:name"), "file" (no such file), "import" (an ImportError while importing
+    `target`), "raised" (the module raised something else while it was imported) or "attribute"
+    (`module` has no `attr`). `cause` is what was raised. Each caller words its own one line,
+    naming its config key, from these fields; str() is a generic one."""
+
+    def __init__(self, stage: str, spec: str, target: str, attr: str, *,
+                 cause: BaseException | None = None, module: ModuleType | None = None):
+        self.stage, self.spec, self.target, self.attr = stage, spec, target, attr
+        self.cause, self.module = cause, module
+        super().__init__(self._describe())
+
+    def _describe(self) -> str:
+        if self.stage == "form":
+            return f"'{self.spec}' must look like {IMPORT_PATH_FORMS}"
+        if self.stage == "file":
+            return f"'{self.spec}': file {self.cause} does not exist"
+        if self.stage == "import":
+            return f"'{self.spec}': cannot import '{self.target}': {_one_line(self.cause)}"  # type: ignore[arg-type]
+        if self.stage == "raised":
+            return (f"'{self.spec}': importing '{self.target}' raised {type(self.cause).__name__}: "
+                    f"{_one_line(self.cause)}")  # type: ignore[arg-type]
+        return (f"'{self.spec}': '{self.target}' has no '{self.attr}'; defined there: "
+                f"{', '.join(defined_callables(self.module)) or '(nothing callable)'}")  # type: ignore[arg-type]
+
+
+def load_plugin(spec: str, prefix: str, *, callable_only: bool = False) -> Any:
+    """The object "package.module:name" or "/path/to/file.py:name" names: the one plugin loader
+    (registries, tools, reward functions, black-box agents, rollout backends all call it; tests/
+    plugins/test_plugin_loader.py keeps it the only one). Files load once per process under
+    `prefix` + a hash of their path (`import_target`). `callable_only`: a name that is not
+    callable counts as missing (a function was asked for). Raises PluginLoadError."""
+    target, _, attr = spec.rpartition(":")  # rpartition: a Windows path may hold "C:"
+    if not target or not attr:
+        raise PluginLoadError("form", spec, target, attr)
+    try:
+        module = import_target(target, prefix)
+    except FileNotFoundError as exc:
+        raise PluginLoadError("file", spec, target, attr, cause=exc) from exc
+    except ImportError as exc:
+        raise PluginLoadError("import", spec, target, attr, cause=exc) from exc
+    except Exception as exc:  # noqa: BLE001 - the user's module raised while it was imported
+        raise PluginLoadError("raised", spec, target, attr, cause=exc) from exc
+    obj = getattr(module, attr, None)
+    if not hasattr(module, attr) or (callable_only and not callable(obj)):
+        raise PluginLoadError("attribute", spec, target, attr, module=module)
+    return obj
+
+
+def defined_callables(module: ModuleType) -> list[str]:
+    """The public callables `module` itself defines (not those it imports): what an error about a
+    missing name lists."""
+    return [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+            and getattr(v, "__module__", None) == module.__name__]
 
 
 def import_target(target: str, prefix: str) -> ModuleType:
@@ -200,4 +250,5 @@ def _one_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0]
 
 
-__all__ = ["Registry", "RegistryError", "import_module", "import_target", "is_file_target", "lazy"]
+__all__ = ["PluginLoadError", "Registry", "RegistryError", "defined_callables", "import_module", "import_target",
+           "is_file_target", "lazy", "load_plugin"]

@@ -38,7 +38,7 @@ from polyrl.agents.config import AgentConfig
 from polyrl.agents.executor import _in_thread
 from polyrl.agents.runner import eos_ids
 from polyrl.agents.stats import AgentRollout, Trajectory, TrajectoryStats, to_rollout_batch
-from polyrl.registry import import_target
+from polyrl.registry import PluginLoadError, load_plugin
 from polyrl.rollout.base import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -53,12 +53,12 @@ def load_agent(spec: str, environment_kwargs: dict[str, Any] | None = None) -> C
         from polyrl.agents.verifiers_env import agent_for
 
         return agent_for(spec, environment_kwargs or {})
-    target, _, attr = spec.rpartition(":")
     try:
-        module = import_target(target, "polyrl_user_agent_")
-        fn = getattr(module, attr)
-    except (ImportError, AttributeError, FileNotFoundError) as exc:
-        raise ValueError(f"agent.black_box '{spec}': cannot import it ({exc})") from None
+        fn = load_plugin(spec, "polyrl_user_agent_")
+    except PluginLoadError as exc:
+        if exc.stage == "raised":  # the user's module failed while imported: its own error
+            raise exc.cause from None  # type: ignore[misc]
+        raise ValueError(f"agent.black_box '{spec}': cannot import it ({exc.cause or exc})") from None
     if not callable(fn):
         raise ValueError(f"agent.black_box '{spec}' is not callable")
     return fn

@@ -31,7 +31,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-from polyrl.registry import Registry, RegistryError, import_target
+from polyrl.registry import PluginLoadError, Registry, RegistryError, defined_callables, load_plugin
 
 ENTRY_POINT_GROUP = "polyrl.tools"
 TOOLS: Registry[Callable[..., Any]] = Registry("tool", entry_point_group=ENTRY_POINT_GROUP)
@@ -166,9 +166,8 @@ def _matches(value: Any, expected: str) -> bool:
 
 def load_tool(spec: str | Callable[..., Any] | Tool) -> Tool:
     """A Tool from "package.module:function", "/path/to/file.py:function", a function, or a Tool
-    (returned as is). Files load through the loader reward functions and black-box agents use
-    (`polyrl.registry.import_target`). Every failure is a ValueError of one line naming
-    agent.tools and the spec."""
+    (returned as is), loaded by the one plugin loader (`polyrl.registry.load_plugin`). Every
+    failure is a ValueError of one line naming agent.tools and the spec."""
     if isinstance(spec, Tool):
         return spec
     if callable(spec):
@@ -188,24 +187,24 @@ def load_tool(spec: str | Callable[..., Any] | Tool) -> Tool:
     if not target or not attr:
         raise ValueError(f"agent.tools: '{spec}' must look like package.module:function or /path/to/file.py:function")
     try:
-        module = import_target(target, "polyrl_user_tool_")
-    except FileNotFoundError as exc:
-        raise ValueError(f"agent.tools: '{spec}': file {exc} does not exist") from None
-    except ImportError as exc:
-        raise ValueError(f"agent.tools: '{spec}': cannot import '{target}': {_one_line(exc)}") from None
-    except Exception as exc:  # noqa: BLE001 - the user's module raised while it was imported
-        raise ValueError(f"agent.tools: '{spec}': importing it raised {type(exc).__name__}: "
-                         f"{_one_line(exc)}{_where(exc)}; fix the module") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        public = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
-                  and getattr(v, "__module__", None) == module.__name__]
-        raise ValueError(f"agent.tools: '{spec}': '{target}' has no function '{attr}'; "
-                         f"functions there: {', '.join(public) or '(none)'}")
+        fn = load_plugin(str(spec), "polyrl_user_tool_", callable_only=True)
+    except PluginLoadError as exc:
+        raise ValueError(_load_error(spec, exc)) from None
     try:
         return Tool.from_function(fn)
     except (TypeError, ValueError, NameError) as exc:  # a hint with no JSON schema, an unresolvable hint
         raise ValueError(f"agent.tools: '{spec}': {_one_line(exc)}") from None
+
+
+def _load_error(spec: str, exc: PluginLoadError) -> str:
+    """The one line naming agent.tools for what `load_plugin` could not do."""
+    if exc.stage == "raised":  # where in the user's module, and what to do
+        return (f"agent.tools: '{spec}': importing it raised {type(exc.cause).__name__}: "
+                f"{_one_line(exc.cause)}{_where(exc.cause)}; fix the module")  # type: ignore[arg-type]
+    if exc.stage == "attribute":
+        return (f"agent.tools: '{spec}': '{exc.target}' has no function '{exc.attr}'; "
+                f"functions there: {', '.join(defined_callables(exc.module)) or '(none)'}")  # type: ignore[arg-type]
+    return f"agent.tools: {exc}"  # the loader's own line: a missing file, a module that cannot be imported
 
 
 def _one_line(exc: BaseException) -> str:

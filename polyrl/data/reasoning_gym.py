@@ -159,13 +159,16 @@ def _value(text: str, field: dataclasses.Field) -> Any:
 def _prompt_fn(spec: GymSpec, spec_text: str) -> Callable[[dict[str, Any]], str]:
     if spec.prompt is None:
         return lambda entry: entry["question"]
-    from polyrl.registry import import_target
+    from polyrl.registry import PluginLoadError, load_plugin
 
-    target, _, name = spec.prompt.rpartition(":")
     try:
-        fn = getattr(import_target(target, "polyrl_user_prompt_"), name, None) if target else None
-    except (ImportError, FileNotFoundError) as exc:
-        raise DataFileError(f"data file {spec_text}: cannot import prompt={spec.prompt}: {exc}") from None
+        fn = load_plugin(spec.prompt, "polyrl_user_prompt_")
+    except PluginLoadError as exc:
+        if exc.stage == "raised":  # the user's module failed while imported: its own error
+            raise exc.cause from None  # type: ignore[misc]
+        if exc.stage in ("file", "import"):
+            raise DataFileError(f"data file {spec_text}: cannot import prompt={spec.prompt}: {exc.cause}") from None
+        fn = None
     if not callable(fn):
         raise DataFileError(f"data file {spec_text}: prompt={spec.prompt} must name a function "
                             "module:function (entry -> prompt text)")

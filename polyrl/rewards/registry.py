@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from polyrl.config.targets import is_file_target
-from polyrl.registry import Registry, import_target
+from polyrl.registry import PluginLoadError, Registry, defined_callables, load_plugin
 
 RewardFn = Callable[..., "float | dict[str, Any]"]
 
@@ -59,18 +59,15 @@ def load_function(spec: str) -> RewardFn:
     if not target or not name:
         raise ValueError(f"reward.custom_function '{spec}' must look like module:function")
     try:
-        module = import_target(target, "polyrl_user_reward_")
-    except FileNotFoundError as exc:
-        raise ValueError(f"reward.custom_function: file {exc} does not exist") from None
-    except ImportError as exc:
-        if is_file_target(target):
-            raise
-        raise ValueError(f"reward.custom_function: cannot import module '{target}': {exc}") from exc
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        public = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
-        raise ValueError(
-            f"reward.custom_function: '{target}' has no function '{name}'; "
-            f"functions there: {', '.join(public) or '(none)'}"
-        )
-    return fn
+        return load_plugin(spec, "polyrl_user_reward_", callable_only=True)
+    except PluginLoadError as exc:
+        if exc.stage == "file":
+            raise ValueError(f"reward.custom_function: file {exc.cause} does not exist") from None
+        if exc.stage == "import":
+            if is_file_target(target):
+                raise exc.cause from None  # type: ignore[misc]
+            raise ValueError(f"reward.custom_function: cannot import module '{target}': {exc.cause}") from exc.cause
+        if exc.stage == "raised":
+            raise exc.cause from None  # type: ignore[misc]  # the user's module failed: its own error
+        raise ValueError(f"reward.custom_function: '{target}' has no function '{name}'; "
+                         f"functions there: {', '.join(defined_callables(exc.module)) or '(none)'}") from None
