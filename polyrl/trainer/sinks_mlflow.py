@@ -15,6 +15,7 @@ run" is left behind in a notebook's process.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ RUN_FILES = ("summary.json", "curves.png", "config.yaml")
 """What `upload_run_files` attaches to the run, when present."""
 PARAM_VALUE_LIMIT = 6000  # MLflow refuses longer param values
 PARAMS_PER_REQUEST = 100  # MLflow's log_batch limit
+_BARE_SCHEMES = ("databricks", "databricks-uc", "uc")  # URIs that are only a scheme, no "://"
 _BAD_KEY_CHARS = re.compile(r"[^\w\-. /]")  # MLflow keys: alphanumerics, _ - . space /
 
 
@@ -56,10 +58,11 @@ def flatten(config: Any, prefix: str = "") -> dict[str, str]:
 def file_store_refused(output_dir: Path | None = None) -> str | None:
     """Why MLflow will refuse the tracking store, known before the run starts: MLflow 3 opens a
     file store (the default OUTPUT_DIR/mlruns, or a file: MLFLOW_TRACKING_URI) only with
-    MLFLOW_ALLOW_FILE_STORE=true. The one fix line for `check_available`, or None."""
+    MLFLOW_ALLOW_FILE_STORE=true. Any other URI: `tracking_uri_refused`. The one fix line for
+    `check_available`, or None."""
     uri = os.environ.get("MLFLOW_TRACKING_URI")
-    if uri is not None and urlparse(uri).scheme not in ("file", ""):
-        return None
+    if uri is not None and (urlparse(uri).scheme not in ("file", "") or uri in _BARE_SCHEMES):
+        return tracking_uri_refused()
     try:
         from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
     except ImportError:  # MLflow 2 opens file stores without asking
@@ -67,10 +70,40 @@ def file_store_refused(output_dir: Path | None = None) -> str | None:
     if MLFLOW_ALLOW_FILE_STORE.get():
         return None
     where = f"MLFLOW_TRACKING_URI={uri}" if uri else "the default store OUTPUT_DIR/mlruns"
+    # no database URI in the hint: polyrl[mlflow] (mlflow-skinny) has no SQLAlchemy to open one
     return (f"logging.sinks includes mlflow and {where} is a file store, which MLflow opens only "
             "with MLFLOW_ALLOW_FILE_STORE=true: export MLFLOW_ALLOW_FILE_STORE=true, or set "
-            "MLFLOW_TRACKING_URI to a tracking server (http://HOST:5000) or a database "
-            "(sqlite:///mlflow.db)")
+            "MLFLOW_TRACKING_URI to a tracking server (http://HOST:5000)")
+
+
+_DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")  # MLflow's SQLAlchemy stores
+
+
+def tracking_uri_refused() -> str | None:
+    """Why the installed MLflow cannot open MLFLOW_TRACKING_URI at all, known before the run
+    starts (else the sink would warn once and the run would log nothing): a database URI without
+    SQLAlchemy (mlflow-skinny, what polyrl[mlflow] installs, has none), or a scheme no installed
+    tracking store serves. The one fix line for `check_available`, or None."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return None
+    scheme = urlparse(uri).scheme.split("+")[0]
+    fix = ("set MLFLOW_TRACKING_URI to a tracking server (http://HOST:5000), or unset it for the "
+           "file store OUTPUT_DIR/mlruns (with MLFLOW_ALLOW_FILE_STORE=true)")
+    if scheme in _DATABASE_SCHEMES and importlib.util.find_spec("sqlalchemy") is None:
+        return (f"logging.sinks includes mlflow and MLFLOW_TRACKING_URI={uri} is a database, which "
+                "MLflow opens only with SQLAlchemy, not installed by polyrl[mlflow] (mlflow-skinny): "
+                f"{fix}, or pip install mlflow (the full package)")
+    try:  # which schemes the installed MLflow's tracking stores serve (no store is opened)
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry as stores
+
+        stores.get_store_builder(uri)
+    except ImportError:  # an MLflow without this registry: MLflow itself decides at start
+        return None
+    except Exception:  # noqa: BLE001 - MLflow's "unsupported URI" exception
+        return (f"logging.sinks includes mlflow and MLFLOW_TRACKING_URI={uri} has a scheme "
+                f"({scheme or 'none'}) the installed MLflow has no tracking store for: {fix}")
+    return None
 
 
 def _server_answers(uri: str) -> str | None:
