@@ -29,9 +29,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """parse_args, but KEY=VALUE overrides may also follow an option (`polyrl train a=1 --dry-run
+    b=2`): argparse fills a `nargs="*"` positional from its first run of words only and calls the
+    rest unrecognized. Those later words join `overrides` in the order given."""
+    args, rest = parser.parse_known_args(argv)
+    if rest and hasattr(args, "overrides") and all("=" in w and not w.startswith("-") for w in rest):
+        args.overrides = [*args.overrides, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
