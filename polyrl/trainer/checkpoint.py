@@ -148,8 +148,9 @@ def check_compatible(saved: dict, current: dict, where: str = "the checkpoint") 
     a, b = flatten(saved), flatten(current)
     changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
     bad = [k for k in changed if k in INCOMPATIBLE]
-    if a.get("actor.strategy") == b.get("actor.strategy") == "fsdp2":
-        # sharded checkpoints (torch.distributed.checkpoint) reshard onto any number of ranks
+    if a.get("actor.strategy") == "fsdp2":
+        # sharded checkpoints (torch.distributed.checkpoint) reshard onto any number of ranks;
+        # under another strategy the strategy is what to fix (`strategy_or_lora_problem`)
         bad = [k for k in bad if k != "actor.world_size"]
     if bad:
         details = "; ".join(f"{k}: checkpoint has {a.get(k)!r}, this run has {b.get(k)!r}" for k in bad)
