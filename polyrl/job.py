@@ -75,7 +75,8 @@ class RayConfig(Config):
     namespace: str = "polyrl"
     """Ray namespace of the run's actors."""
     timeout_s: float = Field(600.0, gt=0)
-    """Longest wait on any remote call before polyrl names who did not answer."""
+    """Longest wait on any remote call before polyrl names who did not answer; also a local
+    Ray's wait for its GCS at start-up (whole seconds, at most 120)."""
 
 
 class TrainerConfig(RunConfig):

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
 from polyrl.envplan import EnvPlan, PlanContext, build_plan
+from polyrl.envplan.this_process import apply_here, restore
 from polyrl.platform import Platform
 
 logger = logging.getLogger(__name__)
@@ -58,10 +59,15 @@ def init_ray(
     address: str | None = None,
     num_cpus: int | None = None,
     namespace: str = "polyrl",
+    start_timeout_s: float | None = None,
 ) -> EnvPlan:
     """Join or start Ray with `plan`, the job-level environment plan (the run plan's
     `launch.job.env`, polyrl/topology/run_plan.py: what `polyrl train --dry-run` prints), as the
     job's runtime env. Returns the plan.
+
+    `start_timeout_s` (`ray.timeout_s`): how long a local Ray waits for its GCS to start (whole
+    seconds, at most `GCS_START_WAIT_CAP_S`; Ray's own default is 30 s, too short on an
+    overloaded machine). A start-up that times out raises `RayStartTimeout`, one line.
 
     If Ray is already initialised in this process (a test session, a notebook), it is reused
     and the plan is applied per actor instead.
@@ -90,9 +96,48 @@ def init_ray(
     where = f"joining {address}" if address not in (None, "local") else \
         f"a local instance, {kwargs.get('num_cpus') or os.cpu_count()} CPUs"
     logger.info("starting Ray (%s)", where)  # the interrupt tests signal on this line
-    with keep_signal_handlers():
-        ray.init(**kwargs)
+    local = kwargs["address"] == "local"
+    with keep_signal_handlers(), gcs_start_wait(start_timeout_s if local else None):
+        try:
+            ray.init(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - Ray raises RuntimeError, TimeoutError or Exception
+            if not isinstance(exc, TimeoutError) and "timed out" not in str(exc).lower():
+                raise
+            raise RayStartTimeout(start_timeout_message(exc)) from None
     return plan
+
+
+GCS_START_WAIT_CAP_S = 120
+"""Longest GCS start-up wait `ray.timeout_s` asks of Ray (Ray's own choice for a slow GCS
+backend): a GCS that died is not waited on for the full remote-call timeout."""
+
+
+class RayStartTimeout(TimeoutError):
+    """Ray's own start-up timed out (an OSError: `polyrl train` prints it as one line)."""
+
+
+def start_timeout_message(exc: BaseException) -> str:
+    why = " ".join(str(exc).split()) or type(exc).__name__
+    load = f"load average {os.getloadavg()[0]:.0f} on {os.cpu_count()} cores; " if hasattr(os, "getloadavg") else ""
+    return (f"Ray did not start in time ({load}Ray: {why[:200]}): retry when the machine is less "
+            f"busy, raise ray.timeout_s (it bounds Ray's wait for its GCS, up to "
+            f"{GCS_START_WAIT_CAP_S} s), or start Ray once with `ray start --head` and set "
+            "ray.address=auto")
+
+
+@contextmanager
+def gcs_start_wait(timeout_s: float | None) -> Iterator[None]:
+    """Ray reads its GCS start-up wait from RAY_gcs_server_port_wait_time_s when it starts a
+    node: set only for the duration of ray.init, and never over the user's own value."""
+    name = "RAY_gcs_server_port_wait_time_s"
+    if timeout_s is None or name in os.environ:
+        yield
+        return
+    previous = apply_here({name: str(int(min(timeout_s, GCS_START_WAIT_CAP_S)))})
+    try:
+        yield
+    finally:
+        restore(previous)
 
 
 @contextmanager

@@ -200,7 +200,8 @@ class Trainer:
         if cfg.ray.num_cpus is None and cfg.ray.address is None and needed > cores:
             logger.warning("%d actors x %d CPU(s) on %d core(s): they share cores (slower, "
                            "not wrong)", needed // per_actor, per_actor, cores)
-        init_ray(plan.launch.job.env, **plan.launch.job.ray_init)  # the planned job env, as printed
+        init_ray(plan.launch.job.env, **plan.launch.job.ray_init,  # the planned job env, as printed
+                 start_timeout_s=cfg.ray.timeout_s)
         wait_for_cpus(needed, per_actor)
 
     def _model_config(self) -> Any:
