@@ -93,12 +93,14 @@ def forwarded_quant_methods(model: torch.nn.Module) -> list[torch.nn.Module]:
     (vllm/model_executor/model_loader/utils.py) post-processes every module of
     `model.named_modules()` that answers `quant_method`, so it meets each linear layer twice:
     as the wrapper, then as its base layer. A module owning `quant_method` (an instance or class
-    attribute) is a real layer; one that only forwards it is a wrapper."""
+    attribute, or a submodule: an MoE layer's `FusedMoEMethodBase` is an `nn.Module`, registered in
+    `_modules`) is a real layer; one that only forwards it is a wrapper."""
     found = []
     for module in model.modules():
         if getattr(module, "quant_method", None) is None:
             continue
-        if "quant_method" in vars(module) or any("quant_method" in vars(c) for c in type(module).__mro__):
+        if ("quant_method" in vars(module) or "quant_method" in module._modules
+                or any("quant_method" in vars(c) for c in type(module).__mro__)):
             continue
         found.append(module)
     return found
@@ -128,6 +130,61 @@ def wrappers_skipped(model: torch.nn.Module) -> Iterator[int]:
             vars(module).pop("quant_method", None)
 
 
+def cpu_packed_expert_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
+    """(MoE layer, its experts kernel) for each expert layer vLLM serves with its CPU grouped-gemm
+    kernel (`CPUUnquantizedExperts`, vllm/model_executor/layers/fused_moe/experts/cpu_moe.py), the
+    kernel that prepacks `w13_weight` / `w2_weight`. Empty on a vLLM without that module and on
+    any build that picked another experts kernel (the GPU ones), so the repack below is gated on
+    the kernel the installed vLLM actually chose. LoRA wrappers that only forward `quant_method`
+    are skipped: their base layer is met on its own."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return []
+    wrappers = {id(m) for m in forwarded_quant_methods(model)}
+    found = []
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if (id(module) not in wrappers and isinstance(experts, CPUUnquantizedExperts)
+                and isinstance(getattr(module, "w13_weight", None), torch.Tensor)):
+            found.append((module, experts))
+    return found
+
+
+def unpack_cpu_experts(layers: list[tuple[torch.nn.Module, Any]]) -> None:
+    """Before a sync: give each CPU-packed expert layer plain `w13_weight` / `w2_weight` parameters
+    of their construction shape (gate+up rows, unpadded), keeping the old ones' attributes (their
+    weight loader).
+
+    Why: the CPU kernel's first `process_weights_after_loading` pads the intermediate size and
+    replaces both with a prepacked grouped-gemm layout. On an update vLLM 0.32's unquantized MoE
+    method (`_setup_kernel`, fused_moe/unquantized_fused_moe_method.py) sees `moe_kernel` already
+    built (`is_weight_update`) and skips the experts' own post-processing, so the loaders would
+    write plain rows into the packed tensors and the kernel would read them as packed (the
+    log-prob gap after one sync of unchanged weights was 6.2e-2, docs/moe.md "vLLM"). Every
+    expert is rewritten by the sync (polyrl syncs whole models, as for the linear layers in
+    `restore_packed_linear_weights`); `repack_cpu_experts` packs them again afterwards."""
+    for module, experts in layers:
+        cfg = experts.moe_config
+        num_experts, _, hidden = module.w13_weight.shape  # padding changes only the intermediate size
+        inter = cfg.intermediate_size_per_partition
+        shapes = {"w13_weight": (num_experts, (2 if cfg.is_act_and_mul else 1) * inter, hidden),
+                  "w2_weight": (num_experts, hidden, inter)}
+        for name, shape in shapes.items():
+            old = module._parameters[name]
+            fresh = torch.nn.Parameter(torch.empty(shape, dtype=old.dtype, device=old.device), requires_grad=False)
+            fresh.__dict__.update(old.__dict__)
+            module._parameters[name] = fresh
+
+
+def repack_cpu_experts(layers: list[tuple[torch.nn.Module, Any]]) -> None:
+    """After vLLM's own post-processing of a sync: run the CPU experts kernel's post-load step (pad,
+    prepack) that vLLM skips on a weight update (see `unpack_cpu_experts`)."""
+    for module, experts in layers:
+        experts.process_weights_after_loading(module)
+
+
 def layerwise_reload_api() -> tuple[Any, Any] | None:
     """(initialize_layerwise_reload, finalize_layerwise_reload) of this vLLM (>= 0.16), else None."""
     try:
@@ -153,6 +210,7 @@ class PolyrlWorkerExtension:
         self._polyrl_fp8 = bool(fp8)
         self._polyrl_loaded = 0
         self._polyrl_layerwise = None
+        self._polyrl_cpu_experts = []
         if self._polyrl_fp8:
             api = self._polyrl_reload_api()
             if api is None:
@@ -165,6 +223,8 @@ class PolyrlWorkerExtension:
             self._polyrl_layerwise = api
             return
         restore_packed_linear_weights(self.model_runner.model)
+        self._polyrl_cpu_experts = cpu_packed_expert_layers(self.model_runner.model)
+        unpack_cpu_experts(self._polyrl_cpu_experts)
 
     def _polyrl_reload_api(self) -> tuple[Any, Any] | None:
         return layerwise_reload_api()
@@ -196,5 +256,7 @@ class PolyrlWorkerExtension:
 
             with wrappers_skipped(model):  # enable_lora: each layer once (see wrappers_skipped)
                 process_weights_after_loading(model, self.model_config, self.device)
+            repack_cpu_experts(getattr(self, "_polyrl_cpu_experts", []))
+            self._polyrl_cpu_experts = []
         self._polyrl_version = version
         return getattr(self, "_polyrl_loaded", 0)

@@ -2,8 +2,8 @@
 build serves a Qwen3-MoE and its sampled log-probs equal the trainer's (transformers) forward in
 fp32. The model is the bundled tiny-moe's shape with 64-wide attention heads: vLLM's CPU attention
 kernel refuses tiny-moe's head_dim 16 ("Unsupported CPU attention configuration: head_dim=16"),
-which is the attention's limit, not the experts'. A weight sync then corrupts the CPU build's
-prepacked experts: a strict xfail until vLLM repacks them on an update."""
+which is the attention's limit, not the experts'. A weight sync keeps the CPU build's prepacked
+experts right: polyrl's worker extension repacks them, which vLLM skips on an update."""
 
 from __future__ import annotations
 
@@ -85,9 +85,26 @@ def test_vllm_samples_a_qwen3_moe_with_the_trainer_s_logprobs(engine, model):
     assert gap.max() < 1e-5, f"vLLM vs transformers log-prob gap {gap.max():.2e}"
 
 
-@pytest.mark.xfail(strict=True, reason="vLLM 0.32 CPU: a weight update writes plain rows into the experts' "
-                   "prepacked tensors and skips the repack (docs/moe.md 'vLLM'); passing means vLLM fixed it")
-def test_a_sync_of_unchanged_weights_keeps_the_logprobs(engine, model):
+def test_a_sync_keeps_the_experts_equal_to_the_trainer_s(engine, model):
+    """vLLM 0.32's CPU experts kernel prepacks w13/w2 and skips the repack on a weight update;
+    polyrl's worker extension unpacks before a sync and repacks after it (vllm_worker.py,
+    `unpack_cpu_experts`). One sync of unchanged weights, then one of changed experts."""
     engine.update_weights(list(model.named_parameters()), 1)
     gap = sampled_gap(engine, model)
-    assert gap.max() < 1e-5, f"after a sync: vLLM vs transformers log-prob gap {gap.max():.2e}"
+    assert gap.max() < 1e-5, f"after a sync of unchanged weights: vLLM vs transformers gap {gap.max():.2e}"
+
+    probe = torch.tensor([PROMPTS[2] + PROMPTS[0]])
+    with torch.no_grad():
+        old_logits = model(probe).logits
+    torch.manual_seed(1)
+    with torch.no_grad():
+        changed = 0
+        for name, p in model.named_parameters():
+            if ".experts." in name:
+                p.add_(torch.randn_like(p) * 0.5 * p.std())
+                changed += 1
+        moved = (model(probe).logits - old_logits).abs().max()
+    assert changed > 0 and moved > 1e-2, f"the expert change must move the log-probs ({changed} params, {moved:.2e})"
+    engine.update_weights(list(model.named_parameters()), 2)
+    gap = sampled_gap(engine, model)
+    assert gap.max() < 1e-5, f"after a sync of changed experts: vLLM vs transformers gap {gap.max():.2e}"
