@@ -111,3 +111,25 @@ def test_lora_wrappers_are_skipped_then_restored():
     assert model[0].quant_method is base.quant_method  # forwarding is back
     with pytest.raises(KeyError, match="attribute 'weight' already exists"):  # what vLLM's CPU dispatch hit
         model[0].weight = torch.nn.Parameter(torch.empty(0))
+
+
+class _ModuleQuantMethod(torch.nn.Module):
+    """Shaped as vLLM's `FusedMoEMethodBase`: a quant method that is an `nn.Module`."""
+
+    def process(self, layer):
+        pass
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.quant_method = _ModuleQuantMethod()  # registered in _modules, not in vars()
+
+
+def test_a_layer_with_a_submodule_quant_method_is_not_a_wrapper():
+    # taking an MoE layer for a wrapper left its experts unprocessed on every vLLM update
+    model = torch.nn.Sequential(_Experts(), _ForwardingWrapper(_Linear()))
+    assert forwarded_quant_methods(model) == [model[1]]
+    with wrappers_skipped(model) as skipped:
+        assert isinstance(model[0].quant_method, _ModuleQuantMethod)
+    assert skipped == 1
