@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
-import threading
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from polyrl.rewards.config import HttpRewardConfig
+from polyrl.rewards.loop_client import LoopHttpClient
 from polyrl.rewards.outcome import BadScoreError, Outcome, read_score
 
 if TYPE_CHECKING:
@@ -47,41 +45,15 @@ def request_body(req: "RewardRequest") -> bytes:
                       default=_jsonable).encode()
 
 
-class HttpScorer:
+class HttpScorer(LoopHttpClient):
     def __init__(self, cfg: HttpRewardConfig):
+        super().__init__("polyrl-reward-http")
         self.cfg = cfg
         self.retries = 0
         """Requests sent again after a retryable failure (since the start)."""
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._client: httpx.AsyncClient | None = None
-        self._lock = threading.Lock()
-
-    def _start(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._loop is None:
-                loop = asyncio.new_event_loop()
-                self._thread = threading.Thread(target=loop.run_forever, name="polyrl-reward-http",
-                                                daemon=True)  # never blocks interpreter exit
-                self._thread.start()
-                self._loop = loop
-            return self._loop
-
-    def submit(self, requests: Sequence["RewardRequest"]) -> "Future[list[Outcome]]":
-        """Start scoring `requests`; the future holds one Outcome per request, in order."""
-        return asyncio.run_coroutine_threadsafe(self._score_all(list(requests)), self._start())
-
-    def wait_bound_s(self, n: int) -> float:
-        """Longest a batch of `n` can take while the loop is healthy: waves of max_concurrency,
-        each at most timeout_s (plus a margin for the loop's own work)."""
-        return math.ceil(max(n, 1) / self.cfg.max_concurrency) * self.cfg.timeout_s + 30.0
 
     async def _score_all(self, requests: list["RewardRequest"]) -> list[Outcome]:
-        if self._client is None:  # created on the loop that uses it
-            self._client = httpx.AsyncClient(
-                headers={"content-type": "application/json", **self.cfg.headers},
-                limits=httpx.Limits(max_connections=self.cfg.max_concurrency),
-                timeout=httpx.Timeout(self.cfg.timeout_s))
+        self._open_client({"content-type": "application/json", **self.cfg.headers})
         slots = asyncio.Semaphore(self.cfg.max_concurrency)
         return list(await asyncio.gather(*(self._score_one(slots, r) for r in requests)))
 
@@ -92,43 +64,12 @@ class HttpScorer:
             except asyncio.TimeoutError:
                 return Outcome(timed_out=True)
 
-    async def _attempts(self, req: "RewardRequest") -> Outcome:
-        body = request_body(req)
-        delay = self.cfg.backoff_s
-        for attempt in range(self.cfg.retries + 1):
-            if attempt:
-                self.retries += 1
-                await asyncio.sleep(delay)  # back-off between attempts, not a test barrier
-                delay *= 2
-            try:
-                response = await self._client.post(self.cfg.url, content=body)
-            except httpx.TimeoutException:
-                return Outcome(timed_out=True)
-            except httpx.TransportError as exc:  # refused, reset: the service may come back
-                failure = RewardHTTPError(f"POST {self.cfg.url}: {type(exc).__name__}: {exc}")
-                continue
-            if response.status_code >= 500 or response.status_code == 429:
-                failure = RewardHTTPError(f"POST {self.cfg.url}: HTTP {response.status_code}: "
-                                          f"{response.text[:200]}")
-                continue
-            if response.status_code >= 400:  # the request itself is wrong: retrying repeats it
-                return Outcome(error=RewardHTTPError(
-                    f"POST {self.cfg.url}: HTTP {response.status_code}: {response.text[:200]}"))
-            return _read_answer(response)
-        return Outcome(error=failure)
+    def _on_retry(self) -> None:
+        self.retries += 1
 
-    def close(self) -> None:
-        with self._lock:
-            loop, self._loop = self._loop, None
-        if loop is None:
-            return
-        if self._client is not None:
-            asyncio.run_coroutine_threadsafe(self._client.aclose(), loop).result(timeout=10)
-            self._client = None
-        loop.call_soon_threadsafe(loop.stop)
-        self._thread.join(timeout=10)
-        if not self._thread.is_alive():
-            loop.close()
+    async def _attempts(self, req: "RewardRequest") -> Outcome:
+        response = await self._post(self.cfg.url, RewardHTTPError, content=request_body(req))
+        return response if isinstance(response, Outcome) else _read_answer(response)
 
 
 def _read_answer(response: httpx.Response) -> Outcome:

@@ -19,14 +19,13 @@ import asyncio
 import math
 import os
 import re
-import threading
 from collections import OrderedDict
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from polyrl.rewards.judge_config import JudgeRewardConfig
+from polyrl.rewards.loop_client import LoopHttpClient
 from polyrl.rewards.outcome import BadScoreError, Outcome
 
 if TYPE_CHECKING:
@@ -81,17 +80,14 @@ def parse_score(cfg: JudgeRewardConfig, reply: str) -> float:
     return (value - low) / (high - low)
 
 
-class JudgeScorer:
+class JudgeScorer(LoopHttpClient):
     def __init__(self, cfg: JudgeRewardConfig):
+        super().__init__("polyrl-reward-judge")
         self.cfg = cfg
         self.counts = dict.fromkeys(COUNTERS, 0)
         """Totals since the start, by kind (reward/judge/<kind> reports each batch's share)."""
         self._reported = dict(self.counts)
         self._cache: OrderedDict[str, float] = OrderedDict()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._client: httpx.AsyncClient | None = None
-        self._lock = threading.Lock()
 
     @property
     def endpoint(self) -> str:
@@ -119,23 +115,6 @@ class JudgeScorer:
             raise JudgeUnreachableError(f"reward.judge.url={self.cfg.url} answered HTTP {response.status_code} "
                                         "at start; check the judge server")
 
-    def _start(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._loop is None:
-                loop = asyncio.new_event_loop()
-                self._thread = threading.Thread(target=loop.run_forever, name="polyrl-reward-judge", daemon=True)
-                self._thread.start()
-                self._loop = loop
-            return self._loop
-
-    def submit(self, requests: Sequence["RewardRequest"]) -> "Future[list[Outcome]]":
-        """Start judging `requests`; the future holds one Outcome per request, in order."""
-        return asyncio.run_coroutine_threadsafe(self._score_all(list(requests)), self._start())
-
-    def wait_bound_s(self, n: int) -> float:
-        """Longest a batch of `n` can take while the loop is healthy."""
-        return math.ceil(max(n, 1) / self.cfg.max_concurrency) * self.cfg.timeout_s + 30.0
-
     def metrics(self) -> dict[str, float]:
         """reward/judge/<kind>: the counts since the last call (one batch)."""
         out = {f"reward/judge/{k}": float(self.counts[k] - self._reported[k]) for k in COUNTERS}
@@ -143,9 +122,7 @@ class JudgeScorer:
         return out
 
     async def _score_all(self, requests: list["RewardRequest"]) -> list[Outcome]:
-        if self._client is None:  # created on the loop that uses it
-            self._client = httpx.AsyncClient(headers=self.headers(), timeout=httpx.Timeout(self.cfg.timeout_s),
-                                             limits=httpx.Limits(max_connections=self.cfg.max_concurrency))
+        self._open_client(self.headers())
         slots = asyncio.Semaphore(self.cfg.max_concurrency)
         rubrics = [render(self.cfg.prompt, r) for r in requests]
         unique = list(dict.fromkeys(rubrics))  # a batch's repeated rubric is asked once too
@@ -174,33 +151,21 @@ class JudgeScorer:
     def _outcome(self, score: float) -> Outcome:
         return Outcome(score, float(score >= self.cfg.acc_threshold))
 
+    def _on_request(self) -> None:
+        self.counts["requests"] += 1
+
+    def _on_retry(self) -> None:
+        self.counts["retries"] += 1
+
     async def _attempts(self, rubric: str) -> Outcome:
         body = {"model": self.cfg.model, "messages": [{"role": "user", "content": rubric}],
                 "max_tokens": self.cfg.max_tokens, "temperature": self.cfg.temperature}
-        delay, failure = self.cfg.backoff_s, None
-        for attempt in range(self.cfg.retries + 1):
-            if attempt:
-                self.counts["retries"] += 1
-                await asyncio.sleep(delay)  # back-off between attempts, not a test barrier
-                delay *= 2
-            self.counts["requests"] += 1
-            try:
-                response = await self._client.post(self.endpoint, json=body)
-            except httpx.TimeoutException:
-                return Outcome(timed_out=True)
-            except httpx.TransportError as exc:  # refused, reset: the server may come back
-                failure = JudgeError(f"POST {self.endpoint}: {type(exc).__name__}: {exc}")
-                continue
-            if response.status_code >= 500 or response.status_code == 429:
-                failure = JudgeError(f"POST {self.endpoint}: HTTP {response.status_code}: {response.text[:200]}")
-                continue
-            if response.status_code >= 400:  # the request itself is wrong: retrying repeats it
-                self.counts["http_errors"] += 1
-                return Outcome(error=JudgeError(f"POST {self.endpoint}: HTTP {response.status_code}: "
-                                                f"{response.text[:200]}"))
+        response = await self._post(self.endpoint, JudgeError, json=body)
+        if not isinstance(response, Outcome):
             return self._read(response)
-        self.counts["http_errors"] += 1
-        return Outcome(error=failure)
+        if response.error is not None:  # a 4xx, or retries spent (a timeout is counted by the caller)
+            self.counts["http_errors"] += 1
+        return response
 
     def _read(self, response: httpx.Response) -> Outcome:
         try:
@@ -216,16 +181,3 @@ class JudgeScorer:
         except BadScoreError as exc:
             self.counts["unparsed"] += 1
             return Outcome(error=exc)
-
-    def close(self) -> None:
-        with self._lock:
-            loop, self._loop = self._loop, None
-        if loop is None:
-            return
-        if self._client is not None:
-            asyncio.run_coroutine_threadsafe(self._client.aclose(), loop).result(timeout=10)
-            self._client = None
-        loop.call_soon_threadsafe(loop.stop)
-        self._thread.join(timeout=10)
-        if not self._thread.is_alive():
-            loop.close()
