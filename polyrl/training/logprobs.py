@@ -142,6 +142,32 @@ def fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     return lp, ent if with_entropy else None
 
 
+def chunk_logit_grads(hidden: torch.Tensor, w: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+                      grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None, rows: int):
+    """The backward's chunks of `rows` rows: yields (s, e, h, g, gz) for rows [s, e), where h is
+    the chunk's hidden [c, H] in w's dtype (the matmul dtype), g its log-probs' gradient [c] and
+    gz the gradient of its logits [c, V] (float32, recomputed from h, w [V, H] and lse [n]) but for
+    the target's one-hot term g, which the caller adds: it alone depends on who owns the target
+    (the whole head here, one vocabulary slice in vocab_parallel.py)."""
+    n = hidden.shape[0]
+    if grad_logprob is None:
+        grad_logprob = lse.new_zeros(n)
+    use_ent = grad_entropy is not None and entropy.numel() == n
+    for s in range(0, n, rows):
+        e = min(s + rows, n)
+        h = hidden[s:e].to(w.dtype)
+        logp = (h @ w.t()).float().sub_(lse[s:e].unsqueeze(1))  # recomputed: [c, V]
+        g = grad_logprob[s:e]
+        p = logp.exp()
+        # d logp_t / dz = onehot_t - p;  d entropy / dz = -p * (logp + entropy)
+        if use_ent:
+            coef = logp.add_(entropy[s:e].unsqueeze(1)).mul_(grad_entropy[s:e].unsqueeze(1)).add_(g.unsqueeze(1))
+            gz = p.mul_(coef).neg_()
+        else:
+            gz = p.mul_(g.unsqueeze(1)).neg_()
+        yield s, e, h, g, gz
+
+
 class _FusedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, dtype, rows, with_entropy):
@@ -167,26 +193,11 @@ class _FusedLogProbs(torch.autograd.Function):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         dtype, rows = ctx.dtype, ctx.rows
         w = weight.to(dtype)
-        n = hidden.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        if grad_logprob is None:
-            grad_logprob = lse.new_zeros(n)
-        use_ent = grad_entropy is not None and entropy.numel() == n
-        for s in range(0, n, rows):
-            e = min(s + rows, n)
-            h = hidden[s:e].to(dtype)
-            logp = (h @ w.t()).float().sub_(lse[s:e].unsqueeze(1))  # recomputed: [c, V]
-            g = grad_logprob[s:e].unsqueeze(1)
-            p = logp.exp()
-            # d logp_t / dz = onehot_t - p;  d entropy / dz = -p * (logp + entropy)
-            if use_ent:
-                coef = logp.add_(entropy[s:e].unsqueeze(1)).mul_(grad_entropy[s:e].unsqueeze(1)).add_(g)
-                gz = p.mul_(coef).neg_()
-            else:
-                gz = p.mul_(g).neg_()
-            gz.scatter_add_(1, targets[s:e].unsqueeze(1), g)
+        for s, e, h, g, gz in chunk_logit_grads(hidden, w, lse, entropy, grad_logprob, grad_entropy, rows):
+            gz.scatter_add_(1, targets[s:e].unsqueeze(1), g.unsqueeze(1))
             gz = gz.to(dtype)
             if need_h:
                 grad_hidden[s:e] = gz @ w

@@ -100,28 +100,18 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
+        from polyrl.training.logprobs import chunk_logit_grads
+
         hidden, weight, lse, local_t, mine, entropy = ctx.saved_tensors
-        dtype, rows, n = ctx.dtype, ctx.rows, hidden.shape[0]
+        dtype, rows = ctx.dtype, ctx.rows
         w = weight.to(dtype)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        if grad_logprob is None:
-            grad_logprob = lse.new_zeros(n)
-        use_ent = grad_entropy is not None and entropy.numel() == n
-        for s in range(0, n, rows):
-            e = min(s + rows, n)
-            h = hidden[s:e].to(dtype)
-            logp = (h @ w.t()).float().sub_(lse[s:e].unsqueeze(1))  # recomputed: [c, V_r]
-            g = grad_logprob[s:e].unsqueeze(1)
-            p = logp.exp()
-            # d logp_t / dz = onehot_t - p;  d entropy / dz = -p * (logp + entropy)
-            if use_ent:
-                gz = p.mul_(logp.add_(entropy[s:e].unsqueeze(1)).mul_(grad_entropy[s:e].unsqueeze(1)).add_(g)).neg_()
-            else:
-                gz = p.mul_(g).neg_()
-            own = mine[s:e].nonzero().squeeze(1)
-            gz[own, local_t[s:e][own]] += grad_logprob[s:e][own]
+        chunks = chunk_logit_grads(hidden, w, lse, entropy, grad_logprob, grad_entropy, rows)
+        for s, e, h, g, gz in chunks:  # gz [c, V_r]: this rank's logits only
+            own = mine[s:e].nonzero().squeeze(1)  # the one-hot term: only where this rank owns the target
+            gz[own, local_t[s:e][own]] += g[own]
             gz = gz.to(dtype)
             if need_h:
                 grad_hidden[s:e] = (gz @ w).float()
