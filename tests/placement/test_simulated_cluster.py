@@ -228,10 +228,13 @@ def test_gpu_check_probe_module_agrees_and_names_a_misplaced_actor(cluster):
     plan = plan_launch(job("standalone", 2, 1), platform, "0.11.0", nodes=1)
     node_ids, seen = probe_plan(plan, timeout_s=120)
     assert all(bad == [] for bad in problems(plan, node_ids, seen).values())
+    # the launch plan is frozen (a tuple of actors): the misplaced plans are new plans
+    def with_actor(index, actor):
+        actors = plan.actors[:index] + (actor,) + plan.actors[index + 1:]
+        return dataclasses.replace(plan, actors=actors)
+
     wrong = dataclasses.replace(plan.actors[2], devices=Devices(0, (5,)))
-    plan.actors[2] = wrong
-    assert problems(plan, node_ids, seen)[wrong.name] == [
+    assert problems(with_actor(2, wrong), node_ids, seen)[wrong.name] == [
         "Ray assigned ids ['2'], planned ['5']", "sees devices '2', planned '5'"]
     host = dataclasses.replace(plan.actors[1], hands=(5, 6))  # replica 0's engine host
-    plan.actors[1] = host
-    assert problems(plan, node_ids, seen)[host.name] == ["sees devices '1,2', planned '5,6'"]
+    assert problems(with_actor(1, host), node_ids, seen)[host.name] == ["sees devices '1,2', planned '5,6'"]
