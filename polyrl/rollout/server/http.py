@@ -1,8 +1,10 @@
 """Run an ASGI app with uvicorn: in the foreground (`polyrl serve`), in a background thread
 (tests, notebooks), or as a task on an existing event loop (inside the Ray server actor).
 
-The listening socket is bound here, before uvicorn starts, so port 0 ("any free port") works and
-the URL is known up front — no guess-a-free-port race.
+The listening socket is bound and listening here, before uvicorn starts, so port 0 ("any free
+port") works and the URL is known up front — no guess-a-free-port race — and a client that connects
+as soon as the URL is printed waits in the backlog until uvicorn accepts, instead of being refused
+while uvicorn is still starting (seen on a loaded machine).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class HTTPServer:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self._sock.bind((host, port))
+            self._sock.listen(2048)  # uvicorn's own backlog; it listens again on the same socket
         except (OSError, OverflowError) as exc:  # OverflowError: a port outside 0-65535
             self._sock.close()
             reason = getattr(exc, "strerror", None) or exc
