@@ -143,19 +143,9 @@ class RewardManager:
             fn_jobs = [(plans[i][t].fn, requests[i]) for i, t in fn_keys]
             outcomes.update(zip(fn_keys, run_calls(self._pool, fn_jobs, self.cfg.timeout_s)))
         if http_future is not None:
-            try:  # the loop bounds every sample; this bound only guards a dead loop (R5)
-                answers = http_future.result(timeout=self.http.wait_bound_s(len(http_keys)))
-            except concurrent.futures.TimeoutError:
-                http_future.cancel()
-                answers = [Outcome(timed_out=True) for _ in http_keys]
-            outcomes.update(zip(http_keys, answers))
+            outcomes.update(zip(http_keys, _loop_answers(http_future, self.http, len(http_keys))))
         if judge_future is not None:
-            try:  # the loop bounds every sample; this bound only guards a dead loop (R5)
-                answers = judge_future.result(timeout=self.judge.wait_bound_s(len(judge_keys)))
-            except concurrent.futures.TimeoutError:
-                judge_future.cancel()
-                answers = [Outcome(timed_out=True) for _ in judge_keys]
-            outcomes.update(zip(judge_keys, answers))
+            outcomes.update(zip(judge_keys, _loop_answers(judge_future, self.judge, len(judge_keys))))
         if model_handle is not None:
             outcomes.update(zip(model_keys, self.model.collect(model_handle, len(model_keys))))
         return outcomes
@@ -263,3 +253,13 @@ class RewardManager:
         for scorer in (self.http, self.model, self.judge):
             if scorer is not None:
                 scorer.close()
+
+
+def _loop_answers(future: concurrent.futures.Future, client, n: int) -> list[Outcome]:
+    """The answers of a loop client's (reward.http, reward.judge) batch of n samples. The loop bounds
+    every sample; this bound only guards a dead loop (R5)."""
+    try:
+        return future.result(timeout=client.wait_bound_s(n))
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        return [Outcome(timed_out=True) for _ in range(n)]
