@@ -171,11 +171,17 @@ def critic_updates(rank: int, world_size: int, model_path: str, strategy: str, s
     """The critic (a value head, training/values.py) trained through the engine seam: one
     update per fixed batch, with random values and returns per token (`sp`: the ranks of a
     sequence-parallel group, which train on the same shard)."""
+    cfg = actor_config(strategy, ppo_epochs=1, sequence_parallel_size=sp, world_size=world_size)
+    # sp groups are neighbouring ranks (mesh.py)
+    return train_critic(cfg, model_path, rank, world_size, dp=world_size // sp, data_rank=rank // sp)
+
+
+def train_critic(cfg: ActorConfig, model_path: str, rank: int, world_size: int, *, dp: int,
+                 data_rank: int) -> list[dict]:
+    """critic_updates' training under any mesh: `data_rank` of `dp` is this rank's batch shard."""
     from polyrl.training.values import load_value_model, response_values
     from polyrl.workers.critic import CriticUpdate
 
-    cfg = actor_config(strategy, ppo_epochs=1, sequence_parallel_size=sp, world_size=world_size)
-    dp, data_rank = world_size // sp, rank // sp  # sp groups are neighbouring ranks (mesh.py)
     torch.manual_seed(0)  # the value head starts from random: the same on every rank and run
     model = load_value_model(model_path, torch.float32)
     platform = get_platform("cpu")

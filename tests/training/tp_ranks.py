@@ -98,31 +98,8 @@ def _deferred_reference(model_path: str, cfg, rank: int, world_size: int):
 def critic_updates(rank: int, world_size: int, model_path: str, tp: int, strategy: str) -> list[dict]:
     """engine_ranks.critic_updates on the tp mesh: the value head (a one-output Linear, in no
     plan) whole on every rank over the sliced trunk."""
-    import torch.distributed as dist
-
-    from polyrl.algorithms import AlgorithmConfig
-    from polyrl.platform import get_platform
-    from polyrl.training import build_engine
-    from polyrl.training.values import load_value_model, response_values
-    from polyrl.workers.critic import CriticUpdate
-
     cfg = engine_ranks.actor_config(strategy, ppo_epochs=1, world_size=world_size, tensor_parallel_size=tp,
                                     eps=ADAM_EPS)
     dims = ParallelDims.from_actor(cfg)
-    torch.manual_seed(0)  # the value head starts from random: the same on every rank and run
-    model = load_value_model(model_path, torch.float32)
-    platform = get_platform("cpu")
-    engine = build_engine(model, cfg, platform, platform.torch_device(0), rank=rank, world_size=world_size,
-                          group=dist.group.WORLD if dist.is_initialized() else None, horizon=8,
-                          head=response_values)
-    critic = CriticUpdate(engine, cfg, AlgorithmConfig(), platform.torch_device(0))
-    out = []
-    for seed, n in engine_ranks.BATCHES:
-        batch = engine_ranks.make_batch(seed, n)
-        g = torch.Generator().manual_seed(seed + 100)
-        T = len(batch.response_ids.values)
-        batch = batch.replace(values=batch.response_ids.with_values(torch.randn(T, generator=g)),
-                              returns=batch.response_ids.with_values(torch.randn(T, generator=g)))
-        m = critic.update(shard(batch, dims.data_parallel_size)[dims.data_rank(rank)], 1)
-        out.append({k: m[k] for k in ("critic/value_loss", "critic/grad_norm")})
-    return out
+    return engine_ranks.train_critic(cfg, model_path, rank, world_size, dp=dims.data_parallel_size,
+                                     data_rank=dims.data_rank(rank))
