@@ -102,7 +102,7 @@ def warm_up(cfg, platform, device, rank: int, world: int) -> None:
         dist.broadcast(p.data, src=0)
     engine = build_engine(tiny.to(device), cfg, platform, device, rank=rank, world_size=world,
                           group=dist.group.WORLD, horizon=10)
-    actor = PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve("sync"), device)
+    actor = PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve(on_policy=True), device)
     dims = ParallelDims.from_actor(cfg)  # under --tp the ranks of a tp group train on one shard
     actor.update(shard(make_batch(8, 16, 48, 256), dims.data_parallel_size)[dims.data_rank(rank)],
                  num_mini_batches=1, use_rollout_logprobs=False)
@@ -176,7 +176,7 @@ def run_rank(rank: int, world: int, model_dir: str, options: dict, store: str, o
                                       group=dist.group.WORLD, horizon=10)
 
     def step() -> None:  # one GRPO update through the PPO actor (one optimizer step)
-        actor = PPOActor(held["engine"], cfg, AlgorithmConfig(), OffPolicyConfig().resolve("sync"), device)
+        actor = PPOActor(held["engine"], cfg, AlgorithmConfig(), OffPolicyConfig().resolve(on_policy=True), device)
         actor.update(mine, num_mini_batches=1, use_rollout_logprobs=False)
 
     bucket_bytes = max(int(options["bucket_mb"] * MiB), 1)

@@ -135,7 +135,7 @@ def actor_and_engine(model: torch.nn.Module, strategy: str, device: torch.device
     cfg = ActorConfig(**{"strategy": strategy, "lr": 1e-4, "grad_clip": 1.0, **overrides})
     engine = build_engine(model, cfg, get_platform(None), device, rank=0, world_size=1,
                           group=dist.group.WORLD, horizon=8)
-    return engine, PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve("sync"), device)
+    return engine, PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve(on_policy=True), device)
 
 
 # --- checks ---------------------------------------------------------------------------------------

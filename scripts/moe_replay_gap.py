@@ -46,7 +46,7 @@ def measure(dtype: str, mode: str, prompts: int = 64, n: int = 8) -> dict:
     platform = get_platform("cpu")
     model = load_causal_lm(path, dtype)
     trainer = build_engine(model, cfg, platform, torch.device("cpu"), rank=0, world_size=1, group=None, horizon=4)
-    actor = PPOActor(trainer, cfg, AlgorithmConfig(), OffPolicyConfig().resolve("sync"), torch.device("cpu"))
+    actor = PPOActor(trainer, cfg, AlgorithmConfig(), OffPolicyConfig().resolve(on_policy=True), torch.device("cpu"))
     m = actor.update(batch, 1, False, version=0)
     return {k: m[k] for k in ("moe/route_match", "rollout/logprob_diff_mean", "rollout/logprob_diff_max")}
 

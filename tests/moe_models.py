@@ -63,6 +63,6 @@ def lora_merged_after_update(rank: int, world_size: int, model_path: str, strate
     model = apply_lora(load_causal_lm(model_path), LoraConfig(lora_rank=4))
     engine = build_engine(model, cfg, platform, device, rank=rank, world_size=world_size,
                           group=dist.group.WORLD if dist.is_initialized() else None, horizon=4)
-    actor = PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve("sync"), device)
+    actor = PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve(on_policy=True), device)
     actor.update(shard(engine_ranks.make_batch(3, 6), world_size)[rank], 1, False)
     return engine_ranks.full_weights(engine)

@@ -35,9 +35,11 @@ class OffPolicyConfig(Config):
                              f"{self.mask_high}; e.g. algorithm.off_policy.mask_low=0.5 mask_high=2")
         return self
 
-    def resolve(self, mode: str) -> "OffPolicyConfig":
-        """This config with each `auto` replaced by the level trainer.mode=`mode` implies."""
-        implied = "token" if mode == "async" else "none"
+    def resolve(self, *, on_policy: bool) -> "OffPolicyConfig":
+        """This config with each `auto` replaced by the level the plan implies: none when every
+        batch comes from the trainer's current weights (`RolePlan.on_policy`), token when samples
+        may lag (the streaming topology)."""
+        implied = "none" if on_policy else "token"
         return self.model_copy(update={k: implied for k in ("is_level", "mask_level")
                                        if getattr(self, k) == "auto"})
 

@@ -87,11 +87,6 @@ class RolePlan:
         """(policy, teacher) {axis: index} of this rank in its mesh (None: no mesh)."""
         return self.mesh.coordinates(self.index) if self.mesh is not None else None
 
-    @property
-    def mode(self) -> str:
-        """sync / async: what `OffPolicyConfig.resolve` takes (async: off-policy corrections)."""
-        return "sync" if self.on_policy else "async"
-
     def weights_config(self, weights: Any) -> Any:
         """`weights` (a WeightSyncConfig) with this plan's transport and publish mode."""
         return weights.model_copy(update={"transport": self.transport,

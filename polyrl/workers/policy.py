@@ -122,7 +122,7 @@ class PolicyWorker:
             # reference, its own model even under LoRA (standalone: workers/teacher.py's ranks)
             self.teacher = teacher_engine(cfg, cfg.actor, self.platform, self.device, **engine_args)
         self.actor = PPOActor(self.engine, cfg.actor, cfg.algorithm,
-                              cfg.algorithm.off_policy.resolve(role.mode), self.device)
+                              cfg.algorithm.off_policy.resolve(on_policy=role.on_policy), self.device)
         self.critic = self._build_critic(horizon, engine_args)
         self.updates = 0
         return self.engine.num_params

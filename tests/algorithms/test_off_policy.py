@@ -89,12 +89,12 @@ def test_wired_into_actor_loss_single_step():
 
 
 def test_auto_resolves_by_mode_and_bad_thresholds_name_the_field():
-    assert OffPolicyConfig().resolve("async").is_level == "token"
-    assert OffPolicyConfig().resolve("async").mask_level == "token"
-    assert OffPolicyConfig().resolve("sync").is_level == "none"
-    assert OffPolicyConfig().resolve("sync").mask_level == "none"
-    assert OffPolicyConfig(mask_level="geometric").resolve("async").mask_level == "geometric"
-    assert not OffPolicyConfig().resolve("sync").active
-    assert OffPolicyConfig(is_level="sequence").resolve("sync").is_level == "sequence"
+    assert OffPolicyConfig().resolve(on_policy=False).is_level == "token"
+    assert OffPolicyConfig().resolve(on_policy=False).mask_level == "token"
+    assert OffPolicyConfig().resolve(on_policy=True).is_level == "none"
+    assert OffPolicyConfig().resolve(on_policy=True).mask_level == "none"
+    assert OffPolicyConfig(mask_level="geometric").resolve(on_policy=False).mask_level == "geometric"
+    assert not OffPolicyConfig().resolve(on_policy=True).active
+    assert OffPolicyConfig(is_level="sequence").resolve(on_policy=True).is_level == "sequence"
     with pytest.raises(ConfigError, match="mask_low"):
         load_config(AlgorithmConfig, overrides=["off_policy.mask_low=3", "off_policy.mask_high=2"])

@@ -24,7 +24,7 @@ def test_colocated_ranks_host_their_engine_and_sync_in_place():
         assert (role.topology, role.role, role.index, role.rank, role.world_size) == ("colocated", "policy", r, r, 2)
         assert role.hosts_engine and role.colocated_engine and role.engine_seed == 7 + 1000 * r
         assert role.transport == "in_place" and role.sends_weights and role.layout is None
-        assert role.groups == ("trainer",) and role.on_policy and role.max_staleness == 0 and role.mode == "sync"
+        assert role.groups == ("trainer",) and role.on_policy and role.max_staleness == 0
 
 
 def test_disaggregated_ranks_share_one_world_and_the_leader_sends():
@@ -47,7 +47,7 @@ def test_streaming_replicas_join_no_world_and_carry_the_staleness_bound():
     assert policy.sends_weights and policy.transport == "object_store" and policy.background_publish
     assert [(r.index, r.rank, r.world_size, r.engine_seed) for r in roles["rollout"]] == [
         (0, None, 1, 0), (1, None, 1, 1000), (2, None, 1, 2000)]
-    assert all(r.max_staleness == 2 and not r.on_policy and r.mode == "async" for r in roles["rollout"])
+    assert all(r.max_staleness == 2 and not r.on_policy for r in roles["rollout"])
 
 
 def test_the_launch_plan_hands_each_actor_its_plan_with_its_engine_arguments():

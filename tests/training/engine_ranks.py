@@ -57,7 +57,7 @@ def build(model_path: str, cfg: ActorConfig, rank: int, world_size: int, horizon
         model.gradient_checkpointing_enable()
     engine = build_engine(model, cfg, platform, device, rank=rank, world_size=world_size,
                           group=dist.group.WORLD if dist.is_initialized() else None, horizon=horizon)
-    return engine, PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve("sync"), device)
+    return engine, PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve(on_policy=True), device)
 
 
 def full_weights(engine) -> dict[str, torch.Tensor]:

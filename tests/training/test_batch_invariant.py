@@ -248,7 +248,7 @@ def test_training_steps_exactly_on_policy(model_dirs, dtype, standalone):
     batch_invariant.enable(model, dtype)
     policy = trainer(model, dtype, "auto", tokens=150, horizon=6)
     off_policy = OffPolicyConfig(is_level="token", mask_level="token", mask_low=0.999999, mask_high=1.000001)
-    actor = PPOActor(policy, policy.cfg, AlgorithmConfig(), off_policy.resolve("sync"), torch.device("cpu"))
+    actor = PPOActor(policy, policy.cfg, AlgorithmConfig(), off_policy.resolve(on_policy=True), torch.device("cpu"))
     for step in range(3):
         prompts, samplings = random_requests(10 + step, 6)
         batch = to_batch(prompts, engine.generate_batch(prompts, samplings), version=step)

@@ -28,7 +28,7 @@ def lora_checkpoint(tiny_model, tmp_path_factory):
     cfg = engine_ranks.actor_config("ddp", lr=1e-2)
     model = apply_lora(load_causal_lm(tiny_model), LoraConfig(lora_rank=4))
     engine = build_engine(model, cfg, platform, device, horizon=8)
-    PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve("sync"), device).update(
+    PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve(on_policy=True), device).update(
         engine_ranks.make_batch(1), 1, False)
     ckpt = tmp_path_factory.mktemp("lora") / "step_000001"
     ckpt.mkdir()

@@ -36,7 +36,7 @@ def build(model_path: str, strategy: str, rank: int, world_size: int):
     model = apply_lora(load_causal_lm(model_path), LoraConfig(lora_rank=4))
     engine = build_engine(model, cfg, platform, device, rank=rank, world_size=world_size,
                           group=dist.group.WORLD if dist.is_initialized() else None, horizon=8)
-    return engine, PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve("sync"), device)
+    return engine, PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve(on_policy=True), device)
 
 
 def lora_run(rank: int, world_size: int, model_path: str, strategy: str, ckpt: str) -> dict:

@@ -55,7 +55,7 @@ def _engine(model_path: str, deferred: bool, rank: int, world_size: int, horizon
     assert any(p.is_meta for p in model.parameters()) == deferred  # the path under test is taken
     engine = build_engine(model, cfg, platform, device, rank=rank, world_size=world_size,
                           group=dist.group.WORLD, horizon=horizon)
-    return engine, PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve("sync"), device)
+    return engine, PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve(on_policy=True), device)
 
 
 def load_then_train(rank: int, world_size: int, model_paths: list[str]) -> list[dict]:
@@ -213,7 +213,7 @@ def lora_and_critic(rank: int, world_size: int, model_path: str) -> dict:
             same_start(model)
         engine = build_engine(model, cfg, platform, device, rank=rank, world_size=world_size,
                               group=dist.group.WORLD, horizon=8)
-        actor = PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve("sync"), device)
+        actor = PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve(on_policy=True), device)
         lora = {"logprobs": engine.logprobs(batch).values.clone()}
         actor.update(mine, num_mini_batches=1, use_rollout_logprobs=False)
         lora["merged"] = engine_ranks.full_weights(engine)

@@ -29,7 +29,7 @@ def build(strategy: str, rank: int, world_size: int, train_vision_tower: bool, h
     cfg = ActorConfig(strategy=strategy, lr=1e-2, micro_batch_tokens=96, packing=packing)
     engine = build_engine(model, cfg, platform, device, rank=rank, world_size=world_size,
                           group=dist.group.WORLD if dist.is_initialized() else None, horizon=horizon)
-    return engine, PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve("sync"), device)
+    return engine, PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve(on_policy=True), device)
 
 
 def train(rank: int, world_size: int, strategy: str, train_vision_tower: bool = True,
