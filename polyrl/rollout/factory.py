@@ -84,12 +84,12 @@ def _is_gpu_adapter(engine_cls: type) -> bool:
     return isinstance(engine_cls, type) and issubclass(engine_cls, AsyncEngineAdapter)
 
 
-def engine_args(cfg: RolloutConfig, model_path: str, platform: Platform | None = None,
-                colocated: bool | None = None) -> dict[str, Any]:
+def engine_args(cfg: RolloutConfig, model_path: str, platform: Platform | None = None, *,
+                colocated: bool) -> dict[str, Any]:
     """The launch arguments of `cfg.backend` for the installed engine version (the dry run's):
     a builder's for the built-in and GPU engines, polyrl's settings plus `engine_kwargs` for a
     plugin engine in this process (`launch_args.engine_launch_args`). `colocated`: the engine
-    shares its process with a policy rank (the actor's RolePlan says; None: the topology's)."""
+    shares its process with a policy rank (the actor's RolePlan says)."""
     from polyrl.rollout.launch_args import engine_launch_args
 
     return engine_launch_args(cfg, model_path, platform or current_platform(),
@@ -156,7 +156,8 @@ def build_standalone_engine(cfg: RolloutConfig, model_path: str, device: torch.d
     return engine_cls(args.pop("model_path"), tokenizer=tokenizer, device=device, seed=seed, **args)
 
 
-def check_engine_launch(cfg: RolloutConfig, model_path: str, platform: Platform | None = None) -> None:
+def check_engine_launch(cfg: RolloutConfig, model_path: str, platform: Platform | None = None, *,
+                        colocated: bool) -> None:
     """Everything about the rollout engine that can fail before any actor starts, as one line
     (EngineUnavailable or ValueError): the engine package present and inside its supported
     range, and its launch arguments buildable (`launch_args.check_launch`, nulls, FP8, native
@@ -167,7 +168,7 @@ def check_engine_launch(cfg: RolloutConfig, model_path: str, platform: Platform 
     require_backend(cfg.backend)
     check_engine_features(cfg)
     check_replica_layout(cfg)
-    engine_args(cfg, str(resolve(model_path)), platform)
+    engine_args(cfg, str(resolve(model_path)), platform, colocated=colocated)
     if cfg.backend == "native":  # an architecture it does not run (a mixture-of-experts router shape)
         from polyrl.rollout.native.loader import check_model_dir
 

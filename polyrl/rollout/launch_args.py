@@ -16,9 +16,9 @@ TRT-LLM: `kv_cache_config` is a plain dict here (so it can be printed and compar
 so `polyrl train --dry-run` refuses exactly what the launch refuses (issue 28).
 
 Whether the engine is colocated with a policy rank (it sleeps while training and is filled from
-the trainer's weights) is the topology's decision: the launch plan passes its actor's
-`RolePlan.colocated_engine` as `colocated`; a caller that passes none gets what the topology table
-says for `rollout.placement` (`polyrl/distributed/topologies.py:colocated_engine`).
+the trainer's weights) is the topology's decision: every caller passes it as `colocated` (the launch
+plan its actor's `RolePlan.colocated_engine`, the pre-flight the planned topology's); nothing here
+reads `rollout.placement`.
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ from typing import Any, Callable
 
 from packaging.version import InvalidVersion, Version
 
-from polyrl.distributed.topologies import colocated_engine
 from polyrl.platform import Platform
 from polyrl.rollout.config import RolloutConfig
 from polyrl.rollout.engines.launch_merge import (check_no_nulls, json_object, merge_fp8, model_uses_mla,
                                                  vllm_memory_share)
 
 Builder = Callable[..., dict[str, Any]]
-"""(rollout, model_path, platform, engine_version=None, *, colocated=None) -> launch arguments."""
+"""(rollout, model_path, platform, engine_version=None, *, colocated) -> launch arguments."""
 
 VLLM_WORKER_EXTENSION = "polyrl.rollout.engines.vllm_worker.PolyrlWorkerExtension"
 """Loaded by vLLM inside each of its workers (by dotted path: vLLM imports it, not polyrl)."""
@@ -62,11 +61,7 @@ def merge_args(defaults: dict[str, Any], user: dict[str, Any] | None) -> dict[st
     return {k: v for k, v in merged.items() if v is not None}
 
 
-def _colocated(rollout: RolloutConfig, colocated: bool | None) -> bool:
-    return colocated_engine(rollout) if colocated is None else colocated
-
-
-def resolve_load_format(rollout: RolloutConfig, colocated: bool | None = None) -> str:
+def resolve_load_format(rollout: RolloutConfig, *, colocated: bool) -> str:
     """The load format the engine really starts with: "auto" (read the checkpoint), "dummy"
     (random weights, overwritten by the first sync) or another format the user named.
 
@@ -78,7 +73,6 @@ def resolve_load_format(rollout: RolloutConfig, colocated: bool | None = None) -
     The trainer sends the weights before the first rollout exactly when this returns "dummy"
     for an engine that is not colocated (`needs_first_sync`)."""
     fp8 = rollout.quantization == "fp8"
-    colocated = _colocated(rollout, colocated)
     key = f"rollout.engine_kwargs.{rollout.backend}.load_format"
     given = (rollout.engine_kwargs.get(rollout.backend) or {}).get("load_format")
     if given is not None and fp8 and given != "dummy":
@@ -91,12 +85,11 @@ def resolve_load_format(rollout: RolloutConfig, colocated: bool | None = None) -
     return fmt
 
 
-def needs_first_sync(rollout: RolloutConfig, colocated: bool | None = None) -> bool:
+def needs_first_sync(rollout: RolloutConfig, *, colocated: bool) -> bool:
     """Whether rollout engines outside the trainer start on dummy weights, so the trainer must
     send the weights once before the first rollout (colocated engines are filled at start by
     `from_model`)."""
-    colocated = _colocated(rollout, colocated)
-    return not colocated and resolve_load_format(rollout, colocated) == "dummy"
+    return not colocated and resolve_load_format(rollout, colocated=colocated) == "dummy"
 
 
 def parse_engine_version(engine_version: str | None) -> Version | None:
@@ -109,12 +102,12 @@ def parse_engine_version(engine_version: str | None) -> Version | None:
                          "(expected e.g. 0.5.12)") from exc
 
 
-def check_launch(rollout: RolloutConfig, platform: Platform, colocated: bool | None = None) -> None:
+def check_launch(rollout: RolloutConfig, platform: Platform, *, colocated: bool) -> None:
     """Layouts no engine can launch, refused with one line naming the fix. Every builder runs it
     first, so the dry run (which calls the builders) and the launch (the factory calls them too)
     cannot disagree."""
     tp = rollout.tensor_parallel_size
-    if tp > 1 and _colocated(rollout, colocated):
+    if tp > 1 and colocated:
         raise ValueError(f"rollout.tensor_parallel_size={tp} with rollout.placement=hybrid: a hybrid "
                          "engine runs on its trainer rank's one device; use "
                          "rollout.placement=standalone for tensor parallelism")
@@ -204,12 +197,11 @@ def with_fp8(rollout: RolloutConfig, user: dict[str, Any], engine: str,
 
 def native_args(rollout: RolloutConfig, model_path: str, platform: Platform,
                 engine_version: str | None = None, *,
-                colocated: bool | None = None) -> dict[str, Any]:
+                colocated: bool) -> dict[str, Any]:
     """`NativeEngine(**args)` (`from_model` takes the same without `model_path`). The user's
     keys override the defaults one by one; a key the engine does not take is an error here,
     not a TypeError inside the rank."""
-    colocated = _colocated(rollout, colocated)
-    check_launch(rollout, platform, colocated)
+    check_launch(rollout, platform, colocated=colocated)
     user = user_kwargs(rollout, "native")
     unknown = sorted(set(user) - set(NATIVE_ENGINE_KWARGS))
     if unknown:
@@ -226,7 +218,7 @@ def native_args(rollout: RolloutConfig, model_path: str, platform: Platform,
 
 def vllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
               engine_version: str | None = None, *,
-              colocated: bool | None = None) -> dict[str, Any]:
+              colocated: bool) -> dict[str, Any]:
     """`vllm.AsyncEngineArgs(**args)`. FP8 is quantized on the receiving side: the engine is
     built with the block-FP8 quantization config and the worker extension quantizes each bucket
     before `load_weights`.
@@ -235,8 +227,7 @@ def vllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
     vLLM would otherwise pick its Ray executor and wait for bundles polyrl's own actors hold,
     ignoring the devices the engine host sees (issue 28). With one device vLLM runs its worker
     in process ("uni") either way."""
-    colocated = _colocated(rollout, colocated)
-    check_launch(rollout, platform, colocated)
+    check_launch(rollout, platform, colocated=colocated)
     defaults = {
         "model": model_path,
         "dtype": rollout.dtype,
@@ -248,7 +239,7 @@ def vllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
         "enable_prefix_caching": rollout.enable_prefix_caching,
         "enforce_eager": rollout.enforce_eager,
         # rollout.lora_mode=adapter: the base comes from disk, adapters through vLLM's LoRA API
-        "load_format": "auto" if rollout.lora_mode == "adapter" else resolve_load_format(rollout, colocated),
+        "load_format": "auto" if rollout.lora_mode == "adapter" else resolve_load_format(rollout, colocated=colocated),
         "enable_lora": rollout.lora_mode == "adapter" or None,
         # colocated: the trainer needs the memory back between rollouts (sleep level 1 keeps
         # weights in host memory, level 2 drops them; see the adapter)
@@ -287,13 +278,12 @@ def sglang_attention_backend(platform: Platform, engine_version: str | None,
 
 def sglang_args(rollout: RolloutConfig, model_path: str, platform: Platform,
                 engine_version: str | None = None, *,
-                colocated: bool | None = None) -> dict[str, Any]:
+                colocated: bool) -> dict[str, Any]:
     """`sglang.Engine(**args)`. FP8 is quantized on the sending side (the adapter), the engine
     only needs the block-FP8 layout (`json_model_override_args`)."""
     import json
 
-    colocated = _colocated(rollout, colocated)
-    check_launch(rollout, platform, colocated)
+    check_launch(rollout, platform, colocated=colocated)
     user = user_kwargs(rollout, "sglang")
     if rollout.quantization == "fp8":
         key = "json_model_override_args"
@@ -311,7 +301,7 @@ def sglang_args(rollout: RolloutConfig, model_path: str, platform: Platform,
         "disable_cuda_graph": rollout.enforce_eager,
         "attention_backend": sglang_attention_backend(platform, engine_version,
                                                       model_uses_mla(model_path)),
-        "load_format": resolve_load_format(rollout, colocated),
+        "load_format": resolve_load_format(rollout, colocated=colocated),
         # release/resume_memory_occupation need the memory saver (colocated: sleep between rollouts)
         "enable_memory_saver": colocated or None,
         "log_level": "error",
@@ -323,7 +313,7 @@ def sglang_args(rollout: RolloutConfig, model_path: str, platform: Platform,
 
 def trtllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
                 engine_version: str | None = None, *,
-                colocated: bool | None = None) -> dict[str, Any]:
+                colocated: bool) -> dict[str, Any]:
     """TRT-LLM's PyTorch-backend `LLM(**args)`, with `kv_cache_config` as ONE merged dict:
     `enable_block_reuse` <- enable_prefix_caching, `free_gpu_memory_fraction` <-
     gpu_memory_utilization, then the user's `kv_cache_config` key by key, so user kwargs never
@@ -335,8 +325,7 @@ def trtllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
     into the placement group of the actor starting the engine instead, `per_worker_gpu_share` of a device each; the
     adapter adds the group and the bundle indices of the replica at start (`trtllm.placement`).
     Sleep (hybrid) is `enable_sleep=True`: 1.1 and 1.2 have no `SleepConfig`."""
-    colocated = _colocated(rollout, colocated)
-    check_launch(rollout, platform, colocated)
+    check_launch(rollout, platform, colocated=colocated)
     user = with_fp8(rollout, user_kwargs(rollout, "trtllm"), "trtllm", "model_kwargs")
     user_kv = user.pop("kv_cache_config", None) or {}
     if not isinstance(user_kv, dict):
@@ -354,7 +343,7 @@ def trtllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
         "max_seq_len": rollout.max_model_len,
         "max_batch_size": rollout.max_num_seqs,
         "kv_cache_config": kv_cache_config,
-        "load_format": resolve_load_format(rollout, colocated),
+        "load_format": resolve_load_format(rollout, colocated=colocated),
         # colocated: release()/resume() of weights and KV cache between rollouts
         "enable_sleep": colocated or None,
         "per_worker_gpu_share": TRTLLM_WORKER_GPU_SHARE,
@@ -381,7 +370,7 @@ BUILDERS: dict[str, Builder] = {"native": native_args, "vllm": vllm_args, "sglan
 
 
 def engine_launch_args(rollout: RolloutConfig, model_path: str, platform: Platform,
-                       engine_version: str | None = None, *, colocated: bool | None = None) -> dict[str, Any]:
+                       engine_version: str | None = None, *, colocated: bool) -> dict[str, Any]:
     """Keyword arguments the engine of `rollout.backend` is constructed with.
 
     `engine_version` is the engine package's version when known (installed, or declared for a

@@ -107,7 +107,8 @@ def check_rollout_engine(cfg: JobConfig) -> None:
 
     try:
         if cfg.ray.address in (None, "local"):
-            check_engine_launch(cfg.rollout, cfg.model.path, get_platform(cfg.platform))
+            check_engine_launch(cfg.rollout, cfg.model.path, get_platform(cfg.platform),
+                                colocated=cfg.topology.colocated_engine)
         else:  # a CPU driver of a GPU cluster must not judge FP8 by its own platform
             require_backend(cfg.rollout.backend)
     except (EngineUnavailable, ValueError) as exc:

@@ -26,6 +26,7 @@ from polyrl.backends import (
 from polyrl.config import ConfigError, load_config
 from polyrl.job import JobConfig
 from polyrl.rollout.config import RolloutConfig
+from tests.rollout.colocation import colocated
 
 NATIVE = "polyrl.rollout.native.engine:NativeEngine"
 
@@ -134,9 +135,9 @@ def test_a_plugin_running_engine_processes_is_refused_at_launch_as_in_the_dry_ru
         ''')
     cfg = RolloutConfig(backend=f"{spec}:BACKEND", max_model_len=64)
     with pytest.raises(ValueError, match="no launch-argument builder") as dry_run:
-        engine_launch_args(cfg, "/m", get_platform("cpu"))
+        engine_launch_args(cfg, "/m", get_platform("cpu"), colocated=colocated(cfg))
     with pytest.raises(ValueError) as launch:
-        check_engine_launch(cfg, "builtin:tiny-arith", get_platform("cpu"))
+        check_engine_launch(cfg, "builtin:tiny-arith", get_platform("cpu"), colocated=colocated(cfg))
     assert str(launch.value) == str(dry_run.value)
 
 
@@ -252,5 +253,5 @@ def test_the_rollout_config_asks_a_plugins_capabilities(tmp_path, monkeypatch):
     from polyrl.rollout.launch_args import engine_launch_args
 
     args = engine_launch_args(RolloutConfig(backend=able, max_model_len=64, engine_kwargs={able: {"seed": 3}}),
-                              "/m", get_platform("cpu"))
+                              "/m", get_platform("cpu"), colocated=True)
     assert args == {"model_path": "/m", "dtype": "float32", "max_model_len": 64, "max_num_seqs": 256, "seed": 3}

@@ -18,6 +18,7 @@ from polyrl.rollout.factory import (
     require_backend,
 )
 from polyrl.rollout.launch_args import engine_launch_args
+from tests.rollout.colocation import colocated
 
 
 @pytest.mark.parametrize("backend", sorted(EXTRAS))
@@ -54,8 +55,8 @@ def test_gpu_adapters_are_told_apart_from_native():
 def test_gpu_engine_args_are_the_dry_run_args(backend):
     cfg = RolloutConfig(backend=backend, dtype="bfloat16")
     platform = get_platform(None, SIMULATED_PROBES["h100"])
-    assert engine_args(cfg, "/m", platform) == engine_launch_args(
-        cfg, "/m", platform, installed_version(backend))
+    assert engine_args(cfg, "/m", platform, colocated=colocated(cfg)) == engine_launch_args(
+        cfg, "/m", platform, installed_version(backend), colocated=colocated(cfg))
 
 
 def test_pyproject_extras_name_the_engines():
@@ -114,7 +115,8 @@ def test_native_tensor_parallel_fails_the_dry_run_and_the_pre_flight_alike():
                                                 "max_model_len": 64}})
     plan = plan_launch(job, get_platform("cpu"))
     with pytest.raises(ValueError) as preflight:
-        check_engine_launch(job.rollout, job.model.path, get_platform("cpu"))
+        check_engine_launch(job.rollout, job.model.path, get_platform("cpu"),
+                            colocated=job.topology.colocated_engine)
     assert "needs a GPU engine" in str(preflight.value)
     assert plan.errors and plan.errors[0].endswith(str(preflight.value))
 
@@ -132,7 +134,7 @@ def test_hybrid_tensor_parallel_fails_the_dry_run_and_the_launch_alike(backend):
     plan = plan_launch(job, h100, "0.5.12")
     assert len(plan.errors) == 2  # both policy ranks host an engine
     with pytest.raises(ValueError) as launch:
-        engine_args(job.rollout, "/m", h100)
+        engine_args(job.rollout, "/m", h100, colocated=job.topology.colocated_engine)
     assert plan.errors[0] == f"policy rank 0: {launch.value}"
 
 
@@ -172,10 +174,11 @@ def test_supported_ranges_name_each_engine():
 def test_the_pre_flight_check_raises_what_the_launch_would():
     from polyrl.rollout.factory import check_engine_launch
 
-    check_engine_launch(RolloutConfig(), "builtin:tiny-arith")
+    check_engine_launch(RolloutConfig(), "builtin:tiny-arith", colocated=True)
     with pytest.raises(ValueError, match="^rollout.engine_kwargs.native.max_num_seqs is null"):
         check_engine_launch(RolloutConfig(engine_kwargs={"native": {"max_num_seqs": None}}),
-                            "builtin:tiny-arith")
+                            "builtin:tiny-arith", colocated=True)
     h100 = get_platform(None, SIMULATED_PROBES["h100"])
     with pytest.raises(ValueError, match="needs a GPU engine"):  # the trainer's own refusal, shared
-        check_engine_launch(RolloutConfig(tensor_parallel_size=2), "builtin:tiny-arith", h100)
+        check_engine_launch(RolloutConfig(tensor_parallel_size=2), "builtin:tiny-arith", h100,
+                            colocated=True)

@@ -23,6 +23,7 @@ from polyrl.rollout.launch_args import (
     resolve_load_format,
     sglang_attention_backend,
 )
+from tests.rollout.colocation import colocated
 
 MODEL = "/models/Qwen3-0.6B"
 FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
@@ -33,6 +34,11 @@ def platform(hw: str):
     if hw == "a100":  # no simulated A100 machine: CUDA at capability 8.0
         return get_platform("cuda", simulated_probe("cuda", (8, 0)))
     return get_platform(None, SIMULATED_PROBES[hw])
+
+
+def launch(cfg: RolloutConfig, model_path: str, platform, engine_version: str | None = None) -> dict:
+    """The launch arguments with `colocated` as the launch plan passes it for cfg's placement."""
+    return engine_launch_args(cfg, model_path, platform, engine_version, colocated=colocated(cfg))
 
 
 def rollout(**kw) -> RolloutConfig:
@@ -56,7 +62,7 @@ def rollout(**kw) -> RolloutConfig:
 ])
 def test_load_format(placement, quant, given, expected):
     cfg = rollout(backend="vllm", placement=placement, quantization=quant, load_format=given)
-    assert resolve_load_format(cfg) == expected
+    assert resolve_load_format(cfg, colocated=colocated(cfg)) == expected
 
 
 @pytest.mark.parametrize("backend", ["vllm", "sglang", "trtllm"])
@@ -72,9 +78,9 @@ def test_load_format_in_engine_kwargs_follows_the_same_rule(backend, placement, 
     # standalone rollout sampled from random weights
     cfg = rollout(backend=backend, placement=placement, quantization=quant,
                   engine_kwargs={backend: {"load_format": given}})
-    assert resolve_load_format(cfg) == expected
-    assert engine_launch_args(cfg, MODEL, platform("h100"), "0.5.11")["load_format"] == expected
-    assert needs_first_sync(cfg) is first_sync
+    assert resolve_load_format(cfg, colocated=colocated(cfg)) == expected
+    assert launch(cfg, MODEL, platform("h100"), "0.5.11")["load_format"] == expected
+    assert needs_first_sync(cfg, colocated=colocated(cfg)) is first_sync
 
 
 def test_fp8_with_a_disk_load_format_in_engine_kwargs_names_the_key():
@@ -82,7 +88,7 @@ def test_fp8_with_a_disk_load_format_in_engine_kwargs_names_the_key():
                   engine_kwargs={"vllm": {"load_format": "auto"}})
     with pytest.raises(ValueError, match=r"rollout.engine_kwargs.vllm.load_format=auto: "
                                          r"rollout.quantization=fp8 has no FP8 checkpoint"):
-        engine_launch_args(cfg, MODEL, platform("h100"))
+        launch(cfg, MODEL, platform("h100"))
 
 
 def test_fp8_config_errors_name_the_field():
@@ -104,14 +110,14 @@ VLLM_HYBRID = {
 
 @pytest.mark.parametrize("hw", ["h100", "gb200", "mi300x"])
 def test_vllm_hybrid_same_on_every_gpu(hw):
-    assert engine_launch_args(rollout(backend="vllm"), MODEL, platform(hw)) == VLLM_HYBRID
+    assert launch(rollout(backend="vllm"), MODEL, platform(hw)) == VLLM_HYBRID
 
 
 def test_vllm_standalone_fp8_and_user_overrides():
     cfg = rollout(backend="vllm", placement="standalone", num_replicas=2, tensor_parallel_size=2,
                   quantization="fp8", enable_prefix_caching=False,
                   engine_kwargs={"vllm": {"enforce_eager": True, "swap_space": 8}})
-    assert engine_launch_args(cfg, MODEL, platform("h100"), "0.11.0") == {
+    assert launch(cfg, MODEL, platform("h100"), "0.11.0") == {
         "model": MODEL, "dtype": "bfloat16", "tensor_parallel_size": 2,
         "distributed_executor_backend": "mp", "gpu_memory_utilization": 0.6, "max_model_len": 4096, "max_num_seqs": 128,
         "enable_prefix_caching": False,
@@ -123,7 +129,7 @@ def test_vllm_standalone_fp8_and_user_overrides():
 
 def test_vllm_standalone_plain_loads_from_disk():
     cfg = rollout(backend="vllm", placement="standalone", load_format="dummy")
-    args = engine_launch_args(cfg, MODEL, platform("gb200"))
+    args = launch(cfg, MODEL, platform("gb200"))
     assert args["load_format"] == "auto" and "enable_sleep_mode" not in args
 
 
@@ -146,7 +152,7 @@ def test_vllm_standalone_plain_loads_from_disk():
 ])
 def test_sglang_attention_backend(hw, version, expected):
     assert sglang_attention_backend(platform(hw), version) == expected
-    args = engine_launch_args(rollout(backend="sglang"), MODEL, platform(hw), version)
+    args = launch(rollout(backend="sglang"), MODEL, platform(hw), version)
     assert args.get("attention_backend") == expected
 
 
@@ -155,10 +161,10 @@ def test_sglang_mla_model_gets_fa3_only_on_sm90(tmp_path, hw, expected):
     # SGLang's fa3 backend takes MLA models on SM 9.x only
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3",
                                                       "kv_lora_rank": 512}))
-    args = engine_launch_args(rollout(backend="sglang"), str(tmp_path), platform(hw), "0.5.11")
+    args = launch(rollout(backend="sglang"), str(tmp_path), platform(hw), "0.5.11")
     assert args["attention_backend"] == expected
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
-    args = engine_launch_args(rollout(backend="sglang"), str(tmp_path), platform(hw), "0.5.11")
+    args = launch(rollout(backend="sglang"), str(tmp_path), platform(hw), "0.5.11")
     assert args["attention_backend"] == "fa3"
 
 
@@ -166,16 +172,16 @@ def test_sglang_mla_model_gets_fa3_only_on_sm90(tmp_path, hw, expected):
 def test_sglang_user_attention_backend_always_wins(hw):
     cfg = rollout(backend="sglang", engine_kwargs={"sglang": {"attention_backend": "triton"}})
     for version in (None, "0.5.0", "0.5.12"):
-        assert engine_launch_args(cfg, MODEL, platform(hw), version)["attention_backend"] == "triton"
+        assert launch(cfg, MODEL, platform(hw), version)["attention_backend"] == "triton"
 
 
 def test_sglang_bad_version_names_it():
     with pytest.raises(ValueError, match="'latest' is not a version"):
-        engine_launch_args(rollout(backend="sglang"), MODEL, platform("h100"), "latest")
+        launch(rollout(backend="sglang"), MODEL, platform("h100"), "latest")
 
 
 def test_sglang_hybrid_exact():
-    assert engine_launch_args(rollout(backend="sglang"), MODEL, platform("mi300x"), "0.5.12") == {
+    assert launch(rollout(backend="sglang"), MODEL, platform("mi300x"), "0.5.12") == {
         "model_path": MODEL, "dtype": "bfloat16", "tp_size": 1, "mem_fraction_static": 0.6,
         "context_length": 4096, "max_running_requests": 128, "disable_radix_cache": False,
         "disable_cuda_graph": False, "attention_backend": "aiter", "load_format": "dummy",
@@ -187,7 +193,7 @@ def test_sglang_standalone_fp8_exact():
     cfg = rollout(backend="sglang", placement="standalone", quantization="fp8",
                   enforce_eager=True, max_model_len=None,
                   engine_kwargs={"sglang": {"log_level": "info", "chunked_prefill_size": 4096}})
-    assert engine_launch_args(cfg, MODEL, platform("h100"), "0.5.11") == {
+    assert launch(cfg, MODEL, platform("h100"), "0.5.11") == {
         "model_path": MODEL, "dtype": "bfloat16", "tp_size": 1, "mem_fraction_static": 0.6,
         "max_running_requests": 128, "disable_radix_cache": False, "disable_cuda_graph": True,
         "attention_backend": "fa3", "load_format": "dummy", "quantization": "fp8",
@@ -204,7 +210,7 @@ def test_trtllm_kv_cache_config_is_one_merged_dict():
                   engine_kwargs={"trtllm": {"kv_cache_config": {"free_gpu_memory_fraction": 0.85,
                                                                 "max_tokens": 65536},
                                             "max_num_tokens": 8192}})
-    assert engine_launch_args(cfg, MODEL, platform("gb200")) == {
+    assert launch(cfg, MODEL, platform("gb200")) == {
         "model": MODEL, "backend": "pytorch", "dtype": "bfloat16", "tensor_parallel_size": 2,
         "max_seq_len": 4096, "max_batch_size": 128,
         # the user's keys override one by one; enable_block_reuse survives
@@ -218,7 +224,7 @@ def test_trtllm_kv_cache_config_is_one_merged_dict():
 
 def test_trtllm_hybrid_fp8_defaults():
     cfg = rollout(backend="trtllm", quantization="fp8", enable_prefix_caching=False)
-    assert engine_launch_args(cfg, MODEL, platform("h100")) == {
+    assert launch(cfg, MODEL, platform("h100")) == {
         "model": MODEL, "backend": "pytorch", "dtype": "bfloat16", "tensor_parallel_size": 1,
         "max_seq_len": 4096, "max_batch_size": 128,
         "kv_cache_config": {"enable_block_reuse": False, "free_gpu_memory_fraction": 0.6},
@@ -234,10 +240,10 @@ def test_trtllm_null_in_kv_cache_config_and_bad_type_are_named():
                   engine_kwargs={"trtllm": {"kv_cache_config": {"max_tokens:65536": None}}})
     with pytest.raises(ValueError, match=r"rollout.engine_kwargs.trtllm.kv_cache_config."
                                          r"max_tokens:65536 is null \(YAML reads"):
-        engine_launch_args(cfg, MODEL, platform("h100"))
+        launch(cfg, MODEL, platform("h100"))
     bad = rollout(backend="trtllm", engine_kwargs={"trtllm": {"kv_cache_config": 0.9}})
     with pytest.raises(ValueError, match="engine_kwargs.trtllm.kv_cache_config must be a mapping"):
-        engine_launch_args(bad, MODEL, platform("h100"))
+        launch(bad, MODEL, platform("h100"))
 
 
 # --- every engine ---------------------------------------------------------------------------------
@@ -245,17 +251,17 @@ def test_trtllm_null_in_kv_cache_config_and_bad_type_are_named():
 @pytest.mark.parametrize("backend", sorted(BUILDERS))
 @pytest.mark.parametrize("hw", ["h100", "gb200", "mi300x", "ascend910", "cpu"])
 def test_user_kwargs_win_and_a_null_is_an_error_naming_the_key(backend, hw):
-    plain = engine_launch_args(rollout(backend=backend), MODEL, platform(hw), "0.5.12")
+    plain = launch(rollout(backend=backend), MODEL, platform(hw), "0.5.12")
     key = next(k for k, v in plain.items() if k not in ("model", "model_path") and v is not None)
     extra = "prefix_cache_tokens" if backend == "native" else "extra_flag"  # native: its own keys
     probe = {backend: {key: "user-value", extra: 7}}
-    args = engine_launch_args(rollout(backend=backend, engine_kwargs=probe), MODEL, platform(hw),
+    args = launch(rollout(backend=backend, engine_kwargs=probe), MODEL, platform(hw),
                               "0.5.12")
     assert args[key] == "user-value" and args[extra] == 7
     # issue 15: a null was dropped silently (`{max_tokens:1024}` in YAML is such a null)
     nulled = {backend: {key: None}}
     with pytest.raises(ValueError, match=rf"rollout.engine_kwargs.{backend}.{key} is null; give it"):
-        engine_launch_args(rollout(backend=backend, engine_kwargs=nulled), MODEL, platform(hw), "0.5.12")
+        launch(rollout(backend=backend, engine_kwargs=nulled), MODEL, platform(hw), "0.5.12")
 
 
 # --- FP8 merged into the user's dicts key by key (issue 15) ---------------------------------------
@@ -273,7 +279,7 @@ def test_vllm_user_hf_overrides_keep_fp8(fresh_warnings):
         "activation_scheme": "static", "modules_to_not_convert": ["lm_head"]}}}
     cfg = rollout(backend="vllm", placement="standalone", quantization="fp8",
                   engine_kwargs={"vllm": user})
-    args = engine_launch_args(cfg, MODEL, platform("h100"))
+    args = launch(cfg, MODEL, platform("h100"))
     assert args["quantization"] == "fp8"
     assert args["hf_overrides"] == {"rope_scaling": {"type": "yarn"}, "quantization_config": {
         **FP8, "modules_to_not_convert": ["lm_head"]}}
@@ -285,7 +291,7 @@ def test_vllm_user_hf_overrides_keep_fp8(fresh_warnings):
 def test_trtllm_user_model_kwargs_keep_fp8(fresh_warnings):
     cfg = rollout(backend="trtllm", quantization="fp8",
                   engine_kwargs={"trtllm": {"model_kwargs": {"num_hidden_layers": 2}}})
-    args = engine_launch_args(cfg, MODEL, platform("h100"))
+    args = launch(cfg, MODEL, platform("h100"))
     assert args["model_kwargs"] == {"num_hidden_layers": 2, "quantization_config": FP8}
     assert fresh_warnings.records == []  # nothing conflicted
 
@@ -294,7 +300,7 @@ def test_sglang_user_overrides_and_quantization_conflict(fresh_warnings):
     cfg = rollout(backend="sglang", placement="standalone", quantization="fp8",
                   engine_kwargs={"sglang": {"quantization": "awq",
                                             "json_model_override_args": '{"max_position_embeddings": 8192}'}})
-    args = engine_launch_args(cfg, MODEL, platform("h100"), "0.5.11")
+    args = launch(cfg, MODEL, platform("h100"), "0.5.11")
     assert args["quantization"] == "fp8"
     assert json.loads(args["json_model_override_args"]) == {"max_position_embeddings": 8192,
                                                             "quantization_config": FP8}
@@ -303,17 +309,17 @@ def test_sglang_user_overrides_and_quantization_conflict(fresh_warnings):
     bad = rollout(backend="sglang", quantization="fp8",
                   engine_kwargs={"sglang": {"json_model_override_args": "[1]"}})
     with pytest.raises(ValueError, match="json_model_override_args must be a JSON object"):
-        engine_launch_args(bad, MODEL, platform("h100"))
+        launch(bad, MODEL, platform("h100"))
 
 
 def test_without_fp8_user_dicts_pass_unchanged():
     cfg = rollout(backend="sglang", engine_kwargs={"sglang": {"json_model_override_args": '{"a": 1}'}})
-    assert engine_launch_args(cfg, MODEL, platform("h100"))["json_model_override_args"] == '{"a": 1}'
+    assert launch(cfg, MODEL, platform("h100"))["json_model_override_args"] == '{"a": 1}'
 
 
 def test_native_unchanged():
     cfg = RolloutConfig(max_num_seqs=4)
-    assert engine_launch_args(cfg, MODEL, platform("cpu")) == {
+    assert launch(cfg, MODEL, platform("cpu")) == {
         "model_path": MODEL, "dtype": "float32", "max_num_seqs": 4}
 
 
@@ -323,20 +329,20 @@ def test_vllm_tensor_parallel_runs_its_workers_as_processes():
     # in a placement-group actor vLLM picked its Ray executor for TP > 1 and waited for bundles
     # polyrl's actors hold; mp spawns the TP workers on the devices the engine host sees
     tp2 = rollout(backend="vllm", placement="standalone", tensor_parallel_size=2)
-    assert engine_launch_args(tp2, MODEL, platform("h100"))["distributed_executor_backend"] == "mp"
+    assert launch(tp2, MODEL, platform("h100"))["distributed_executor_backend"] == "mp"
     tp1 = rollout(backend="vllm", placement="standalone")
-    assert "distributed_executor_backend" not in engine_launch_args(tp1, MODEL, platform("h100"))
+    assert "distributed_executor_backend" not in launch(tp1, MODEL, platform("h100"))
     mine = rollout(backend="vllm", placement="standalone", tensor_parallel_size=2,
                    engine_kwargs={"vllm": {"distributed_executor_backend": "ray"}})
-    assert engine_launch_args(mine, MODEL, platform("h100"))["distributed_executor_backend"] == "ray"
+    assert launch(mine, MODEL, platform("h100"))["distributed_executor_backend"] == "ray"
 
 
 def test_trtllm_places_its_workers_and_sleeps_without_sleep_config():
     # TRT-LLM 1.1 / 1.2 export no SleepConfig; its workers asked Ray for whole GPUs polyrl holds
-    hybrid = engine_launch_args(rollout(backend="trtllm"), MODEL, platform("h100"))
+    hybrid = launch(rollout(backend="trtllm"), MODEL, platform("h100"))
     assert hybrid["enable_sleep"] is True and "sleep_config" not in hybrid
     assert hybrid["per_worker_gpu_share"] == 0.5
-    standalone = engine_launch_args(rollout(backend="trtllm", placement="standalone"), MODEL,
+    standalone = launch(rollout(backend="trtllm", placement="standalone"), MODEL,
                                     platform("h100"))
     assert "enable_sleep" not in standalone and standalone["per_worker_gpu_share"] == 0.5
 
@@ -346,21 +352,21 @@ def test_hybrid_tensor_parallel_is_refused_by_every_builder(backend):
     cfg = rollout(backend=backend, tensor_parallel_size=2)
     expected = "placement=hybrid: a hybrid engine runs on its trainer rank's one device"
     with pytest.raises(ValueError, match=expected):
-        engine_launch_args(cfg, MODEL, platform("h100"), "0.5.12")
+        launch(cfg, MODEL, platform("h100"), "0.5.12")
 
 
 def test_native_kwargs_go_through_the_launch_checks():
     # issue 28: a null was a TypeError and max_num_seqs "got multiple values" inside the rank
     cfg = rollout(engine_kwargs={"native": {"max_num_seqs": 8, "prefix_cache_tokens": 64}})
-    assert engine_launch_args(cfg, MODEL, platform("cpu")) == {
+    assert launch(cfg, MODEL, platform("cpu")) == {
         "model_path": MODEL, "dtype": "bfloat16", "max_model_len": 4096, "max_num_seqs": 8,
         "prefix_cache_tokens": 64}
     with pytest.raises(ValueError, match=r"rollout.engine_kwargs.native.max_num_seqs is null"):
-        engine_launch_args(rollout(engine_kwargs={"native": {"max_num_seqs": None}}), MODEL,
+        launch(rollout(engine_kwargs={"native": {"max_num_seqs": None}}), MODEL,
                            platform("cpu"))
     with pytest.raises(ValueError, match=r"rollout.engine_kwargs.native.device is not an argument "
                                          r"of the built-in engine; it takes max_prefill_tokens"):
-        engine_launch_args(rollout(engine_kwargs={"native": {"device": "cuda"}}), MODEL,
+        launch(rollout(engine_kwargs={"native": {"device": "cuda"}}), MODEL,
                            platform("cpu"))
 
 
@@ -381,19 +387,19 @@ def test_fp8_through_engine_kwargs_is_refused(backend):
                   engine_kwargs={backend: {"quantization": "fp8"}})
     with pytest.raises(ValueError, match=rf"rollout.engine_kwargs.{backend}.quantization=fp8: FP8 "
                                          r"rollout is rollout.quantization=fp8"):
-        engine_launch_args(cfg, MODEL, platform("h100"), "0.5.12")
+        launch(cfg, MODEL, platform("h100"), "0.5.12")
     other = rollout(backend=backend, engine_kwargs={backend: {"quantization": "awq"}})
-    assert engine_launch_args(other, MODEL, platform("h100"), "0.5.12")["quantization"] == "awq"
+    assert launch(other, MODEL, platform("h100"), "0.5.12")["quantization"] == "awq"
 
 
 def test_fp8_on_a_cpu_build_is_one_line():
     cfg = rollout(backend="vllm", placement="standalone", quantization="fp8")
     with pytest.raises(ValueError, match=r"^rollout.quantization=fp8 needs a GPU \(FP8 kernels\); "
                                          r"the vllm engine on this CPU platform has none"):
-        engine_launch_args(cfg, MODEL, platform("cpu"))
+        launch(cfg, MODEL, platform("cpu"))
 
 
 def test_batch_invariant_reaches_the_built_in_engine():
     cfg = RolloutConfig(max_num_seqs=4, batch_invariant=True)
-    assert engine_launch_args(cfg, MODEL, platform("cpu")) == {
+    assert launch(cfg, MODEL, platform("cpu")) == {
         "model_path": MODEL, "dtype": "float32", "max_num_seqs": 4, "batch_invariant": True}

@@ -84,7 +84,7 @@ def test_standalone_h100_vllm_two_replicas_user_cumem_survives(monkeypatch):
         assert env_of(a.env) == {"POLYRL_RUN": ("a", "config"), "NCCL_CUMEM_ENABLE": user_cumem,
                                  "TOKENIZERS_PARALLELISM": TOK}
         assert a.engine.args == launch_args.engine_launch_args(
-            cfg.rollout, launch_args_model(), plan.platform, "0.11.0")
+            cfg.rollout, launch_args_model(), plan.platform, "0.11.0", colocated=False)
         assert a.engine.args["load_format"] == "auto"  # R4: standalone reads the checkpoint
         assert a.engine.args["tensor_parallel_size"] == 1
     assert plan.devices_needed == 3 and plan.nodes_needed == 1 and plan.errors == []

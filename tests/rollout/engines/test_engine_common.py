@@ -16,6 +16,7 @@ from polyrl.rollout.engines.common import EngineLoop, check_prompt, map_stop_rea
 from polyrl.rollout.engines.sglang import sglang_request, sglang_sampling_params
 from polyrl.rollout.engines.trtllm import trtllm_sampling_kwargs
 from polyrl.rollout.engines.vllm import vllm_sampling_kwargs
+from tests.rollout.colocation import colocated
 
 
 @pytest.mark.parametrize("raw,expected", [
@@ -142,7 +143,7 @@ def test_trtllm_quantizes_only_for_polyrl_fp8():
     h100 = get_platform(None, SIMULATED_PROBES["h100"])
     user = {"model_kwargs": {"quantization_config": {"quant_method": "awq", "bits": 4}}}
     plain = RolloutConfig(backend="trtllm", engine_kwargs={"trtllm": user})
-    assert not quantizes_fp8(engine_launch_args(plain, "/m", h100))
+    assert not quantizes_fp8(engine_launch_args(plain, "/m", h100, colocated=colocated(plain)))
     merged = RolloutConfig(backend="trtllm", quantization="fp8", engine_kwargs={"trtllm": {
         "model_kwargs": {"quantization_config": {"modules_to_not_convert": ["lm_head"]}}}})
-    assert quantizes_fp8(engine_launch_args(merged, "/m", h100))
+    assert quantizes_fp8(engine_launch_args(merged, "/m", h100, colocated=colocated(merged)))

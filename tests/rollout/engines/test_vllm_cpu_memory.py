@@ -8,6 +8,7 @@ from polyrl.platform import SIMULATED_PROBES, get_platform
 from polyrl.rollout.config import RolloutConfig
 from polyrl.rollout.engines.launch_merge import VLLM_CPU_MEMORY_SHARE, vllm_memory_share
 from polyrl.rollout.launch_args import engine_launch_args
+from tests.rollout.colocation import colocated
 
 MODEL = "/models/Qwen3-0.6B"
 
@@ -36,8 +37,9 @@ def test_the_default_survives_a_copy_and_the_config_loader():
 def test_launch_args_on_cpu_use_the_cpu_share():
     cpu = get_platform(None, SIMULATED_PROBES["cpu"])
     h100 = get_platform(None, SIMULATED_PROBES["h100"])
-    assert engine_launch_args(_vllm(), MODEL, cpu)["gpu_memory_utilization"] == 0.1
-    assert engine_launch_args(_vllm(gpu_memory_utilization=0.3), MODEL, cpu)["gpu_memory_utilization"] == 0.3
+    assert engine_launch_args(_vllm(), MODEL, cpu, colocated=colocated(_vllm()))["gpu_memory_utilization"] == 0.1
+    assert engine_launch_args(_vllm(gpu_memory_utilization=0.3), MODEL, cpu,
+                              colocated=False)["gpu_memory_utilization"] == 0.3
     mine = _vllm(engine_kwargs={"vllm": {"gpu_memory_utilization": 0.2}})
-    assert engine_launch_args(mine, MODEL, cpu)["gpu_memory_utilization"] == 0.2
-    assert engine_launch_args(_vllm(), MODEL, h100)["gpu_memory_utilization"] == 0.5
+    assert engine_launch_args(mine, MODEL, cpu, colocated=colocated(mine))["gpu_memory_utilization"] == 0.2
+    assert engine_launch_args(_vllm(), MODEL, h100, colocated=colocated(_vllm()))["gpu_memory_utilization"] == 0.5
