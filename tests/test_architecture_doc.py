@@ -127,16 +127,6 @@ def test_workers_act_on_their_role_plan():
 PLANNER = {"polyrl/topology/run_plan.py", "polyrl/topology/launch_plan.py"}
 """The planner (`resolve`, `plan_launch`): the only code that builds a `ParallelDims`, besides the
 class itself (polyrl/training/mesh.py)."""
-PENDING_MESH_BUILDS: dict[str, str] = {
-    "polyrl/training/config.py": "the job schema's divisibility check builds one to validate "
-                                 "actor.sequence/tensor_parallel_size (to read the planner's check)",
-    "polyrl/training/ddp.py": "an engine built without a mesh (tests, SFT) lays one out from its "
-                              "config; the run's engines get the plan's (RolePlan.mesh)",
-}
-"""Modules that still build one, each with why; the test fails once one stops (the list only
-shrinks)."""
-
-
 def mesh_builds(tree: ast.AST) -> list[int]:
     """Lines calling `ParallelDims(...)`, `ParallelDims.of(...)` or `ParallelDims.from_actor(...)`."""
     lines = []
@@ -158,8 +148,14 @@ def test_the_mesh_is_built_by_the_planner_only():
               if path.startswith("polyrl/") and path.endswith(".py") and path != "polyrl/training/mesh.py"}
     builders = {path for path, lines in builds.items() if lines}
     assert PLANNER <= builders, "the pattern is wrong: the planner itself builds the mesh"
-    outside = builders - PLANNER - set(PENDING_MESH_BUILDS)
+    outside = builders - PLANNER
     assert not outside, {p: builds[p] for p in outside}
-    assert set(PENDING_MESH_BUILDS) <= builders, (
-        f"no longer builds one: drop from PENDING_MESH_BUILDS: {set(PENDING_MESH_BUILDS) - builders}")
+    # an engine outside a run (polyrl sft, tests) lays its own out (training/mesh.py
+    # `unplanned_mesh`); inside a run every training engine is handed the plan's
+    unplanned = sorted(path for path, text in sources().items()
+                       if path.startswith("polyrl/") and "unplanned_mesh(" in text and path != "polyrl/training/mesh.py")
+    assert unplanned == ["polyrl/training/ddp.py"], unplanned
+    workers = sources()
+    assert "mesh=role.mesh" in workers["polyrl/workers/policy.py"]
+    assert "mesh=role.mesh" in workers["polyrl/workers/teacher.py"]
     assert "RunPlan" in DOC.read_text() and "polyrl/topology/run_plan.py" in DOC.read_text()

@@ -137,32 +137,19 @@ class ActorConfig(Config):
         k = self.sequence_parallel_size
         if k == 1:
             return self
-        if self.world_size % k:
-            raise ValueError(f"actor.sequence_parallel_size={k} does not divide actor.world_size={self.world_size}; "
-                             f"set actor.world_size to a multiple of {k}")
-        if self.packing == "off":
+        if self.packing == "off":  # that k divides the ranks is the mesh's check (`_mesh_fits`)
             raise ValueError(f"actor.sequence_parallel_size={k} splits packed rows: set actor.packing=auto or on")
         if self.compile == "on":
             raise ValueError(f"actor.sequence_parallel_size={k} runs eagerly: set actor.compile=auto or off")
         return self
 
     @model_validator(mode="after")
-    def _tensor_parallel_fits(self) -> "ActorConfig":
-        if self.tensor_parallel_size > 1:  # the mesh's own checks, before Ray starts
-            # mesh.py is pure arithmetic: imported when used, so importing a config imports no layout code
-            from polyrl.training.mesh import ParallelDims
+    def _mesh_fits(self) -> "ActorConfig":
+        # the mesh's own checks, written once (training/mesh.py), before Ray starts; mesh.py is
+        # pure arithmetic, imported when used so importing a config imports no layout code
+        from polyrl.training.mesh import check_actor
 
-            ParallelDims.of(self.strategy, self.world_size, self.sequence_parallel_size,
-                            self.tensor_parallel_size).validate()
-        return self
-
-    @model_validator(mode="after")
-    def _expert_parallel_fits(self) -> "ActorConfig":
-        if self.expert_parallel_size > 1:  # the mesh's own checks, before Ray starts
-            from polyrl.training.mesh import ParallelDims
-
-            ParallelDims.of(self.strategy, self.world_size, self.sequence_parallel_size, self.tensor_parallel_size,
-                            self.expert_parallel_size).validate()
+        check_actor(self)
         return self
 
     @field_validator("compile", "packing", mode="before")

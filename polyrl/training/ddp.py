@@ -26,7 +26,7 @@ from polyrl.training.lora import merged_named_weights
 from polyrl.training.logprobs import response_logprobs
 from polyrl.training.varlen import setup_packing
 from polyrl.training.config import ActorConfig
-from polyrl.training.mesh import ParallelDims
+from polyrl.training.mesh import ParallelDims, unplanned_mesh
 from polyrl.training.mesh_groups import mesh_groups
 from polyrl.training.optim import build_optimizer
 from polyrl.training.vlm import is_vlm_config
@@ -43,8 +43,8 @@ class DDPEngine:
         """`horizon`: the run's length in optimizer steps; None builds a frozen engine (a
         reference policy: no gradients, no optimizer state). `head(model, mb, ...)` gives the
         per-token outputs: log-probs (+ entropy) of a policy, or a critic's values. `mesh`: the
-        ranks' layout (training/mesh.py; default: `world_size` ranks split by
-        `actor.sequence_parallel_size`)."""
+        ranks' layout, the plan's in a run (`RolePlan.mesh`); an engine built outside a run lays
+        `world_size` ranks out by its config (training/mesh.py `unplanned_mesh`)."""
         self._init_common(model, cfg, platform, device, rank=rank, world_size=world_size, group=group,
                           horizon=horizon, head=head, mesh=mesh)
         if horizon is not None:
@@ -80,8 +80,7 @@ class DDPEngine:
         self.nonfinite_in_a_row = 0
         self.optimizer = self.scheduler = None
         self.compute_dtype = torch.bfloat16 if cfg.compute_dtype == "bfloat16" else torch.float32
-        dims = mesh or ParallelDims.of(cfg.strategy, world_size, cfg.sequence_parallel_size,
-                                       getattr(cfg, "tensor_parallel_size", 1))
+        dims = mesh or unplanned_mesh(cfg, world_size)
         self.mesh = mesh_groups(dims, group)
         self.rank = rank
         self.world_size = dims.data_parallel_size

@@ -233,3 +233,20 @@ class ParallelDims:
         if self.ep > 1:
             axes.append(f"ep={self.ep} (within dp_shard)")
         return f"{self.world_size} rank{'s' if self.world_size != 1 else ''}: " + (" x ".join(axes) or "single")
+
+
+def check_actor(actor) -> None:
+    """The mesh's checks on an `ActorConfig` (divisibility, what the engines implement), run by
+    the job schema's validation so a layout that cannot be built is one line before Ray starts;
+    the planner lays the run's mesh out with the same rule (polyrl/topology/run_plan.py)."""
+    ParallelDims.from_actor(actor).validate()
+
+
+def unplanned_mesh(actor, world_size: int) -> ParallelDims:
+    """The mesh of a training engine built outside a run (`polyrl sft`, a test, a benchmark):
+    `world_size` ranks laid out by the config's rule. A run's engines never come here: the
+    workers hand them the plan's (`RolePlan.mesh`). Expert parallelism splits a group of ranks,
+    so one rank alone holds every expert (ep is 1 there)."""
+    ep = getattr(actor, "expert_parallel_size", 1) if world_size > 1 else 1
+    return ParallelDims.of(actor.strategy, world_size, getattr(actor, "sequence_parallel_size", 1),
+                           getattr(actor, "tensor_parallel_size", 1), ep)
