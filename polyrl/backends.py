@@ -69,6 +69,10 @@ class EngineCapabilities:
     routed_experts: bool = False
     """Returns the experts a mixture-of-experts model routed each generated token to
     (`TokenOutput.extra["routed_experts"]`), for actor.router_replay=R3 (docs/moe.md)."""
+    unavailable: tuple[tuple[str, str, str], ...] = ()
+    """(capability, platform, why): a declared capability the engine's build for that platform
+    (polyrl's `Platform.name`) lacks, refused there in one line naming why
+    (`feature_platform_problem`): vLLM's CPU build returns no routed experts."""
     since: tuple[tuple[str, str], ...] = ()
     """Version floors: (capability, the lowest engine package version that serves it), for a
     capability that needs a newer engine than the backend's supported range starts at (a dict
@@ -90,10 +94,20 @@ class EngineCapabilities:
                                  f"({', '.join(sorted(flags))})")
             _release(floor, f"EngineCapabilities.since[{capability!r}]")
         object.__setattr__(self, "since", since)
+        unavailable = tuple(tuple(entry) for entry in self.unavailable)
+        for entry in unavailable:
+            if len(entry) != 3 or entry[0] not in flags:
+                raise ValueError(f"EngineCapabilities.unavailable: {entry!r} is not (capability, platform, why) "
+                                 f"with a capability of {', '.join(sorted(flags))}")
+        object.__setattr__(self, "unavailable", unavailable)
 
     def minimum_version(self, capability: str) -> str | None:
         """The lowest engine version that serves `capability` (None: any supported one)."""
         return dict(self.since).get(capability)
+
+    def unavailable_on(self, capability: str, platform: str) -> str | None:
+        """Why the engine's build for `platform` lacks `capability` (None: it has it)."""
+        return next((why for c, p, why in self.unavailable if c == capability and p == platform), None)
 
     def logprobs_match_trainer(self, rollout_dtype: str, param_dtype: str, compute_dtype: str) -> bool:
         """Whether the engine's log-probs equal the trainer's for these dtypes: all three the
@@ -104,6 +118,7 @@ class EngineCapabilities:
         out = dataclasses.asdict(self)
         out["trainer_logprob_dtypes"] = sorted(self.trainer_logprob_dtypes)
         out["since"] = dict(self.since)
+        out["unavailable"] = [list(entry) for entry in self.unavailable]
         return out
 
 
@@ -292,12 +307,28 @@ VLLM_IMAGES_SINCE = "0.17.0"
 """`AsyncLLM.generate` takes an already-processed multimodal input (the trainer's ids and pixels
 unchanged); `MultiModalKwargsItems` is new in 0.10.2, `MultiModalFieldConfig.batched(
 keep_on_cpu=)` in 0.13."""
+VLLM_ROUTED_EXPERTS_SINCE = "0.14.0"
+"""The engine argument `enable_return_routed_experts` and `CompletionOutput.routed_experts` are
+new in 0.14.0 (0.13.0 has neither)."""
+VLLM_CPU_NO_ROUTES = "vLLM's CPU build cannot return routed experts (Model Runner V2 needs Triton)"
+"""Why: vLLM 0.32's CPU build refuses `enable_return_routed_experts` ("AuxOutput Connector
+requires Model Runner V2"), and with VLLM_USE_V2_MODEL_RUNNER=1 "Model Runner V2 requires
+Triton", which the CPU build has not (measured, docs/moe.md "vLLM")."""
 register_backend("vllm", "polyrl.rollout.engines.vllm:VLLMEngine", package="vllm", extra="vllm",
                  engine_processes=True, supported=">=0.10.1,<0.34",
-                 capabilities=dataclasses.replace(_GPU_ENGINE, lora_adapters=True, images=True, since={
-                     "fp8": VLLM_FP8_RELOAD_SINCE, "images": VLLM_IMAGES_SINCE}))
+                 capabilities=dataclasses.replace(
+                     _GPU_ENGINE, lora_adapters=True, images=True, routed_experts=True,
+                     since={"fp8": VLLM_FP8_RELOAD_SINCE, "images": VLLM_IMAGES_SINCE,
+                            "routed_experts": VLLM_ROUTED_EXPERTS_SINCE},
+                     unavailable=(("routed_experts", "cpu", VLLM_CPU_NO_ROUTES),)))
+SGLANG_ROUTED_EXPERTS_SINCE = "0.5.9"
+"""`Engine.async_generate(return_routed_experts=...)`, the request flag the adapter sends, is new
+in 0.5.9; the server flag (`ServerArgs.enable_return_routed_experts`) and the synchronous
+`generate`'s request flag came in 0.5.7, but 0.5.7 and 0.5.8's `async_generate` cannot ask."""
 register_backend("sglang", "polyrl.rollout.engines.sglang:SGLangEngine", package="sglang",
-                 extra="sglang", engine_processes=True, supported=">=0.5.6,<0.6", capabilities=_GPU_ENGINE)
+                 extra="sglang", engine_processes=True, supported=">=0.5.6,<0.6",
+                 capabilities=dataclasses.replace(_GPU_ENGINE, routed_experts=True,
+                                                  since={"routed_experts": SGLANG_ROUTED_EXPERTS_SINCE}))
 register_backend("trtllm", "polyrl.rollout.engines.trtllm:TRTLLMEngine", package="tensorrt_llm",
                  extra="trtllm", engine_processes=True, supported=">=1.1,<1.3",
                  distribution="tensorrt-llm", capabilities=_GPU_ENGINE)
@@ -441,6 +472,17 @@ def feature_version_problem(name: str, capability: str, installed: str | None,
             f"{installed} is installed: pip install \"{dist}{pin}\"")
 
 
+def feature_platform_problem(name: str, capability: str, platform: str | None,
+                             setting: str | None = None, fix: str = "") -> str | None:
+    """One line naming why when backend `name`'s engine build for `platform` (polyrl's platform
+    name) lacks `capability` although the engine declares it (`EngineCapabilities.unavailable`),
+    then `fix`; None where it has it or the platform is unknown."""
+    why = ROLLOUT_BACKENDS.get(name).capabilities.unavailable_on(capability, platform or "")
+    if why is None:
+        return None
+    return f"{setting or capability}: {why}" + (f"; {fix}" if fix else "")
+
+
 def features_below_floor(name: str, installed: str | None) -> list[tuple[str, str]]:
     """(capability, floor) of every capability backend `name` declares that `installed` is
     below the floor of (for `polyrl doctor`)."""
@@ -476,7 +518,8 @@ class EngineUse:
     versions: str = ""
     feature: str = ""
     """The capability this use serves when it has a version floor (`EngineCapabilities.since`):
-    its `versions` are then ">=floor", and the contract tests check it at the floor."""
+    its `versions` then start at the floor (">=floor", or a later bound where the name moved),
+    and the contract tests check it at the floor."""
 
 
 SGLANG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "stop",
@@ -543,6 +586,13 @@ ENGINE_CONTRACTS: dict[str, tuple[EngineUse, ...]] = {
                   versions=f">={VLLM_IMAGES_SINCE}", feature="images"),
         EngineUse("vllm.multimodal.inputs:PlaceholderRange", ("offset", "length"),
                   versions=f">={VLLM_IMAGES_SINCE}", feature="images"),
+        # routes for actor.router_replay=R3 (engines/vllm.py, engines/routed_experts.py); the CPU
+        # build, which cannot serve them, is told apart by vLLM's own platform
+        EngineUse("vllm:AsyncEngineArgs", ("enable_return_routed_experts",),
+                  versions=f">={VLLM_ROUTED_EXPERTS_SINCE}", feature="routed_experts"),
+        EngineUse("vllm.outputs:CompletionOutput.routed_experts",
+                  versions=f">={VLLM_ROUTED_EXPERTS_SINCE}", feature="routed_experts"),
+        EngineUse("vllm.platforms.interface:Platform.is_cpu"),
     ),
     "sglang": (
         EngineUse("sglang:Engine"),
@@ -573,6 +623,14 @@ ENGINE_CONTRACTS: dict[str, tuple[EngineUse, ...]] = {
                   versions=f">={SGLANG_WEIGHT_SESSION_SINCE}"),
         EngineUse("sglang.srt.managers.tokenizer_manager:TokenizerManager.end_weight_update",
                   versions=f">={SGLANG_WEIGHT_SESSION_SINCE}"),
+        # routes for actor.router_replay=R3 (engines/sglang.py, engines/routed_experts.py): the
+        # server flag (a ServerArgs field, in the field namespaces from 0.5.20) and the request flag
+        EngineUse("sglang.srt.server_args:ServerArgs", ("enable_return_routed_experts",),
+                  versions=f">={SGLANG_ROUTED_EXPERTS_SINCE},<0.5.20", feature="routed_experts"),
+        EngineUse("sglang.srt.arg_groups.fields:*", ("enable_return_routed_experts",),
+                  versions=">=0.5.20", feature="routed_experts"),
+        EngineUse("sglang.srt.entrypoints.engine:Engine.async_generate", ("return_routed_experts",),
+                  versions=f">={SGLANG_ROUTED_EXPERTS_SINCE}", feature="routed_experts"),
     ),
     "trtllm": (
         EngineUse("tensorrt_llm:AsyncLLM"),

@@ -139,6 +139,19 @@ def check_router_replay(cfg: JobConfig, model_config: Any | None) -> None:
         raise ConfigError([f"actor.router_replay=R3: the {backend} engine declares no routed_experts (the experts "
                            "each sampled token was routed to); set actor.router_replay=R2 or off, or "
                            "rollout.backend=native (docs/moe.md)"])
+    if mode == "R3":  # the engine build's platform and version floor for routes (polyrl/backends.py)
+        from polyrl.backends import feature_platform_problem, feature_version_problem, installed_engine_version
+        from polyrl.platform import get_platform
+
+        local = cfg.ray.address in (None, "local")  # a cluster's own platform is not seen from here
+        platform = cfg.platform if cfg.platform != "auto" else get_platform().name if local else None
+        problem = (feature_platform_problem(backend, "routed_experts", platform, "actor.router_replay=R3",
+                                            "set actor.router_replay=R2 or off, or rollout.backend=native "
+                                            "(docs/moe.md)")
+                   or feature_version_problem(backend, "routed_experts", installed_engine_version(backend),
+                                              "actor.router_replay=R3"))
+        if problem:
+            raise ConfigError([problem])
     model_type = getattr(model_config, "model_type", None)
     if model_config is not None and model_type not in ("qwen3_moe", "qwen2_moe"):
         raise ConfigError([f"actor.router_replay={mode}: model.path is a {model_type} model, not a Qwen3-MoE / "

@@ -31,7 +31,7 @@ def test_the_vllm_floors_are_declared_as_data():
     caps = capabilities("vllm")
     assert caps.minimum_version("fp8") == "0.16.0" and caps.minimum_version("images") == "0.17.0"
     assert caps.minimum_version("tensor_parallel") is None
-    assert caps.as_dict()["since"] == {"fp8": "0.16.0", "images": "0.17.0"}
+    assert caps.as_dict()["since"] == {"fp8": "0.16.0", "images": "0.17.0", "routed_experts": "0.14.0"}
     # every floor has the names it needs in the contract, tagged with it and its version
     for capability, floor in caps.since:
         uses = [u for u in ENGINE_CONTRACTS["vllm"] if u.feature == capability]
@@ -91,7 +91,7 @@ def test_doctor_flags_an_installed_engine_below_a_floor():
     found = capability_findings({"vllm": "0.10.1"}, "vllm")
     (warn,) = [f for f in found if f.level == "warn" and f.topic == "vllm engine"]
     assert warn.message == ("vllm 0.10.1 is below the version floor of: fp8 (needs >=0.16.0), images "
-                            "(needs >=0.17.0); runs asking for them are refused")
+                            "(needs >=0.17.0), routed_experts (needs >=0.14.0); runs asking for them are refused")
     assert not [f for f in capability_findings({"vllm": "0.32.0"}, "vllm") if f.level == "warn"]
 
 

@@ -146,7 +146,7 @@ def test_refusals_are_one_line(tmp_path):
     from transformers import Qwen2Config
 
     moe = moe_config("qwen3_moe")
-    assert "declares no routed_experts" in problem(["actor.router_replay=R3", "rollout.backend=vllm"], moe)
+    assert "declares no routed_experts" in problem(["actor.router_replay=R3", "rollout.backend=trtllm"], moe)
     assert "not a Qwen3-MoE" in problem(["actor.router_replay=R2"], Qwen2Config())
     check_router_replay(load_config(JobConfig, overrides=["actor.router_replay=R3"]), moe)  # native: fine
     with pytest.raises(ValueError, match="actor.compile=on"):

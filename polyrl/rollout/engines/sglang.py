@@ -28,6 +28,11 @@ post-load processing, FP8's included), closed even when a piece fails so the nex
 open its own. With `quantization=fp8` the pieces are quantized here (sending
 side) by `polyrl.weights.fp8.quantize_named_tensors`; the engine was started with the block-FP8
 layout (`json_model_override_args`).
+
+Routes (actor.router_replay=R3, SGLang >= 0.5.9): an engine started with
+`enable_return_routed_experts` is asked per request (`return_routed_experts`), and each output's
+base64 `meta_info["routed_experts"]` becomes `TokenOutput.extra["routed_experts"]`
+(polyrl/rollout/engines/routed_experts.py).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from polyrl.rollout.engines.common import (
     sampled_logprobs,
     update_stream,
 )
+from polyrl.rollout.engines.routed_experts import asked_routes, response_routes, sglang_rows
 from polyrl.rollout.engines.weight_flush import iter_flushes
 
 SLEEP_TAGS = ("kv_cache", "weights")
@@ -146,8 +152,11 @@ def sglang_sampling_params(sampling: SamplingParams, sample: int) -> dict[str, A
     return {k: v for k, v in params.items() if v is not None}
 
 
-def sglang_request(prompt: list[int], sampling: SamplingParams, request_id: str) -> dict[str, Any]:
-    """`Engine.async_generate` keyword arguments: the n samples as n requests of one batch."""
+def sglang_request(prompt: list[int], sampling: SamplingParams, request_id: str,
+                   routes: bool = False) -> dict[str, Any]:
+    """`Engine.async_generate` keyword arguments: the n samples as n requests of one batch.
+    `routes`: ask for the experts each token was routed to (the engine was started with
+    `enable_return_routed_experts`; SGLang >= 0.5.9's request flag)."""
     wanted = sampling.logprobs or sampling.top_logprobs > 0
     request: dict[str, Any] = {
         "input_ids": [list(prompt) for _ in range(sampling.n)],
@@ -155,6 +164,8 @@ def sglang_request(prompt: list[int], sampling: SamplingParams, request_id: str)
         "return_logprob": wanted,
         "rid": [f"{request_id}-{i}" for i in range(sampling.n)],
     }
+    if routes:
+        request["return_routed_experts"] = True
     if wanted:
         # the last prompt position: only the output's log-probs (SGLang's own default for a
         # generation). len(prompt) would skip that one too, but SGLang 0.5.6 aborts a request
@@ -202,6 +213,9 @@ class SGLangEngine(AsyncEngineAdapter):
         self.weight_session = uses_weight_session(self.version)
         self._sample_rids: dict[str, list[str]] = {}  # request id -> its samples' SGLang rids
         self._warned_seed = False
+        self.routes = asked_routes(self.launch_args, "sglang", self.version, self.model_path)
+        """Where the model's routes sit in SGLang's rows when the engine records them
+        (`enable_return_routed_experts`, for actor.router_replay=R3), else None."""
 
         if starts_on_main_thread_only(self.version):
             self.engine = sglang.Engine(**self.launch_args)
@@ -222,7 +236,7 @@ class SGLangEngine(AsyncEngineAdapter):
                            "reproducible from their seeds; set rollout.engine_kwargs.sglang.%s=true",
                            DETERMINISTIC_KEY, DETERMINISTIC_KEY)
             self._warned_seed = True
-        request = sglang_request(prompt, sampling, request_id)
+        request = sglang_request(prompt, sampling, request_id, routes=self.routes is not None)
         self._sample_rids[request_id] = list(request["rid"])
         try:
             results = await self.engine.async_generate(**request)
@@ -238,7 +252,11 @@ class SGLangEngine(AsyncEngineAdapter):
             top = None
             if sampling.top_logprobs:
                 top = [{rec[1]: rec[0] for rec in row} for row in meta["output_top_logprobs"]]
-            outs.append(self._output(tokens, logprobs, meta["finish_reason"], res.get("text"), top))
+            out = self._output(tokens, logprobs, meta["finish_reason"], res.get("text"), top)
+            rows = sglang_rows(meta, self.routes) if self.routes is not None else None
+            if rows is not None:
+                out.extra["routed_experts"] = response_routes(rows, len(prompt), len(tokens), self.routes, "SGLang")
+            outs.append(out)
         return outs
 
     # --- control ---------------------------------------------------------------------------------

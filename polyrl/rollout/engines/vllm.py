@@ -38,6 +38,11 @@ weight version: vLLM caches vision-tower outputs by that hash, and a weight upda
 serve embeddings of the old tower. The trainer's names (`model.visual.*`,
 `model.language_model.*`) are mapped by vLLM's own Qwen2-VL loader (`hf_to_vllm_mapper`).
 
+Routes (actor.router_replay=R3, vLLM >= 0.14.0, GPU builds): an engine started with
+`enable_return_routed_experts` returns `CompletionOutput.routed_experts` for every finished
+sample, which becomes `TokenOutput.extra["routed_experts"]` (routed_experts.py). vLLM's CPU build
+cannot record them (Model Runner V2 needs Triton): asking it is one line before vLLM starts.
+
 Sleep (hybrid placement): level 1 offloads the weights to host memory and drops the KV cache. A
 weight update while asleep wakes the weights only; `wake_up()` then restores the KV cache.
 """
@@ -61,6 +66,8 @@ from polyrl.rollout.engines.common import (
     sampled_logprobs,
     update_stream,
 )
+from polyrl.backends import feature_platform_problem
+from polyrl.rollout.engines.routed_experts import ENGINE_FLAG, asked_routes, response_routes
 from polyrl.rollout.engines.vllm_worker import encode_tensor
 from polyrl.rollout.engines.weight_flush import iter_flushes
 
@@ -237,6 +244,23 @@ def _sampled(record: Mapping[int, Any], token: int) -> float:
     return record[token].logprob
 
 
+def _cpu_build() -> bool:
+    """Whether this is vLLM's CPU build (its own platform says)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def check_routes_platform(launch_args: Mapping[str, Any], cpu_build: bool) -> None:
+    """One line (ValueError) when routes are asked of vLLM's CPU build, before vLLM refuses them
+    with a traceback from its config ("AuxOutput Connector requires Model Runner V2", then
+    "Model Runner V2 requires Triton")."""
+    if launch_args.get(ENGINE_FLAG) and cpu_build:
+        raise ValueError(feature_platform_problem(
+            "vllm", "routed_experts", "cpu", f"{ENGINE_FLAG}=true",
+            "run vLLM's GPU build for actor.router_replay=R3, or rollout.backend=native"))
+
+
 def _sleep_mode_available() -> bool:
     """Whether this vLLM build can release memory in sleep() (CUDA / ROCm builds; not CPU)."""
     from vllm.platforms import current_platform
@@ -289,6 +313,10 @@ class VLLMEngine(AsyncEngineAdapter):
         """One line when this vLLM is below the version floor for image prompts, else None."""
         if self.image_spec is not None:
             args.update(image_launch_args(args, AsyncEngineArgs))
+        check_routes_platform(args, _cpu_build())
+        self.routes = asked_routes(args, "vllm", installed_engine_version("vllm"), self.model_path)
+        """Where the model's routes sit in vLLM's rows when the engine records them
+        (`enable_return_routed_experts`, for actor.router_replay=R3), else None."""
 
         async def start():
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
@@ -340,8 +368,12 @@ class VLLMEngine(AsyncEngineAdapter):
             top = None
             if sampling.top_logprobs and c.logprobs is not None:
                 top = [{tid: lp.logprob for tid, lp in rec.items()} for rec in c.logprobs]
-            outs.append(self._output(c.token_ids, logprobs if sampling.logprobs else [],
-                                     c.finish_reason, c.text, top))
+            out = self._output(c.token_ids, logprobs if sampling.logprobs else [], c.finish_reason, c.text, top)
+            rows = getattr(c, "routed_experts", None) if self.routes is not None else None
+            if rows is not None:  # the whole sequence's rows, prompt included (routed_experts.py)
+                out.extra["routed_experts"] = response_routes(rows, len(prompt), len(c.token_ids), self.routes,
+                                                              "vLLM")
+            outs.append(out)
         return outs
 
     # --- control ---------------------------------------------------------------------------------

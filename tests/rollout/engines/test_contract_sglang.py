@@ -198,3 +198,77 @@ def _abort_rule(root: Path) -> str:
 def test_the_lowest_release_aborts_a_logprob_start_at_the_input_length():
     assert _abort_rule(source(LOWEST)) == ">="
     assert _abort_rule(source("0.5.7")) == ">"
+
+
+# --- routes (actor.router_replay=R3, issue 44): the floor, and the rows the releases return ---------
+
+def _route_uses(**drop):
+    import dataclasses
+
+    uses = [u for u in ENGINE_CONTRACTS["sglang"] if u.feature == "routed_experts"]
+    return tuple(dataclasses.replace(u, **drop) for u in uses)
+
+
+@slow
+def test_the_routes_floor_is_the_first_release_whose_async_generate_asks_for_them():
+    from polyrl.backends import capabilities
+
+    floor = capabilities("sglang").minimum_version("routed_experts")
+    assert floor == "0.5.9" and contract_gaps(source(floor), _route_uses(), floor) == []
+    # 0.5.8 has the server flag and the synchronous generate's request flag, not async_generate's
+    below = [u for u in _route_uses(versions="") if "arg_groups" not in u.target]
+    assert contract_gaps(source("0.5.8"), tuple(below), "0.5.8") == [
+        "sglang.srt.entrypoints.engine:Engine.async_generate: no keyword(s) return_routed_experts"]
+
+
+def _release_function(path: Path, name: str):
+    """Function `name` (a method too) of a release's module, compiled on its own, with the module's
+    `pybase64` as the standard base64 (same output) and its annotations dropped."""
+    import base64
+
+    tree = ast.parse(path.read_text())
+    (fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name]
+    fn.decorator_list, fn.returns = [], None
+    for arg in (*fn.args.args, *fn.args.kwonlyargs):
+        arg.annotation = None
+    namespace: dict = {"pybase64": base64}
+    exec(compile(ast.fix_missing_locations(ast.Module([fn], [])), str(path), "exec"), namespace)
+    return namespace[name], fn.args.args[0].arg == "self"
+
+
+# release: (module of the row gather, the gather, module sizing the layer axis, detokenizer encoder)
+ROUTE_SOURCES = {
+    "0.5.9": ("sglang/srt/layers/moe/routed_experts_capturer.py", "[: seqlen - 1]",
+              "sglang/srt/layers/moe/routed_experts_capturer.py", "_extract_routed_experts"),
+    NEWEST: ("sglang/srt/state_capturer/base.py", "[start_len : seqlen - 1]",
+             "sglang/srt/state_capturer/routed_experts.py", "_b64_encode_per_request"),
+}
+
+
+@slow
+@pytest.mark.parametrize("version", sorted(ROUTE_SOURCES))
+def test_the_releases_return_every_token_but_the_last_as_base64_int32(version):
+    """What polyrl/rollout/engines/routed_experts.py decodes, read from the release: rows of the
+    int32 host buffer for tokens [0, seqlen - 1) of every decoder layer, base64 of their bytes
+    by the detokenizer's own code, which decodes back to the same rows."""
+    import types
+
+    import numpy as np
+    import torch
+
+    from polyrl.rollout.engines.routed_experts import RouteLayout, sglang_rows
+
+    root = source(version)
+    rows_file, gather, layers_file, encoder = ROUTE_SOURCES[version]
+    capturer = (root / rows_file).read_text()
+    assert gather in capturer and "dtype=torch.int32" in capturer
+    assert "num_layers = model_config.hf_text_config.num_hidden_layers" in (root / layers_file).read_text() or \
+        "self.num_hidden_layers = model_config.hf_text_config.num_hidden_layers" in capturer
+    encode, method = _release_function(root / "sglang/srt/managers/detokenizer_manager.py", encoder)
+    rows = torch.randint(0, 6, (7, 3, 2), dtype=torch.int32)
+    if encoder == "_extract_routed_experts":  # 0.5.9: a method reading the batch's field
+        (encoded,) = encode(None, types.SimpleNamespace(routed_experts=[rows]))
+    else:
+        (encoded,) = encode(None, [rows]) if method else encode([rows])
+    decoded = sglang_rows({"routed_experts": encoded}, RouteLayout(3, (0, 2), 6, 2))
+    assert np.array_equal(decoded, rows.numpy())

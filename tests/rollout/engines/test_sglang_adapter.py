@@ -142,7 +142,7 @@ def adapter():
     engine = SGLangEngine.__new__(SGLangEngine)  # everything but sglang.Engine's own start
     engine._init_adapter({"model_path": "/no/model"}, "model_path", False, 0, 1, 30.0)
     engine.version, engine.fp8, engine.tp_size, engine.weight_session = "0.5.6", False, 1, False
-    engine._sample_rids, engine._warned_seed = {}, False
+    engine._sample_rids, engine._warned_seed, engine.routes = {}, False, None
     engine.engine = EngineRules()
     engine._tm = engine.engine.tokenizer_manager
     yield engine
