@@ -2,7 +2,9 @@
 
 Ranks join a torch.distributed world through a FileStore in a private temporary directory (no
 port to pick, nothing left behind) with the platform's backend: gloo on CPU, the accelerator's
-collective library on devices, where rank r computes on local device r. The training engine
+collective library on devices, where rank r computes on local device r: its visible-devices
+variable is narrowed to that device and the rank claims it as every worker does
+(`Platform.claim_device`). The training engine
 (`build_engine`) does the rest. SFT needs no Ray: there is no rollout to place.
 """
 
@@ -18,7 +20,7 @@ import threading
 import traceback
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -44,11 +46,15 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     world = cfg.actor.world_size
     if world == 1:
         return SFTTrainer(cfg).fit()
+    from polyrl.platform import get_platform
+
+    platform = get_platform(cfg.platform)
+    envs = [rank_visibility(platform, rank, os.environ) for rank in range(world)]
     ctx = mp.get_context("spawn")  # fork after torch threads / a CUDA context is unsafe
     with tempfile.TemporaryDirectory(prefix="polyrl-sft-") as tmp:
         errors = ctx.Queue()
         procs = [ctx.Process(target=_rank_main, args=(cfg, rank, world, tmp, errors,
-                                                      logging.getLogger().level), daemon=False)
+                                                      logging.getLogger().level, envs[rank]), daemon=False)
                  for rank in range(world)]
         with _forwarding_signals(procs) as received:
             for p in procs:
@@ -68,6 +74,34 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
         import json
 
         return json.loads((cfg.output_path / "summary.json").read_text())
+
+
+def rank_visibility(platform: Any, rank: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """The visible-devices variable that leaves rank `rank` only its own device, local device
+    `rank` of those this run sees (empty on a platform without devices). It is the rank's
+    reservation, as Ray's is a worker's: the rank then takes its device with the platform's
+    `claim_device()` (the first device it sees, made current), as every worker does. The
+    variable narrowed is the one already set (its entries are the run's devices), else the
+    platform's first one; a rank with no device left is one line, before any rank starts."""
+    if not platform.visible_devices_vars:
+        return {}
+    var, visible = next(((v, environ[v]) for v in platform.visible_devices_vars if environ.get(v)),
+                        (platform.visible_devices_vars[0], None))
+    if visible is None:
+        return {var: str(rank)}
+    order = [x.strip() for x in visible.split(",") if x.strip()]
+    if rank >= len(order):
+        raise ValueError(f"actor.world_size: sft rank {rank} has no device of its own ({var}={visible} shows "
+                         f"{len(order)}); lower actor.world_size to {len(order)} or make more devices visible")
+    return {var: order[rank]}
+
+
+def claim_rank_device(platform: Any) -> torch.device:
+    """This rank's device, made current (`Platform.claim_device`): the only device its visible-
+    devices variable left it (`rank_visibility`); the CPU on a platform without devices."""
+    if platform.torch_device(0).type == "cpu":
+        return torch.device("cpu")
+    return platform.claim_device()
 
 
 @contextmanager
@@ -136,7 +170,9 @@ def _wait(procs: list) -> None:
             return
 
 
-def _rank_main(cfg: SFTConfig, rank: int, world: int, tmp: str, errors: Any, level: int) -> None:
+def _rank_main(cfg: SFTConfig, rank: int, world: int, tmp: str, errors: Any, level: int,
+               env: dict[str, str]) -> None:
+    os.environ.update(env)  # the rank's device (`rank_visibility`), before anything asks the driver
     import torch.distributed as dist
 
     from polyrl.platform import get_platform
@@ -149,16 +185,15 @@ def _rank_main(cfg: SFTConfig, rank: int, world: int, tmp: str, errors: Any, lev
     try:
         with abort_on_signals():
             platform = get_platform(cfg.platform)
-            on_cpu = platform.torch_device(0).type == "cpu"
+            device = claim_rank_device(platform)
+            on_cpu = device.type == "cpu"
             backend = platform.cpu_dist_backend() if on_cpu else platform.dist_backend()
-            if not on_cpu:
-                platform.set_device(rank)
             store = dist.FileStore(str(Path(tmp) / "store"), world)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
             if rank != 0:  # one progress bar and one set of console lines
                 cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"progress_bar": False})})
-            SFTTrainer(cfg, rank, world, group=None, local_device=0 if on_cpu else rank).fit()
+            SFTTrainer(cfg, rank, world, group=None, local_device=device.index or 0).fit()
             dist.destroy_process_group()
     except (TrainingInterrupted, StartupInterrupted) as exc:  # the parent reports rank 0's message
         errors.put((rank, str(exc), exc.exit_code))
