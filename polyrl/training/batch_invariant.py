@@ -25,7 +25,7 @@ from polyrl.batch import MicroBatch
 from polyrl.modeling import torch_dtype
 from polyrl.rollout.native import invariant as inv
 from polyrl.rollout.native.loader import ModelSpec, spec_from_config
-from polyrl.rollout.native.moe import refuse_batch_invariant
+from polyrl.training import moe_replay
 
 _MARK = "_polyrl_batch_invariant"
 
@@ -36,7 +36,6 @@ def enable(model: torch.nn.Module, dtype: str | torch.dtype) -> None:
         raise ValueError("rollout.batch_invariant=true does not support LoRA policies (model.lora_rank > 0) "
                          "yet; set model.lora_rank=0 or rollout.batch_invariant=false")
     spec = spec_from_config(model.config)  # refuses architectures the engine does not run
-    refuse_batch_invariant(spec)
     dtype = torch_dtype(dtype)
     for layer in model.model.layers:
         layer._polyrl_invariant = (spec, dtype)
@@ -64,18 +63,48 @@ def hf_layer_view(layer: torch.nn.Module, dtype: torch.dtype) -> inv.LayerView:
         q_norm=None if q_norm is None else c(q_norm.weight), k_norm=None if k_norm is None else c(k_norm.weight),
         o=c(at.o_proj.weight), o_bias=c(at.o_proj.bias),
         post_norm=c(layer.post_attention_layernorm.weight),
-        gate=c(mlp.gate_proj.weight), up=c(mlp.up_proj.weight),
-        gate_bias=c(mlp.gate_proj.bias), up_bias=c(mlp.up_proj.bias),
-        down=c(mlp.down_proj.weight), down_bias=c(mlp.down_proj.bias),
+        **(_experts_view(mlp, c) if hasattr(mlp, "experts") else dict(
+            gate=c(mlp.gate_proj.weight), up=c(mlp.up_proj.weight),
+            gate_bias=c(mlp.gate_proj.bias), up_bias=c(mlp.up_proj.bias),
+            down=c(mlp.down_proj.weight), down_bias=c(mlp.down_proj.bias))),
     )
 
 
-def _layer_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention) -> torch.Tensor:
+def _experts_view(mlp: torch.nn.Module, c) -> dict:
+    """A Qwen3-MoE / Qwen2-MoE sparse block's tensors (invariant.ExpertsView), no dense MLP."""
+    shared = getattr(mlp, "shared_expert", None)
+    moe = inv.ExpertsView(
+        router=c(mlp.gate.weight), gate_up=c(mlp.experts.gate_up_proj), down=c(mlp.experts.down_proj),
+        shared_gate=None if shared is None else c(shared.gate_proj.weight),
+        shared_up=None if shared is None else c(shared.up_proj.weight),
+        shared_down=None if shared is None else c(shared.down_proj.weight),
+        shared_expert_gate=None if shared is None else c(mlp.shared_expert_gate.weight))
+    return dict(gate=None, up=None, gate_bias=None, up_bias=None, down=None, down_bias=None, moe=moe)
+
+
+def _routing(layer: torch.nn.Module, tokens: int):
+    """A mixture-of-experts layer's `invariant.Choose`: routing replay, its metrics and the
+    load-balancing loss (training/moe_replay.py) over the micro-batch's `tokens` real rows (the
+    rows past them pad the tiles and keep their own routes); None without a replay installed."""
+    router = getattr(getattr(layer, "mlp", None), "gate", None)
+    state = getattr(router, "_polyrl_state", None)
+    if state is None:
+        return None
+
+    def choose(ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        chosen = state.routed(router._polyrl_layer, ids[:tokens], probs[:tokens])
+        return torch.cat([chosen, ids[tokens:]])
+    return choose
+
+
+def _layer_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention,
+                   tokens: int = 0) -> torch.Tensor:
     spec, dtype = self._polyrl_invariant
+    choose = _routing(self, tokens)
 
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         with inv.serial():  # also when gradient checkpointing recomputes it inside the backward
-            return inv.layer_forward(spec, hf_layer_view(self, dtype), x, cos, sin, attention)
+            return inv.layer_forward(spec, hf_layer_view(self, dtype), x, cos, sin, attention, choose)
 
     # transformers checkpoints the class's `forward`, which this instance attribute replaces
     if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
@@ -109,11 +138,13 @@ def invariant_response_logprobs(model: torch.nn.Module, mb: MicroBatch, with_ent
     device = mb.input_ids.device
     segments, positions = _segments(mb)
     attention = functools.partial(_self_attention, spec, segments=segments)
+    moe_replay.begin(model, mb)  # mixture-of-experts: the routes to replay, as response_logprobs does
     with torch.autocast(device.type, enabled=False), inv.serial():
         x = inv.pad_rows(F.embedding(mb.input_ids.reshape(-1), trunk.embed_tokens.weight.to(dtype)))
         cos, sin = inv.rope(spec, F.pad(positions, (0, x.shape[0] - positions.shape[0])), dtype)
         for layer in trunk.layers:
-            x = layer(x, cos, sin, attention)
+            x = layer(x, cos, sin, attention, b * T)
+        moe_replay.end(model, mb)
         R = mb.target_ids.shape[1]
         real = torch.arange(R, device=device).unsqueeze(0) < mb.response_lengths.to(device).unsqueeze(1)
         offset = 0 if getattr(mb, "cu_seq_lens", None) is not None else (

@@ -28,6 +28,10 @@ tests/training/test_batch_invariant.py):
   values summed within each chunk and then chunk after chunk (a cumulative sum, sequential).
   Keys past a query's position contribute exact zeros, so the result is the same over the
   engine's cache capacity and over the trainer's sequence length. Scores and sums in float32.
+* Experts (`experts`, Qwen3-MoE / Qwen2-MoE): the router's logits through `linear`, the
+  softmax and top-k per row; each expert's tokens gathered and multiplied in their own padded
+  tiles (a token's product is the same bits whichever tokens share its expert's tile), and a
+  token's k expert outputs summed in its top-k slot order, one element-wise add at a time.
 * Casts: weights are used in the compute dtype (`w.to(dtype)`: a no-op in the engine, the same
   rounding as autocast in the trainer); the residual stream is in the compute dtype; norms in
   float32 then rounded (as the Hugging Face RMSNorm); logits in float32.
@@ -44,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from polyrl.rollout.native.loader import ModelSpec, rope_tables
+from polyrl.rollout.native.moe import MoeSpec
 
 TILE = 64
 """Rows per matmul call. A multiple of 64 also keeps every element-wise kernel on its vectorised
@@ -134,16 +139,33 @@ class LayerView:
     o: torch.Tensor
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor
+    gate: torch.Tensor | None  # gate / up / down: None in a mixture-of-experts layer (`moe`)
+    up: torch.Tensor | None
     gate_bias: torch.Tensor | None
     up_bias: torch.Tensor | None
-    down: torch.Tensor
+    down: torch.Tensor | None
     down_bias: torch.Tensor | None
+    moe: ExpertsView | None = None
+
+
+@dataclass
+class ExpertsView:
+    """A mixture-of-experts layer's tensors in the compute dtype (moe.py's layout)."""
+    router: torch.Tensor  # [E, H]
+    gate_up: torch.Tensor  # [E, 2I, H]: gate rows then up rows
+    down: torch.Tensor  # [E, H, I]
+    shared_gate: torch.Tensor | None = None  # Qwen2-MoE's shared expert: [S, H]
+    shared_up: torch.Tensor | None = None  # [S, H]
+    shared_down: torch.Tensor | None = None  # [H, S]
+    shared_expert_gate: torch.Tensor | None = None  # [1, H]
 
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(q [N, nh, hd], k [N, nkv, hd], v [N, nkv, hd]) -> [N, nh, hd]: where the keys come from."""
+
+Choose = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(the router's top-k ids [N, k], its float32 probabilities [N, E]) -> the ids the experts use:
+a mixture-of-experts layer's hook (the engine records routes, the trainer replays them)."""
 
 _ACTS = {
     "silu": F.silu,
@@ -154,8 +176,9 @@ _ACTS = {
 
 
 def layer_forward(spec: ModelSpec, lw: LayerView, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  attention: Attention) -> torch.Tensor:
-    """One decoder layer over rows x [N, H] (N a multiple of TILE), each row one token."""
+                  attention: Attention, choose: Choose | None = None) -> torch.Tensor:
+    """One decoder layer over rows x [N, H] (N a multiple of TILE), each row one token;
+    `choose`: a mixture-of-experts layer's routing hook (`Choose`)."""
     N, eps = x.shape[0], spec.rms_norm_eps
     h = rms_norm(x, lw.input_norm, eps)
     q = linear(h, lw.q, lw.q_bias).view(N, spec.num_heads, spec.head_dim)
@@ -170,8 +193,53 @@ def layer_forward(spec: ModelSpec, lw: LayerView, x: torch.Tensor, cos: torch.Te
     x = x + linear(a, lw.o, lw.o_bias)
     h = rms_norm(x, lw.post_norm, eps)
     act = _ACTS[spec.hidden_act]
+    if lw.moe is not None:
+        return x + experts(spec.moe, lw.moe, h, act, choose)
     mid = act(linear(h, lw.gate, lw.gate_bias)) * linear(h, lw.up, lw.up_bias)
     return x + linear(mid, lw.down, lw.down_bias)
+
+
+def experts(moe: MoeSpec, ev: ExpertsView, h: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
+            choose: Choose | None = None) -> torch.Tensor:
+    """The mixture-of-experts MLP of rows h [N, H] (N a multiple of TILE; post-norm), routed as
+    moe.py's `route` (logits in h's dtype, softmax in float32, top-k, optionally renormalised,
+    weights cast back), each token's result independent of the other rows.
+
+    The (token, slot) pairs are sorted by expert; each expert's rows are padded to whole tiles
+    and multiplied by `linear`, so a pair's product does not depend on how many tokens chose that
+    expert. Differentiable (the trainer's forward): the weights of the chosen experts are
+    `probs.gather(ids)`, which are the top-k values themselves when `choose` keeps the ids."""
+    N, k = h.shape[0], moe.top_k
+    probs = torch.softmax(linear(h, ev.router, None), dim=-1, dtype=torch.float32)  # row by row
+    ids = torch.topk(probs, k, dim=-1).indices
+    if choose is not None:
+        ids = choose(ids, probs)
+    top = probs.gather(-1, ids)
+    if moe.norm_topk_prob:  # the slots' sum one add at a time: no reduction kernel picks an order
+        total = top[:, 0]
+        for j in range(1, k):
+            total = total + top[:, j]
+        top = top / total[:, None]
+    weights = top.to(h.dtype)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // k
+    pieces, start = [], 0
+    for e, n in enumerate(torch.bincount(flat, minlength=ev.gate_up.shape[0]).tolist()):  # per expert
+        if n:
+            rows = pad_rows(h[token[start:start + n]])
+            gate, up = linear(rows, ev.gate_up[e], None).chunk(2, dim=-1)
+            mid = act(gate.contiguous()) * up  # contiguous: a whole number of vectors, no scalar tail
+            pieces.append(linear(mid, ev.down[e], None)[:n])
+        start += n
+    y = torch.cat(pieces)[torch.argsort(order)].view(N, k, -1)  # back to (token, slot) order
+    out = y[:, 0] * weights[:, :1]
+    for j in range(1, k):
+        out = out + y[:, j] * weights[:, j:j + 1]
+    if ev.shared_gate is not None:  # Qwen2-MoE: the shared expert, gated by a sigmoid
+        mid = act(linear(h, ev.shared_gate, None)) * linear(h, ev.shared_up, None)
+        out = out + torch.sigmoid(linear(h, ev.shared_expert_gate, None)) * linear(mid, ev.shared_down, None)
+    return out
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,

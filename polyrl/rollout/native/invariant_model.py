@@ -8,7 +8,9 @@ from them as from logits (same distribution) and reports the sampled token's ent
 (`sample(..., normalized=True)`). The weights are the engine's plain fused tensors read through
 views (q / k / v and gate / up are row slices of one matrix: the same shapes and values as the
 trainer's separate projections); they are never packed (matmul.py) and never widened, and the KV
-cache holds keys and values in the compute dtype.
+cache holds keys and values in the compute dtype. A mixture-of-experts layer (Qwen3-MoE, Qwen2-MoE)
+runs invariant.py's `experts` over the same fused expert tensors the trainer holds; decode records
+each input token's expert ids (`last_routes`, as DecoderModel does).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from polyrl.rollout.native import invariant as inv
 from polyrl.rollout.native.kv_cache import KVCache
 from polyrl.rollout.native.loader import ModelSpec
-from polyrl.rollout.native.moe import refuse_batch_invariant
+from polyrl.rollout.native.moe import MoeWeights
 from polyrl.rollout.native.weights import LayerWeights, ModelWeights
 
 
@@ -34,9 +36,20 @@ def engine_layer_view(spec: ModelSpec, lw: LayerWeights) -> inv.LayerView:
         v_bias=None if b is None else b[q + kv:],
         q_norm=None if lw.qk_norm is None else lw.qk_norm[0],
         k_norm=None if lw.qk_norm is None else lw.qk_norm[nh],
-        o=lw.o, o_bias=lw.o_bias, post_norm=lw.post_norm, gate=lw.gate_up[:I], up=lw.gate_up[I:],
+        o=lw.o, o_bias=lw.o_bias, post_norm=lw.post_norm,
+        gate=None if lw.moe else lw.gate_up[:I], up=None if lw.moe else lw.gate_up[I:],
         gate_bias=None if gb is None else gb[:I], up_bias=None if gb is None else gb[I:],
-        down=lw.down, down_bias=lw.down_bias,
+        down=lw.down, down_bias=lw.down_bias, moe=None if lw.moe is None else experts_view(lw.moe),
+    )
+
+
+def experts_view(w: MoeWeights) -> inv.ExpertsView:
+    """A mixture-of-experts layer's tensors under the math's names (views, no copy)."""
+    S = 0 if w.shared_down is None else w.shared_down.shape[1]
+    return inv.ExpertsView(
+        router=w.router, gate_up=w.gate_up, down=w.down,
+        shared_gate=None if not S else w.shared_gate_up[:S], shared_up=None if not S else w.shared_gate_up[S:],
+        shared_down=w.shared_down, shared_expert_gate=w.shared_gate,
     )
 
 
@@ -46,9 +59,11 @@ class InvariantDecoder:
     invariant = True
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, *, dtype: torch.dtype, device):
-        refuse_batch_invariant(spec)
         self.spec, self.w, self.dtype, self.device = spec, weights, dtype, torch.device(device)
         self.scale = spec.head_dim**-0.5
+        self.last_routes: torch.Tensor | None = None
+        """After a decode step of a mixture-of-experts model: the expert ids [B, moe layers, k]
+        each input token was routed to (as DecoderModel's, model.py)."""
 
     def _layers(self) -> list[inv.LayerView]:
         return [engine_layer_view(self.spec, lw) for lw in self.w.layers]
@@ -88,6 +103,12 @@ class InvariantDecoder:
         rows = torch.arange(B, device=tokens.device)
         Lp = inv.round_up(attend_len, inv.KEY_CHUNK)
         L = min(cache.capacity, Lp)
+        routes: list[torch.Tensor] = []
+
+        def record(ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+            routes.append(ids[:B])
+            return ids
+
         with inv.serial():
             x, cos, sin = self._embed(tokens, positions)
             for i, lw in enumerate(self._layers()):
@@ -100,7 +121,8 @@ class InvariantDecoder:
                         keys, values = (F.pad(t, (0, 0, 0, Lp - L)) for t in (keys, values))
                     out = inv.attend(q[:B].view(B, nkv, g, hd), keys, values, positions + 1, self.scale)
                     return inv.pad_rows(out.view(B, s.num_heads, hd))
-                x = inv.layer_forward(s, lw, x, cos, sin, attention)
+                x = inv.layer_forward(s, lw, x, cos, sin, attention, record)
+            self.last_routes = torch.stack(routes, 1) if routes else None
             return self._logprobs(x[:B])
 
     def extend(self, tokens: list[int], start: int, slot: int, cache: KVCache) -> torch.Tensor:

@@ -50,14 +50,6 @@ class MoeSpec:
     """Qwen2-MoE: the shared expert's intermediate size (0: no shared expert)."""
 
 
-def refuse_batch_invariant(spec: Any) -> None:
-    """The batch-invariant forward (invariant.py) has no expert layers yet: one line, not a
-    KeyError deep in it."""
-    if getattr(spec, "moe", None) is not None:
-        raise ValueError(f"rollout.batch_invariant=true: not supported for the mixture-of-experts "
-                         f"{spec.architecture} yet (docs/moe.md); set rollout.batch_invariant=false")
-
-
 def moe_spec(config: Any, arch: str) -> MoeSpec | None:
     """The mixture-of-experts shape of `config` (None for a dense architecture)."""
     if arch not in MOE_ARCHITECTURES:

@@ -1,7 +1,8 @@
 """Mixture-of-experts models in the native engine (moe.py; docs/moe.md): log-probs against a plain
 transformers forward in fp32 through prefill, decode and the prefix cache, per-expert checkpoint
-names and the fused in-memory names alike, and the one-line refusals (an MoE router shape the
-engine does not implement, in the pre-flight before Ray; batch-invariant mode)."""
+names and the fused in-memory names alike, and the one-line refusal of an MoE router shape the
+engine does not implement, in the pre-flight before Ray (batch-invariant mode:
+test_native_moe_invariant.py)."""
 
 from __future__ import annotations
 
@@ -78,13 +79,6 @@ def test_missing_expert_is_named(moe_models):
     del state["model.layers.2.mlp.experts.4.up_proj.weight"]
     with pytest.raises(ValueError, match="model.layers.2.mlp.experts.gate_up_proj"):
         NativeEngine.from_model(state, model.config, max_model_len=64)
-
-
-def test_batch_invariant_refused_in_one_line(moe_models):
-    path, _ = moe_models["qwen3_moe"]
-    with pytest.raises(ValueError, match="set rollout.batch_invariant=false") as err:
-        NativeEngine(path, max_model_len=64, batch_invariant=True)
-    assert "\n" not in str(err.value)
 
 
 def test_unsupported_moe_is_one_line_before_ray(tmp_path):
