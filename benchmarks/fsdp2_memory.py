@@ -107,6 +107,7 @@ def _sync_rank(rank: int, world: int, model_dir: str, store: str, out: str) -> N
     from polyrl.rollout.native.engine import NativeEngine
     from polyrl.training import build_engine
     from polyrl.training.checkpoint_io import model_tensors, write_hf_dir
+    from polyrl.distributed.topologies import COLOCATED, DISAGGREGATED
     from polyrl.weights import WeightSyncConfig, build_transport
     from polyrl.weights.base import WeightStream
     from polyrl.training.config import ActorConfig
@@ -123,7 +124,7 @@ def _sync_rank(rank: int, world: int, model_dir: str, store: str, out: str) -> N
     modes = {"broadcast (gloo)": dict(shared_memory=False), "broadcast (shared memory)": {}}
     transports = {m: build_transport(WeightSyncConfig(transport="broadcast", timeout_s=600, bucket_mb=SYNC_BUCKET_MB,
                                                       **extra),
-                                     "standalone", group=groups.group("weight_sync"))
+                                     DISAGGREGATED, group=groups.group("weight_sync"))
                   for m, extra in modes.items()} if "weight_sync" in groups.groups else {}
     ways = ("streamed", "listed")
     if groups.info.role != "trainer":
@@ -143,7 +144,7 @@ def _sync_rank(rank: int, world: int, model_dir: str, store: str, out: str) -> N
     engine = build_engine(load_causal_lm(model_dir), cfg, platform, platform.torch_device(0), rank=rank,
                           world_size=trainers, group=groups.group("trainer"), horizon=None)
     native = NativeEngine(model_dir, max_model_len=64)
-    in_place = build_transport(WeightSyncConfig(), "hybrid", engine=native)
+    in_place = build_transport(WeightSyncConfig(), COLOCATED, engine=native)
 
     def tracked(peaks: dict) -> WeightStream:
         stream, refs = engine.weight_stream(), []

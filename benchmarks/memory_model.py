@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     yes = {True: "yes", False: "**no**"}
     for r in rows:
-        print(f"| {r['model']} | {r['gpus']} | {r['mode']} | {r['trainers']} | {r['tp'] or '-'} | "
+        print(f"| {r['model']} | {r['gpus']} | {r['placement']} | {r['trainers']} | {r['tp'] or '-'} | "
               f"{r['update_gb']:.1f} | {r['generate_gb']:.1f} | {yes[r['fits']]} | {yes[r['fits_bf16_master']]} | "
               f"{yes[r['fits_offload']]} | {r['load_today_gb']:.0f}{'' if r['load_today_fits'] else ' (no)'} | "
               f"{r['load_sharded_gb']:.1f} |")
@@ -55,7 +55,7 @@ def print_moe(rows: list[dict]) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     yes = {True: "yes", False: "**no**"}
     for r in rows:
-        print(f"| {r['model']} | {r['params_b']:.1f}B / {r['active_b']:.1f}B | {r['gpus']} | {r['mode']} | {r['ep']} | "
+        print(f"| {r['model']} | {r['params_b']:.1f}B / {r['active_b']:.1f}B | {r['gpus']} | {r['placement']} | {r['ep']} | "
               f"{r['experts_per_rank']} | {r['gathered_layer_gb']:.2f} | {r['update_gb']:.1f} | "
               f"{r['generate_gb']:.1f} | {r['engine_gpus'] or '-'} | {yes[r['fits']]} | {yes[r['fits_bf16_master']]} |")
 

@@ -2,7 +2,7 @@
 
 A ~30M-parameter Qwen2-shaped state dict (fp32, tied embeddings, ~118 MB) is moved
     memcpy        copy_ into preallocated tensors of the same shapes (the baseline)
-    in_place      InPlaceTransport -> an engine that copies into its own tensors (hybrid)
+    in_place      InPlaceTransport -> an engine that copies into its own tensors (colocated)
     broadcast     BroadcastTransport, trainer rank -> 1 rollout rank: direct shared-memory
                   staging (same host; default), the chunked ring with --no-direct, or every
                   byte over gloo/loopback with --no-shm
@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from polyrl.distributed.topologies import COLOCATED, DISAGGREGATED  # noqa: E402
 from polyrl.weights import WeightSyncConfig, build_transport  # noqa: E402
 
 # Qwen2-style shapes near 30M parameters (as benchmarks/rollout.py's "30M").
@@ -114,7 +115,7 @@ def broadcast_rank(rank: int, world: int, store_path: str, out: str, reps: int, 
     config = WeightSyncConfig(transport="broadcast", bucket_mb=bucket_mb, timeout_s=120,
                               shared_memory=shared_memory, shm_slot_mb=slot_mb, shm_slots=slots,
                               shm_direct=direct)
-    transport = build_transport(config, "standalone", group=sync, watchdog=Watchdog(store, rank))
+    transport = build_transport(config, DISAGGREGATED, group=sync, watchdog=Watchdog(store, rank))
     tensors = model_tensors()
     dst = {k: torch.empty_like(v) for k, v in tensors.items()}
     engines = {"keep": KeepEngine(), "copy": CopyEngine(tensors) if rank else None}
@@ -180,9 +181,10 @@ def run_object_store(tensors, reps: int, bucket_mb: float) -> list[float]:
         @ray.remote(num_cpus=0)
         class Receiver:
             def __init__(self, mailbox, config):
+                from polyrl.distributed.topologies import DISAGGREGATED
                 from polyrl.weights import build_transport
 
-                self.transport = build_transport(config, "standalone", mailbox=mailbox)
+                self.transport = build_transport(config, DISAGGREGATED, mailbox=mailbox)
                 self.version = 0
 
             def receive(self):
@@ -199,7 +201,7 @@ def run_object_store(tensors, reps: int, bucket_mb: float) -> list[float]:
         config = WeightSyncConfig(transport="object_store", bucket_mb=bucket_mb, timeout_s=120)
         mailbox = create_mailbox()
         receiver = Receiver.remote(mailbox, config)
-        sender = build_transport(config, "standalone", mailbox=mailbox)
+        sender = build_transport(config, DISAGGREGATED, mailbox=mailbox)
         times = []
         for rep in range(reps + 1):
             t0 = time.perf_counter()
@@ -254,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     memcpy_s = statistics.median(memcpy_once(tensors, dst) for _ in range(reps))
 
     engine = CopyEngine(tensors)
-    in_place = build_transport(WeightSyncConfig(), "hybrid", engine=engine)
+    in_place = build_transport(WeightSyncConfig(), COLOCATED, engine=engine)
     in_place.send(tensors, 0)
     in_place_s = statistics.median(in_place.send(tensors, v + 1).seconds for v in range(reps))
 

@@ -65,7 +65,7 @@ class LoggingConfig(Config):
 class RayConfig(Config):
     enabled: bool = True
     """false: run the trainer, the policy worker and its engine in this one process, without
-    Ray (one rank, rollout.placement=hybrid, trainer.mode=sync; docs/training.md, "One process,
+    Ray (one rank, rollout.placement=colocated, trainer.mode=sync; docs/training.md, "One process,
     no Ray"): a debugger stops in any of them and nothing is spawned."""
     address: str | None = None
     """Ray cluster to join ("auto" = the cluster started by `ray start`); null starts a local
@@ -178,8 +178,8 @@ class JobConfig(Config):
         a, spec = self.actor, self.topology
         needs = [(a.world_size > 1, f"actor.world_size={a.world_size} needs a process per rank; set actor.world_size=1"),
                  (not spec.colocated_engine, f"rollout.placement={spec.placement} (the {spec.name} topology) "
-                  "runs the engines in processes of their own; set rollout.placement=hybrid trainer.mode=sync"),
-                 (self.distill.standalone_ranks > 0, "distill.placement=standalone runs the teacher on ranks of "
+                  "runs the engines in processes of their own; set rollout.placement=colocated trainer.mode=sync"),
+                 (self.distill.own_ranks > 0, "distill.placement=disaggregated runs the teacher on ranks of "
                   "its own; set distill.placement=colocated"),
                  (self.reward.model is not None, "reward.model runs in a reward worker of its own; use a reward "
                   "function or reward.http"),
@@ -198,7 +198,7 @@ class JobConfig(Config):
         except ValueError as exc:
             raise ValueError(str(exc)) from None
         if spec.colocated_engine and self.rollout.num_replicas > 1:
-            raise ValueError("num_replicas > 1 needs rollout.placement=standalone (hybrid placement runs one "
+            raise ValueError("num_replicas > 1 needs rollout.placement=disaggregated (colocated placement runs one "
                              "engine per trainer rank)")
         if spec.colocated_engine and self.data.train_batch_size % self.actor.world_size:
             raise ValueError(

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from polyrl.config import Config
+from polyrl.config.vocabulary import COLOCATED, DISAGGREGATED, canonical_placement
 
 
 MAX_WEIGHT = 1000.0
@@ -29,36 +30,43 @@ class DistillConfig(Config):
     reward_weight: float = Field(1.0, ge=0, le=MAX_WEIGHT, allow_inf_nan=False)
     """Weight of the task reward's advantages (the estimator's); 0 is pure distillation."""
 
-    placement: Literal["colocated", "standalone"] = "colocated"
-    """colocated: the teacher runs on the policy ranks beside the reference, sharded as
-    actor.strategy shards the policy (no extra devices). standalone: on distill.world_size Ray
-    actors of its own, one device each (a teacher too large to sit beside the policy); each
-    step's samples are sharded over them and their log-probs come back per sample."""
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    """Where the teacher lives (docs/architecture.md, "Vocabulary"). colocated: on the policy
+    ranks beside the reference, sharded as actor.strategy shards the policy (no extra devices).
+    disaggregated: on distill.world_size Ray actors of its own, one device each (a teacher too
+    large to sit beside the policy); each step's samples are sharded over them and their
+    log-probs come back per sample. The earlier value standalone is accepted as an alias of
+    disaggregated."""
 
     world_size: int = Field(1, ge=1)
-    """distill.placement=standalone: teacher ranks (one device and actor.num_cpus_per_worker
+    """distill.placement=disaggregated: teacher ranks (one device and actor.num_cpus_per_worker
     CPUs each), one process group of their own that distill.strategy shards the teacher over."""
 
     strategy: Literal["ddp", "fsdp2"] | None = None
-    """distill.placement=standalone: how the teacher ranks hold the teacher: ddp whole on every
+    """distill.placement=disaggregated: how the teacher ranks hold the teacher: ddp whole on every
     rank, fsdp2 sharded per decoder layer over them. null: actor.strategy. Forwards use the
     policy's log-prob path (actor.micro_batch_tokens, actor.packing, actor.compute_dtype)."""
 
     validate_teacher: bool = True
     """Score the teacher on the validation set once before step 1 (`distill/teacher_val_acc`,
     with the run's validation sampling), by a rollout engine of rollout.backend loaded from
-    distill.teacher where the teacher lives (the policy ranks, or the standalone teacher ranks)
+    distill.teacher where the teacher lives (the policy ranks, or the teacher's own ranks)
     and shut down after. Needs data.val_files; false skips it (say, a GPU engine that cannot
     start beside the policy's)."""
+
+    @field_validator("placement", mode="before")
+    @classmethod
+    def _placement_name(cls, value: object) -> object:
+        return canonical_placement(value, "distill.placement")
 
     @model_validator(mode="after")
     def _check(self) -> "DistillConfig":
         if self.enabled and self.coef == 0 and self.reward_weight == 0:
             raise ValueError("distill.coef=0 and distill.reward_weight=0 leave nothing to learn from; "
                              "set distill.coef > 0 (pure distillation: distill.reward_weight=0)")
-        if self.placement == "colocated" and (self.world_size != 1 or self.strategy is not None):
+        if self.placement == COLOCATED and (self.world_size != 1 or self.strategy is not None):
             key = "distill.world_size" if self.world_size != 1 else "distill.strategy"
-            raise ValueError(f"{key} sizes a standalone teacher; set distill.placement=standalone "
+            raise ValueError(f"{key} sizes a teacher on ranks of its own; set distill.placement=disaggregated "
                              "(colocated, the teacher is sharded over the policy ranks as actor.strategy says)")
         return self
 
@@ -67,6 +75,6 @@ class DistillConfig(Config):
         return self.teacher is not None
 
     @property
-    def standalone_ranks(self) -> int:
+    def own_ranks(self) -> int:
         """Ray actors of the teacher's own (0: none, the teacher is colocated or off)."""
-        return self.world_size if self.enabled and self.placement == "standalone" else 0
+        return self.world_size if self.enabled and self.placement == DISAGGREGATED else 0

@@ -19,6 +19,7 @@ from polyrl.backends import (
     version_problem,
 )
 from polyrl.cli.common import add_config_args, load_job_config
+from polyrl.distributed.topologies import TopologySpec
 from polyrl.envplan import PlanContext, build_plan
 from polyrl.platform import Platform, PlatformError, get_platform
 
@@ -115,9 +116,10 @@ def capability_findings(versions: Mapping[str, str | None], backend: str) -> lis
     return found
 
 
-def check_environment(platform: Platform, env: Mapping[str, str], backend: str = "native",
-                      placement: str = "hybrid") -> list[Finding]:
-    """Known-bad combinations of platform, engines and environment variables (pure)."""
+def check_environment(platform: Platform, env: Mapping[str, str], topology: TopologySpec,
+                      backend: str = "native") -> list[Finding]:
+    """Known-bad combinations of platform, engines and environment variables in a run of
+    `topology` (the config's planned `TopologySpec`) (pure)."""
     found: list[Finding] = []
     for var in platform.visible_devices_vars:
         if var in env and env[var].strip() == "":
@@ -127,12 +129,13 @@ def check_environment(platform: Platform, env: Mapping[str, str], backend: str =
         found.append(Finding("warn", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO",
                              "=1 on ROCm: Ray clears HIP_VISIBLE_DEVICES for num_gpus=0 server "
                              "actors, hiding every GPU from them (verl PR 6664)"))
-    if env.get("NCCL_CUMEM_ENABLE") == "1" and backend == "vllm" and placement == "standalone":
+    if env.get("NCCL_CUMEM_ENABLE") == "1" and backend == "vllm" and not topology.colocated_engine:
         found.append(Finding("warn", "NCCL_CUMEM_ENABLE",
-                             "=1 with standalone vLLM weight sync over NCCL is known to hang or "
+                             "=1 with disaggregated vLLM weight sync over NCCL is known to hang or "
                              "crash; keep it only if your system needs cuMem NCCL (GB300 class)"))
     if env.get("TLLM_DISABLE_NVLS_MNNVL") == "1":
-        job_plan = build_plan(PlanContext(platform, "job"), env, {})
+        job_plan = build_plan(PlanContext(platform, "job", placement=topology.placement, mode=topology.mode),
+                              env, {})
         if "NCCL_NVLS_ENABLE" not in job_plan or not job_plan["NCCL_NVLS_ENABLE"].source.startswith("rule:"):
             found.append(Finding("info", "TLLM_DISABLE_NVLS_MNNVL",
                                  "=1 has no effect here: the NVLS/MNNVL workaround applies only "
@@ -161,8 +164,9 @@ def check_ray(address: str | None) -> Finding:
         return Finding("error", "ray", f"Ray at {address} is not reachable: {exc}")
 
 
-def collect(env: Mapping[str, str] | None = None, backend: str = "native",
-            placement: str = "hybrid") -> list[Finding]:
+def collect(topology: TopologySpec, env: Mapping[str, str] | None = None,
+            backend: str = "native") -> list[Finding]:
+    """Every finding for a run of `topology` with the `backend` engine on this machine."""
     env = dict(os.environ if env is None else env)
     findings: list[Finding] = []
     try:
@@ -183,7 +187,7 @@ def collect(env: Mapping[str, str] | None = None, backend: str = "native",
     findings.extend(engine_version_findings(versions, backend))
     findings.extend(capability_findings(versions, backend))
     findings.append(check_ray(env.get("RAY_ADDRESS")))
-    findings.extend(check_environment(platform, env, backend, placement))
+    findings.extend(check_environment(platform, env, topology, backend))
     return findings
 
 
@@ -204,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     style = {"ok": "green", "info": "cyan", "warn": "yellow", "error": "bold red"}
     cfg = load_job_config(args)
-    findings = collect(backend=cfg.rollout.backend, placement=cfg.topology.placement)
+    findings = collect(cfg.topology, backend=cfg.rollout.backend)
     for f in findings:
         console.print(f"[{style[f.level]}]{f.level:>5}[/] {escape(f.topic)}: {escape(f.message)}", highlight=False)
     errors = sum(f.level == "error" for f in findings)

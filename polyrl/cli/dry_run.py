@@ -5,7 +5,7 @@ environment (value, source, reason) and the engine's launch arguments. `--platfo
 `--capability`, `--gpus-per-node` and `--nodes` plan for hardware this machine does not have:
 
     polyrl train --dry-run --platform gb200 -c configs/gsm8k_qwen_gpu.yaml rollout.backend=vllm
-    polyrl train --dry-run --json --platform mi300x rollout.placement=standalone rollout.num_replicas=2
+    polyrl train --dry-run --json --platform mi300x rollout.placement=disaggregated rollout.num_replicas=2
 
 Exit status: 0 for a complete plan, 1 when part of it cannot be built (the run would fail the same
 way; the plan says which part), 2 for a config or flag error.
@@ -173,7 +173,7 @@ def topology_text(plan: LaunchPlan) -> str:
 def duty_text(role: RolePlan) -> str:
     """What a policy or rollout actor does, from its plan (the same for every actor shown)."""
     parts = ["trains"] if role.role == "policy" else []
-    if role.role == "teacher":  # distill.placement=standalone (polyrl/workers/teacher.py)
+    if role.role == "teacher":  # distill.placement=disaggregated (polyrl/workers/teacher.py)
         parts.append("scores each step's samples with the distillation teacher (log-probs per sample "
                      "to the driver); its own process group")
     if role.role == "policy" and role.holds_teacher:  # distill.placement=colocated

@@ -7,9 +7,15 @@ import json
 import os
 
 from polyrl.cli.common import CLIError, add_config_args, choose_platform, load_job_config
+from polyrl.config.vocabulary import canonical_placement
 from polyrl.envplan import BACKENDS, MODES, PLACEMENTS, ROLES, PlanContext, build_plan
 from polyrl.envplan.plan import hosts_engine
 from polyrl.envplan.rules import BUNDLE_BACKENDS, PLACEMENT_BUNDLE_VAR
+
+
+def _placement(value: str) -> str:
+    """--placement with an earlier spelling (hybrid, standalone) read as its name."""
+    return str(canonical_placement(value, "rollout.placement"))
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,7 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--role", choices=ROLES, default="rollout", help="which process (default: rollout)")
     p.add_argument("--backend", choices=BACKENDS, help="rollout engine (default: from the config)")
-    p.add_argument("--placement", choices=PLACEMENTS, help="hybrid or standalone (default: config)")
+    p.add_argument("--placement", choices=PLACEMENTS, type=_placement,
+                   help="colocated or disaggregated (default: the config's; hybrid and standalone are "
+                   "accepted as their aliases)")
     p.add_argument("--mode", choices=MODES, help="sync or async (default: from the config)")
     p.add_argument("--platform", help="cpu, cuda, rocm, npu (default: detect, or the config)")
     p.add_argument("--capability", metavar="MAJOR.MINOR",
@@ -71,7 +79,7 @@ def check_bundle(ctx: PlanContext) -> None:
                        "(add --backend trtllm)")
     if not hosts_engine(ctx):
         raise CLIError(f"--bundle: the {ctx.role} role starts no engine in {ctx.placement} "
-                       "placement; use --role rollout (or --role trainer --placement hybrid)")
+                       "placement; use --role rollout (or --role trainer --placement colocated)")
     if not ctx.platform.ray_resource:
         raise CLIError(f"--bundle: on {ctx.platform.name} TensorRT-LLM places no Ray workers in "
                        "polyrl's bundles; add --platform cuda or a machine such as h100")

@@ -1,7 +1,7 @@
 """`polyrl placement`: check on the live Ray cluster that every actor of a job gets its planned
 devices, before a run (polyrl/placement/probe.py holds the check; scripts/gpu_check.sh runs it).
 
-    polyrl placement -c my.yaml rollout.backend=trtllm rollout.placement=standalone
+    polyrl placement -c my.yaml rollout.backend=trtllm rollout.placement=disaggregated
 
 Plans the job as `polyrl train` would (polyrl/topology/launch_plan.py), joins or starts Ray as the
 run does (`plan_job`), starts one probe actor per device-holding actor with the run's options and

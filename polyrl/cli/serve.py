@@ -22,7 +22,7 @@ DEFAULT_MODEL = "builtin:tiny-arith"
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API "
                        "(default: the bundled tiny model, on CPU)",
-                       description="Start a standalone rollout server with the built-in engine: "
+                       description="Start a rollout server with the built-in engine: "
                        "/v1/completions, /v1/chat/completions (streaming too), /v1/models, /health.")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"local Hugging Face model directory or builtin:NAME (default {DEFAULT_MODEL})")

@@ -1,4 +1,4 @@
-"""Rank layout for standalone placement: trainer ranks, then N rollout replicas of TP x PP ranks.
+"""Rank layout for disaggregated placement: trainer ranks, then N rollout replicas of TP x PP ranks.
 
 Everything a rank needs to know about where it sits is computed here, as plain data, so the
 layout can be checked without processes: its replica, its rank inside the replica, the member

@@ -15,6 +15,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
+from polyrl.distributed.topologies import TopologySpec
 from polyrl.envplan import EnvPlan, PlanContext, build_plan
 from polyrl.envplan.this_process import apply_here, restore
 from polyrl.platform import Platform
@@ -26,20 +27,22 @@ def plan_for_role(
     platform: Platform,
     role: str,
     *,
+    topology: TopologySpec,
     backend: str = "native",
-    placement: str = "hybrid",
-    mode: str = "sync",
     config_env: Mapping[str, str] | None = None,
     backend_version: str | None = None,
     hands_devices: bool = False,
     visible_devices: tuple[int, ...] = (),
     code_dirs: tuple[str, ...] = (),
 ) -> EnvPlan:
-    """The environment of an actor of `role`; `hands_devices`: it reserves no devices through
-    Ray and gives its engine processes the devices of its placement (`visible_devices`) itself
-    (`PlanContext`); `code_dirs`: where the config's plugins import from (PYTHONPATH)."""
-    ctx = PlanContext(platform, role, backend, placement, mode, backend_version,  # type: ignore[arg-type]
-                      hands_devices, tuple(visible_devices))
+    """The environment of an actor of `role` in a run of `topology` (the planned `TopologySpec`,
+    polyrl/distributed/topologies.py: its placement and mode scope the rules); `hands_devices`:
+    it reserves no devices through Ray and gives its engine processes the devices of its
+    placement (`visible_devices`) itself (`PlanContext`); `code_dirs`: where the config's
+    plugins import from (PYTHONPATH)."""
+    ctx = PlanContext(platform, role, backend, placement=topology.placement,  # type: ignore[arg-type]
+                      mode=topology.mode, backend_version=backend_version,
+                      hands_devices=hands_devices, visible_devices=tuple(visible_devices))
     return build_plan(ctx, user_env=os.environ, config_env=config_env or {}, code_dirs=code_dirs)
 
 

@@ -1,7 +1,7 @@
 """The typed plan each policy, rollout or teacher actor is handed: what it does in its run.
 
 The launch plan (polyrl/topology/launch_plan.py:plan_launch) builds one `RolePlan` per policy
-rank, rollout actor and standalone distillation teacher rank from the run's topology
+rank, rollout actor and disaggregated distillation teacher rank from the run's topology
 (polyrl/distributed/topologies.py) and starts the actor with it; the workers
 (polyrl/workers/policy.py, rollout_worker.py, streaming_replica.py, teacher.py) act on it and
 never read `rollout.placement` or `trainer.mode`. A policy rank's plan carries its training mesh

@@ -5,12 +5,13 @@ This module is the one place that reads `rollout.placement` and `trainer.mode`
 actor is handed (polyrl/distributed/role.py, built by polyrl/topology/launch_plan.py). The
 topology classes (polyrl/topology/) each name their spec. It sits low (it imports nothing of
 polyrl), so the job schema (polyrl/job.py) and the weights' config validate against the same
-table the launch uses.
+table the launch uses. The placement names are polyrl/config/vocabulary.py's (the config models
+turn the earlier hybrid / standalone into them).
 
-    topology       rollout.placement  trainer.mode  engine             weights            staleness
-    colocated      hybrid             sync          in each policy rank  in_place           on-policy
-    disaggregated  standalone         sync          replicas, one world  broadcast | object_store  on-policy
-    streaming      standalone         async         replicas, no world   object_store       bounded
+    topology       rollout.placement  trainer.mode  engine               weights                   staleness
+    colocated      colocated          sync          in each policy rank  in_place                  on-policy
+    disaggregated  disaggregated      sync          replicas, one world  broadcast | object_store  on-policy
+    streaming      disaggregated      async         replicas, no world   object_store              bounded
 
 Disaggregated sync is not folded into streaming with max_staleness 0 (TitanRL's view): streaming
 seeds, schedules and importance-weights differently (a token-level correction in async mode,
@@ -23,6 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from polyrl.config.vocabulary import COLOCATED as COLOCATED_PLACEMENT
+from polyrl.config.vocabulary import DISAGGREGATED as DISAGGREGATED_PLACEMENT
+from polyrl.config.vocabulary import PLACEMENTS
 
 
 @dataclass(frozen=True)
@@ -47,14 +52,15 @@ class TopologySpec:
 
     @property
     def mode(self) -> str:
-        """The trainer.mode this topology runs in (what `OffPolicyConfig.resolve` takes)."""
+        """The trainer.mode this topology runs in (the environment rules are scoped by it)."""
         return "sync" if self.on_policy else "async"
 
     @property
     def placement(self) -> str:
-        """The rollout.placement that selects it (hybrid / standalone): the name environment
-        rules are scoped by (polyrl/envplan/rules.py)."""
-        return "hybrid" if self.colocated_engine else "standalone"
+        """Where its engine lives (colocated / disaggregated, polyrl/config/vocabulary.py): the
+        rollout.placement that selects it and the name environment rules are scoped by
+        (polyrl/envplan/rules.py)."""
+        return COLOCATED_PLACEMENT if self.colocated_engine else DISAGGREGATED_PLACEMENT
 
     @property
     def shared_world(self) -> bool:
@@ -78,14 +84,14 @@ class TopologySpec:
 
 COLOCATED = TopologySpec(
     "colocated", colocated_engine=True, rollout_actors="none", transports=("in_place",), on_policy=True,
-    refusal="weights.transport={transport} has no receiver under rollout.placement=hybrid (the engine "
+    refusal="weights.transport={transport} has no receiver under rollout.placement=colocated (the engine "
             "shares the trainer's process and weights); set weights.transport=auto (in_place), or "
-            "rollout.placement=standalone to send weights to replicas")
+            "rollout.placement=disaggregated to send weights to replicas")
 DISAGGREGATED = TopologySpec(
     "disaggregated", colocated_engine=False, rollout_actors="ranks", transports=("broadcast", "object_store"),
     on_policy=True,
-    refusal="weights.transport={transport} needs rollout.placement=hybrid (a standalone engine lives in "
-            "another process); use weights.transport=broadcast or object_store")
+    refusal="weights.transport={transport} needs rollout.placement=colocated (a disaggregated engine "
+            "lives in another process); use weights.transport=broadcast or object_store")
 STREAMING = TopologySpec(
     "streaming", colocated_engine=False, rollout_actors="replicas", transports=("object_store",),
     on_policy=False,
@@ -95,16 +101,18 @@ STREAMING = TopologySpec(
 
 TOPOLOGY_SPECS: dict[str, TopologySpec] = {s.name: s for s in (COLOCATED, DISAGGREGATED, STREAMING)}
 
-ASYNC_NEEDS_STANDALONE = ("trainer.mode=async needs rollout.placement=standalone (rollout replicas on "
-                          "their own actors keep generating while the trainer trains); set "
-                          "rollout.placement=standalone")
+ASYNC_NEEDS_DISAGGREGATED = ("trainer.mode=async needs rollout.placement=disaggregated (rollout replicas "
+                             "on their own actors keep generating while the trainer trains); set "
+                             "rollout.placement=disaggregated")
 
 
 def select_topology(placement: str, mode: str = "sync") -> TopologySpec:
     """The topology `rollout.placement` x `trainer.mode` selects (ValueError: none does)."""
-    if placement == "hybrid":
+    if placement not in PLACEMENTS:
+        raise ValueError(f"rollout.placement={placement} is not one of {', '.join(PLACEMENTS)}")
+    if placement == COLOCATED_PLACEMENT:
         if mode == "async":
-            raise ValueError(ASYNC_NEEDS_STANDALONE)
+            raise ValueError(ASYNC_NEEDS_DISAGGREGATED)
         return COLOCATED
     return STREAMING if mode == "async" else DISAGGREGATED
 
@@ -115,7 +123,7 @@ def topology_of(cfg: Any) -> TopologySpec:
     return select_topology(cfg.rollout.placement, cfg.trainer.mode)
 
 
-TEACHER_PLACEMENTS = ("none", "colocated", "standalone")
+TEACHER_PLACEMENTS = ("none", COLOCATED_PLACEMENT, DISAGGREGATED_PLACEMENT)
 """Where a distillation teacher is held: no teacher; loaded on every policy rank beside the
 policy (frozen, like the reference); on ranks of its own (polyrl/workers/teacher.py)."""
 
@@ -126,9 +134,3 @@ def teacher_placement_of(cfg: Any) -> str:
     (`RolePlan.holds_teacher`, polyrl/topology/launch_plan.py)."""
     d = cfg.distill
     return d.placement if d.enabled else "none"
-
-
-def colocated_engine(rollout: Any) -> bool:
-    """Whether a `RolloutConfig`'s engine is colocated with the policy ranks: what the launch
-    arguments assume when no actor plan says (rollout.placement alone decides it)."""
-    return select_topology(rollout.placement).colocated_engine

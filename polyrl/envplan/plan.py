@@ -10,7 +10,7 @@ import dataclasses
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Literal, Mapping, Sequence
 
 from polyrl.envplan.rules import (
@@ -24,6 +24,7 @@ from polyrl.envplan.rules import (
     EnvRule,
 )
 from polyrl.backends import ROLLOUT_BACKENDS
+from polyrl.config.vocabulary import COLOCATED, PLACEMENTS
 from polyrl.envplan.code_paths import PYTHONPATH, RAY_JOB_VAR, python_path_dirs
 from polyrl.platform import Platform
 
@@ -31,7 +32,6 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("job", "trainer", "rollout")
 BACKENDS = ROLLOUT_BACKENDS  # live: a plugin backend registered later is valid here too
-PLACEMENTS = ("hybrid", "standalone")
 MODES = ("sync", "async")
 
 Source = str  # "user-env" | "config" | "platform-default" | "polyrl-default" | "rule:<id>" | "plugins"
@@ -58,8 +58,12 @@ class PlanContext:
     platform: Platform
     role: Literal["job", "trainer", "rollout"] = "job"
     backend: str = "native"
-    placement: str = "hybrid"
-    mode: str = "sync"
+    _: KW_ONLY
+    placement: str
+    """Where the run's rollout engine lives (colocated / disaggregated,
+    polyrl/config/vocabulary.py): the planned topology's (`TopologySpec.placement`)."""
+    mode: str
+    """sync / async: the planned topology's (`TopologySpec.mode`)."""
     backend_version: str | None = None
     hands_devices: bool = False
     """The actor reserves no devices through Ray and hands its engine processes the devices of
@@ -124,11 +128,11 @@ class EnvPlan:
 
 
 def hosts_engine(ctx: PlanContext) -> bool:
-    """Whether processes of this role run the rollout engine: rollout actors, and in hybrid
+    """Whether processes of this role run the rollout engine: rollout actors, and in colocated
     placement the trainer ranks (the engine is colocated in the policy process). The engine's
     environment follows the engine into whichever process hosts it (verl PR 6664 set
     SGLANG_USE_AITER for server actors only, so a colocated engine on ROCm missed it)."""
-    return ctx.role == "rollout" or (ctx.role == "trainer" and ctx.placement == "hybrid")
+    return ctx.role == "rollout" or (ctx.role == "trainer" and ctx.placement == COLOCATED)
 
 
 def _platform_defaults(ctx: PlanContext) -> list[tuple[str, str, str, str]]:

@@ -13,6 +13,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from polyrl.backends import ENGINE_PROCESS_BACKENDS
+from polyrl.config.vocabulary import DISAGGREGATED
 
 if TYPE_CHECKING:
     from polyrl.envplan.plan import PlanContext
@@ -84,7 +85,7 @@ RULES: tuple[EnvRule, ...] = (
         link="https://github.com/verl-project/verl/pull/7564",
         roles=frozenset({"job"}),
         platforms=frozenset({"cuda", "rocm"}),
-        placements=frozenset({"standalone"}),
+        placements=frozenset({DISAGGREGATED}),
         multi_node_nvlink=False,
     ),
     EnvRule(
@@ -97,7 +98,7 @@ RULES: tuple[EnvRule, ...] = (
         link="https://github.com/verl-project/verl/pull/7564",
         roles=frozenset({"job"}),
         platforms=frozenset({"cuda"}),
-        placements=frozenset({"standalone"}),
+        placements=frozenset({DISAGGREGATED}),
         multi_node_nvlink=True,
     ),
     EnvRule(
@@ -119,7 +120,7 @@ RULES: tuple[EnvRule, ...] = (
         "is set; polyrl's rollout log-probs (used as the trainer's old log-probs and for "
         "off-policy correction) must be those of the unmodified policy",
         link="https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/layers/sampler.py",
-        # hybrid placement runs the engine inside the trainer process
+        # colocated placement runs the engine inside the trainer process
         roles=frozenset({"trainer", "rollout"}),
         backends=frozenset({"sglang"}),
     ),

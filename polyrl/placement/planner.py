@@ -2,7 +2,7 @@
 
 The job is a list of gangs. A gang is actors that must share one node: a tensor-parallel rollout
 replica (its engine's TP workers talk over the node's NVLink / xGMI / HCCS), or the policy ranks
-whose colocated engines form one TP group in hybrid placement. A lone actor is a gang of one.
+whose colocated engines form one TP group in colocated placement. A lone actor is a gang of one.
 Gangs are placed first-fit, in job order, on nodes of `devices_per_node` devices; device ids on a
 node are handed out in placement order. So the policy ranks fill node 0 from device 0, replicas
 follow, and a gang never straddles two nodes.

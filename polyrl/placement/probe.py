@@ -14,7 +14,7 @@ visible-devices variable, the in-process device index its platform derives from 
 and, on a real GPU, the device's name as torch sees it. Three kinds of actor are checked:
 
 - an actor reserving its devices: Ray narrowed its visibility to exactly them (index 0..n-1);
-- an engine host (`hands`: a TP-k standalone replica's leader) asks Ray for no device and sees
+- an engine host (`hands`: a TP-k disaggregated replica's leader) asks Ray for no device and sees
   its replica's k devices (RAY_EXPERIMENTAL_NOSET_*);
 - a TensorRT-LLM engine starter (its plan names its bundle, POLYRL_PLACEMENT_BUNDLE) holds a share
   of its device and keeps the whole node visible, as its plan's NOSET says, so that TRT-LLM's

@@ -166,7 +166,7 @@ class Platform:
         On an accelerator it maps both device types (`cpu:gloo,cuda:nccl`): device tensors
         (gradients, weight buckets) go through the platform's library, and CPU tensors (the
         pickled objects and sizes of `distributed/collectives.py`, manifests, votes) through gloo.
-        A group of the platform's backend alone refuses every CPU tensor, so each standalone weight
+        A group of the platform's backend alone refuses every CPU tensor, so each disaggregated weight
         sync and replica-leader push failed on GPUs (issue #28; verl keeps a CPU group for these).
         """
         if device_type == "cpu":

@@ -159,7 +159,7 @@ class RolloutEngine(Protocol):
 
     @classmethod
     def from_model(cls, model: Any, *args: Any, tokenizer: Any = None, **kwargs: Any) -> "RolloutEngine":
-        """Hybrid placement: an engine in this process serving `model`'s current weights as
+        """Colocated placement: an engine in this process serving `model`'s current weights as
         version 0 (`polyrl/rollout/factory.py` passes the engine's own arguments)."""
         ...
 

@@ -12,19 +12,22 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from polyrl.config import Config
+from polyrl.config.vocabulary import canonical_placement
 
 
 class RolloutConfig(Config):
     backend: str = "native"
     """Rollout engine: native (the built-in PyTorch engine, runs anywhere), vllm, sglang or
     trtllm (GPU engines), or a backend a plugin registered (`polyrl/backends.py`)."""
-    placement: Literal["hybrid", "standalone"] = "hybrid"
-    """hybrid: one engine inside each policy rank's process, on its device; after each update
-    the rank copies its weights into it (weights.transport=in_place) and it frees its KV cache
-    while training. standalone: rollout.num_replicas replicas as Ray actors with devices of their
-    own; new weights reach them through weights.transport: a bucketed broadcast from the
-    trainer's weight-sync leader in sync mode (through shared memory on one host), the object
-    store in async mode (trainer.mode=async, which requires standalone)."""
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    """Where the engine lives (docs/architecture.md, "Vocabulary"). colocated: one engine inside
+    each policy rank's process, on its device; after each update the rank copies its weights
+    into it (weights.transport=in_place) and it frees its KV cache while training.
+    disaggregated: rollout.num_replicas replicas as Ray actors with devices of their own; new
+    weights reach them through weights.transport: a bucketed broadcast from the trainer's
+    weight-sync leader in sync mode (through shared memory on one host), the object store in
+    async mode (trainer.mode=async, which requires disaggregated). The earlier values hybrid
+    and standalone are accepted as aliases of colocated and disaggregated."""
     n: int = Field(8, ge=1)
     """Samples per prompt (the GRPO group size)."""
     temperature: float = Field(1.0, ge=0)
@@ -42,7 +45,7 @@ class RolloutConfig(Config):
     max_num_seqs: int = Field(256, ge=1)
     """Most sequences decoded together in one engine step."""
     num_replicas: int = Field(1, ge=1)
-    """Rollout replicas (standalone placement)."""
+    """Rollout replicas (disaggregated placement)."""
     tensor_parallel_size: int = Field(1, ge=1)
     """Devices per rollout replica."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
@@ -58,8 +61,8 @@ class RolloutConfig(Config):
     and TRT-LLM quantize on the sending side, vLLM on the receiving side). GPU engines only."""
     load_format: Literal["auto", "dummy"] | None = None
     """How a GPU engine gets its first weights: "auto" reads the checkpoint from disk, "dummy"
-    allocates random weights that the first weight sync overwrites. Unset: "dummy" in hybrid
-    placement or with quantization=fp8, else "auto". Outside hybrid placement "dummy" is turned
+    allocates random weights that the first weight sync overwrites. Unset: "dummy" in colocated
+    placement or with quantization=fp8, else "auto". Outside colocated placement "dummy" is turned
     into "auto" unless quantization=fp8 (nothing else would ever fill the weights)."""
     lora_mode: Literal["merged", "adapter"] = "merged"
     """How a LoRA policy (model.lora_rank > 0) reaches the engines. merged: every sync sends the
@@ -86,6 +89,11 @@ class RolloutConfig(Config):
     equal bit for bit whatever the batch, padding, packing or KV-cache layout, and
     `rollout/logprob_diff_max` is 0.0. Slower (docs/benchmarks.md "Batch-invariant mode");
     docs/algorithms.md "Exactly on-policy"."""
+
+    @field_validator("placement", mode="before")
+    @classmethod
+    def _placement_name(cls, value: object) -> object:
+        return canonical_placement(value, "rollout.placement")
 
     @field_validator("batch_invariant")
     @classmethod

@@ -107,7 +107,7 @@ def colocated_engine_streams(cfg: RolloutConfig) -> bool:
 def build_colocated_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer: Any,
                            device: torch.device, seed: int = 0, platform: Platform | None = None,
                            first_weights: Any = None):
-    """An engine in this process that starts from `model`'s weights (hybrid placement), or, for a
+    """An engine in this process that starts from `model`'s weights (colocated placement), or, for a
     GPU engine given `first_weights` (the training engine's weight stream, the policy loaded
     sharded), from dummy weights overwritten by that stream: every trainer rank loads its own
     engine at once, as the stream's gathers are collectives."""
@@ -138,7 +138,7 @@ def build_colocated_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer
 def build_standalone_engine(cfg: RolloutConfig, model_path: str, device: torch.device, seed: int = 0,
                             platform: Platform | None = None, trust_remote_code: bool = False,
                             tokenizer_path: str | None = None):
-    """An engine that loads the policy's initial weights from disk (standalone placement); later
+    """An engine that loads the policy's initial weights from disk (disaggregated placement); later
     versions arrive through the weight transport. Its tokenizer is loaded here, by the loader
     every layer shares, so `model.trust_remote_code` / `model.tokenizer_path` hold for replicas
     as they do for the trainer."""

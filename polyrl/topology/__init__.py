@@ -1,8 +1,8 @@
 """Rollout topologies: how rollout is placed and timed relative to training (base.py).
 
-    colocated      rollout.placement=hybrid                        colocated.py
-    disaggregated  rollout.placement=standalone, trainer.mode=sync   disaggregated.py
-    streaming      rollout.placement=standalone, trainer.mode=async  streaming.py
+    colocated      rollout.placement=colocated                          colocated.py
+    disaggregated  rollout.placement=disaggregated, trainer.mode=sync   disaggregated.py
+    streaming      rollout.placement=disaggregated, trainer.mode=async  streaming.py
 
 What each one is (its engine, actors, transports, staleness) is data in polyrl/distributed/topologies.py, which is also
 the one place that maps the config onto a topology (`topology_of`); `build_topology` builds the

@@ -2,9 +2,9 @@
 
 A topology is one way of placing and timing rollout relative to training:
 
-    colocated      (rollout.placement=hybrid)                    colocated.py
-    disaggregated  (rollout.placement=standalone, trainer.mode=sync)  disaggregated.py
-    streaming      (rollout.placement=standalone, trainer.mode=async) streaming.py
+    colocated      (rollout.placement=colocated)                         colocated.py
+    disaggregated  (rollout.placement=disaggregated, trainer.mode=sync)  disaggregated.py
+    streaming      (rollout.placement=disaggregated, trainer.mode=async) streaming.py
 
 What each one is (engine, actors, transports, staleness) is its `spec`
 (polyrl/distributed/topologies.py); its actors are started with their `RolePlan`s from the launch
@@ -91,7 +91,7 @@ class Topology(abc.ABC):
         self.ctx, self.cfg = ctx, ctx.cfg
         self.policy: PolicyGroup | None = None
         self.teacher: PolicyGroup | None = None
-        """The distillation teacher's own ranks (distill.placement=standalone; `start_teacher`)."""
+        """The distillation teacher's own ranks (distill.placement=disaggregated; `start_teacher`)."""
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -122,7 +122,7 @@ class Topology(abc.ABC):
         self.publish(bump=False)
 
     def start_teacher(self) -> PolicyGroup:
-        """Start the standalone teacher ranks planned with this topology's actors (after
+        """Start the disaggregated teacher ranks planned with this topology's actors (after
         `start`); waits on them go through the policy's waiter (streaming: replicas stay fed)."""
         self.teacher = start_teacher(self.ctx, self.launch, self.policy.waiter)
         return self.teacher

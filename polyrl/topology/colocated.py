@@ -1,4 +1,4 @@
-"""Colocated rollout (rollout.placement=hybrid; `COLOCATED` in polyrl/distributed/topologies.py):
+"""Colocated rollout (rollout.placement=colocated; `COLOCATED` in polyrl/distributed/topologies.py):
 every policy rank hosts a rollout engine on its own device. Generation is split evenly over the ranks' engines; after each update a rank copies
 its weights into its engine in place (weights/in_place.py), so nothing crosses a process."""
 

@@ -1,4 +1,4 @@
-"""Disaggregated synchronous rollout (rollout.placement=standalone, trainer.mode=sync;
+"""Disaggregated synchronous rollout (rollout.placement=disaggregated, trainer.mode=sync;
 `DISAGGREGATED` in polyrl/distributed/topologies.py): rollout replicas on their own actors and
 devices. Trainer ranks and every replica rank share one
 torch.distributed world (`RankLayout`); each new version travels from the weight-sync leader over

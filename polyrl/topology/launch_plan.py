@@ -1,6 +1,6 @@
 """The launch plan of a training run, computed without starting anything.
 
-For the Ray job and for every Ray actor a run starts (each policy rank; each standalone rollout
+For the Ray job and for every Ray actor a run starts (each policy rank; each disaggregated rollout
 rank), the plan holds what the launch uses: the actor's name, its Ray resources, its node and
 device ids (`polyrl.placement`), its environment with provenance (`polyrl.envplan`), the exact
 engine launch arguments (`polyrl.rollout.launch_args`) and, for policy and rollout actors, the
@@ -28,6 +28,7 @@ from typing import Any
 from polyrl.builtin import resolve
 from polyrl.distributed.layout import RankLayout
 from polyrl.distributed.role import EngineLaunch, RolePlan
+from polyrl.config.vocabulary import COLOCATED
 from polyrl.distributed.topologies import TopologySpec, teacher_placement_of
 from polyrl.distributed.ray_launch import actor_options, plan_for_role
 from polyrl.envplan import EnvPlan
@@ -54,7 +55,7 @@ class ActorPlan:
     name: str
     """As the run names it in errors and timeouts ("policy rank 0", "rollout replica 1 (rank 2)")."""
     role: str
-    """policy (trains; in hybrid placement also hosts the rollout engine) or rollout."""
+    """policy (trains; in colocated placement also hosts the rollout engine) or rollout."""
     rank: int | None
     """Global torch.distributed rank (None: the actor does not join the run's process group, as
     async replicas and the weight mailbox)."""
@@ -71,7 +72,7 @@ class ActorPlan:
     """Planned node and device ids (`plan_launch`; None: no devices, or not planned yet). An
     engine host's are the one device its bundle reserves (the first of its replica)."""
     hands: tuple[int, ...] | None = None
-    """An engine host's (a TP-k standalone replica's leader): the k device ids of its replica on
+    """An engine host's (a TP-k disaggregated replica's leader): the k device ids of its replica on
     its node, which it sees (and its engine's TP workers use) while asking Ray for none."""
     bundle: dict[str, Any] | None = None
     """Resources of its placement-group bundle when they differ from `resources` (an engine
@@ -190,9 +191,8 @@ def devices_reserved(resources: dict[str, Any]) -> float:
 
 
 def _env_kwargs(cfg: JobConfig, engine_version: str | None) -> dict[str, Any]:
-    spec = cfg.topology  # the environment rules are scoped by placement and mode names (R2)
-    return dict(backend=cfg.rollout.backend, placement=spec.placement, mode=spec.mode,
-                config_env=cfg.env, backend_version=engine_version, code_dirs=plugin_code_dirs(cfg))
+    # the environment rules are scoped by the planned topology's placement and mode (R2)
+    return dict(topology=cfg.topology, backend=cfg.rollout.backend, config_env=cfg.env, backend_version=engine_version, code_dirs=plugin_code_dirs(cfg))
 
 
 def plugin_code_dirs(cfg: JobConfig) -> tuple[str, ...]:
@@ -244,7 +244,7 @@ def plan_actors(cfg: JobConfig, platform: Platform, engine_version: str | None =
     then the topology's rollout actors (disaggregated: one per rollout rank, in the policy ranks'
     world; streaming: one per replica, outside any process group), then the weight mailbox when
     weights travel through Ray's object store, then the distillation teacher's own ranks
-    (distill.placement=standalone: one device each, in a process group of their own, so
+    (distill.placement=disaggregated: one device each, in a process group of their own, so
     `rank` None). Each policy, rollout and teacher actor carries its `RolePlan` (`role_plans`)."""
     spec = cfg.topology
     per_actor, _ = cpus_needed(cfg)
@@ -303,13 +303,13 @@ def plan_actors(cfg: JobConfig, platform: Platform, engine_version: str | None =
 
 def role_plans(cfg: JobConfig, num_threads: int, engine: EngineLaunch | None = None,
                mesh: ParallelDims | None = None) -> dict[str, list[RolePlan]]:
-    """The `RolePlan` of every policy rank, rollout actor and standalone teacher rank of `cfg`,
+    """The `RolePlan` of every policy rank, rollout actor and disaggregated teacher rank of `cfg`,
     by role, in start order: what the topology (`cfg.topology`) makes each one do. `engine`:
     the engine's launch arguments as the plan shows them; `mesh`: the policy ranks' training
     mesh, which each policy rank's plan carries (default: the config's)."""
     mesh = mesh or ParallelDims.from_actor(cfg.actor)
     spec = cfg.topology
-    teacher_here = teacher_placement_of(cfg) == "colocated"  # on every policy rank
+    teacher_here = teacher_placement_of(cfg) == COLOCATED  # on every policy rank
     seed, world = cfg.trainer.seed, cfg.actor.world_size
     common = dict(topology=spec.name, num_threads=num_threads, transport=cfg.weight_transport,
                   background_publish=cfg.resolved_weights.background_publish, on_policy=spec.on_policy,
@@ -348,10 +348,10 @@ def role_plans(cfg: JobConfig, num_threads: int, engine: EngineLaunch | None = N
 
 
 def teacher_plans(cfg: JobConfig, common: dict[str, Any]) -> list[RolePlan]:
-    """distill.placement=standalone: the teacher ranks (polyrl/workers/teacher.py), a world of
+    """distill.placement=disaggregated: the teacher ranks (polyrl/workers/teacher.py), a world of
     their own (distill.world_size ranks, group "teacher"); they host no engine and send no
     weights (the teacher is frozen). Empty otherwise."""
-    n = cfg.distill.standalone_ranks
+    n = cfg.distill.own_ranks
     own = {**common, "colocated_engine": False}
     # every teacher rank data parallel: whole (ddp) or sharded (fsdp2), no sp or tp
     mesh = ParallelDims.of(cfg.distill.strategy or cfg.actor.strategy, n) if n else None
@@ -385,7 +385,7 @@ def _whole(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def engine_hosts(cfg: JobConfig, platform: Platform) -> bool:
-    """Whether standalone sync replicas have an engine host: a GPU engine with
+    """Whether disaggregated sync replicas have an engine host: a GPU engine with
     rollout.tensor_parallel_size > 1 on a device platform. The replica leader then hosts the
     replica's one TP-k engine, whose workers must see all k devices of the replica. Not for an
     engine whose TP workers are Ray actors in the replica's bundles (`engine_worker`:
@@ -420,7 +420,7 @@ def engine_worker(cfg: JobConfig, platform: Platform) -> EngineWorker | None:
 
 def engine_worker_cpus(cfg: JobConfig, platform: Platform) -> int:
     """CPUs the engine's own Ray workers reserve in polyrl's bundles (one worker per device of a
-    hybrid policy rank, a standalone rollout rank or an async TP-1 replica), which a local Ray
+    colocated policy rank, a disaggregated rollout rank or an async TP-1 replica), which a local Ray
     instance must hold too: else its placement groups cannot be reserved on a machine with few
     cores."""
     worker, spec = engine_worker(cfg, platform), cfg.topology
@@ -465,7 +465,7 @@ def _no_devices(resources: dict[str, Any]) -> dict[str, Any]:
 
 
 def job_gangs(cfg: JobConfig, actors: list[ActorPlan]) -> list[Gang]:
-    """The actors that must share a node: a rollout replica's ranks (standalone) and, in hybrid
+    """The actors that must share a node: a rollout replica's ranks (disaggregated) and, in colocated
     placement, each group of tensor_parallel_size policy ranks whose colocated engines form one
     TP engine. Everyone else is a gang of one."""
     tp = cfg.rollout.tensor_parallel_size
@@ -475,7 +475,7 @@ def job_gangs(cfg: JobConfig, actors: list[ActorPlan]) -> list[Gang]:
     if cfg.topology.colocated_engine and tp > 1:
         if len(policy) % tp:
             raise PlacementError(f"actor.world_size={len(policy)} is not a multiple of "
-                                 f"rollout.tensor_parallel_size={tp}: in hybrid placement each "
+                                 f"rollout.tensor_parallel_size={tp}: in colocated placement each "
                                  f"engine spans {tp} policy ranks on one node")
         gangs += [Gang(f"policy ranks {i}-{i + tp - 1} (one TP-{tp} engine)",
                        tuple(member[n] for n in policy[i:i + tp]), "rollout.tensor_parallel_size")

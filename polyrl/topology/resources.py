@@ -10,9 +10,9 @@ from polyrl.job import JobConfig
 
 def cpus_needed(cfg: JobConfig) -> tuple[int, int]:
     """(CPUs each rank actor reserves, CPUs all actors reserve together: the ranks (policy,
-    standalone rollout, standalone distillation teacher) plus the reward-model worker's
+    disaggregated rollout, disaggregated distillation teacher) plus the reward-model worker's
     reward.model.num_cpus)."""
-    ranks = cfg.actor.world_size + num_rollout_ranks(cfg) + cfg.distill.standalone_ranks
+    ranks = cfg.actor.world_size + num_rollout_ranks(cfg) + cfg.distill.own_ranks
     per = cfg.actor.num_cpus_per_worker or default_threads(ranks)
     return per, per * ranks + reward_worker_cpus(cfg)
 
@@ -33,7 +33,7 @@ def num_rollout_ranks(cfg: JobConfig) -> int:
 
 def default_threads(num_ranks: int) -> int:
     """One core stays with the driver, Ray and the reward threads; the rest are shared by the
-    ranks (policy ranks plus standalone rollout ranks). Oversubscribed OpenMP threads spin-wait:
+    ranks (policy ranks plus disaggregated rollout ranks). Oversubscribed OpenMP threads spin-wait:
     on a 2-core machine a 2-thread worker next to a busy driver ran a step 15x slower than a
     1-thread worker (docs/benchmarks.md)."""
     return max(1, ((os.cpu_count() or 1) - 1) // num_ranks)

@@ -1,4 +1,4 @@
-"""Streaming rollout (trainer.mode=async, standalone replicas; `STREAMING` in
+"""Streaming rollout (trainer.mode=async, disaggregated replicas; `STREAMING` in
 polyrl/distributed/topologies.py): replicas keep generating while the policy trains, under a
 staleness bound (rollout_stream.py, docs/async.md).
 

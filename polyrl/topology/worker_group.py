@@ -1,4 +1,4 @@
-"""The run's Ray actors as groups (policy ranks; standalone rollout replicas): fan calls out,
+"""The run's Ray actors as groups (policy ranks; disaggregated rollout replicas): fan calls out,
 gather answers with a deadline that names any actor that does not answer. With ray.enabled=false
 the group's one worker is a `LocalActor` (polyrl/topology/in_process.py), called in this process
 through the same surface."""

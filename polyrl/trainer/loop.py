@@ -161,7 +161,7 @@ class Trainer:
 
     def start(self, plan: RunPlan) -> None:
         """Launch exactly `plan`: Ray (or this process, ray.enabled=false), then the topology's
-        actors with their planned options and role plans, then a standalone teacher's."""
+        actors with their planned options and role plans, then a disaggregated teacher's."""
         cfg = plan.cfg
         if cfg.ray.enabled:
             self._start_ray(plan)
@@ -172,7 +172,7 @@ class Trainer:
         self.topology.start()
         self.policy = self.topology.policy
         self.teacher = self.policy  # the ranks that hold the distillation teacher
-        if plan.roles("teacher"):  # distill.placement=standalone: its own ranks
+        if plan.roles("teacher"):  # distill.placement=disaggregated: its own ranks
             self.teacher = self.topology.start_teacher()
             logger.info("distillation teacher: %s (%.2fM parameters) on %d rank(s) of its own (%s)",
                         cfg.distill.teacher, self.teacher.num_params / 1e6, self.teacher.world_size,
@@ -244,7 +244,7 @@ class Trainer:
     def shutdown(self) -> None:
         """Stop generating and shut the run's actors down (Ray itself stays up)."""
         topology, self.topology, self.policy = self.topology, None, None
-        self.teacher = None  # the topology shuts a standalone teacher's ranks down with its own
+        self.teacher = None  # the topology shuts a disaggregated teacher's ranks down with its own
         try:
             if topology is not None:
                 topology.shutdown()

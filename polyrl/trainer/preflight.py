@@ -224,7 +224,7 @@ def check_placement(cfg: JobConfig, platform: Any = None) -> None:
             f"{policy + rollout} ranks reserve {needed} ({per_rank} each); lower {keys} or "
             "actor.num_cpus_per_worker, or leave ray.address unset (a Ray sized for the ranks)"])
     limit = MAX_RANKS_PER_CORE * cores
-    teacher = cfg.distill.standalone_ranks  # processes too, though `keys` above names none of theirs
+    teacher = cfg.distill.own_ranks  # processes too, though `keys` above names none of theirs
     if policy + rollout + teacher > limit:
         ranks = (f"{policy} policy + {rollout} rollout ranks (actor.world_size={policy}, "
                  f"rollout.num_replicas={cfg.rollout.num_replicas})" if rollout
@@ -277,7 +277,7 @@ def check_memory(cfg: JobConfig, model_config: Any | None, platform: Any = None)
     on_device = bool(platform.ray_resource)
     knobs = mf.Knobs(world_size=actor.world_size, strategy=actor.strategy, offload=actor.offload,
                      master=DTYPE_BYTES[actor.param_dtype], lora_rank=cfg.model.lora_rank,
-                     hybrid=cfg.topology.colocated_engine,
+                     colocated_engine=cfg.topology.colocated_engine,
                      expert_parallel=getattr(actor, "expert_parallel_size", 1))
     setting = mf.Setting(compute=DTYPE_BYTES[actor.compute_dtype], reference=cfg.algorithm.uses_reference,
                          lora_targets=cfg.model.lora_target_modules,
@@ -300,10 +300,11 @@ def colocated_teacher_params(cfg: JobConfig) -> int:
     from pathlib import Path
 
     from polyrl.builtin import resolve
+    from polyrl.config.vocabulary import COLOCATED
     from polyrl.distributed.topologies import teacher_placement_of
     from polyrl.training import memory_floor as mf
 
-    if teacher_placement_of(cfg) != "colocated":
+    if teacher_placement_of(cfg) != COLOCATED:
         return 0
     try:
         config = json.loads((Path(resolve(cfg.distill.teacher)).expanduser() / "config.json").read_text())
@@ -350,8 +351,8 @@ def memory_message(cfg: JobConfig, shape: Any, knobs: Any, setting: Any, need: f
         run += ", actor.offload=true"
     if knobs.lora_rank:
         run += f", model.lora_rank={knobs.lora_rank}"
-    if knobs.hybrid:
-        run += f", rollout.placement=hybrid ({cfg.rollout.backend} engine"
+    if knobs.colocated_engine:
+        run += f", rollout.placement=colocated ({cfg.rollout.backend} engine"
         run += (f" at rollout.gpu_memory_utilization={setting.memory_share})" if setting.engine == "share"
                 and setting.on_device else ")")
     if setting.on_device:
@@ -362,7 +363,7 @@ def memory_message(cfg: JobConfig, shape: Any, knobs: Any, setting: Any, need: f
                  f"by {ranks} rank{'s' if ranks > 1 else ''})")
     changes = mf.fitting_changes(shape, knobs, setting)
     fix = ("fits: " + "; ".join(changes)) if changes else (
-        "nothing fits by more ranks, offload, LoRA, bfloat16 master weights or standalone placement alone: "
+        "nothing fits by more ranks, offload, LoRA, bfloat16 master weights or disaggregated placement alone: "
         "use a smaller model or devices with more memory")
     return (f"model.path={cfg.model.path}: its {mf.describe_params(shape, knobs.expert_parallel)} need at least "
             f"{need / gib:.1f} GiB per policy rank during the {phase} ({parts} GiB) with {run}, but "

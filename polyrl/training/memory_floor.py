@@ -140,7 +140,7 @@ class Knobs:
     offload: bool  # actor.offload
     master: int  # bytes of actor.param_dtype
     lora_rank: int  # model.lora_rank
-    hybrid: bool  # rollout.placement=hybrid: an engine in every policy rank
+    colocated_engine: bool  # rollout.placement=colocated: an engine in every policy rank
     expert_parallel: int = 1  # actor.expert_parallel_size (mixture-of-experts; 1: experts on every rank)
 
 
@@ -158,7 +158,7 @@ class Setting:
     memory_share: float  # rollout.gpu_memory_utilization
     device_bytes: int  # one device's memory; on a CPU the host's
     on_device: bool  # False: a CPU host, shared by every rank (offload moves nothing)
-    other_ranks: int = 0  # CPU: standalone rollout ranks sharing the host
+    other_ranks: int = 0  # CPU: disaggregated rollout ranks sharing the host
     teacher: int = 0  # parameters of a colocated distillation teacher: frozen, held like the reference
 
 
@@ -179,15 +179,15 @@ def loads_sharded(strategy: str, colocated_engine: bool, lora: bool, engine_stre
 
 def rank_floor(s: Shape, k: Knobs, f: Setting) -> dict[str, dict[str, float]]:
     """Bytes a policy rank surely holds in each phase: `load` (the model, as PolicyWorker loads it),
-    `engine start` (hybrid: the whole model beside its engine, awake), `update` (one optimizer step)
-    and `generate` (hybrid: the training state resident beside the awake engine)."""
+    `engine start` (colocated: the whole model beside its engine, awake), `update` (one optimizer step)
+    and `generate` (colocated: the training state resident beside the awake engine)."""
     P, m = s.params, k.master
     N = k.world_size if k.strategy == "fsdp2" else 1
     adapters = lora_params(s, k.lora_rank, f.lora_targets) if k.lora_rank else 0
     trainable = adapters if k.lora_rank else P
     offload = k.offload and k.strategy == "fsdp2" and f.on_device
     on_device = 0.0 if offload else 1.0
-    if not k.hybrid:
+    if not k.colocated_engine:
         awake = asleep = 0.0
     elif f.engine == "copy":
         awake = asleep = f.engine_dtype * P
@@ -206,13 +206,13 @@ def rank_floor(s: Shape, k: Knobs, f: Setting) -> dict[str, dict[str, float]]:
     # over N / ep), so a rank holds P / N of every kind of parameter.
     gathered = s.gathered_layer_params(k.expert_parallel)
     transient = max(on_device * m * trainable / N, 2 * f.compute * gathered if k.strategy == "fsdp2" else 0)
-    if loads_sharded(k.strategy, k.hybrid, bool(k.lora_rank)):
+    if loads_sharded(k.strategy, k.colocated_engine, bool(k.lora_rank)):
         load = on_device * m * P / N
     else:  # whole on the device, then (fsdp2) the shard copied out of it, to the host under offload
         load = m * P * (1 + on_device / N if k.strategy == "fsdp2" else 1)
     phases = {"load": {"model load": load, "engine": asleep},
               "update": {**state, "step temporaries": transient, "engine": asleep}}
-    if k.hybrid:
+    if k.colocated_engine:
         phases["engine start"] = {"whole model": m * P, "engine": awake}
         phases["generate"] = {"parameters": state["parameters"], "AdamW": state["AdamW"],
                               "reference": state["reference"], "teacher": state["teacher"], "engine": awake}
@@ -240,7 +240,7 @@ def fewest_ranks(s: Shape, k: Knobs, f: Setting) -> int | None:
 
 def fitting_changes(s: Shape, k: Knobs, f: Setting) -> list[str]:
     """Settings that would fit, each computed: more ranks, offload, LoRA, bfloat16 master weights,
-    standalone placement; one that fits only with more ranks too says how many."""
+    disaggregated placement; one that fits only with more ranks too says how many."""
     fsdp2 = [] if k.strategy == "fsdp2" else ["actor.strategy=fsdp2"]
     changes: list[tuple[list[str], Knobs]] = []
     if f.on_device and not k.offload:
@@ -249,8 +249,8 @@ def fitting_changes(s: Shape, k: Knobs, f: Setting) -> list[str]:
         changes.append((["model.lora_rank>0"], replace(k, lora_rank=8)))
     if k.master > 2:
         changes.append((["actor.param_dtype=bfloat16"], replace(k, master=2)))
-    if k.hybrid:
-        changes.append((["rollout.placement=standalone"], replace(k, hybrid=False)))
+    if k.colocated_engine:
+        changes.append((["rollout.placement=disaggregated"], replace(k, colocated_engine=False)))
     out = []
     if (n := fewest_ranks(s, k, f)) is not None:
         out.append(fsdp2 + [f"actor.world_size>={n}"])

@@ -21,8 +21,8 @@ the default; 2 for bfloat16), compute dtype of `c` bytes:
 
 Loading (polyrl/workers/policy.py): fsdp2 builds the model on the meta device and each rank reads
 only its rows (polyrl/training/sharded_load.py): m P / N, LoRA's base and the critic too, and in
-hybrid with a GPU engine (it fills from the first streamed sync). With the built-in engine in
-hybrid, and with ddp, every rank builds the whole model and moves it to its device, then FSDP2 copies
+colocated placement with a GPU engine (it fills from the first streamed sync). With the built-in
+engine in colocated placement, and with ddp, every rank builds the whole model and moves it to its device, then FSDP2 copies
 the rank's shard out of it: m P (1 + 1/N) (on a CPU host and device are one and the same:
 measured to within 0.2%, docs/training.md "Memory per rank"), never below m P whatever N.
 
@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+
+from polyrl.config.vocabulary import COLOCATED, PLACEMENTS
 
 GB = 1e9
 SYNC_BUCKET_BYTES = 64 * 2**20
@@ -259,7 +261,7 @@ def engine_bytes(s: Shape, tp: int, kv_tokens: int = KV_TOKENS) -> dict[str, flo
 
 def load_bytes_today(s: Shape, ranks: int, master: int = 4) -> float:
     """A whole load (from_pretrained on every rank, then FSDP2 copies its shard out of it): what
-    hybrid placement, LoRA and ddp still do (the colocated engine starts from the whole model)."""
+    colocated placement, LoRA and ddp still do (the colocated engine starts from the whole model)."""
     return master * s.params * (1 + 1 / ranks)
 
 
@@ -277,21 +279,23 @@ def smallest_tp(s: Shape, budget: float, kv_tokens: int = KV_TOKENS) -> int | No
     return None
 
 
-def layout(s: Shape, gpus: int, mode: str, *, reference: bool = True, checkpointing: bool = True,
+def layout(s: Shape, gpus: int, placement: str, *, reference: bool = True, checkpointing: bool = True,
            offload: bool = False, master: int = 4) -> dict:
-    """Per-GPU peak of a layout. hybrid: every GPU trains (FSDP2 over all of them) and hosts an
-    engine shard; the engine sleeps (weights and KV released) during the update, the training
-    state stays resident during generation unless `offload`. standalone: half the GPUs train,
-    half generate."""
+    """Per-GPU peak of a layout (`placement`, polyrl/config/vocabulary.py). colocated: every GPU
+    trains (FSDP2 over all of them) and hosts an engine shard; the engine sleeps (weights and KV
+    released) during the update, the training state stays resident during generation unless
+    `offload`. disaggregated: half the GPUs train, half generate."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement {placement!r} is not one of {', '.join(PLACEMENTS)}")
     budget = USABLE * H100_GB * GB
-    trainers = gpus if mode == "hybrid" else gpus // 2
+    trainers = gpus if placement == COLOCATED else gpus // 2
     train = training_bytes(s, trainers, master=master, reference=reference, checkpointing=checkpointing)
     if offload:  # actor.offload: shards and AdamW state in host memory (AdamW steps there too)
         train.update(parameters=0.0, gradients=0.0, optimizer=0.0, reference=0.0,
                      transient=_device_transient(s, checkpointing))
     update_peak = sum(train.values())
     resident = train["parameters"] + train["optimizer"] + train["reference"]
-    if mode == "hybrid":
+    if placement == COLOCATED:
         tp = smallest_tp(s, budget - resident)
         engine = engine_bytes(s, tp or 8)
         generate_peak = resident + sum(engine.values())
@@ -301,12 +305,12 @@ def layout(s: Shape, gpus: int, mode: str, *, reference: bool = True, checkpoint
         engine = engine_bytes(s, tp or 8)
         generate_peak = sum(engine.values())
         peak = max(update_peak, generate_peak)
-    # fsdp2 loads sharded in both layouts (polyrl/workers/policy.py): standalone, and hybrid with
+    # fsdp2 loads sharded in both layouts (polyrl/workers/policy.py): disaggregated, and colocated with
     # a GPU engine, which starts on dummy weights and fills from the first streamed sync (its own
     # weight shard beside the policy's), the sync holding one bucket (weights.bucket_mb)
     sharded = load_bytes_sharded(s, trainers) + SYNC_BUCKET_BYTES
-    load_today = sharded + engine["weights"] if mode == "hybrid" else sharded
-    return {"model": None, "gpus": gpus, "mode": mode, "trainers": trainers, "tp": tp,
+    load_today = sharded + engine["weights"] if placement == COLOCATED else sharded
+    return {"model": None, "gpus": gpus, "placement": placement, "trainers": trainers, "tp": tp,
             "update_gb": update_peak / GB, "generate_gb": generate_peak / GB, "peak_gb": peak / GB,
             "fits": tp is not None and peak <= budget, "load_today_gb": load_today / GB,
             "load_today_fits": load_today <= budget, "load_sharded_gb": sharded / GB}
@@ -340,16 +344,16 @@ def moe_training_shape(s: Shape, expert_parallel: int = 1) -> Shape:
     return replace(s, counted=s.params, counted_layer=s.gathered_layer_params(expert_parallel), intermediate=width)
 
 
-def moe_layout(s: Shape, gpus: int, mode: str, expert_parallel: int = 1, master: int = 4) -> dict:
+def moe_layout(s: Shape, gpus: int, placement: str, expert_parallel: int = 1, master: int = 4) -> dict:
     """`layout` for a mixture-of-experts model: training terms from `moe_training_shape`, and an
     engine replica of as many GPUs as its weights need (tensor / expert parallel: vLLM and SGLang
     span nodes for an MoE), where `layout` stops at one node of 8."""
     budget = USABLE * H100_GB * GB
-    trainers = gpus if mode == "hybrid" else gpus // 2
+    trainers = gpus if placement == COLOCATED else gpus // 2
     t = moe_training_shape(s, expert_parallel)
-    row = layout(t, gpus, mode, master=master)
+    row = layout(t, gpus, placement, master=master)
     train = training_bytes(t, trainers, master=master, reference=True, checkpointing=True)
-    resident = train["parameters"] + train["optimizer"] + train["reference"] if mode == "hybrid" else 0.0
+    resident = train["parameters"] + train["optimizer"] + train["reference"] if placement == COLOCATED else 0.0
     engine_gpus = next((e for e in (1, 2, 4, 8, 16, 32, 64)
                         if e <= gpus and resident + sum(engine_bytes(s, e).values()) <= budget), None)
     if engine_gpus is not None:
@@ -368,12 +372,12 @@ def moe_scaling_rows() -> list[dict]:
         s = Shape.from_config(config)
         for gpus in MOE_GPUS[name]:
             for ep in (1, 8):
-                for mode in ("hybrid", "standalone"):
-                    if (gpus if mode == "hybrid" else gpus // 2) % ep:
+                for placement in PLACEMENTS:
+                    if (gpus if placement == COLOCATED else gpus // 2) % ep:
                         continue
-                    row = moe_layout(s, gpus, mode, ep)
+                    row = moe_layout(s, gpus, placement, ep)
                     row.update(model=name, params_b=s.params / 1e9, active_b=s.active_params / 1e9,
-                               fits_bf16_master=moe_layout(s, gpus, mode, ep, master=2)["fits"])
+                               fits_bf16_master=moe_layout(s, gpus, placement, ep, master=2)["fits"])
                     rows.append(row)
     return rows
 
@@ -406,12 +410,12 @@ def scaling_rows() -> list[dict]:
     for name, config in QWEN25.items():
         s = Shape.from_config(config)
         for gpus in (8, 16, 64):
-            for mode in ("hybrid", "standalone"):
-                row = layout(s, gpus, mode)
+            for placement in PLACEMENTS:
+                row = layout(s, gpus, placement)
                 row["model"] = name
                 row["params_b"] = s.params / 1e9
-                row["fits_bf16_master"] = layout(s, gpus, mode, master=2)["fits"]
-                row["fits_offload"] = layout(s, gpus, mode, offload=True)["fits"]
+                row["fits_bf16_master"] = layout(s, gpus, placement, master=2)["fits"]
+                row["fits_offload"] = layout(s, gpus, placement, offload=True)["fits"]
                 rows.append(row)
     return rows
 

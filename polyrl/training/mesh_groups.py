@@ -4,7 +4,7 @@ Without sequence or tensor parallelism the mesh is one data-parallel axis and ev
 trainer group the worker passed (or the world): nothing is created, so such a run communicates
 exactly as before the mesh existed. With either, the data, sp, gradient and tp groups are created with
 `dist.new_group(..., use_local_synchronization=True)`: only the members of a group create it, so
-ranks outside the trainer (a sync standalone world's rollout ranks) take no part. Groups are
+ranks outside the trainer (a sync disaggregated world's rollout ranks) take no part. Groups are
 made once per process and set of ranks, shared by the policy, reference and critic engines.
 """
 
@@ -70,7 +70,7 @@ def mesh_groups(dims: ParallelDims, group: Any = None) -> MeshGroups:
         ranks = tuple(members[r] for r in mesh_ranks)
         # a group of every trainer rank is the trainer group itself: torch (2.13, gloo) hangs
         # creating a locally synchronised group with the ranks of one created by every rank
-        # (a sync standalone world's "trainer" group, polyrl/distributed/layout.py)
+        # (a sync disaggregated world's "trainer" group, polyrl/distributed/layout.py)
         return group if list(ranks) == members else _group(ranks)
 
     # the same order on every rank: data group, sp group, gradient group, tp group

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Iterator, Mapping, Protocol, Sequence, runtime
 
 import torch
 
+from polyrl.distributed.topologies import TopologySpec
 from polyrl.registry import Registry
 
 
@@ -219,11 +220,14 @@ WEIGHT_TRANSPORTS.register("broadcast", "polyrl.weights.broadcast:BroadcastTrans
 WEIGHT_TRANSPORTS.register("object_store", "polyrl.weights.object_store:ObjectStoreTransport")
 
 
-def build_transport(config: Any, placement: str = "hybrid", **context: Any) -> WeightTransport:
-    """The transport `config` (a WeightSyncConfig) selects under `placement`.
+def build_transport(config: Any, topology: TopologySpec, **context: Any) -> WeightTransport:
+    """The transport `config` (a WeightSyncConfig) selects in a run of `topology` (its
+    `TopologySpec`, polyrl/distributed/topologies.py: `auto` is its default, one it cannot serve
+    is a ValueError naming the fix). A run's actors build theirs from their `RolePlan` instead
+    (polyrl/workers/rollout_worker.py:open_transport).
 
     Context by transport: in_place(engine=...), broadcast(group=..., watchdog=None, device=None),
     object_store(mailbox=...).
     """
-    cls = WEIGHT_TRANSPORTS.get(config.resolve(placement))
+    cls = WEIGHT_TRANSPORTS.get(topology.transport(config.transport))
     return cls(config, **context)

@@ -1,4 +1,4 @@
-"""Standalone placement: weights broadcast from the weight-sync group's leader.
+"""Disaggregated placement: weights broadcast from the weight-sync group's leader.
 
 The group is the layout's `weight_sync` group (trainer leader + every rollout rank) on the
 platform's communication backend (gloo on CPU); the source is the group's leader, never a

@@ -9,14 +9,16 @@ from polyrl.config import Config
 
 class WeightSyncConfig(Config):
     transport: str = "auto"
-    """How weights reach the engines. in_place: hybrid placement (its only choice): each policy
-    rank hands its weights to its own colocated engine in one engine.update_weights call, which
-    copies them into the engine's layout all or nothing; nothing crosses a process. broadcast:
-    standalone, sync mode: bucketed from the trainer's weight-sync leader to every rollout rank,
-    through shared memory when all are on one host (see shared_memory), else over the platform's
-    communication backend. object_store: standalone through Ray's object store and a mailbox
-    actor (required with trainer.mode=async, where a replacement replica must fetch the current
-    version). auto: in_place for hybrid, broadcast for standalone, object_store in async mode."""
+    """How weights reach the engines (a mechanism; where the engine lives is rollout.placement,
+    docs/architecture.md "Vocabulary"). in_place: colocated placement (its only choice): each
+    policy rank hands its weights to its own colocated engine in one engine.update_weights call,
+    which copies them into the engine's layout all or nothing; nothing crosses a process.
+    broadcast: disaggregated, sync mode: bucketed from the trainer's weight-sync leader to every
+    rollout rank, through shared memory when all are on one host (see shared_memory), else over
+    the platform's communication backend. object_store: disaggregated through Ray's object store
+    and a mailbox actor (required with trainer.mode=async, where a replacement replica must fetch
+    the current version). auto: in_place when colocated, broadcast when disaggregated,
+    object_store in async mode."""
     bucket_mb: float = Field(64, gt=0)
     """Bucket size in MB: tensors are packed into flat buffers up to this size, one collective
     (or object) per bucket. The sender holds two buckets of scratch memory; bigger buckets mean
@@ -67,11 +69,3 @@ class WeightSyncConfig(Config):
     @property
     def shm_slot_bytes(self) -> int:
         return -(-max(int(self.shm_slot_mb * (1 << 20)), 1) // 64) * 64  # whole cache lines
-
-    def resolve(self, placement: str, mode: str = "sync") -> str:
-        """The transport to use under rollout `placement` (hybrid / standalone) and trainer
-        `mode`: what the topology they select allows (polyrl/distributed/topologies.py decides; a
-        ValueError names the fix)."""
-        from polyrl.distributed.topologies import select_topology
-
-        return select_topology(placement, mode).transport(self.transport)

@@ -1,4 +1,4 @@
-"""Hybrid placement: the engine lives in the trainer's process, so "sending" is one
+"""Colocated placement: the engine lives in the trainer's process, so "sending" is one
 `engine.update_weights` call (the engine copies into its own layout, all or nothing).
 
 The engine is handed the weight stream itself, not a dict of it: an engine that loads a stream

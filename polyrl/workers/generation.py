@@ -1,4 +1,4 @@
-"""Turn engine outputs into a `RolloutBatch`; shared by colocated and standalone rollout."""
+"""Turn engine outputs into a `RolloutBatch`; shared by colocated and disaggregated rollout."""
 
 from __future__ import annotations
 

@@ -119,7 +119,7 @@ class PolicyWorker:
             self.reference = build_engine(reference, cfg.actor, self.platform, self.device, **engine_args)
         self.teacher = None
         if role.holds_teacher:  # distill.placement=colocated (the plan's): frozen like the
-            # reference, its own model even under LoRA (standalone: workers/teacher.py's ranks)
+            # reference, its own model even under LoRA (disaggregated: workers/teacher.py's ranks)
             self.teacher = teacher_engine(cfg, cfg.actor, self.platform, self.device, **engine_args)
         self.actor = PPOActor(self.engine, cfg.actor, cfg.algorithm,
                               cfg.algorithm.off_policy.resolve(on_policy=role.on_policy), self.device)
@@ -214,7 +214,7 @@ class PolicyWorker:
         if which == "teacher":
             if self.teacher is None:
                 raise RuntimeError("no teacher model on the policy ranks: distill.teacher is not set, "
-                                   "or distill.placement=standalone runs it on its own ranks")
+                                   "or distill.placement=disaggregated runs it on its own ranks")
             return self.teacher.logprobs(batch)
         if which == "reference" and self.cfg.model.enabled:  # LoRA: the base model, adapters off
             with adapters_disabled(self.engine.model):

@@ -1,12 +1,12 @@
 """The distillation teacher (docs/algorithms.md, "On-policy distillation"): its frozen engine,
-its validation, and its own Ray actors under distill.placement=standalone.
+its validation, and its own Ray actors under distill.placement=disaggregated.
 
 Wherever the teacher lives it is built by the same functions: `teacher_engine` loads
 distill.teacher into a frozen training engine (no optimizer) whose `logprobs` is the policy's
 log-prob path (packed layout, actor.micro_batch_tokens), and `teacher_rollout` samples the
 validation prompts with a rollout engine loaded from the teacher's directory (its held-out
 accuracy, once before step 1). Colocated, the policy ranks call them (polyrl/workers/policy.py);
-standalone, a `TeacherWorker` per teacher rank, in a process group of the teacher ranks alone,
+disaggregated, a `TeacherWorker` per teacher rank, in a process group of the teacher ranks alone,
 started from its `RolePlan` (polyrl/topology/launch_plan.py plans it, the dry run shows it).
 """
 
@@ -75,7 +75,7 @@ def teacher_rollout(cfg: JobConfig, device: torch.device, platform: Platform, se
 
 
 class TeacherWorker:
-    """One teacher rank (distill.placement=standalone): the teacher's engine on this actor's
+    """One teacher rank (distill.placement=disaggregated): the teacher's engine on this actor's
     device, in a process group of the distill.world_size teacher ranks (none with one rank)."""
 
     def __init__(self, cfg: JobConfig, role: RolePlan):

@@ -74,12 +74,12 @@ def test_config_defaults_and_errors():
     cfg = JobConfig()
     assert not cfg.distill.enabled and cfg.distill.coef == 1.0 and cfg.distill.reward_weight == 1.0
     assert DistillConfig(teacher="/some/dir", reward_weight=0).enabled
-    standalone = DistillConfig(teacher="/t", placement="standalone", world_size=2, strategy="fsdp2")
-    assert standalone.standalone_ranks == 2 and DistillConfig(teacher="/t").standalone_ranks == 0
-    assert DistillConfig(placement="standalone").standalone_ranks == 0  # no teacher: no ranks
-    with pytest.raises(ValidationError, match="distill.world_size sizes a standalone teacher"):
+    own = DistillConfig(teacher="/t", placement="disaggregated", world_size=2, strategy="fsdp2")
+    assert own.own_ranks == 2 and DistillConfig(teacher="/t").own_ranks == 0
+    assert DistillConfig(placement="disaggregated").own_ranks == 0  # no teacher: no ranks
+    with pytest.raises(ValidationError, match="distill.world_size sizes a teacher on ranks of its own"):
         DistillConfig(teacher="/t", world_size=2)  # colocated: the policy ranks shard it
-    with pytest.raises(ValidationError, match="distill.strategy sizes a standalone teacher"):
+    with pytest.raises(ValidationError, match="distill.strategy sizes a teacher on ranks of its own"):
         DistillConfig(teacher="/t", strategy="fsdp2")
     with pytest.raises(ValidationError, match="leave nothing to learn"):
         DistillConfig(teacher="/t", coef=0, reward_weight=0)

@@ -104,15 +104,17 @@ def test_kv_cache_per_token_of_qwen25_7b(mm):
 
 def test_72b_does_not_fit_8_gpus_without_offload_and_fits_64(mm):
     s = mm.Shape.from_config(mm.QWEN25["Qwen2.5-72B"])
-    assert not mm.layout(s, 8, "hybrid")["fits"]
-    assert mm.layout(s, 8, "hybrid", offload=True)["fits"]
-    assert mm.layout(s, 64, "hybrid")["fits"]
-    # fsdp2 loads sharded in both layouts (hybrid: a GPU engine fills from the first streamed sync):
-    # each rank's fp32 shard + one bucket (+ hybrid's engine shard), not 291 GB of fp32 on every rank
-    hybrid, standalone = mm.layout(s, 64, "hybrid"), mm.layout(s, 64, "standalone")
-    assert hybrid["load_today_fits"] and standalone["load_today_fits"]
-    assert hybrid["load_sharded_gb"] * 1e9 == mm.load_bytes_sharded(s, 64) + mm.SYNC_BUCKET_BYTES
-    assert not mm.layout(s, 8, "standalone")["load_today_fits"]  # 4 trainers: 73 GB of fp32 shard
+    assert not mm.layout(s, 8, "colocated")["fits"]
+    assert mm.layout(s, 8, "colocated", offload=True)["fits"]
+    assert mm.layout(s, 64, "colocated")["fits"]
+    # fsdp2 loads sharded in both layouts (colocated: a GPU engine fills from the first streamed sync):
+    # each rank's fp32 shard + one bucket (+ the colocated engine's shard), not 291 GB of fp32 on every rank
+    colocated, disaggregated = mm.layout(s, 64, "colocated"), mm.layout(s, 64, "disaggregated")
+    assert colocated["load_today_fits"] and disaggregated["load_today_fits"]
+    assert colocated["load_sharded_gb"] * 1e9 == mm.load_bytes_sharded(s, 64) + mm.SYNC_BUCKET_BYTES
+    assert not mm.layout(s, 8, "disaggregated")["load_today_fits"]  # 4 trainers: 73 GB of fp32 shard
+    with pytest.raises(ValueError, match="'hybrid' is not one of colocated, disaggregated"):
+        mm.layout(s, 8, "hybrid")  # an earlier spelling is the config's alias, never a silent other layout
 
 
 def test_sync_time_is_bytes_over_bandwidth(mm):

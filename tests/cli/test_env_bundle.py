@@ -56,13 +56,13 @@ def test_bundle_shows_what_the_launch_plan_gives_the_actor_in_that_bundle(polyrl
     assert code == 0 and PLACEMENT_BUNDLE_VAR not in json.loads(out) and NOSET not in json.loads(out)
 
 
-def test_a_hybrid_policy_rank_starts_the_engine_too(polyrl_env):
-    code, out, _ = polyrl_env("--role", "trainer", "--backend", "trtllm", "--placement", "hybrid",
+def test_a_colocated_policy_rank_starts_the_engine_too(polyrl_env):
+    code, out, _ = polyrl_env("--role", "trainer", "--backend", "trtllm", "--placement", "colocated",
                               "--platform", "h100", "--bundle", "0", "--json")
     assert code == 0
     assert {k: v["value"] for k, v in json.loads(out).items() if v["source"] == "placement"} == {
         PLACEMENT_BUNDLE_VAR: "0", NOSET: "1"}
-    code, out, _ = polyrl_env("--role", "trainer", "--backend", "trtllm", "--placement", "hybrid",
+    code, out, _ = polyrl_env("--role", "trainer", "--backend", "trtllm", "--placement", "colocated",
                               "--platform", "h100", "--bundle", "0")  # the table says which bundle
     assert code == 0 and "bundle=0" in out
 
@@ -72,10 +72,13 @@ def test_a_hybrid_policy_rank_starts_the_engine_too(polyrl_env):
      "--bundle: only trtllm engine starters are told their bundle; the vllm engine runs in its "
      "actor's own reservation (add --backend trtllm)"),
     (["--role", "job", "--backend", "trtllm", "--platform", "h100", "--bundle", "1"],
-     "--bundle: the job role starts no engine in hybrid placement; use --role rollout (or --role "
-     "trainer --placement hybrid)"),
+     "--bundle: the job role starts no engine in colocated placement; use --role rollout (or --role "
+     "trainer --placement colocated)"),
+    (["--role", "trainer", "--placement", "disaggregated", "--backend", "trtllm", "--platform", "h100",
+      "--bundle", "1"], "--bundle: the trainer role starts no engine in disaggregated placement"),
+    # an earlier spelling is read as its name
     (["--role", "trainer", "--placement", "standalone", "--backend", "trtllm", "--platform", "h100",
-      "--bundle", "1"], "--bundle: the trainer role starts no engine in standalone placement"),
+      "--bundle", "1"], "--bundle: the trainer role starts no engine in disaggregated placement"),
     (["--backend", "trtllm", "--platform", "cpu", "--bundle", "1"],
      "--bundle: on cpu TensorRT-LLM places no Ray workers in polyrl's bundles; add --platform cuda "
      "or a machine such as h100"),

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from polyrl.cli.doctor import check_environment
+from polyrl.distributed.topologies import COLOCATED, DISAGGREGATED
 from polyrl.platform import SIMULATED_PROBES, get_platform
 
 
@@ -92,15 +93,15 @@ def test_doctor_exits_nonzero_on_errors(polyrl_here):
 
 def test_doctor_known_bad_combinations():
     cuda = get_platform(None, SIMULATED_PROBES["h100"])
-    found = check_environment(cuda, {"NCCL_CUMEM_ENABLE": "1"}, "vllm", "standalone")
+    found = check_environment(cuda, {"NCCL_CUMEM_ENABLE": "1"}, DISAGGREGATED, "vllm")
     assert [f.level for f in found] == ["warn"]
-    assert check_environment(cuda, {"NCCL_CUMEM_ENABLE": "1"}, "vllm", "hybrid") == []
-    assert check_environment(cuda, {"CUDA_VISIBLE_DEVICES": ""})[0].level == "error"
+    assert check_environment(cuda, {"NCCL_CUMEM_ENABLE": "1"}, COLOCATED, "vllm") == []
+    assert check_environment(cuda, {"CUDA_VISIBLE_DEVICES": ""}, COLOCATED)[0].level == "error"
     rocm = get_platform(None, SIMULATED_PROBES["mi300x"])
-    assert check_environment(rocm, {"HIP_VISIBLE_DEVICES": ""})[0].level == "error"
+    assert check_environment(rocm, {"HIP_VISIBLE_DEVICES": ""}, COLOCATED)[0].level == "error"
     gb200 = get_platform(None, SIMULATED_PROBES["gb200"])
-    assert check_environment(gb200, {"TLLM_DISABLE_NVLS_MNNVL": "1"})[0].level == "warn"
-    assert check_environment(cuda, {"TLLM_DISABLE_NVLS_MNNVL": "1"})[0].level == "info"
+    assert check_environment(gb200, {"TLLM_DISABLE_NVLS_MNNVL": "1"}, COLOCATED)[0].level == "warn"
+    assert check_environment(cuda, {"TLLM_DISABLE_NVLS_MNNVL": "1"}, COLOCATED)[0].level == "info"
 
 
 def test_doctor_names_an_engine_outside_its_supported_range(polyrl_here, tmp_path, monkeypatch):

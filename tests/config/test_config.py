@@ -53,7 +53,7 @@ def test_range_and_type_errors():
 
 def test_cross_field_error_names_the_fix():
     (msg,) = errors("rollout.num_replicas=2")
-    assert "rollout.placement=standalone" in msg
+    assert "rollout.placement=disaggregated" in msg
 
 
 def test_bad_files(tmp_path):

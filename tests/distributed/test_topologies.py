@@ -1,5 +1,5 @@
 """What each topology is, as data (polyrl/distributed/topologies.py): the one table the job
-schema validates against, the weights' config resolves with and the launch plan reads."""
+schema validates against, the transport builder resolves with and the launch plan reads."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from polyrl.config import ConfigError, load_config
 from polyrl.distributed.topologies import (COLOCATED, DISAGGREGATED, STREAMING, TOPOLOGY_SPECS, select_topology,
                                            topology_of)
 from polyrl.job import JobConfig
-from polyrl.weights import WeightSyncConfig
+from polyrl.weights import WeightSyncConfig, build_transport
 
 
 def job(*overrides: str) -> JobConfig:
@@ -20,13 +20,17 @@ def job(*overrides: str) -> JobConfig:
 
 
 def test_placement_and_mode_select_one_topology_each():
-    assert select_topology("hybrid") is COLOCATED
-    assert select_topology("standalone", "sync") is DISAGGREGATED
-    assert select_topology("standalone", "async") is STREAMING
-    with pytest.raises(ValueError, match="trainer.mode=async needs rollout.placement=standalone"):
-        select_topology("hybrid", "async")
+    assert select_topology("colocated", "sync") is COLOCATED
+    assert select_topology("disaggregated", "sync") is DISAGGREGATED
+    assert select_topology("disaggregated", "async") is STREAMING
+    with pytest.raises(ValueError, match="trainer.mode=async needs rollout.placement=disaggregated"):
+        select_topology("colocated", "async")
+    with pytest.raises(ValueError, match="rollout.placement=hybrid is not one of colocated, disaggregated"):
+        select_topology("hybrid", "sync")  # an alias is the config's to turn into its name, not the table's
     assert set(TOPOLOGY_SPECS) == {"colocated", "disaggregated", "streaming"}
-    assert topology_of(job("rollout.placement=standalone", "trainer.mode=async")) is STREAMING
+    assert [s.placement for s in (COLOCATED, DISAGGREGATED, STREAMING)] == ["colocated", "disaggregated",
+                                                                         "disaggregated"]
+    assert topology_of(job("rollout.placement=disaggregated", "trainer.mode=async")) is STREAMING
 
 
 def test_each_topology_declares_what_it_is():
@@ -44,25 +48,24 @@ def test_each_topology_declares_what_it_is():
                                             (DISAGGREGATED, "in_place"), (STREAMING, "broadcast"),
                                             (STREAMING, "in_place")])
 def test_a_transport_the_topology_cannot_serve_is_refused_the_same_everywhere(spec, transport):
-    """The job schema, the weights' config and the table say the same line."""
+    """The job schema, the transport builder and the table say the same line."""
     expected = spec.refusal.format(transport=transport)
     with pytest.raises(ValueError) as table:
         spec.transport(transport)
     assert str(table.value) == expected
-    placement = "hybrid" if spec.colocated_engine else "standalone"
     with pytest.raises(ValueError) as weights:
-        WeightSyncConfig(transport=transport).resolve(placement, spec.mode)
+        build_transport(WeightSyncConfig(transport=transport), spec)
     assert str(weights.value) == expected
     with pytest.raises(ConfigError) as schema:
-        job(f"rollout.placement={placement}", f"trainer.mode={spec.mode}", f"weights.transport={transport}")
+        job(f"rollout.placement={spec.placement}", f"trainer.mode={spec.mode}", f"weights.transport={transport}")
     assert expected in str(schema.value)
 
 
 def test_the_job_reads_its_topology_from_the_table():
-    cfg = job("rollout.placement=standalone", "trainer.mode=async")
+    cfg = job("rollout.placement=disaggregated", "trainer.mode=async")
     assert cfg.topology is STREAMING and cfg.weight_transport == "object_store"
     assert cfg.resolved_weights.background_publish is True  # overlaps training: off the path
-    sync = job("rollout.placement=standalone", "weights.transport=object_store")
+    sync = job("rollout.placement=disaggregated", "weights.transport=object_store")
     assert sync.topology is DISAGGREGATED and sync.resolved_weights.background_publish is False
 
 

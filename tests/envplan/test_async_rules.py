@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 
+from polyrl.config.vocabulary import DISAGGREGATED
 from polyrl.envplan import BACKENDS, PLACEMENTS, ROLES, EnvRule, PlanContext, build_plan
 from polyrl.envplan.rules import RULES
 from polyrl.platform import SIMULATED_PROBES, get_platform
@@ -19,7 +20,7 @@ ASYNC_ONLY = EnvRule(id="async-only-test", variables={"POLYRL_TEST_ASYNC_ONLY": 
 def test_async_scoped_rule_only_in_async_plans(hw, role, placement):
     platform = get_platform(None if hw == "cpu" else {"h100": "cuda", "mi300x": "rocm"}[hw], SIMULATED_PROBES[hw])
     for backend in BACKENDS:
-        plans = {mode: build_plan(PlanContext(platform, role, backend, placement, mode), {}, {},
+        plans = {mode: build_plan(PlanContext(platform, role, backend, placement=placement, mode=mode), {}, {},
                                   rules=RULES + (ASYNC_ONLY,)) for mode in ("sync", "async")}
         assert plans["async"]["POLYRL_TEST_ASYNC_ONLY"].source == "rule:async-only-test"
         assert "POLYRL_TEST_ASYNC_ONLY" not in plans["sync"].entries
@@ -31,7 +32,7 @@ def test_async_scoped_rule_only_in_async_plans(hw, role, placement):
 
 def test_user_value_wins_over_an_async_rule():
     platform = get_platform(None, SIMULATED_PROBES["cpu"])
-    plan = build_plan(PlanContext(platform, "rollout", "native", "standalone", "async"),
+    plan = build_plan(PlanContext(platform, "rollout", "native", placement=DISAGGREGATED, mode="async"),
                       {"POLYRL_TEST_ASYNC_ONLY": "0"}, {}, rules=(ASYNC_ONLY,))
     assert plan["POLYRL_TEST_ASYNC_ONLY"].value == "0"
     assert plan["POLYRL_TEST_ASYNC_ONLY"].source == "user-env"
@@ -39,8 +40,9 @@ def test_user_value_wins_over_an_async_rule():
 
 def test_trainer_mode_reaches_the_plan():
     from polyrl.distributed.ray_launch import plan_for_role
+    from polyrl.distributed.topologies import select_topology
 
     platform = get_platform(None, SIMULATED_PROBES["cpu"])
     for mode in ("sync", "async"):
-        plan = plan_for_role(platform, "rollout", placement="standalone", mode=mode)
+        plan = plan_for_role(platform, "rollout", topology=select_topology(DISAGGREGATED, mode))
         assert plan.context.mode == mode

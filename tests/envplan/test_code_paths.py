@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+from polyrl.config.vocabulary import COLOCATED
 from polyrl.envplan import PlanContext, build_plan
 from polyrl.envplan.code_paths import plugin_dirs
 from polyrl.platform import get_platform
@@ -15,7 +16,7 @@ CPU = get_platform("cpu")
 
 def test_the_users_pythonpath_is_forwarded_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    plan = build_plan(PlanContext(CPU, "rollout"), {"PYTHONPATH": f"plugins{os.pathsep}/opt/x"}, {})
+    plan = build_plan(PlanContext(CPU, "rollout", placement=COLOCATED, mode="sync"), {"PYTHONPATH": f"plugins{os.pathsep}/opt/x"}, {})
     entry = plan["PYTHONPATH"]
     assert entry.value == os.pathsep.join([str(tmp_path / "plugins"), "/opt/x"])
     assert entry.source == "user-env" and "module:name" in entry.reason
@@ -23,7 +24,7 @@ def test_the_users_pythonpath_is_forwarded_absolute(tmp_path, monkeypatch):
 
 
 def test_plugin_directories_follow_the_users_and_say_where_they_come_from(tmp_path):
-    plan = build_plan(PlanContext(CPU, "trainer"), {"PYTHONPATH": "/opt/x"}, {},
+    plan = build_plan(PlanContext(CPU, "trainer", placement=COLOCATED, mode="sync"), {"PYTHONPATH": "/opt/x"}, {},
                       code_dirs=[str(tmp_path), "/opt/x"])
     entry = plan["PYTHONPATH"]
     assert entry.value == os.pathsep.join(["/opt/x", str(tmp_path)])
@@ -31,10 +32,10 @@ def test_plugin_directories_follow_the_users_and_say_where_they_come_from(tmp_pa
 
 
 def test_no_entry_without_a_pythonpath_a_config_value_wins_and_a_ray_job_places_its_own_code():
-    assert "PYTHONPATH" not in build_plan(PlanContext(CPU, "job"), {}, {})
-    config = build_plan(PlanContext(CPU, "job"), {"PYTHONPATH": "/a"}, {"PYTHONPATH": "/b"}, code_dirs=["/c"])
+    assert "PYTHONPATH" not in build_plan(PlanContext(CPU, "job", placement=COLOCATED, mode="sync"), {}, {})
+    config = build_plan(PlanContext(CPU, "job", placement=COLOCATED, mode="sync"), {"PYTHONPATH": "/a"}, {"PYTHONPATH": "/b"}, code_dirs=["/c"])
     assert (config["PYTHONPATH"].value, config["PYTHONPATH"].source) == ("/b", "config")
-    job = build_plan(PlanContext(CPU, "job"), {"PYTHONPATH": "/a", "RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"}, {},
+    job = build_plan(PlanContext(CPU, "job", placement=COLOCATED, mode="sync"), {"PYTHONPATH": "/a", "RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"}, {},
                      code_dirs=["/c"])
     assert "PYTHONPATH" not in job
 

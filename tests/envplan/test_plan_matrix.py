@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 
+from polyrl.config.vocabulary import COLOCATED, DISAGGREGATED
 from polyrl.envplan import BACKENDS, MODES, PLACEMENTS, ROLES, PlanContext, build_plan
 from polyrl.platform import SIMULATED_PROBES, get_platform
 
@@ -29,7 +30,7 @@ def platform_of(hw: str):
                                                    "mi300x": "rocm", "ascend910": "npu"}[hw], probe)
 
 
-def expected(hw: str, role: str, backend: str, opt_in: bool, placement: str = "hybrid",
+def expected(hw: str, role: str, backend: str, opt_in: bool, placement: str = COLOCATED,
              hands_devices: bool = False) -> dict[str, tuple[str, str]]:
     p = platform_of(hw)
     out = {"TOKENIZERS_PARALLELISM": ("false", "polyrl-default")}
@@ -41,10 +42,10 @@ def expected(hw: str, role: str, backend: str, opt_in: bool, placement: str = "h
     if opt_in:
         out["TLLM_DISABLE_NVLS_MNNVL"] = ("1", "user-env")
     if backend == "sglang" and role in ("trainer", "rollout"):
-        # SGLang must report the unmodified policy's log-probs (the hybrid engine lives in the
+        # SGLang must report the unmodified policy's log-probs (the colocated engine lives in the
         # trainer process)
         out["SGLANG_RETURN_ORIGINAL_LOGPROB"] = ("1", "rule:sglang-original-logprobs")
-    if placement == "standalone" and p.name in ("cuda", "rocm"):
+    if placement == DISAGGREGATED and p.name in ("cuda", "rocm"):
         # one value in every process of the weight-sync NCCL group (issue 39; RCCL reads it too,
         # issue 15), and multi-node NVLink (GB200/GB300 NVL72) keeps NCCL's cuMem buffers
         out["NCCL_CUMEM_ENABLE"] = (("1", "rule:nccl-cumem-mnnvl") if p.multi_node_nvlink
@@ -58,8 +59,8 @@ def expected(hw: str, role: str, backend: str, opt_in: bool, placement: str = "h
     if p.name == "cpu" and role in ("trainer", "rollout"):
         out["MALLOC_MMAP_MAX_"] = ("0", "rule:cpu-malloc-keep-heap")
         out["MALLOC_TRIM_THRESHOLD_"] = (str(16 * 2**30), "rule:cpu-malloc-keep-heap")
-    # the engine's environment follows the engine: a hybrid engine lives in the trainer (issue 15)
-    engine_here = role == "rollout" or (role == "trainer" and placement == "hybrid")
+    # the engine's environment follows the engine: a colocated engine lives in the trainer (issue 15)
+    engine_here = role == "rollout" or (role == "trainer" and placement == COLOCATED)
     if engine_here and p.name == "rocm" and backend == "sglang":
         out["SGLANG_USE_AITER"] = ("1", "platform-default")
     return out
@@ -71,7 +72,7 @@ CASES = list(itertools.product(HARDWARE, ROLES, BACKENDS, PLACEMENTS, MODES, [Fa
 @pytest.mark.parametrize("hw,role,backend,placement,mode,opt_in", CASES)
 def test_exact_plan(hw, role, backend, placement, mode, opt_in):
     user_env = {"TLLM_DISABLE_NVLS_MNNVL": "1"} if opt_in else {}
-    plan = build_plan(PlanContext(platform_of(hw), role, backend, placement, mode), user_env, {})
+    plan = build_plan(PlanContext(platform_of(hw), role, backend, placement=placement, mode=mode), user_env, {})
     got = {name: (e.value, e.source) for name, e in plan.entries.items()}
     assert got == expected(hw, role, backend, opt_in, placement)
     for entry in plan.entries.values():
@@ -80,17 +81,17 @@ def test_exact_plan(hw, role, backend, placement, mode, opt_in):
 
 @pytest.mark.parametrize("hw,role,backend", list(itertools.product(HARDWARE, ROLES, BACKENDS)))
 def test_user_value_survives_for_every_planned_variable(hw, role, backend):
-    base = build_plan(PlanContext(platform_of(hw), role, backend), {"TLLM_DISABLE_NVLS_MNNVL": "1"}, {})
+    base = build_plan(PlanContext(platform_of(hw), role, backend, placement=COLOCATED, mode="sync"), {"TLLM_DISABLE_NVLS_MNNVL": "1"}, {})
     for name in base.entries:
         user_env = {"TLLM_DISABLE_NVLS_MNNVL": "1", name: "user-value-42"}
-        plan = build_plan(PlanContext(platform_of(hw), role, backend), user_env, {})
+        plan = build_plan(PlanContext(platform_of(hw), role, backend, placement=COLOCATED, mode="sync"), user_env, {})
         assert plan[name].value == "user-value-42", name
         assert plan[name].source == "user-env"
 
 
 def test_gb300_user_cumem_passes_through_unchanged():
     # The verl PR 7564 bug: a GB300 user needs NCCL_CUMEM_ENABLE=1 and polyrl must keep it.
-    plan = build_plan(PlanContext(platform_of("gb300"), "rollout", "vllm"), {"NCCL_CUMEM_ENABLE": "1"}, {})
+    plan = build_plan(PlanContext(platform_of("gb300"), "rollout", "vllm", placement=COLOCATED, mode="sync"), {"NCCL_CUMEM_ENABLE": "1"}, {})
     assert plan["NCCL_CUMEM_ENABLE"].value == "1"
     assert plan["NCCL_CUMEM_ENABLE"].source == "user-env"
 
@@ -98,20 +99,20 @@ def test_gb300_user_cumem_passes_through_unchanged():
 def test_nvls_rule_needs_opt_in_and_blackwell():
     for hw, opt_in, applies in [("gb200", True, True), ("gb200", False, False), ("h100", True, False)]:
         env = {"TLLM_DISABLE_NVLS_MNNVL": "1"} if opt_in else {}
-        plan = build_plan(PlanContext(platform_of(hw), "job", "trtllm"), env, {})
+        plan = build_plan(PlanContext(platform_of(hw), "job", "trtllm", placement=COLOCATED, mode="sync"), env, {})
         assert ("NCCL_NVLS_ENABLE" in plan) is applies
         assert ("NCCL_MNNVL_ENABLE" in plan) is applies
 
 
 def test_opt_in_through_config_env_counts():
-    plan = build_plan(PlanContext(platform_of("gb200"), "job", "trtllm"), {},
+    plan = build_plan(PlanContext(platform_of("gb200"), "job", "trtllm", placement=COLOCATED, mode="sync"), {},
                       {"TLLM_DISABLE_NVLS_MNNVL": "1"})
     assert plan["NCCL_NVLS_ENABLE"].value == "0"
     assert plan["TLLM_DISABLE_NVLS_MNNVL"].source == "config"
 
 
 def test_config_beats_user_env_and_warns_once(caplog):
-    ctx = PlanContext(platform_of("h100"), "rollout", "vllm")
+    ctx = PlanContext(platform_of("h100"), "rollout", "vllm", placement=COLOCATED, mode="sync")
     with caplog.at_level("WARNING"):
         for _ in range(3):
             plan = build_plan(ctx, {"NCCL_CUMEM_ENABLE": "1"}, {"NCCL_CUMEM_ENABLE": "0"})
@@ -123,7 +124,7 @@ def test_config_beats_user_env_and_warns_once(caplog):
 
 
 def test_config_only_variable_and_forwarded_user_variables():
-    plan = build_plan(PlanContext(platform_of("cpu"), "trainer"),
+    plan = build_plan(PlanContext(platform_of("cpu"), "trainer", placement=COLOCATED, mode="sync"),
                       {"NCCL_DEBUG": "INFO", "HOME": "/root", "CUDA_VISIBLE_DEVICES": "3"},
                       {"MY_FLAG": "on"})
     assert plan["MY_FLAG"].source == "config"
@@ -139,31 +140,31 @@ def test_backend_version_condition():
                    backends=frozenset({"sglang"}), backend_version=">=0.5.12")
     p = platform_of("h100")
     for version, applies in [("0.5.12", True), ("0.6.0", True), ("0.5.11", False), (None, False)]:
-        plan = build_plan(PlanContext(p, "rollout", "sglang", backend_version=version), {}, {},
+        plan = build_plan(PlanContext(p, "rollout", "sglang", placement=COLOCATED, mode="sync", backend_version=version), {}, {},
                           rules=(rule,))
         assert ("X" in plan) is applies, version
 
 
 def test_context_rejects_unknown_values():
     with pytest.raises(ValueError, match="backend: 'vlm' is not one of native, vllm, sglang, trtllm"):
-        PlanContext(platform_of("cpu"), "rollout", "vlm")
+        PlanContext(platform_of("cpu"), "rollout", "vlm", placement=COLOCATED, mode="sync")
 
 
 @pytest.mark.parametrize("hw", HARDWARE)
 @pytest.mark.parametrize("backend", sorted(ENGINES))
 def test_exact_plan_of_an_engine_host_that_hands_devices(hw, backend):
-    ctx = PlanContext(platform_of(hw), "rollout", backend, "standalone", hands_devices=True)
+    ctx = PlanContext(platform_of(hw), "rollout", backend, placement=DISAGGREGATED, mode="sync", hands_devices=True)
     got = {name: (e.value, e.source) for name, e in build_plan(ctx, {}, {}).entries.items()}
-    assert got == expected(hw, "rollout", backend, False, "standalone", hands_devices=True)
+    assert got == expected(hw, "rollout", backend, False, DISAGGREGATED, hands_devices=True)
     if NOSET[platform_of(hw).name]:
         reason = build_plan(ctx, {}, {})[f"RAY_EXPERIMENTAL_NOSET_{NOSET[platform_of(hw).name][0]}"].reason
         assert "num_gpus=0" in reason and "exactly the devices" in reason
 
 
-@pytest.mark.parametrize("placement,aiter", [("hybrid", True), ("standalone", False)])
-def test_hybrid_sglang_on_rocm_trainer_gets_aiter_and_user_value_wins(placement, aiter):
+@pytest.mark.parametrize("placement,aiter", [(COLOCATED, True), (DISAGGREGATED, False)])
+def test_colocated_sglang_on_rocm_trainer_gets_aiter_and_user_value_wins(placement, aiter):
     # seed 6664: the colocated engine got attention_backend=aiter but not SGLANG_USE_AITER=1
-    ctx = PlanContext(platform_of("mi300x"), "trainer", "sglang", placement)
+    ctx = PlanContext(platform_of("mi300x"), "trainer", "sglang", placement=placement, mode="sync")
     plan = build_plan(ctx, {}, {})
     assert ("SGLANG_USE_AITER" in plan) is aiter
     if aiter:
@@ -173,7 +174,7 @@ def test_hybrid_sglang_on_rocm_trainer_gets_aiter_and_user_value_wins(placement,
 
 
 def test_rocm_rollout_gets_cumem_off_and_user_value_wins():
-    ctx = PlanContext(platform_of("mi300x"), "rollout", "vllm", "standalone")
+    ctx = PlanContext(platform_of("mi300x"), "rollout", "vllm", placement=DISAGGREGATED, mode="sync")
     entry = build_plan(ctx, {}, {})["NCCL_CUMEM_ENABLE"]
     assert (entry.value, entry.source) == ("0", "rule:nccl-cumem-off")
     kept = build_plan(ctx, {"NCCL_CUMEM_ENABLE": "1"}, {})["NCCL_CUMEM_ENABLE"]
@@ -181,7 +182,7 @@ def test_rocm_rollout_gets_cumem_off_and_user_value_wins():
 
 
 def test_runtime_env_renders_values():
-    plan = build_plan(PlanContext(platform_of("mi300x"), "rollout", "sglang", hands_devices=True),
+    plan = build_plan(PlanContext(platform_of("mi300x"), "rollout", "sglang", placement=COLOCATED, mode="sync", hands_devices=True),
                       {}, {})
     env = plan.runtime_env({"env_vars": {"KEEP": "1"}, "pip": []})
     assert env["pip"] == []
@@ -191,7 +192,7 @@ def test_runtime_env_renders_values():
 
 
 def test_a_users_malloc_setting_wins_over_the_cpu_rule():
-    plan = build_plan(PlanContext(platform_of("cpu"), "trainer"), {"MALLOC_MMAP_MAX_": "65536"}, {})
+    plan = build_plan(PlanContext(platform_of("cpu"), "trainer", placement=COLOCATED, mode="sync"), {"MALLOC_MMAP_MAX_": "65536"}, {})
     assert plan.entries["MALLOC_MMAP_MAX_"].value == "65536"
     assert plan.entries["MALLOC_MMAP_MAX_"].source == "user-env"
     assert plan.entries["MALLOC_TRIM_THRESHOLD_"].source == "rule:cpu-malloc-keep-heap"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from polyrl.distributed.ray_launch import actor_options, plan_for_role
+from polyrl.distributed.topologies import DISAGGREGATED
 from polyrl.platform import get_platform, simulated_probe
 
 
@@ -13,8 +14,8 @@ def test_actor_sees_planned_and_user_variables(ray_session, monkeypatch):
     monkeypatch.setenv("NCCL_CUMEM_ENABLE", "1")  # a GB300 user's setting
     monkeypatch.setenv("NCCL_DEBUG", "WARN")
     platform = get_platform("cuda", simulated_probe("gb300"))
-    plan = plan_for_role(platform, "rollout", backend="vllm", config_env={"POLYRL_TEST_CFG": "x"},
-                         hands_devices=True)  # an engine host with num_gpus=0
+    plan = plan_for_role(platform, "rollout", topology=DISAGGREGATED, backend="vllm",
+                         config_env={"POLYRL_TEST_CFG": "x"}, hands_devices=True)  # an engine host with num_gpus=0
 
     @ray.remote
     class Probe:

@@ -42,7 +42,8 @@ cfg = RolloutConfig(backend="toy", max_model_len=64, engine_kwargs={"toy": {}})
 require_backend("toy")
 engine = build_standalone_engine(cfg, "builtin:tiny-arith", torch.device("cpu"), seed=1)
 out = asyncio.run(engine.generate([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), "r1"))
-plan = build_plan(PlanContext(get_platform("cpu"), "rollout", backend="toy"), {}, {})
+plan = build_plan(PlanContext(get_platform("cpu"), "rollout", backend="toy", placement="disaggregated", mode="sync"),
+                  {}, {})
 print(json.dumps({"engine": type(engine).__name__, "tokens": len(out[0].token_ids),
                   "in_env_choices": "toy" in BACKENDS, "engines": ROLLOUT_ENGINES.names(),
                   "plan_backend": plan.context.backend, "doctor": list(packages())}))

@@ -186,14 +186,14 @@ def test_check_job_runs_every_check_in_order(tmp_path):
                           "exceeds the model's context of 12")
 
 
-def test_hybrid_placement_with_a_collective_transport_is_refused():
+def test_colocated_placement_with_a_collective_transport_is_refused():
     from polyrl.config import ConfigError
 
     for transport in ("broadcast", "object_store"):
         with pytest.raises(ConfigError, match=f"weights.transport={transport} has no receiver under "
-                                              "rollout.placement=hybrid"):
+                                              "rollout.placement=colocated"):
             job_config(f"weights.transport={transport}")
-        job_config(f"weights.transport={transport}", "rollout.placement=standalone")
+        job_config(f"weights.transport={transport}", "rollout.placement=disaggregated")
 
 
 # --- a dead rank is named (polyrl/distributed/waits.py) ---------------------------------------

@@ -48,9 +48,10 @@ sys.exit(rc)
 
 @pytest.mark.parametrize("overrides, key", [
     ({"actor": {"world_size": 2}}, "actor.world_size=2"),
-    ({"rollout": {"placement": "standalone"}}, "rollout.placement=standalone"),
+    ({"rollout": {"placement": "disaggregated"}}, "rollout.placement=disaggregated"),
+    # an earlier spelling is refused under the name it is now called
     ({"distill": {"teacher": "builtin:tiny-arith", "placement": "standalone"}},
-     "distill.placement=standalone"),
+     "distill.placement=disaggregated"),
     ({"reward": {"model": {"path": "builtin:tiny-arith"}}}, "reward.model"),
     ({"ray": {"address": "auto"}}, "ray.address=auto"),
 ])
@@ -64,7 +65,7 @@ def test_what_needs_a_second_process_is_refused_naming_the_key(overrides, key):
 
 
 def test_async_is_refused_too():
-    """trainer.mode=async needs standalone placement, refused first by the topology check."""
+    """trainer.mode=async needs disaggregated placement, refused first by the topology check."""
     with pytest.raises(ValueError, match="placement"):
         JobConfig.model_validate({"trainer": {"mode": "async"}, "ray": {"enabled": False}})
 

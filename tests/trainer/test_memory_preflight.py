@@ -25,7 +25,7 @@ QWEN25_72B = {**mp.QWEN25["Qwen2.5-72B"], "model_type": "qwen2", "architectures"
               "max_position_embeddings": 32768}
 P72 = 72_706_203_648  # the published checkpoint's tensor total (tests/benchmarks/test_memory_model.py)
 H100 = 81559 * 2**20  # an H100 80GB's memory as torch reports it
-STANDALONE = ["actor.strategy=fsdp2", "rollout.placement=standalone"]
+STANDALONE = ["actor.strategy=fsdp2", "rollout.placement=disaggregated"]
 
 
 def gib(n_bytes: float) -> str:
@@ -76,29 +76,29 @@ def test_dry_run_refuses_a_model_too_big_for_its_ranks_with_the_numbers(big_mode
 
 def test_the_floor_is_the_memory_model_s(big_model):
     """The pre-flight's terms are the memory model's (docs/scaling.md): the sharded state of
-    `training_bytes`, the sharded load under standalone fsdp2 and the whole load under hybrid."""
+    `training_bytes`, the sharded load under disaggregated fsdp2 and the whole load under colocated."""
     s = mp.Shape.from_config(QWEN25_72B)
     setting = mf.Setting(compute=2, reference=True, lora_targets="all-linear", engine="share", engine_dtype=2,
                          tensor_parallel=1, memory_share=0.5, device_bytes=H100, on_device=True)
-    knobs = mf.Knobs(world_size=64, strategy="fsdp2", offload=False, master=4, lora_rank=0, hybrid=False)
+    knobs = mf.Knobs(world_size=64, strategy="fsdp2", offload=False, master=4, lora_rank=0, colocated_engine=False)
     floor = mf.rank_floor(s, knobs, setting)
     model = mp.training_bytes(s, 64, reference=True)
     assert {k: floor["update"][k] for k in ("parameters", "gradients", "reference")} == \
         {k: model[k] for k in ("parameters", "gradients", "reference")}
     assert floor["update"]["AdamW"] == model["optimizer"]
     assert floor["load"]["model load"] == mp.load_bytes_sharded(s, 64)
-    hybrid = mf.rank_floor(s, replace(knobs, hybrid=True), setting)
-    assert hybrid["load"]["model load"] == mp.load_bytes_today(s, 64)
-    assert hybrid["generate"]["engine"] == 0.5 * H100  # vLLM's rollout.gpu_memory_utilization
+    colocated = mf.rank_floor(s, replace(knobs, colocated_engine=True), setting)
+    assert colocated["load"]["model load"] == mp.load_bytes_today(s, 64)
+    assert colocated["generate"]["engine"] == 0.5 * H100  # vLLM's rollout.gpu_memory_utilization
 
 
-def test_hybrid_loads_whole_beside_its_engine_so_only_standalone_fits():
+def test_colocated_loads_whole_beside_its_engine_so_only_disaggregated_fits():
     msg = refusal(job("actor.strategy=fsdp2", "actor.world_size=8", "data.train_batch_size=16",
                       "rollout.backend=vllm"), QWEN25_72B)
     # the engine starts (0.5 of the device) while the whole fp32 model is on it
     assert f"during the engine start (whole model {gib(4 * P72)[:-4]}, engine {gib(H100 / 2)[:-4]} GiB)" in msg
-    assert "rollout.placement=hybrid (vllm engine at rollout.gpu_memory_utilization=0.5)" in msg
-    assert msg.endswith(f"fits: rollout.placement=standalone and actor.world_size>={math.ceil(20 * P72 / H100)}")
+    assert "rollout.placement=colocated (vllm engine at rollout.gpu_memory_utilization=0.5)" in msg
+    assert msg.endswith(f"fits: rollout.placement=disaggregated and actor.world_size>={math.ceil(20 * P72 / H100)}")
 
 
 def test_every_change_the_message_names_fits_and_fewer_ranks_do_not():

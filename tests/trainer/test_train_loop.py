@@ -39,10 +39,10 @@ def test_kl_loss_uses_reference_and_reports_kl(ray_session, tiny_model, arith_fi
     assert "timing/reference" in records[1]
 
 
-def test_async_mode_needs_standalone_placement(tiny_model, arith_files, tmp_path):
+def test_async_mode_needs_disaggregated_placement(tiny_model, arith_files, tmp_path):
     from polyrl.config import ConfigError
 
-    with pytest.raises(ConfigError, match="trainer.mode=async needs rollout.placement=standalone"):
+    with pytest.raises(ConfigError, match="trainer.mode=async needs rollout.placement=disaggregated"):
         job(tiny_model, arith_files, tmp_path, "trainer.mode=async")
 
 

@@ -56,10 +56,11 @@ def lora_run(rank: int, world_size: int, model_path: str, strategy: str, ckpt: s
     out["weights"] = engine_ranks.full_weights(engine)  # merged, Hugging Face names
     out["adapter"] = {k: v.clone() for k, v in engine.adapter_stream()}  # rollout.lora_mode=adapter
     from polyrl.rollout.native.engine import NativeEngine  # hybrid: merged weights synced in place
+    from polyrl.distributed.topologies import COLOCATED
     from polyrl.weights import WeightSyncConfig, build_transport
 
     native = NativeEngine(model_path, max_model_len=32)
-    build_transport(WeightSyncConfig(), "hybrid", engine=native).send(engine.weight_stream(), 1)
+    build_transport(WeightSyncConfig(), COLOCATED, engine=native).send(engine.weight_stream(), 1)
     out["native"] = {n: v.clone() for n, (v, _) in native._weights.targets.items()}
     with adapters_disabled(engine.model):
         out["reference"] = engine.logprobs(shard(engine_ranks.make_batch(5, 5), world_size)[rank]).values

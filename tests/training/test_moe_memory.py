@@ -64,7 +64,7 @@ def test_expert_parallelism_splits_the_experts_and_the_gathered_layer_not_the_st
     assert s.gathered_layer_params(8) == s.layer_params - one_layer_experts * 7 // 8
     setting = mf.Setting(compute=2, reference=False, lora_targets="all-linear", engine="share", engine_dtype=2,
                          tensor_parallel=1, memory_share=0.5, device_bytes=80 * 2**30, on_device=True)
-    knobs = mf.Knobs(world_size=64, strategy="fsdp2", offload=False, master=2, lora_rank=0, hybrid=False)
+    knobs = mf.Knobs(world_size=64, strategy="fsdp2", offload=False, master=2, lora_rank=0, colocated_engine=False)
     whole, split = (mf.rank_floor(s, mf.replace(knobs, expert_parallel=ep), setting)["update"] for ep in (1, 8))
     for term in ("parameters", "gradients", "AdamW"):  # every expert is held once over the 64 ranks
         assert split[term] == whole[term] == pytest.approx({"AdamW": 4}.get(term, 2) * s.params / 64)
@@ -77,13 +77,13 @@ def test_expert_parallelism_splits_the_experts_and_the_gathered_layer_not_the_st
 
 
 def test_the_scaling_table_rows():
-    rows = {(r["model"], r["gpus"], r["mode"], r["ep"]): r for r in mp.moe_scaling_rows()}
-    r = rows[("Qwen3-30B-A3B", 16, "hybrid", 8)]
+    rows = {(r["model"], r["gpus"], r["placement"], r["ep"]): r for r in mp.moe_scaling_rows()}
+    r = rows[("Qwen3-30B-A3B", 16, "colocated", 8)]
     assert (r["experts_per_rank"], r["fits"]) == (16, True)
-    assert r["gathered_layer_gb"] < rows[("Qwen3-30B-A3B", 16, "hybrid", 1)]["gathered_layer_gb"] / 6
+    assert r["gathered_layer_gb"] < rows[("Qwen3-30B-A3B", 16, "colocated", 1)]["gathered_layer_gb"] / 6
     # 235B's bf16 weights (470 GB) need an engine replica of 16 H100s: beyond one node of 8
-    assert rows[("Qwen3-235B-A22B", 128, "standalone", 8)]["engine_gpus"] == 16
-    assert not rows[("Qwen3-235B-A22B", 64, "standalone", 1)]["fits"]
+    assert rows[("Qwen3-235B-A22B", 128, "disaggregated", 8)]["engine_gpus"] == 16
+    assert not rows[("Qwen3-235B-A22B", 64, "disaggregated", 1)]["fits"]
 
 
 def test_the_pre_flight_names_total_and_active_parameters(tmp_path, capsys):

@@ -15,6 +15,7 @@ import pytest
 from gloo_world import DictEngine, model_weights, run_world, same_weights
 from polyrl.distributed.layout import RankLayout, build_groups
 from polyrl.platform import get_platform
+from polyrl.distributed.topologies import DISAGGREGATED
 from polyrl.weights import WeightSyncConfig, WeightSyncError, build_transport
 from polyrl.weights.base import WeightStream
 
@@ -49,7 +50,7 @@ def failing_stream(weights: dict, die: bool) -> WeightStream:
 
 def world(rank: int, world_size: int, out_dir: str, mode: str) -> dict:
     groups = build_groups(LAYOUT, rank, backend=get_platform("cpu").dist_backend(), timeout_s=30)
-    transport = build_transport(config(mode), "standalone", group=groups.group("weight_sync"))
+    transport = build_transport(config(mode), DISAGGREGATED, group=groups.group("weight_sync"))
     if groups.info.role == "trainer":
         stats = [transport.send(model_weights(seed=1), version=1)]
         try:

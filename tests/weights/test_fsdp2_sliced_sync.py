@@ -44,6 +44,7 @@ def sync_world(rank: int, world_size: int, model_path: str) -> dict:
     from polyrl.training import build_engine
     from polyrl.training.config import ActorConfig
     from polyrl.training.model_loading import load_causal_lm
+    from polyrl.distributed.topologies import COLOCATED
     from polyrl.weights import WeightSyncConfig, build_transport
     from polyrl.weights.bucketing import StagedWeights, iter_buckets, plan_buckets
 
@@ -78,7 +79,7 @@ def sync_world(rank: int, world_size: int, model_path: str) -> dict:
             pass
     out["whole"] = {k: v.clone() for k, v in engine.named_weights()}  # assembled from the same slices
     native = NativeEngine(model_path, max_model_len=32)  # hybrid: in place, every rank into its own
-    build_transport(WeightSyncConfig(bucket_mb=BUCKET / 2**20), "hybrid", engine=native).send(
+    build_transport(WeightSyncConfig(bucket_mb=BUCKET / 2**20), COLOCATED, engine=native).send(
         engine.weight_stream(), 3)
     out["native"] = {n: v.clone() for n, (v, _) in native._weights.targets.items()}
     out["native_version"] = native.weight_version

@@ -17,6 +17,7 @@ import torch
 from gloo_world import DictEngine, run_world_ok, same_weights
 from polyrl.distributed.layout import RankLayout, build_groups
 from polyrl.platform import get_platform
+from polyrl.distributed.topologies import COLOCATED, DISAGGREGATED
 from polyrl.weights import WeightSyncConfig, build_transport
 from polyrl.weights.base import WeightStream
 
@@ -52,7 +53,7 @@ def sync_world(rank: int, world_size: int, model_path: str) -> dict:
     platform = get_platform("cpu")
     groups = build_groups(LAYOUT, rank, backend=platform.dist_backend(), timeout_s=60)
     transports = {mode: build_transport(WeightSyncConfig(transport="broadcast", bucket_mb=BUCKET_MB,
-                                                         timeout_s=60, **extra), "standalone",
+                                                         timeout_s=60, **extra), DISAGGREGATED,
                                         group=groups.group("weight_sync")) if "weight_sync" in groups.groups
                   else None for mode, extra in MODES.items()}
     if groups.info.role != "trainer":  # the rollout rank: receive every version
@@ -82,7 +83,7 @@ def sync_world(rank: int, world_size: int, model_path: str) -> dict:
             for _ in engine.named_weights():
                 pass
     native = NativeEngine(model_path, max_model_len=32)
-    in_place = build_transport(WeightSyncConfig(), "hybrid", engine=native)
+    in_place = build_transport(WeightSyncConfig(), COLOCATED, engine=native)
     live = []
     in_place.send(tracked(engine, live), 9)
     out["live"]["in_place"] = max(live)

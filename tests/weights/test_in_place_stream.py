@@ -11,6 +11,7 @@ import torch
 
 from polyrl.rollout.base import SamplingParams, WeightUpdateError
 from polyrl.rollout.native.engine import NativeEngine
+from polyrl.distributed.topologies import COLOCATED
 from polyrl.weights import WeightSyncConfig, build_transport
 from polyrl.weights.base import WeightStream
 
@@ -50,7 +51,7 @@ def targets(engine) -> dict[str, torch.Tensor]:
 
 def test_streamed_update_loads_one_tensor_at_a_time(engine_and_weights):
     engine, new = engine_and_weights
-    transport = build_transport(WeightSyncConfig(), "hybrid", engine=engine)
+    transport = build_transport(WeightSyncConfig(), COLOCATED, engine=engine)
     produced, live = [], []
     stats = transport.send(stream_of(new, produced, live), version=3)
     assert engine.weight_version == 3 and stats.num_tensors == len(new)

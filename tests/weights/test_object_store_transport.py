@@ -7,6 +7,7 @@ import pytest
 
 from gloo_world import DictEngine, model_weights, same_weights
 from polyrl.distributed.waits import RemoteTimeout
+from polyrl.distributed.topologies import DISAGGREGATED
 from polyrl.weights import WeightSyncConfig, WeightSyncError, build_transport
 from polyrl.weights.object_store import create_mailbox
 
@@ -22,9 +23,10 @@ def sender_actor(ray, mailbox):
     @ray.remote(num_cpus=0)
     class Sender:
         def __init__(self, mailbox, config):
+            from polyrl.distributed.topologies import DISAGGREGATED
             from polyrl.weights import build_transport
 
-            self.transport = build_transport(config, "standalone", mailbox=mailbox)
+            self.transport = build_transport(config, DISAGGREGATED, mailbox=mailbox)
 
         def send(self, named_tensors, version: int):
             return self.transport.send(named_tensors, version)
@@ -60,8 +62,8 @@ def mailbox(ray_session):
 
 
 def test_versions_arrive_and_report_stats(mailbox):
-    sender = build_transport(CONFIG, "standalone", mailbox=mailbox)  # the driver owns the objects
-    receiver = build_transport(CONFIG, "standalone", mailbox=mailbox)
+    sender = build_transport(CONFIG, DISAGGREGATED, mailbox=mailbox)  # the driver owns the objects
+    receiver = build_transport(CONFIG, DISAGGREGATED, mailbox=mailbox)
     engine = DictEngine(model_weights(seed=0))
     stats = sender.send(model_weights(seed=1), 1)
     assert receiver.receive(engine) == 1 and same_weights(engine.weights, model_weights(seed=1))
@@ -83,7 +85,7 @@ def test_background_publish_snapshots_at_send_and_raises_at_the_next_send(mailbo
     at the next send() / flush(), and the mailbox keeps the last good version."""
     import threading
 
-    sender = build_transport(CONFIG, "standalone", mailbox=mailbox)
+    sender = build_transport(CONFIG, DISAGGREGATED, mailbox=mailbox)
     assert sender.config.background_publish
     stepped = threading.Event()
     publish = sender._put_and_publish
@@ -100,7 +102,7 @@ def test_background_publish_snapshots_at_send_and_raises_at_the_next_send(mailbo
     for tensor in weights.values():  # the trainer's next step, while the publication waits
         tensor.add_(1)
     stepped.set()
-    receiver = build_transport(CONFIG, "standalone", mailbox=mailbox)
+    receiver = build_transport(CONFIG, DISAGGREGATED, mailbox=mailbox)
     engine = DictEngine(model_weights(seed=2), version=2)
     assert receiver.receive(engine) == 3 and same_weights(engine.weights, expected)
     sender.flush()
@@ -114,7 +116,7 @@ def test_background_publish_snapshots_at_send_and_raises_at_the_next_send(mailbo
 
 def test_a_publication_to_a_dead_mailbox_fails_at_flush(ray_session):
     box = create_mailbox()
-    sender = build_transport(CONFIG, "standalone", mailbox=box)
+    sender = build_transport(CONFIG, DISAGGREGATED, mailbox=box)
     sender.send(model_weights(seed=1), 1)
     sender.flush()
     ray_session.kill(box)
@@ -126,17 +128,17 @@ def test_a_publication_to_a_dead_mailbox_fails_at_flush(ray_session):
 
 def test_foreground_publish_is_done_when_send_returns(ray_session, mailbox):
     config = WeightSyncConfig(transport="object_store", bucket_mb=0.001, timeout_s=60, background_publish=False)
-    sender = build_transport(config, "standalone", mailbox=mailbox)
+    sender = build_transport(config, DISAGGREGATED, mailbox=mailbox)
     sender.send(model_weights(seed=7), 4)
     assert ray_session_latest(mailbox) == 4
-    receiver = build_transport(config, "standalone", mailbox=mailbox)
+    receiver = build_transport(config, DISAGGREGATED, mailbox=mailbox)
     engine = DictEngine(model_weights(seed=2), version=3)
     assert receiver.receive(engine) == 4 and same_weights(engine.weights, model_weights(seed=7))
 
 
 def test_nothing_new_published_times_out_naming_the_sender(mailbox):
     config = WeightSyncConfig(transport="object_store", timeout_s=0.5)
-    receiver = build_transport(config, "standalone", mailbox=mailbox)
+    receiver = build_transport(config, DISAGGREGATED, mailbox=mailbox)
     engine = DictEngine(model_weights(seed=2), version=4)
     with pytest.raises(RemoteTimeout, match="weight sender"):
         receiver.receive(engine)
@@ -149,7 +151,7 @@ def test_sender_dying_midway_keeps_the_previous_version(ray_session, mailbox):
     with pytest.raises(ray.exceptions.RayActorError):  # dies while packing bucket 1 of v5
         ray.get(doomed.send_and_die.remote(model_weights(seed=3), 5, 1), timeout=30)
     config = WeightSyncConfig(transport="object_store", timeout_s=1)
-    receiver = build_transport(config, "standalone", mailbox=mailbox)
+    receiver = build_transport(config, DISAGGREGATED, mailbox=mailbox)
     engine = DictEngine(model_weights(seed=2), version=4)
     with pytest.raises(RemoteTimeout, match="weight sender"):
         receiver.receive(engine)

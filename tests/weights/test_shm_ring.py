@@ -19,6 +19,7 @@ from gloo_world import DictEngine, model_weights, run_world, same_weights
 from polyrl.distributed.layout import RankLayout, build_groups
 from polyrl.distributed.watchdog import default_watchdog
 from polyrl.platform import get_platform
+from polyrl.distributed.topologies import DISAGGREGATED
 from polyrl.weights import WeightSyncConfig, build_transport
 from polyrl.weights import bucketing
 
@@ -47,7 +48,7 @@ def one_peer_fails(rank: int, world_size: int, how: str) -> dict:
     it stays alive, holding its end of the ring, until ranks 0 and 1 have both given up on v3)
     while rank 0 sends v3."""
     groups = build_groups(LAYOUT, rank, backend=get_platform("cpu").dist_backend(), timeout_s=30)
-    transport = build_transport(MODES[how], "standalone", group=groups.group("weight_sync"))
+    transport = build_transport(MODES[how], DISAGGREGATED, group=groups.group("weight_sync"))
     store = default_watchdog().store
     calls = count_collectives()
     out: dict = {"collectives": []}
@@ -162,7 +163,7 @@ class KeepEngine:
 
 def late_receivers(rank: int, world_size: int) -> dict:
     groups = build_groups(LAYOUT, rank, backend=get_platform("cpu").dist_backend(), timeout_s=30)
-    transport = build_transport(CONFIG, "standalone", group=groups.group("weight_sync"))
+    transport = build_transport(CONFIG, DISAGGREGATED, group=groups.group("weight_sync"))
     if rank == 0:
         transport.send(model_weights(seed=1), version=1)
         mark_packing(default_watchdog().store)

@@ -1,4 +1,4 @@
-"""WeightSyncConfig, the transport registry and the in-place (hybrid) transport."""
+"""WeightSyncConfig, the transport registry and the in-place (colocated) transport."""
 
 from __future__ import annotations
 
@@ -7,17 +7,19 @@ import torch
 
 from gloo_world import DictEngine, model_weights, same_weights
 from polyrl.config.base import ConfigError, validate
+from polyrl.distributed.topologies import COLOCATED, DISAGGREGATED
 from polyrl.rollout.base import WeightUpdateError
 from polyrl.weights import WEIGHT_TRANSPORTS, WeightSyncConfig, WeightTransport, build_transport
 from polyrl.weights.in_place import InPlaceTransport
 
 
-def test_auto_picks_by_placement_and_mismatches_name_the_fix():
+def test_auto_picks_by_topology_and_mismatches_name_the_fix():
     config = WeightSyncConfig()
-    assert config.resolve("hybrid") == "in_place" and config.resolve("standalone") == "broadcast"
+    assert isinstance(build_transport(config, COLOCATED, engine=None), InPlaceTransport)
+    assert DISAGGREGATED.transport(config.transport) == "broadcast"
     assert WeightSyncConfig(bucket_mb=0.5).bucket_bytes == 1 << 19
     with pytest.raises(ValueError, match="weights.transport=broadcast or object_store"):
-        WeightSyncConfig(transport="in_place").resolve("standalone")
+        build_transport(WeightSyncConfig(transport="in_place"), DISAGGREGATED)
 
 
 def test_unknown_transport_lists_the_choices():
@@ -30,7 +32,7 @@ def test_unknown_transport_lists_the_choices():
 
 def test_in_place_transport_applies_and_reports():
     engine = DictEngine(model_weights(seed=0))
-    transport = build_transport(WeightSyncConfig(), "hybrid", engine=engine)
+    transport = build_transport(WeightSyncConfig(), COLOCATED, engine=engine)
     assert isinstance(transport, InPlaceTransport) and isinstance(transport, WeightTransport)
     new = model_weights(seed=1)
     stats = transport.send(new, version=4)

@@ -179,7 +179,7 @@ class AsyncEngineAdapter:
 
     @classmethod
     def from_model(cls, model: Any, *, launch_args: dict[str, Any], tokenizer: Any = True, **kwargs):
-        """Hybrid placement: start on dummy weights, then copy the trainer's weights in (v0)."""
+        """Colocated placement: start on dummy weights, then copy the trainer's weights in (v0)."""
         import torch
 
         engine = cls(launch_args, tokenizer=tokenizer, **kwargs)

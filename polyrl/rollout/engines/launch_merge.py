@@ -108,7 +108,7 @@ def vllm_memory_share(rollout: Any, platform_name: str) -> float:
     memory), most of it for the KV cache. The GPU default (`rollout.gpu_memory_utilization`,
     0.5) reserved 11.2 of 23.5 GiB for the bundled tiny model's KV cache, whose allocation and
     warm-up took 28.7 s of the engine's start, against 1.5 s at 0.1 (docs/gpu_engines.md), and
-    in hybrid placement the trainer shares that RAM. So on CPU an unset value means
+    in colocated placement the trainer shares that RAM. So on CPU an unset value means
     `VLLM_CPU_MEMORY_SHARE`; a value the user set (`rollout.gpu_memory_utilization`, which
     pydantic records in `model_fields_set`) is kept, as is
     `engine_kwargs.vllm.gpu_memory_utilization` (merged over the defaults)."""

@@ -292,7 +292,7 @@ class SGLangEngine(AsyncEngineAdapter):
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
 
         if not self.launch_args.get("enable_memory_saver"):
-            raise RuntimeError("SGLang was started without enable_memory_saver (standalone "
+            raise RuntimeError("SGLang was started without enable_memory_saver (disaggregated "
                                "placement); set rollout.engine_kwargs.sglang.enable_memory_saver=true")
         if self._inflight:
             raise RuntimeError(f"cannot sleep with {len(self._inflight)} running requests; let them "

@@ -17,7 +17,7 @@ replica): `weight_flush.push_to_replica` cuts the tensors into IPC-handle flushe
 `update_bucket_mb`, gathers each rank's flush to the replica leader, which hands them to the
 engine; for vision-language models the leader first asks the engine whether it accepts partial
 loading (`supports_partial_loading`, answered no when the extension lacks it) and broadcasts
-the answer (R5). IPC handles need device tensors: host tensors (what every standalone
+the answer (R5). IPC handles need device tensors: host tensors (what every disaggregated
 transport hands over: the broadcast stages on the CPU, the object store returns numpy-backed
 tensors) are copied to the adapter's device one tensor at a time as the flushes are cut, so at
 most one flush is staged there (`stage_on_device`). With `quantization=fp8` the tensors are
@@ -150,7 +150,7 @@ def placement(tp: int, given: Mapping[str, Any] | None = None,
     """`AsyncLLM`'s placement arguments for an engine started in this actor: the placement group
     it runs in and the bundles of its replica's `tp` devices, which start at its own bundle.
 
-    The actor that starts the engine (a hybrid policy rank, or a standalone replica's leader:
+    The actor that starts the engine (a colocated policy rank, or a disaggregated replica's leader:
     a rank like the others, not an engine host) asks Ray for the rest of its device
     (`1 - TRTLLM_WORKER_GPU_SHARE`, polyrl/rollout/launch_args.py) while its bundle keeps the
     whole device plus a CPU; TRT-LLM's Ray workers, one per TP rank, each ask for
@@ -277,7 +277,7 @@ class TRTLLMEngine(AsyncEngineAdapter):
     # --- control ---------------------------------------------------------------------------------
     def sleep(self) -> None:
         if not self.launch_args.get("enable_sleep"):
-            raise RuntimeError("TensorRT-LLM was started without enable_sleep (standalone "
+            raise RuntimeError("TensorRT-LLM was started without enable_sleep (disaggregated "
                                "placement); set rollout.engine_kwargs.trtllm.enable_sleep=true")
         if self._inflight:
             raise RuntimeError(f"cannot sleep with {len(self._inflight)} running requests; let them "

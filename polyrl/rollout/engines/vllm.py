@@ -461,7 +461,7 @@ class VLLMEngine(AsyncEngineAdapter):
             self._sleeping = True
             return
         if not self.launch_args.get("enable_sleep_mode"):
-            raise RuntimeError("vLLM was started without enable_sleep_mode (standalone placement); "
+            raise RuntimeError("vLLM was started without enable_sleep_mode (disaggregated placement); "
                                "set rollout.engine_kwargs.vllm.enable_sleep_mode=true to use sleep()")
         if self._inflight:
             raise RuntimeError(f"cannot sleep with {len(self._inflight)} running requests; let them "

@@ -19,6 +19,7 @@ import ray
 import torch
 
 from polyrl.distributed.ray_launch import actor_options, plan_for_role
+from polyrl.distributed.topologies import DISAGGREGATED, TopologySpec
 from polyrl.distributed.waits import gather
 from polyrl.platform import Platform, current_platform, get_platform
 from polyrl.rollout.base import ROLLOUT_ENGINES, SamplingParams, TokenOutput
@@ -101,8 +102,7 @@ def start_rollout_servers(
     *,
     platform: Platform | None = None,
     backend: str = "native",
-    placement: str = "standalone",
-    mode: str = "sync",
+    topology: TopologySpec = DISAGGREGATED,
     engine_kwargs: Mapping[str, Any] | None = None,
     num_cpus: float = 1,
     num_devices: float | None = None,
@@ -115,11 +115,12 @@ def start_rollout_servers(
     a replica that does not come up within `ready_timeout_s` is named in the error.
 
     `num_devices` (per replica) defaults to one device of the platform (none on CPU); `name`
-    names the actors `name-0`, `name-1`, ... in Ray.
+    names the actors `name-0`, `name-1`, ... in Ray. `topology`: the run the servers belong to,
+    for their environment plan; a server is an engine on devices of its own, so disaggregated
+    (STREAMING where an async run's trainer talks to them).
     """
     platform = platform or current_platform()
-    plan = plan_for_role(platform, "rollout", backend=backend, placement=placement, mode=mode,
-                         config_env=config_env)
+    plan = plan_for_role(platform, "rollout", topology=topology, backend=backend, config_env=config_env)
     devices = num_devices if num_devices is not None else (1 if platform.ray_resource else 0)
     resources = platform.ray_actor_options(devices, num_cpus=num_cpus)
     names = [f"{name}-{i}" if name else f"rollout server {i} ({model_path})" for i in range(count)]

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from polyrl.distributed.ray_launch import plan_for_role
+from polyrl.distributed.topologies import DISAGGREGATED
 from polyrl.platform import current_platform
 from polyrl.rollout.base import RolloutInputError
 from polyrl.rollout.server import Router, start_rollout_servers
@@ -41,7 +42,7 @@ def test_one_actor_serves_concurrent_requests_in_one_batch(ray_session, servers)
 
 
 def test_actor_environment_matches_its_plan(ray_session, servers):
-    plan = plan_for_role(current_platform(), "rollout", backend="native", placement="standalone")
+    plan = plan_for_role(current_platform(), "rollout", topology=DISAGGREGATED, backend="native")
     assert "TOKENIZERS_PARALLELISM" in plan.values()
     seen = ray_session.get(servers[0].environment.remote(list(plan.values())), timeout=60)
     assert seen == plan.values()

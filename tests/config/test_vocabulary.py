@@ -1,0 +1,100 @@
+"""One set of names for where an engine lives (polyrl/config/vocabulary.py, docs/architecture.md
+"Vocabulary"): colocated / disaggregated in config, code, docs and messages; the earlier config
+values load as their names; nothing compares against the earlier ones."""
+
+from __future__ import annotations
+
+import ast
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from polyrl.algorithms.distill_config import DistillConfig
+from polyrl.config import ConfigError, load_config, parse_overrides, to_yaml
+from polyrl.config import vocabulary
+from polyrl.job import JobConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+OLD = ("hybrid", "standalone")
+
+
+@pytest.mark.parametrize("overrides,rollout,teacher", [
+    (["rollout.placement=hybrid"], "colocated", "colocated"),
+    (["rollout.placement=standalone"], "disaggregated", "colocated"),
+    (["distill.placement=standalone", "distill.teacher=/t", "distill.world_size=2"], "colocated", "disaggregated"),
+    (["rollout.placement=disaggregated", "distill.placement=disaggregated"], "disaggregated", "disaggregated"),
+])
+def test_earlier_values_load_as_their_names(overrides, rollout, teacher, tmp_path):
+    cfg = load_config(JobConfig, overrides=overrides)
+    assert (cfg.rollout.placement, cfg.distill.placement) == (rollout, teacher)
+    # the resolved config (what --dry-run prints and the run saves) holds the name, and reloads
+    saved = tmp_path / "resolved.yaml"
+    saved.write_text(to_yaml(cfg))
+    assert not any(f"placement: {old}" in saved.read_text() for old in OLD)
+    again = load_config(JobConfig, files=[saved])
+    assert (again.rollout.placement, again.distill.placement) == (rollout, teacher)
+    # the same values from a YAML file
+    written = tmp_path / "old.yaml"
+    written.write_text(yaml.safe_dump(parse_overrides(overrides)))
+    from_file = load_config(JobConfig, files=[written])
+    assert (from_file.rollout.placement, from_file.distill.placement) == (rollout, teacher)
+
+
+def test_an_alias_is_logged_once_and_the_topology_follows(monkeypatch, caplog):
+    monkeypatch.setattr(vocabulary, "_announced", set())
+    with caplog.at_level(logging.WARNING, logger=vocabulary.__name__):
+        first = load_config(JobConfig, overrides=["rollout.placement=standalone"])
+        load_config(JobConfig, overrides=["rollout.placement=standalone"])
+    assert [r.getMessage() for r in caplog.records] == ["rollout.placement=standalone is now called disaggregated"]
+    assert first.topology.name == "disaggregated" and first.topology.placement == "disaggregated"
+    assert load_config(JobConfig, overrides=["rollout.placement=hybrid"]).topology.name == "colocated"
+
+
+def test_an_alias_is_the_keys_own_and_an_unknown_value_names_the_choices():
+    with pytest.raises(ConfigError, match="distill.placement: 'hybrid' is not one of colocated, disaggregated"):
+        load_config(JobConfig, overrides=["distill.placement=hybrid"])  # never a teacher placement
+    with pytest.raises(ConfigError, match="rollout.placement: 'remote' is not one of colocated, disaggregated"):
+        load_config(JobConfig, overrides=["rollout.placement=remote"])
+    assert DistillConfig(placement="standalone").placement == "disaggregated"
+
+
+def test_no_source_compares_against_an_earlier_name():
+    """Only the alias table spells the earlier values: code compares against the vocabulary's
+    constants or the topology's fields, so a value the config did not normalize cannot pass as
+    another placement."""
+    offenders = []
+    for path in sorted((ROOT / "polyrl").rglob("*.py")):
+        if path == Path(vocabulary.__file__).resolve():
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in OLD:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+    assert not offenders, "earlier placement names as values:\n" + "\n".join(offenders)
+
+
+VALUE = re.compile(r"placement\W{1,3}(hybrid|standalone)\b|\b(hybrid|standalone) placement\b"
+                   r"|\|\s*(hybrid|standalone)\s*\|", re.IGNORECASE)
+
+
+def vocabulary_section(text: str) -> str:
+    """docs/architecture.md's "Vocabulary" section: the one place that lists the aliases."""
+    match = re.search(r"^## Vocabulary\n(.*?)(?=^## )", text, re.M | re.S)
+    return match.group(0) if match else ""
+
+
+def test_docs_and_configs_use_the_names():
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "configs").glob("*.yaml")),
+             *sorted((ROOT / "polyrl" / "configs").glob("*.yaml"))]
+    arch = (ROOT / "docs" / "architecture.md").read_text()
+    assert "hybrid" in vocabulary_section(arch) and "standalone" in vocabulary_section(arch)
+    offenders = []
+    for path in files:
+        text = path.read_text()
+        if path.name == "architecture.md":
+            text = text.replace(vocabulary_section(text), "")
+        offenders += [f"{path.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}: {m.group(0)}"
+                      for m in VALUE.finditer(text)]
+    assert not offenders, "earlier placement names in docs or configs:\n" + "\n".join(offenders)
