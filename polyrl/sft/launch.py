@@ -172,7 +172,9 @@ def _wait(procs: list) -> None:
 
 def _rank_main(cfg: SFTConfig, rank: int, world: int, tmp: str, errors: Any, level: int,
                env: dict[str, str]) -> None:
-    os.environ.update(env)  # the rank's device (`rank_visibility`), before anything asks the driver
+    from polyrl.envplan.this_process import apply_here
+
+    apply_here(env)  # the rank's device (`rank_visibility`), before anything asks the driver
     import torch.distributed as dist
 
     from polyrl.platform import get_platform
