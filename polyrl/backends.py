@@ -321,6 +321,11 @@ register_backend("vllm", "polyrl.rollout.engines.vllm:VLLMEngine", package="vllm
                      since={"fp8": VLLM_FP8_RELOAD_SINCE, "images": VLLM_IMAGES_SINCE,
                             "routed_experts": VLLM_ROUTED_EXPERTS_SINCE},
                      unavailable=(("routed_experts", "cpu", VLLM_CPU_NO_ROUTES),)))
+ROUTES_LAUNCH_ARGUMENT: dict[str, str] = {"vllm": "enable_return_routed_experts",
+                                          "sglang": "enable_return_routed_experts"}
+"""backend -> the launch argument that makes its engine record routes (vLLM's engine argument,
+SGLang's server argument; recording costs memory and a copy per step, so it is off unless asked).
+actor.router_replay=R3 sets it in `rollout.engine_kwargs` (polyrl/job.py)."""
 SGLANG_ROUTED_EXPERTS_SINCE = "0.5.9"
 """`Engine.async_generate(return_routed_experts=...)`, the request flag the adapter sends, is new
 in 0.5.9; the server flag (`ServerArgs.enable_return_routed_experts`) and the synchronous

@@ -151,6 +151,7 @@ class JobConfig(Config):
             if self.model.lora_rank > most:
                 raise ValueError(f"model.lora_rank={self.model.lora_rank} is larger than vLLM's max_lora_rank "
                                  f"({most}): set rollout.engine_kwargs.vllm.max_lora_rank={self.model.lora_rank}")
+        self._ask_engine_routes()
         if self.rollout.batch_invariant:
             if self.actor.compute_dtype != self.rollout.dtype:
                 raise ValueError(f"rollout.batch_invariant=true: the trainer recomputes log-probs in rollout.dtype="
@@ -169,6 +170,21 @@ class JobConfig(Config):
         self._check_topology()
         self._check_in_process()
         return self
+
+    def _ask_engine_routes(self) -> None:
+        """actor.router_replay=R3 on an engine that records routes only when started so (vLLM,
+        SGLang; docs/moe.md): its launch argument is set in rollout.engine_kwargs, where the
+        dry run shows it; turned off there by the user, one line."""
+        from polyrl.backends import ROUTES_LAUNCH_ARGUMENT
+
+        backend = self.rollout.backend
+        flag = ROUTES_LAUNCH_ARGUMENT.get(backend)
+        if self.actor.router_replay != "R3" or flag is None:
+            return
+        kwargs = self.rollout.engine_kwargs.setdefault(backend, {})
+        if kwargs.setdefault(flag, True) is not True:
+            raise ValueError(f"rollout.engine_kwargs.{backend}.{flag}={str(kwargs[flag]).lower()}: actor.router_replay=R3 replays "
+                             "the routes the engine records only when started with it; remove the key")
 
     def _check_in_process(self) -> None:
         """ray.enabled=false runs one rank in the calling process: refuse, naming the key, any

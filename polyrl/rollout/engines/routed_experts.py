@@ -30,7 +30,8 @@ from polyrl.batch.routes import encode, routes_dtype
 
 ENGINE_FLAG = "enable_return_routed_experts"
 """The launch argument that makes vLLM (`AsyncEngineArgs`) and SGLang (`ServerArgs`) record
-routes; the adapters ask for them per request only when it is set."""
+routes (`ROUTES_LAUNCH_ARGUMENT` in polyrl/backends.py, which actor.router_replay=R3 sets); the
+adapters read and ask for routes only when it is set."""
 
 
 @dataclass(frozen=True)

@@ -249,3 +249,25 @@ def test_preflight_refuses_r3_on_vllm_cpu_and_below_each_floor(monkeypatch):
     versions.update(vllm="0.32.0", sglang="0.5.9")
     assert _r3_problem("vllm", "cuda") is None and _r3_problem("sglang") is None
     assert "declares no routed_experts" in _r3_problem("trtllm")
+
+
+def test_r3_starts_the_engine_recording_routes():
+    """The job sets the launch argument (polyrl/job.py); the launch arguments carry it to the engine."""
+    from polyrl.config import ConfigError, load_config
+    from polyrl.job import JobConfig
+    from polyrl.platform import get_platform
+    from polyrl.rollout.launch_args import engine_launch_args
+
+    for backend in ("vllm", "sglang"):
+        cfg = load_config(JobConfig, overrides=["actor.router_replay=R3", f"rollout.backend={backend}"])
+        assert cfg.rollout.engine_kwargs[backend] == {ENGINE_FLAG: True}
+        args = engine_launch_args(cfg.rollout, "/m", get_platform("cpu"), "0.32.0" if backend == "vllm" else "0.5.23",
+                                  colocated=False)
+        assert args[ENGINE_FLAG] is True
+    for replay in ([], ["actor.router_replay=R2"]):  # recording costs memory and a copy per step: R3 only
+        assert load_config(JobConfig, overrides=[*replay, "rollout.backend=sglang"]).rollout.engine_kwargs == {}
+    with pytest.raises(ConfigError) as err:
+        load_config(JobConfig, overrides=["actor.router_replay=R3", "rollout.backend=sglang",
+                                          f"rollout.engine_kwargs.sglang.{ENGINE_FLAG}=false"])
+    assert err.value.problems == [f"rollout.engine_kwargs.sglang.{ENGINE_FLAG}=false: actor.router_replay=R3 replays "
+                                  "the routes the engine records only when started with it; remove the key"]
