@@ -183,8 +183,9 @@ class JobConfig(Config):
             return
         kwargs = self.rollout.engine_kwargs.setdefault(backend, {})
         if kwargs.setdefault(flag, True) is not True:
-            raise ValueError(f"rollout.engine_kwargs.{backend}.{flag}={str(kwargs[flag]).lower()}: actor.router_replay=R3 replays "
-                             "the routes the engine records only when started with it; remove the key")
+            value = str(kwargs[flag]).lower()
+            raise ValueError(f"rollout.engine_kwargs.{backend}.{flag}={value}: actor.router_replay=R3 replays the "
+                             "routes the engine records only when started with it; remove the key")
 
     def _check_in_process(self) -> None:
         """ray.enabled=false runs one rank in the calling process: refuse, naming the key, any
