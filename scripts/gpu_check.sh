@@ -11,6 +11,9 @@
 #   scripts/gpu_check.sh --quick [--json PATH]   # torch only, a few minutes (gpu_quick_check.py)
 #   scripts/gpu_check.sh --loop [--device cpu] [--json PATH]   # whole training loops without Ray,
 #                                                # <= 8 minutes on a GPU (gpu_loop.py; CI runs --device cpu)
+#   scripts/gpu_check.sh --profile [--device cpu] [--json PATH]  # torch.profiler over the bf16
+#                                                # packed training step (MFU, top kernels) and the
+#                                                # built-in engine's decode (gpu_profile.py; ~1-2 minutes)
 #
 # MODEL_DIR: a local Hugging Face decoder directory (e.g. Qwen2.5-0.5B-Instruct). Default: the
 # bundled tiny model, copied to a temp dir with its config converted for older transformers
@@ -45,6 +48,16 @@ if [ "${1:-}" = "--loop" ]; then
     export PYTHONPATH="$PWD/build/gpu_carry${PYTHONPATH:+:$PYTHONPATH}"
   fi
   exec "${PYTHON:-python3}" scripts/gpu_loop.py "$@"
+fi
+
+# --profile: where the bf16 training step (0.5B-shaped, packed) and the decode spend their time,
+# with the MFU against the 40% goal; torch and the carried packages only, as --loop
+if [ "${1:-}" = "--profile" ]; then
+  shift
+  if [ -d build/gpu_carry ]; then
+    export PYTHONPATH="$PWD/build/gpu_carry${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  exec "${PYTHON:-python3}" scripts/gpu_profile.py "$@"
 fi
 
 TOTAL=${GPU_CHECK_TIMEOUT:-1500}
