@@ -5,6 +5,7 @@ values load as their names; nothing compares against the earlier ones."""
 from __future__ import annotations
 
 import ast
+import json
 import logging
 import re
 from pathlib import Path
@@ -98,3 +99,37 @@ def test_docs_and_configs_use_the_names():
         offenders += [f"{path.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}: {m.group(0)}"
                       for m in VALUE.finditer(text)]
     assert not offenders, "earlier placement names in docs or configs:\n" + "\n".join(offenders)
+
+
+def test_an_alias_plans_the_same_run(capsys):
+    """`--dry-run` under an earlier spelling prints the plan of the name, byte for byte (on a
+    simulated H100 with vLLM: the disaggregated-only NCCL rule and engine host included)."""
+    from polyrl.cli.main import main
+
+    plans = []
+    for spelling in ("standalone", "disaggregated"):
+        assert main(["train", "--dry-run", "--json", "--platform", "h100", "rollout.backend=vllm",
+                     "rollout.num_replicas=2", "rollout.tensor_parallel_size=2", "rollout.max_model_len=128",
+                     f"rollout.placement={spelling}"]) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    assert plans[0] == plans[1]
+    assert plans[0]["config"]["rollout"]["placement"] == "disaggregated"
+    assert plans[0]["placement"]["placement"] == "disaggregated"
+    assert plans[0]["job"]["env"]["NCCL_CUMEM_ENABLE"]["source"] == "rule:nccl-cumem-off"
+
+
+def test_the_plan_consumers_take_the_spec_with_no_default():
+    """The environment plan, the transport builder and the doctor are handed the planned
+    topology; none falls back to a placement of its own."""
+    import dataclasses
+    import inspect
+
+    from polyrl.cli.doctor import check_environment, collect
+    from polyrl.distributed.ray_launch import plan_for_role
+    from polyrl.envplan import PlanContext
+    from polyrl.weights import build_transport
+
+    fields = {f.name: f for f in dataclasses.fields(PlanContext)}
+    assert fields["placement"].default is dataclasses.MISSING and fields["mode"].default is dataclasses.MISSING
+    for fn in (plan_for_role, build_transport, check_environment, collect):
+        assert inspect.signature(fn).parameters["topology"].default is inspect.Parameter.empty, fn.__name__
