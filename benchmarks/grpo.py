@@ -24,10 +24,13 @@ cannot avoid and the fraction of plain-matmul peak each side reaches (`roofline_
     python benchmarks/grpo.py --contention       # each pair again beside one busy process (pinned to a core)
     python benchmarks/grpo.py --sizes moe        # the mixture-of-experts cell (a ~32M / ~7.5M-active Qwen3-MoE)
 
-`--contention`: after each idle pair, the same pair again beside one busy competitor process pinned
-to the last core (`benchmarks/_contention.py`); per cell `speedup_under_contention` (TRL's s/step
-over polyrl's, both under the load) and `kept_fraction` (polyrl's idle s/step over its s/step
-under the load); the date, CPU, flags and load average come with the JSON.
+`--contention`: in the same run, every second step (TRL's and polyrl's) beside one busy
+competitor process pinned to the last core (`benchmarks/_contention.py`), started before TRL's step
+and stopped after polyrl's: step 1 warms up, then idle and loaded steps alternate, so the other
+load on the machine drifts over both alike. Per cell `speedup_under_contention` (TRL's s/step over
+polyrl's, both on the loaded steps) and `kept_fraction` (polyrl's idle s/step over its loaded
+s/step); the idle columns are the idle steps; the date, CPU, flags and load average come with
+the JSON.
 
 Needs TRL (`pip install -e .[bench]`).
 """
@@ -105,7 +108,14 @@ class Steps:
     def summary(self, **extra) -> dict:
         return dict(s_per_step=mean(self.wall[1:]), median_s=median(self.wall[1:]),
                     cpu_s=mean(self.cpu[1:]) if self.cpu else float("nan"),
-                    step_s=[round(t, 2) for t in self.wall], **extra)
+                    step_s=[round(t, 2) for t in self.wall if t == t], **extra)  # not pick's placeholder
+
+    def pick(self, steps: list[int]) -> "Steps":
+        """Only `steps` (indices), behind a placeholder warm-up entry (`summary` skips the first)."""
+        out = Steps()
+        out.wall = [float("nan")] + [self.wall[i] for i in steps]
+        out.cpu = [float("nan")] + [self.cpu[i] for i in steps] if self.cpu else []
+        return out
 
 
 # ----------------------------------------------------------------------------- TRL
@@ -141,11 +151,14 @@ def _rows(path) -> list[dict]:
     return pq.read_table(path).to_pylist()
 
 
-def run_pair(model_dir: str, files: dict, out: Path, dtype: str, steps: int, threads: int) -> tuple[dict, dict]:
+def run_pair(model_dir: str, files: dict, out: Path, dtype: str, steps: int, threads: int,
+             contended: bool = False) -> tuple[dict, dict]:
     """polyrl's `Trainer.fit()` in this thread; TRL's `GRPOTrainer.train()` in a second one, let
     through one step at a time: before polyrl's step k, TRL runs its step k, so both see the same
     machine conditions. A TRL step is timed from its go-ahead to its `on_step_end`: the previous
     step's logging, data, generation, scoring, loss, backward and optimizer step.
+    `contended`: steps 3, 5, ... (TRL's and polyrl's) run beside a busy competitor; each side's
+    summary is over the idle steps 2, 4, ..., and its "loaded" entry over the others.
     """
     import threading
 
@@ -154,6 +167,7 @@ def run_pair(model_dir: str, files: dict, out: Path, dtype: str, steps: int, thr
     from transformers.utils import logging as hf_logging
     from trl import GRPOTrainer
 
+    from _contention import competitor
     from polyrl.trainer.loop import Trainer
     from polyrl.training.model_loading import load_tokenizer
 
@@ -168,6 +182,7 @@ def run_pair(model_dir: str, files: dict, out: Path, dtype: str, steps: int, thr
     records: list[dict] = []
     generate_s: list[float] = []
     history: list[dict] = []
+    loaded: list[bool] = []  # per step: beside the competitor
     go, done = threading.Semaphore(0), threading.Semaphore(0)
     stop = threading.Event()
     failure: list[BaseException] = []
@@ -239,13 +254,15 @@ def run_pair(model_dir: str, files: dict, out: Path, dtype: str, steps: int, thr
             return cpu_seconds() + worker.user + worker.system
 
         def train_step(self, step):
-            go.release()
-            if not done.acquire(timeout=timeout) or failure:
-                raise RuntimeError("TRL's step failed or timed out") from (failure[0] if failure else None)
-            start, cpu = time.perf_counter(), self.cpu_seconds()
-            metrics = super().train_step(step)
-            ours.wall.append(time.perf_counter() - start)
-            ours.cpu.append(self.cpu_seconds() - cpu)
+            loaded.append(contended and len(loaded) % 2 == 0 and len(loaded) > 0)
+            with competitor("pinned") if loaded[-1] else contextlib.nullcontext():
+                go.release()
+                if not done.acquire(timeout=timeout) or failure:
+                    raise RuntimeError("TRL's step failed or timed out") from (failure[0] if failure else None)
+                start, cpu = time.perf_counter(), self.cpu_seconds()
+                metrics = super().train_step(step)
+                ours.wall.append(time.perf_counter() - start)
+                ours.cpu.append(self.cpu_seconds() - cpu)
             records.append(metrics)
             return metrics
 
@@ -259,14 +276,25 @@ def run_pair(model_dir: str, files: dict, out: Path, dtype: str, steps: int, thr
         thread.join(timeout=60)
     if failure:
         raise failure[0]
-    phases = {k.removeprefix("timing/"): round(mean(r[k] for r in records[1:]), 3)
-              for k in records[0] if k.startswith("timing/") and k != "timing/step"}
-    polyrl_side = ours.summary(length_mean=mean(r["response/length_mean"] for r in records), phases=phases)
-    phases = {}
-    if len(generate_s) == len(theirs.wall):
-        phases = {"generate": round(mean(generate_s[1:]), 3),
-                  "rest": round(mean(theirs.wall[1:]) - mean(generate_s[1:]), 3)}
-    trl_side = theirs.summary(length_mean=mean(m["completions/mean_length"] for m in history), phases=phases)
+
+    def sides(steps: list[int]) -> tuple[dict, dict]:
+        """Both sides' summaries over `steps` (indices; 0, the warm-up, never among them)."""
+        phases = {k.removeprefix("timing/"): round(mean(records[i][k] for i in steps), 3)
+                  for k in records[0] if k.startswith("timing/") and k != "timing/step"}
+        polyrl_side = ours.pick(steps).summary(length_mean=mean(r["response/length_mean"] for r in records),
+                                               phases=phases)
+        phases = {}
+        if len(generate_s) == len(theirs.wall):
+            trl_generate = mean(generate_s[i] for i in steps)
+            phases = {"generate": round(trl_generate, 3),
+                      "rest": round(mean(theirs.wall[i] for i in steps) - trl_generate, 3)}
+        trl_side = theirs.pick(steps).summary(length_mean=mean(m["completions/mean_length"] for m in history),
+                                              phases=phases)
+        return polyrl_side, trl_side
+
+    polyrl_side, trl_side = sides([i for i in range(1, len(loaded)) if not loaded[i]])
+    if contended:
+        polyrl_side["loaded"], trl_side["loaded"] = sides([i for i in range(1, len(loaded)) if loaded[i]])
     return polyrl_side, trl_side
 
 
@@ -356,8 +384,9 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = str(Path(tmp) / name)
             params = build_model(model_dir, SHAPES[name])
             for dtype in dtypes:
-                ours, theirs = run_pair(model_dir, files, Path(tmp) / f"{name}-{dtype}", dtype, steps,
-                                         args.threads)
+                ours, theirs = run_pair(model_dir, files, Path(tmp) / f"{name}-{dtype}", dtype,
+                                        1 + 2 * (steps - 1) if args.contention else steps, args.threads,
+                                        contended=args.contention)
                 row = dict(params=params, dtype=dtype, polyrl_s_per_step=round(ours["s_per_step"], 3),
                            trl_s_per_step=round(theirs["s_per_step"], 3),
                            speedup=round(theirs["s_per_step"] / ours["s_per_step"], 2),
@@ -376,8 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                            polyrl_roofline_fraction=round(flops / ours["s_per_step"] / peak, 3),
                            trl_roofline_fraction=round(flops / theirs["s_per_step"] / peak, 3))
                 if args.contention:
-                    row.update(under_contention(model_dir, files, Path(tmp) / f"{name}-{dtype}-load", dtype,
-                                                steps, args.threads, ours["s_per_step"], theirs["s_per_step"]))
+                    row.update(under_contention(ours, theirs))
                 results.append(row)
                 print(f"{name:>4} {params / 1e6:5.1f}M {dtype:>8}: polyrl {row['polyrl_s_per_step']:6.2f} s/step | "
                       f"TRL {row['trl_s_per_step']:6.2f} s/step | speedup {row['speedup']:5.2f}x | "
@@ -409,21 +437,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def under_contention(model_dir: str, files: dict, out: Path, dtype: str, steps: int, threads: int,
-                     idle_s_per_step: float, trl_idle_s_per_step: float) -> dict:
-    """The same pair beside one busy process pinned to the last core."""
-    from _contention import competitor
-
-    with competitor("pinned"):
-        ours, theirs = run_pair(model_dir, files, out, dtype, steps, threads)
-    return {"speedup_under_contention": round(theirs["s_per_step"] / ours["s_per_step"], 2),
-            "kept_fraction": round(idle_s_per_step / ours["s_per_step"], 2),
-            "contention": {"polyrl_s_per_step": round(ours["s_per_step"], 3),
-                           "trl_s_per_step": round(theirs["s_per_step"], 3),
-                           "trl_kept_fraction": round(trl_idle_s_per_step / theirs["s_per_step"], 2),
-                           "polyrl_step_s": ours["step_s"],
-                           "trl_step_s": theirs["step_s"], "polyrl_phases_s": ours["phases"],
-                           "trl_phases_s": theirs["phases"]}}
+def under_contention(ours: dict, theirs: dict) -> dict:
+    """The loaded steps of a `contended` pair against its idle ones."""
+    loaded, trl_loaded = ours["loaded"], theirs["loaded"]
+    return {"speedup_under_contention": round(trl_loaded["s_per_step"] / loaded["s_per_step"], 2),
+            "kept_fraction": round(ours["s_per_step"] / loaded["s_per_step"], 2),
+            "contention": {"polyrl_s_per_step": round(loaded["s_per_step"], 3),
+                           "trl_s_per_step": round(trl_loaded["s_per_step"], 3),
+                           "trl_kept_fraction": round(theirs["s_per_step"] / trl_loaded["s_per_step"], 2),
+                           "polyrl_cpu_s_per_step": round(loaded["cpu_s"], 3),
+                           "trl_cpu_s_per_step": round(trl_loaded["cpu_s"], 3),
+                           "polyrl_step_s": loaded["step_s"], "trl_step_s": trl_loaded["step_s"],
+                           "polyrl_phases_s": loaded["phases"], "trl_phases_s": trl_loaded["phases"]}}
 
 
 if __name__ == "__main__":

@@ -211,6 +211,17 @@ class PolicyWorker:
     def logprobs(self, batch: RolloutBatch, which: str = "reference") -> Ragged:
         """Log-probs of each response token under the reference, the distillation teacher or
         the current policy (which="reference" | "teacher" | "current")."""
+        with self._on_free_cores():
+            return self._logprobs(batch, which)
+
+    def _on_free_cores(self):
+        """The block's intra-op threads on a CPU: the cores that are free, at most
+        role.num_threads (polyrl/rollout/native/threads.py). Every computing call of the rank
+        (log-probs, values, the update, the weight sync's copies and repacking) runs under it:
+        an op split over a core a busy neighbour holds waits for that core's slices."""
+        return self.threads.applied() if self.threads is not None else nullcontext()
+
+    def _logprobs(self, batch: RolloutBatch, which: str) -> Ragged:
         if which == "teacher":
             if self.teacher is None:
                 raise RuntimeError("no teacher model on the policy ranks: distill.teacher is not set, "
@@ -226,13 +237,14 @@ class PolicyWorker:
 
     def values(self, batch: RolloutBatch) -> Ragged:
         """The critic's value of each response token's state (before the update)."""
-        return self.critic.engine.logprobs(batch)
+        with self._on_free_cores():
+            return self.critic.engine.logprobs(batch)
 
     def update(self, batch: RolloutBatch, num_mini_batches: int, use_rollout_logprobs: bool) -> dict:
         """The critic's update (if any), then the policy's — except during the critic's warm-up."""
         out: dict[str, float] = {}
         self.updates += 1
-        with self.threads.applied() if self.threads is not None else nullcontext():
+        with self._on_free_cores():
             if self.critic is not None:
                 out.update(self.critic.update(batch, num_mini_batches))
                 if self.updates <= self.cfg.critic.warmup_steps:
@@ -256,7 +268,8 @@ class PolicyWorker:
             return {}
         if self.rollout_engine is not None:  # in place: a sleeping GPU engine wakes its weights for it
             self._release_cached_memory()
-        with torch.no_grad():  # a stream: each tensor is gathered / merged as the transport needs it
+        # a stream: each tensor is gathered / merged as the transport needs it
+        with torch.no_grad(), self._on_free_cores():
             stream = self.engine.adapter_stream() if adapter else self.engine.weight_stream()
             metrics = self.transport.send(stream, self.version).metrics()
         publish_s = getattr(self.transport, "publish_s", None)  # object store: off the path
