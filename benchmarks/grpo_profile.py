@@ -368,6 +368,11 @@ def summarize(result: dict, shape: dict, dtype: str, prompt_len: float, peaks: d
         "peak_cpu_time_gflop_s": round(peaks["cpu_time"] / 1e9, 1) if peaks["cpu_time"] else None,
         "roofline_fraction_cpu_time": (round(flops / result["timed_cpu_s"] / peaks["cpu_time"], 3)
                                        if peaks["cpu_time"] else None),
+        # the matmuls' share of the profiled step applied to the timed step's CPU seconds: their
+        # rate in CPU time, an estimate that holds where other jobs preempt all ops alike
+        "matmul_fraction_of_peak_cpu_time_est": (
+            round(all_flops / (groups["matmul"] / step_ms * result["timed_cpu_s"]) / peaks["cpu_time"], 3)
+            if peaks["cpu_time"] and groups["matmul"] else None),
         "length_mean": round(result["length_mean"], 2),
         "top_other_ops_ms": result["top_other_ops_ms"],
     }
@@ -396,6 +401,10 @@ def print_table(summary: dict) -> None:
           f"{summary['roofline_fraction']:.2f}" + (
               f"; in CPU time {summary['roofline_fraction_cpu_time']:.2f} of {summary['peak_cpu_time_gflop_s']} GFLOP/s"
               if summary["roofline_fraction_cpu_time"] is not None else ""))
+    if summary["matmul_fraction_of_peak_cpu_time_est"] is not None:
+        print(f"matmuls: {summary['groups_share']['matmul']:.0%} of the profiled step; of the timed step's "
+              f"CPU seconds that is {summary['matmul_fraction_of_peak_cpu_time_est']:.2f} of the CPU-time peak "
+              f"(estimate); the rest of the step is the gap to the peak")
     print("other, top ops (ms):", json.dumps(summary["top_other_ops_ms"]))
 
 
