@@ -10,9 +10,10 @@ Prints, in order (the CPU form prints the same lines with a 2-layer model):
   train      one update (`PPOActor.update`, DDP engine on a 1-rank group, bf16 weights and
              compute, `actor.packing=on`: samples back to back in rows of `micro_batch_tokens`,
              per-sample attention, as the trainer packs them; polyrl/batch/packed.py): tokens,
-             micro-batches, ms per update (mean of 3 after a warm-up, no profiler), TFLOP/s and MFU
-             (6 N per token plus attention 6 L d s per token over each sample's causal length s,
-             against the device's dense bf16 peak; the CPU form has no known peak: MFU n/a)
+             micro-batches, ms per update (mean of 3 after a warm-up, no profiler; CPU form: 1),
+             TFLOP/s and MFU (6 N per token plus attention 6 L d s per token over each sample's
+             causal length s, against the device's dense bf16 peak; the CPU form has no known
+             peak: MFU n/a)
   top        the update's top kernels by device time (CPU form: ops by CPU time), one line each,
              with their share of the profiled total
   decode     the built-in engine's bf16 decode tokens/s (B prompts x P + T tokens, no profiler)
@@ -44,7 +45,8 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import gpu_quick_check as quick  # noqa: E402  (the model, batch and actor helpers of --quick; adds the repo to sys.path)
+# the model, batch and actor helpers of --quick (it puts the repository on sys.path)
+import gpu_quick_check as quick  # noqa: E402
 
 from polyrl.batch import Ragged, RolloutBatch  # noqa: E402
 from polyrl.platform import get_platform  # noqa: E402
@@ -56,16 +58,18 @@ NEMO_RL_TOKENS_PER_S_PER_GPU = 1562.0
 
 WORKLOAD = {
     # samples, prompt and response length ranges (long-tailed: packing has padding to remove),
-    # micro-batch tokens, decode prompts x prompt tokens x new tokens, profiled decode tokens
+    # micro-batch tokens, timed updates, decode prompts x prompt tokens x new tokens, profiled
+    # decode tokens
     "cuda": dict(shape="0.5b", samples=64, prompt=(64, 512), response=(32, 1024), micro_batch_tokens=16384,
-                 decode=(256, 128, 128), profiled_decode_tokens=16),
+                 timed_updates=3, decode=(256, 128, 128), profiled_decode_tokens=16),
     "cpu": dict(shape="tiny", samples=8, prompt=(4, 16), response=(4, 32), micro_batch_tokens=256,
-                decode=(4, 8, 8), profiled_decode_tokens=4),
+                timed_updates=1, decode=(4, 8, 8), profiled_decode_tokens=4),
 }
 TOP = 12
 
 
-def long_tail_batch(n: int, prompt: tuple[int, int], response: tuple[int, int], vocab: int, seed: int = 0) -> RolloutBatch:
+def long_tail_batch(n: int, prompt: tuple[int, int], response: tuple[int, int], vocab: int,
+                    seed: int = 0) -> RolloutBatch:
     """`n` random samples with lengths drawn uniformly from the ranges (seeded); one advantage
     per sample, groups of 8."""
     g = torch.Generator().manual_seed(seed)
@@ -131,7 +135,7 @@ def profile_training(device: torch.device, model_dir: Path, work: dict, peak_tfl
     update = lambda: actor.update(batch, num_mini_batches=1, use_rollout_logprobs=False)  # noqa: E731
     update()  # warm-up: allocator, kernels' autotuning
     quick.synchronize(device)
-    reps = 3
+    reps = work["timed_updates"]
     start = time.perf_counter()
     for _ in range(reps):
         update()
@@ -174,8 +178,9 @@ def profile_decode(device: torch.device, model_dir: Path, work: dict) -> dict:
         engine.generate_batch(prompts, SamplingParams(temperature=1.0, max_tokens=short, seed=1, ignore_eos=True))
         quick.synchronize(device)
     top, profiled_ms = top_kernels(prof, device)
-    return {"prompts": batch, "prompt_tokens": prompt, "new_tokens": tokens, "tokens_per_s": round(generated / elapsed, 1),
-            "seconds": round(elapsed, 3), "profiled_new_tokens": short, "profiled_ms": round(profiled_ms, 2), "top": top}
+    return {"prompts": batch, "prompt_tokens": prompt, "new_tokens": tokens,
+            "tokens_per_s": round(generated / elapsed, 1), "seconds": round(elapsed, 3),
+            "profiled_new_tokens": short, "profiled_ms": round(profiled_ms, 2), "top": top}
 
 
 def print_top(label: str, rows: list[dict], unit: str) -> None:
