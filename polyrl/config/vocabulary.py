@@ -43,3 +43,14 @@ def canonical_placement(value: object, key: str) -> object:
         _announced.add((key, value))
         logger.warning("%s=%s is now called %s", key, value, name)
     return name
+
+
+def with_names(config: dict) -> dict:
+    """A nested config dict (a saved config.yaml) with every earlier placement value replaced by
+    its name, so a run written before the rename compares equal to the same run now."""
+    out = dict(config)
+    for key in PLACEMENT_ALIASES:
+        section, field = key.split(".")
+        if isinstance(out.get(section), dict) and field in out[section]:
+            out[section] = {**out[section], field: canonical_placement(out[section][field], key)}
+    return out

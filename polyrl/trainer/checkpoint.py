@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import yaml
 
+from polyrl.config.vocabulary import with_names
+
 logger = logging.getLogger(__name__)
 
 PREFIX = "step_"
@@ -144,8 +146,9 @@ def check_compatible(saved: dict, current: dict, where: str = "the checkpoint") 
 
     Checked on the driver, from the checkpoint's config.yaml, before any actor starts: a change
     the engines cannot load (`strategy_or_lora_problem`) is one line here instead of a
-    traceback from inside a policy rank."""
-    a, b = flatten(saved), flatten(current)
+    traceback from inside a policy rank. A checkpoint written under an earlier placement name
+    (`polyrl/config/vocabulary.py`) reads as the name, not as a change."""
+    a, b = flatten(with_names(saved)), flatten(current)
     changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
     bad = [k for k in changed if k in INCOMPATIBLE]
     if a.get("actor.strategy") == "fsdp2":

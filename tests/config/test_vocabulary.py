@@ -133,3 +133,15 @@ def test_the_plan_consumers_take_the_spec_with_no_default():
     assert fields["placement"].default is dataclasses.MISSING and fields["mode"].default is dataclasses.MISSING
     for fn in (plan_for_role, build_transport, check_environment, collect):
         assert inspect.signature(fn).parameters["topology"].default is inspect.Parameter.empty, fn.__name__
+
+
+def test_a_checkpoint_written_under_an_earlier_name_resumes_unchanged():
+    """A checkpoint's config.yaml from before the rename says placement: hybrid / standalone; the
+    resume check reads the name, so the same run shows no changed setting."""
+    from polyrl.trainer.checkpoint import check_compatible
+
+    now = load_config(JobConfig, overrides=["rollout.placement=disaggregated"]).model_dump(mode="json")
+    saved = {**now, "rollout": {**now["rollout"], "placement": "standalone"}}
+    assert check_compatible(saved, now) == []
+    other = {**now, "rollout": {**now["rollout"], "placement": "hybrid"}}
+    assert check_compatible(other, now) == ["rollout.placement"]  # a real change is still one
