@@ -15,6 +15,16 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
+BLOCKER = """
+import os, sys
+from pathlib import Path
+class Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("ray", "pyarrow", "vllm", "sglang", "tensorrt_llm"):
+            raise ImportError(f"{name} is blocked: a lent device has none of it")
+sys.meta_path.insert(0, Blocked())
+Path(__file__).parent.parent.joinpath("blocked").touch()
+"""
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +62,14 @@ def test_cuda_kernel_table_counts_each_kernel_once(gpu_profile):
 @pytest.mark.slow  # a tiny Qwen2's packed bf16 update and decode, each profiled: ~15-35 s on 2 busy cores
 @pytest.mark.timeout(300)
 def test_cpu_form_through_gpu_check(tmp_path):
+    """Run as a lent device runs it: Ray, pyarrow and the GPU engines cannot be imported (the
+    device image has torch and what scripts/gpu_carry.sh carries, none of those)."""
     out = tmp_path / "profile.json"
-    env = {**os.environ, "PYTHON": sys.executable}
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCKER)
+    env = {**os.environ, "PYTHON": sys.executable,
+           "PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--profile", "--device", "cpu", "--json", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -80,3 +96,4 @@ def test_cpu_form_through_gpu_check(tmp_path):
         assert 0 < sum(r["share"] for r in table) <= 1.0 + 1e-6
     assert any(r["name"] in ("aten::mm", "aten::addmm") for r in train["top"])  # the update's matmuls
     assert summary["reference"] == {"goal_mfu": 0.4, "goal": "n/a", "nemo_rl_tokens_per_s_per_gpu": 1562.0}
+    assert (tmp_path / "blocked").exists()  # the blocker ran in the script's process
