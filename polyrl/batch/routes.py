@@ -46,6 +46,26 @@ def encode(rows: torch.Tensor | None, length: int, dtype: torch.dtype, layers: i
     return out
 
 
+def joined(first: torch.Tensor, boundary: torch.Tensor | None, rest: torch.Tensor) -> torch.Tensor:
+    """A resumed sample's routes (polyrl/workers/partial_rollout.py): the earlier segment's
+    `first` [a, layers, k], then the continuation's `rest`. The earlier segment's last token was
+    never fed there (marked); the continuation fed it as its prompt's last token, whose routes
+    are `boundary` [layers, k] (`TokenOutput.extra["prompt_routed_experts"]`; None: it stays
+    marked, the trainer routes it)."""
+    first = first.clone()
+    if len(first) and boundary is not None:
+        first[-1] = boundary.to(first.dtype)
+    return torch.cat([first, rest.to(first.dtype)])
+
+
+def cut(routes: torch.Tensor, length: int) -> torch.Tensor:
+    """A sample's routes cut to its first `length` tokens: the new last token is never fed back."""
+    out = routes[:length].clone()
+    if length:
+        out[-1] = not_routed(out.dtype)
+    return out
+
+
 def routes_column(per_sample: Sequence[torch.Tensor]) -> Ragged:
     """The column from each sample's [response length, layers, k] routes (`encode`)."""
     lengths = torch.tensor([len(r) for r in per_sample], dtype=torch.long)
@@ -73,7 +93,8 @@ def engine_routes(outputs: Sequence[Any]) -> Ragged | None:
 def input_routes(routes: Ragged, prompt_lengths: torch.Tensor, width: int) -> torch.Tensor:
     """[b, width_in, layers, k] int64 expert ids per input position of the padded layout
     (`collate`: sample i's response token j sits at position P_i + j); -1 where the router
-    chooses (prompt positions, padding, rows not routed)."""
+    chooses (prompt positions, padding - a shorter sample's last response token is padding there,
+    never an input -, rows not routed)."""
     b = len(routes)
     _, layers, top_k = routes.values.shape
     mark = not_routed(routes.values.dtype)
@@ -83,7 +104,7 @@ def input_routes(routes: Ragged, prompt_lengths: torch.Tensor, width: int) -> to
     for i in range(b):  # per sample, a slice copy (never per token)
         lo, hi = int(routes.offsets[i]), int(routes.offsets[i + 1])
         p = int(prompt_lengths[i])
-        n = max(min(hi - lo, width - p), 0)
+        n = max(min(hi - lo - 1, width - p), 0)  # the last token is never an input
         if n:
             out[i, p: p + n] = values[lo: lo + n]
     return out

@@ -80,6 +80,9 @@ class RouterReplay:
         self.replay = None if routes is None else routes.reshape(-1, *routes.shape[2:])
         mask = mb.attention_mask
         self.valid = mask.reshape(-1).bool() if mask is not None and mask.dim() == 2 else None
+        shard = getattr(mb, "sequence_shard", None)
+        if shard is not None:  # sequence parallelism: this rank's slice, the row's padding excluded
+            self.valid = torch.arange(shard.start, shard.end) < shard.tokens
         self.aux = []
 
     def _commit(self) -> None:
@@ -100,7 +103,7 @@ class RouterReplay:
         if self.replay is not None:
             if self.replay.shape[0] != ids.shape[0]:
                 raise ValueError(f"actor.router_replay: {self.replay.shape[0]} replayed tokens for a forward of "
-                                 f"{ids.shape[0]} (sequence-parallel slices are not supported)")
+                                 f"{ids.shape[0]}: the routes were not laid out like the micro-batch's tokens")
             replay = self.replay[:, layer].to(ids.device)
             use = replay[:, 0] >= 0
             if bool(use.any()):
@@ -133,8 +136,12 @@ class RouterReplay:
         into `record_into` at the micro-batch's rows (the last token, never fed, stays unmarked)."""
         if self.record_into is None or any(r is None for r in self._routed):
             return
-        ids = torch.stack(self._routed, 1).cpu()  # [N, layers, k]
+        ids = torch.stack(self._routed, 1)  # [N, layers, k] on the model's device
         rows, width = mb.input_ids.shape
+        shard = getattr(mb, "sequence_shard", None)
+        if shard is not None:  # sequence parallelism: the sp group's slices make the whole row
+            ids, width = _gather_slices(ids, shard), shard.tokens  # (on the device: NCCL's group)
+        ids = ids.cpu()
         b, R = mb.gather_index.shape
         j = torch.arange(R).unsqueeze(0)
         fed = j < (mb.response_lengths.unsqueeze(1) - 1)  # token j is an input when j < len - 1
@@ -147,8 +154,10 @@ class RouterReplay:
     # -- metrics -----------------------------------------------------------------------------------
 
     def reset_metrics(self) -> None:
+        """Forget every forward so far, the last micro-batch's uncommitted statistics included."""
         self.match = self.compared = self.load_sum = 0.0
         self.load_count = 0
+        self._layer_stats = [(0.0, 0.0, 0.0)] * len(self.routers)
 
     def empty_routes(self, response_ids: Any) -> Any:
         """A routes column shaped like `response_ids`, every token unmarked (R2 fills it)."""
@@ -161,11 +170,19 @@ class RouterReplay:
 
     def metrics(self, engine: Any = None) -> dict[str, float]:
         """Since the last reset, summed over the ranks of `engine` (every rank calls this once per
-        update): `moe/expert_load_max`, and `moe/route_match` where the batch had routes."""
+        update), sp ranks included: `moe/expert_load_max` (under sequence parallelism averaged
+        over the slices), and `moe/route_match` where the batch had routes."""
         self._commit()
         sums = torch.tensor([self.match, self.compared, self.load_sum, float(self.load_count)], dtype=torch.float64)
         if engine is not None and getattr(engine, "world_size", 1) > 1:
             sums = engine.all_reduce(sums)
+        sp = getattr(engine, "sp", None)
+        if sp is not None:  # the engine reduces over the data ranks; each sp rank routed a slice
+            import torch.distributed as dist
+
+            sums = sums.to(self.routers[0].weight.device)
+            dist.all_reduce(sums, group=sp.group)
+            sums = sums.cpu()
         match, compared, load_sum, load_count = sums.tolist()
         out = {}
         if load_count:
@@ -174,6 +191,16 @@ class RouterReplay:
             out["moe/route_match"] = match / compared
         self.reset_metrics()
         return out
+
+
+def _gather_slices(ids: torch.Tensor, shard: Any) -> torch.Tensor:
+    """The packed row's routes [tokens, layers, k] from each sp rank's slice of it (equal slices,
+    in rank order; training/ulysses.py), the padding past the row's real tokens dropped."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(ids) for _ in range(shard.sp.size)]
+    dist.all_gather(parts, ids.contiguous(), group=shard.sp.group)
+    return torch.cat(parts)[: shard.tokens]
 
 
 def replay_of(model: torch.nn.Module) -> RouterReplay | None:

@@ -43,6 +43,8 @@ class SequenceShard:
     sp: SequenceParallel
     start: int
     end: int
+    tokens: int = 0
+    """The row's real tokens (before the padding to a multiple of k): positions >= it are padding."""
 
 
 def check_heads(model: torch.nn.Module, k: int) -> None:
@@ -59,7 +61,8 @@ def check_heads(model: torch.nn.Module, k: int) -> None:
 def shard_micro_batch(mb, sp: SequenceParallel):
     """This rank's slice of a packed micro-batch: the row padded to a multiple of `sp.size` (the
     padding is one more segment of its own, attending only itself and never read), input and
-    position ids cut to [start, end); the response-aligned fields stay whole."""
+    position ids - and a mixture-of-experts policy's replayed routes - cut to [start, end); the
+    response-aligned fields stay whole."""
     if getattr(mb, "cu_seq_lens", None) is None:
         raise ValueError("sequence parallelism splits packed rows with segment boundaries; got a padded micro-batch")
     T = mb.input_ids.shape[1]
@@ -72,8 +75,13 @@ def shard_micro_batch(mb, sp: SequenceParallel):
         pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype, device=pos.device).unsqueeze(0)], 1)
         cu = torch.cat([cu, cu.new_tensor([T + pad])])
     start, end = sp.index * per_rank, (sp.index + 1) * per_rank
+    routes = mb.routes  # routing replay: the routes are cut like the tokens
+    if routes is not None:
+        if pad:  # the padding segment: -1, its router chooses (training/moe_replay.py)
+            routes = torch.cat([routes, routes.new_full((1, pad, *routes.shape[2:]), -1)], 1)
+        routes = routes[:, start:end]
     return replace(mb, input_ids=ids[:, start:end], position_ids=pos[:, start:end], cu_seq_lens=cu,
-                   sequence_shard=SequenceShard(sp, start, end))
+                   sequence_shard=SequenceShard(sp, start, end, T), routes=routes)
 
 
 def _same_row_on_every_rank(mb, sp: SequenceParallel) -> None:

@@ -171,3 +171,59 @@ def test_outputs_without_routes_are_marked_not_routed():
     assert bool((column.row(0)[:2] == 1).all()) and bool((column.row(0)[2] == mark).all())
     assert bool((column.row(1) == mark).all()) and bool((column.row(2) == mark).all())
     assert engine_routes([out(2, None)]) is None
+
+
+# --- sequence parallelism --------------------------------------------------------------------------
+EXPERTS, TOP_K, MOE_LAYERS = 6, 2, 2  # tests/moe_models.py: 3 layers, the middle one dense
+
+
+def random_routes(batch, seed: int):
+    """The batch with engine routes the trainer would not all choose itself: k distinct random
+    experts per response token and MoE layer, a fifth of the tokens unmarked."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(batch.response_ids.values)
+    ids = torch.rand(n, MOE_LAYERS, EXPERTS, generator=g).argsort(-1)[..., :TOP_K].to(torch.uint8)
+    ids[torch.rand(n, generator=g) < 0.2] = not_routed(torch.uint8)
+    return batch.replace(routes=batch.response_ids.with_values(ids))
+
+
+def replay_sp_rank(rank: int, world_size: int, model_path: str, sp: int) -> dict:
+    """One rank of an sp group (both ranks hold the whole batch): R3's log-probs of a batch and
+    two PPO updates (gradient checkpointing on: the recompute replays the slice's routes), then
+    an R2 policy's update, whose old-policy pass records the routes it replays in the second
+    epoch (each rank routes its slice; the record gathers the row)."""
+    strategy = "fsdp2" if world_size > 1 else "ddp"
+    out: dict = {}
+    for mode in ("R3", "R2"):
+        cfg = engine_ranks.actor_config(strategy, world_size=world_size, sequence_parallel_size=sp,
+                                        router_replay=mode, gradient_checkpointing=True)
+        engine, actor = engine_ranks.build(model_path, cfg, rank, world_size)
+        if mode == "R3":
+            out["logprobs"] = engine.logprobs(random_routes(engine_ranks.make_batch(9, 5), 9)).values
+            replay_of(engine.module).reset_metrics()
+        out[mode] = [actor.update(random_routes(engine_ranks.make_batch(seed, 6), seed), 1, False)
+                     for seed in ((1, 2) if mode == "R3" else (3,))]
+        if mode == "R2":
+            replay = replay_of(engine.module)
+            replay.record_into = replay.empty_routes(engine_ranks.make_batch(4, 6).response_ids)
+            engine.logprobs(engine_ranks.make_batch(4, 6))
+            out["recorded"] = replay.record_into.values
+    return out
+
+
+@pytest.mark.slow  # ~40 s on 2 cores: one rank, then two
+def test_sequence_parallel_replay_equals_one_rank(moe_path, tmp_path):
+    """actor.sequence_parallel_size=2 with R3 (engine routes) and R2 (recorded routes): the routes
+    are cut like the tokens, so two ranks each holding half of every packed row equal one rank."""
+    from gloo_world import run_world_ok
+
+    one = replay_sp_rank(0, 1, moe_path, 1)
+    two = run_world_ok(replay_sp_rank, 2, tmp_path, args=(moe_path, 2), timeout_s=300)
+    assert one["R3"][0]["moe/route_match"] < 0.9  # the random routes do change the routing
+    for rank, got in two.items():
+        torch.testing.assert_close(got["logprobs"], one["logprobs"], rtol=0, atol=1e-5)
+        for mode in ("R3", "R2"):
+            for a, b in zip(one[mode], got[mode], strict=True):
+                for key in ("actor/loss", "actor/grad_norm", "moe/route_match"):
+                    assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (mode, key)
+        assert torch.equal(got["recorded"], one["recorded"])  # R2's record, gathered from the slices
