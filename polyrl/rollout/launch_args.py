@@ -108,9 +108,9 @@ def check_launch(rollout: RolloutConfig, platform: Platform, *, colocated: bool)
     cannot disagree."""
     tp = rollout.tensor_parallel_size
     if tp > 1 and colocated:
-        raise ValueError(f"rollout.tensor_parallel_size={tp} with rollout.placement=hybrid: a hybrid "
+        raise ValueError(f"rollout.tensor_parallel_size={tp} with rollout.placement=colocated: a colocated "
                          "engine runs on its trainer rank's one device; use "
-                         "rollout.placement=standalone for tensor parallelism")
+                         "rollout.placement=disaggregated for tensor parallelism")
     if rollout.quantization == "fp8" and platform.name == "cpu":
         raise ValueError(f"rollout.quantization=fp8 needs a GPU (FP8 kernels); the {rollout.backend} "
                          "engine on this CPU platform has none: unset rollout.quantization")
@@ -324,7 +324,7 @@ def trtllm_args(rollout: RolloutConfig, model_path: str, platform: Platform,
     (start hangs, or lands on another device and the IPC device UUIDs mismatch). The workers go
     into the placement group of the actor starting the engine instead, `per_worker_gpu_share` of a device each; the
     adapter adds the group and the bundle indices of the replica at start (`trtllm.placement`).
-    Sleep (hybrid) is `enable_sleep=True`: 1.1 and 1.2 have no `SleepConfig`."""
+    Sleep (colocated) is `enable_sleep=True`: 1.1 and 1.2 have no `SleepConfig`."""
     check_launch(rollout, platform, colocated=colocated)
     user = with_fp8(rollout, user_kwargs(rollout, "trtllm"), "trtllm", "model_kwargs")
     user_kv = user.pop("kv_cache_config", None) or {}

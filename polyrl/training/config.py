@@ -98,8 +98,8 @@ class ActorConfig(Config):
     """Autocast dtype of forward/backward."""
     num_cpus_per_worker: int | None = Field(None, ge=1)
     """CPUs each Ray actor of the run reserves and torch threads it runs: every policy rank and
-    every standalone rollout rank (replicas x tensor_parallel_size). Default: (cores of the
-    machine that plans the job - 1) // (policy ranks + standalone rollout ranks), at least 1;
+    every disaggregated rollout rank (replicas x tensor_parallel_size). Default: (cores of the
+    machine that plans the job - 1) // (policy ranks + disaggregated rollout ranks), at least 1;
     set it for a cluster whose nodes differ from the machine you launch from."""
     old_logprobs: Literal["auto", "rollout", "recompute"] = "auto"
     """Where the PPO ratio's old log-probs come from: auto uses the engine's when rollout is

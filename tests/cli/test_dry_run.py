@@ -218,9 +218,9 @@ def test_hybrid_tensor_parallel_is_refused_by_the_dry_run_as_by_the_launch(capsy
             "rollout.max_model_len=64"]
     assert main(args) == 1
     errors = json.loads(capsys.readouterr().out)["errors"]
-    assert errors[0] == ("policy rank 0: rollout.tensor_parallel_size=2 with rollout.placement=hybrid: "
-                         "a hybrid engine runs on its trainer rank's one device; use "
-                         "rollout.placement=standalone for tensor parallelism")
+    assert errors[0] == ("policy rank 0: rollout.tensor_parallel_size=2 with rollout.placement=colocated: "
+                         "a colocated engine runs on its trainer rank's one device; use "
+                         "rollout.placement=disaggregated for tensor parallelism")
     standalone = [a for a in args if a != "actor.world_size=2"] + ["rollout.placement=standalone"]
     assert main(standalone) == 0
     plan = json.loads(capsys.readouterr().out)

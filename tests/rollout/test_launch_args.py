@@ -350,7 +350,7 @@ def test_trtllm_places_its_workers_and_sleeps_without_sleep_config():
 @pytest.mark.parametrize("backend", ["vllm", "sglang", "trtllm", "native"])
 def test_hybrid_tensor_parallel_is_refused_by_every_builder(backend):
     cfg = rollout(backend=backend, tensor_parallel_size=2)
-    expected = "placement=hybrid: a hybrid engine runs on its trainer rank's one device"
+    expected = "placement=colocated: a colocated engine runs on its trainer rank's one device"
     with pytest.raises(ValueError, match=expected):
         launch(cfg, MODEL, platform("h100"), "0.5.12")
 

@@ -310,9 +310,9 @@ def test_hybrid_tp_is_refused_by_the_plan_as_by_the_launch():
     parallelism there with the launch's own words (rollout/launch_args.py's shared check)."""
     plan = plan_launch(job("actor.world_size=8", "rollout.backend=vllm", "rollout.tensor_parallel_size=4"),
                        machine("gb200"))
-    assert plan.errors[0] == ("policy rank 0: rollout.tensor_parallel_size=4 with rollout.placement=hybrid: "
-                              "a hybrid engine runs on its trainer rank's one device; use "
-                              "rollout.placement=standalone for tensor parallelism")
+    assert plan.errors[0] == ("policy rank 0: rollout.tensor_parallel_size=4 with rollout.placement=colocated: "
+                              "a colocated engine runs on its trainer rank's one device; use "
+                              "rollout.placement=disaggregated for tensor parallelism")
 
 
 def test_impossible_layouts_say_what_fits():
