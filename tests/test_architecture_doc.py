@@ -114,7 +114,7 @@ def test_workers_act_on_their_role_plan():
     for cls in (PolicyWorker, RolloutWorker, StreamingReplica):
         assert inspect.signature(cls).parameters["role"].annotation in (RolePlan, "RolePlan")
     builders = [path for path, text in sources().items() if path.startswith("polyrl/")
-                and path.endswith(".py") and "build_standalone_engine(" in text
+                and path.endswith(".py") and "build_disaggregated_engine(" in text
                 and not path.startswith("polyrl/rollout/factory.py")]
     # the replica engine in one place; the other builder loads another model (the distillation
     # teacher's validation engine, polyrl/workers/teacher.py)

@@ -10,6 +10,7 @@ import torch
 
 from polyrl.agents.environments import StepStats
 from polyrl.batch import STOP_REASONS, Ragged, RolloutBatch
+from polyrl.batch.routes import encode, routes_column
 from polyrl.rollout.base import TokenOutput
 
 
@@ -80,6 +81,10 @@ class Trajectory:
     """Every turn after the prompt with its role (the samples log)."""
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
     """[start, end) of each assistant turn inside response_ids."""
+    routes: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    """A mixture-of-experts engine's routes, piece by piece along response_ids: (tokens, the
+    engine's [tokens, layers, k] of an assistant turn, or None where the trainer routes: tool /
+    environment turns, an engine that records none; polyrl/batch/routes.py)."""
     final_text: str = ""
     stop_reason: str = "stop"
     weight_version: int = 0
@@ -97,6 +102,9 @@ class Trajectory:
         self.loss_mask += [1.0] * len(out.token_ids)
         logprobs = list(out.logprobs) if len(out.logprobs) == len(out.token_ids) else [0.0] * len(out.token_ids)
         self.logprobs += logprobs
+        routes = out.extra.get("routed_experts")
+        self.routes.append((len(out.token_ids), routes if routes is not None and len(routes) == len(out.token_ids)
+                            else None))
         self.turn_spans.append((start, len(self.response_ids)))
         text = out.text if out.text is not None else tokenizer.decode(out.token_ids, skip_special_tokens=True)
         self.final_text, self.stop_reason = text, out.stop_reason
@@ -111,6 +119,7 @@ class Trajectory:
         self.response_ids += ids
         self.loss_mask += [0.0] * len(ids)
         self.logprobs += [0.0] * len(ids)
+        self.routes.append((len(ids), None))
         self.messages += messages
 
 
@@ -132,7 +141,23 @@ def to_rollout_batch(trajectories: list[Trajectory], eos: frozenset[int]) -> Rol
         rollout_logprobs=Ragged.from_rows([t.logprobs for t in trajectories], torch.float32),
         texts=[t.final_text for t in trajectories],
         prompts=[t.row for t in trajectories],
+        routes=_routes(trajectories),
     )
+
+
+def _routes(trajectories: list[Trajectory]) -> Ragged | None:
+    """The batch's routes column (polyrl/batch/routes.py): each assistant turn's tokens as the
+    engine routed them (its last token, fed only by the next turn's prefill, unmarked), every
+    tool / environment token unmarked (the trainer routes it); None if no turn has routes."""
+    first = next((r for t in trajectories for _, r in t.routes if r is not None), None)
+    if first is None:
+        return None
+    dtype, (_, layers, k) = first.dtype, first.shape
+    rows = [torch.cat([r if r is not None else encode(None, n, dtype, layers, k) for n, r in t.routes]
+                      or [encode(None, 0, dtype, layers, k)])
+            for t in trajectories]
+    return routes_column([r if len(r) == len(t.response_ids) else encode(None, len(t.response_ids), dtype, layers, k)
+                          for r, t in zip(rows, trajectories)])
 
 
 def _ended_with_eos(t: Trajectory, eos: frozenset[int]) -> bool:

@@ -135,7 +135,7 @@ def build_colocated_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer
     return engine_cls.from_model(model, tokenizer=tokenizer, device=device, seed=seed, **args)
 
 
-def build_standalone_engine(cfg: RolloutConfig, model_path: str, device: torch.device, seed: int = 0,
+def build_disaggregated_engine(cfg: RolloutConfig, model_path: str, device: torch.device, seed: int = 0,
                             platform: Platform | None = None, trust_remote_code: bool = False,
                             tokenizer_path: str | None = None):
     """An engine that loads the policy's initial weights from disk (disaggregated placement); later

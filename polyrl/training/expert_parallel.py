@@ -8,8 +8,8 @@ fused expert tensor (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]). A layer'
    token's top-k experts;
 2. the (token, slot) pairs are sorted by expert and sent to the experts' owners
    (`all_to_all_single`, uneven splits; gloo implements it on CPU tensors);
-3. each rank runs its own experts on what it received, one matmul pair per expert, as
-   transformers' `*MoeExperts.forward` does;
+3. each rank runs its own experts on what it received, sorted by expert: one grouped matmul per
+   projection (`expert_mlp`, training/moe_experts.py, the forward of one rank's experts too);
 4. the outputs go back by the reverse all-to-all, are weighted by the router's weights and
    summed per token in expert order (transformers' order, so one rank and ep ranks agree).
 
@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
+
+from polyrl.training.moe_experts import expert_mlp
 
 MESH_DIMS = ("efsdp", "ep")
 """The 2-D mesh the expert tensors live on: FSDP2's shards of the local experts x the expert
@@ -89,8 +91,9 @@ def device_mesh(dims: Any, rank: int, group: Any, device_type: str):
 
 def split_experts(experts: list[torch.nn.Module], mesh2d) -> None:
     """Keep this rank's experts of every fused tensor as a DTensor Shard(0) on the ep dim (the
-    model was loaded whole on every rank, the same on each) and route the forward through the
-    all-to-all (`_forward`)."""
+    model was loaded whole on every rank, the same on each, or is still on the meta device, to
+    be read by experts: training/sharded_load.py) and route the forward through the all-to-all
+    (`_forward`)."""
     import types
 
     ep_mesh = mesh2d["ep"]
@@ -157,7 +160,7 @@ def shard_experts(engine: Any, model: torch.nn.Module, device: torch.device, fsd
 
     from torch.distributed.fsdp import fully_shard
 
-    from polyrl.training import batch_invariant, sharded_load
+    from polyrl.training import batch_invariant
 
     ep = engine.cfg.expert_parallel_size
     experts = check_supported(ep, engine.module, {
@@ -166,9 +169,8 @@ def shard_experts(engine: Any, model: torch.nn.Module, device: torch.device, fsd
         "actor.offload=true": engine.cfg.offload,
         "actor.tensor_parallel_size > 1": engine.mesh.tensor is not None})
     dims = replace(engine.mesh.dims, ep=ep)  # checks that ep divides the data-sharding ranks
-    if sharded_load.is_deferred(engine.module):
-        # the sharded read lays out FSDP2's dim-0 shards only: read the model whole, keep the experts
-        sharded_load.materialize(engine.module, device)
+    # a deferred model (on the meta device) is split there: the fsdp2 engine's sharded read then
+    # gives each rank its own experts' rows only (sharded_load.FusedExperts)
     mesh2d = device_mesh(dims, engine.mesh.rank, engine.gradient_group, device.type)
     split_experts(experts, mesh2d)
     kwargs = {**fsdp_kwargs, "mesh": mesh2d["efsdp"]}
@@ -216,18 +218,10 @@ def _forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     local_expert = torch.repeat_interleave(torch.arange(per).repeat(ep), received.reshape(-1))
     by_expert = torch.argsort(local_expert, stable=True)
     x = x[by_expert]
-    sizes = received.sum(0).tolist()
-    outs = []
-    for e, rows in enumerate(torch.split(x, sizes)):
-        if not sizes[e]:
-            continue
-        gate, up = torch.nn.functional.linear(rows, w_gate_up[e]).chunk(2, dim=-1)
-        outs.append(torch.nn.functional.linear(self.act_fn(gate) * up, w_down[e]))
-    if outs:
-        y = torch.cat(outs)
-    else:  # nothing arrived: stay in the graph, so this rank's backward runs both exchanges too
-        # and its experts get a (zero) gradient like their shards' on the other efsdp ranks
-        y = x * 0 + (w_gate_up.sum() + w_down.sum()) * 0
+    # this rank's experts on their rows (training/moe_experts.py: one grouped matmul per
+    # projection). With nothing arrived it stays in the graph, so this rank's backward runs both
+    # exchanges too and its experts get a (zero) gradient like their shards' on the other efsdp ranks
+    y = expert_mlp(x, received.sum(0).tolist(), w_gate_up, w_down, self.act_fn)
     y = y[torch.argsort(by_expert)]  # back to the arrival order
     y = _AllToAll.apply(y, send, recv, group)  # back to the tokens' ranks, in `order`
     y = y * top_k_weights.reshape(-1)[order, None]

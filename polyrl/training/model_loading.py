@@ -9,7 +9,7 @@ import torch
 from polyrl import modeling
 from polyrl.builtin import resolve
 from polyrl.modeling import DTYPES, torch_dtype  # noqa: F401  (DTYPES re-exported)
-from polyrl.training import sharded_load, vlm
+from polyrl.training import moe_experts, sharded_load, vlm
 
 
 class ModelLoadError(RuntimeError):
@@ -46,7 +46,8 @@ def load_causal_lm(path: str, dtype: str = "float32", trust_remote_code: bool = 
     safetensors, names or shapes transformers would convert): then loaded whole as without it.
     A deferred model goes to `build_engine` as is (no `.to(device)`, no broadcast: every rank
     reads the same files). A vision-language model (a config with a vision_config) loads whole
-    through training/vlm.py, its vision tower frozen unless `train_vision_tower`."""
+    through training/vlm.py, its vision tower frozen unless `train_vision_tower`. A Qwen3-MoE /
+    Qwen2-MoE runs its experts through polyrl's grouped forward (training/moe_experts.py)."""
     from transformers import AutoModelForCausalLM
 
     directory = model_dir(path)
@@ -59,13 +60,13 @@ def load_causal_lm(path: str, dtype: str = "float32", trust_remote_code: bool = 
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"model.path: cannot load {directory}: {exc}") from None
     try:
-        if deferred and (model := sharded_load.deferred_causal_lm(directory, torch_dtype(dtype),
-                                                                  trust_remote_code)) is not None:
-            return model
-        model = AutoModelForCausalLM.from_pretrained(
-            str(directory), dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
-            attn_implementation="sdpa",
-        )
+        model = sharded_load.deferred_causal_lm(directory, torch_dtype(dtype), trust_remote_code) if deferred else None
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(directory), dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
+                attn_implementation="sdpa",
+            )
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"model.path: cannot load {directory}: {exc}") from None
+    moe_experts.use_grouped_experts(model)  # a Qwen3-MoE / Qwen2-MoE: polyrl's expert forward
     return model

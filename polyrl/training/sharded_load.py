@@ -15,6 +15,13 @@ What `from_pretrained` does besides reading tensors, done here the same way:
   computed buffers is loaded whole);
 * generation_config.json and eval mode.
 
+Mixture-of-experts (Qwen3-MoE, Qwen2-MoE): the checkpoint names each expert apart
+(`mlp.experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`) where the module holds them fused
+(`gate_up_proj` [E, 2I, H]: expert e's gate rows then its up rows; `down_proj` [E, H, I]), as
+transformers fuses them on load. A fused tensor is read from its experts' tensors
+(`FusedExperts`): FSDP2 and expert parallelism (training/expert_parallel.py) shard it by
+experts (dim 0), so a rank reads only its own experts' tensors.
+
 Parameters the checkpoint does not hold start from values drawn on the CPU when the model is
 built (`set_initial_values`): LoRA adapters (polyrl/training/lora.py `apply_lora`, which draws
 them exactly as peft would on a loaded model) and a critic's value head (`deferred_value_model`).
@@ -61,6 +68,42 @@ class StoredTensor:
     """Byte offset of its first element in the file."""
 
 
+@dataclass(frozen=True)
+class FusedExperts:
+    """A fused expert tensor [E, ...] as the checkpoint stores it: expert e is its `parts[e]`
+    (one or more tensors, each a block of rows) one after the other."""
+    parts: tuple[tuple[StoredTensor, ...], ...]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+_EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+"""A fused expert tensor's per-expert checkpoint tensors, in the order transformers concatenates
+them (polyrl/rollout/native/moe.py reads the same layout)."""
+
+
+def fused_experts(model: torch.nn.Module, stored: dict[str, StoredTensor]) -> dict[str, FusedExperts]:
+    """The fused expert tensors of `model` (Qwen3-MoE / Qwen2-MoE `...mlp.experts.gate_up_proj`,
+    `...down_proj`) that the checkpoint holds per expert and not fused, each as the per-expert
+    tensors it is read from; one whose parts are missing or mis-shaped is left out (the model is
+    then loaded whole)."""
+    out = {}
+    for name, p in model.named_parameters():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf not in _EXPERT_PARTS or name in stored or not prefix.endswith("experts") or p.dim() != 3:
+            continue
+        parts = tuple(tuple(stored.get(f"{prefix}.{e}.{part}.weight") for part in _EXPERT_PARTS[leaf])
+                      for e in range(p.shape[0]))
+        flat = [t for expert in parts for t in expert]
+        if any(t is None for t in flat) or len({t.dtype for t in flat}) != 1 or flat[0].dtype is None:
+            continue
+        if any(sum(t.shape[0] for t in expert) != p.shape[1] or any(t.shape[1:] != tuple(p.shape[2:]) for t in expert)
+               for expert in parts):
+            continue
+        out[name] = FusedExperts(parts, flat[0].dtype, tuple(p.shape))
+    return out
+
+
 def _header(file: Path) -> dict[str, StoredTensor]:
     """The safetensors header: an 8-byte little-endian length, then JSON name -> dtype, shape,
     data_offsets (relative to the end of the header)."""
@@ -100,6 +143,7 @@ def deferred_causal_lm(directory: Path, dtype: torch.dtype, trust_remote_code: b
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code,
                                                  attn_implementation="sdpa")
+    files = {**files, **fused_experts(model, files)}
     if not _checkpoint_covers(model, files):
         return None
     if (directory / "generation_config.json").is_file():
@@ -179,7 +223,8 @@ def _persistent_buffers(model: torch.nn.Module):
                 yield f"{mod_name}.{name}" if mod_name else name, buf
 
 
-def _checkpoint_covers(model: torch.nn.Module, stored: dict[str, StoredTensor], skip: set[str] = frozenset()) -> bool:
+def _checkpoint_covers(model: torch.nn.Module, stored: dict[str, StoredTensor | FusedExperts],
+                       skip: set[str] = frozenset()) -> bool:
     """Every parameter (a tied one once; but those in `skip`) and persistent buffer is in the
     checkpoint under its module name with its shape and a dtype we read, and every
     non-persistent buffer is a rotary embedding's, which `materialize` computes as
@@ -285,11 +330,14 @@ def _fill_initial(tensor: torch.Tensor, value: torch.Tensor) -> None:
     local.copy_(value[first: first + local.shape[0]] if local.dim() else value)
 
 
-def _fill(tensor: torch.Tensor, entry: StoredTensor) -> None:
+def _fill(tensor: torch.Tensor, entry: StoredTensor | FusedExperts) -> None:
     """Copy this rank's part of `tensor` from the checkpoint, read with plain file reads (an
     mmap's touched pages would count in the rank's resident memory until it is closed)."""
     local, first, column = _local_rows(tensor, entry.shape)
     if local.numel() == 0:
+        return
+    if isinstance(entry, FusedExperts):
+        _fill_experts(local, first, entry)
         return
     if local.dim() > 1 and local.shape[1] != entry.shape[1]:  # a column block: read its whole rows
         rows = torch.empty((local.shape[0], *entry.shape[1:]), dtype=entry.dtype)
@@ -305,6 +353,23 @@ def _fill(tensor: torch.Tensor, entry: StoredTensor) -> None:
     _read_into(entry.file, entry.begin + first * row_elems * itemsize, buf.reshape(-1).view(torch.uint8))
     if not direct:
         local.copy_(buf)
+
+
+def _fill_experts(local: torch.Tensor, first: int, entry: FusedExperts) -> None:
+    """Experts first .. first + len(local) of a fused expert tensor (whole experts: FSDP2 and
+    expert parallelism shard dim 0) from their per-expert tensors, each read whole once."""
+    if tuple(local.shape[1:]) != entry.shape[1:]:
+        raise RuntimeError(f"sharded load: {tuple(local.shape)} of {entry.shape} is not a block of experts")
+    direct = local.device.type == "cpu" and local.dtype == entry.dtype and local.is_contiguous()
+    for i in range(local.shape[0]):
+        # straight into the shard when it needs no conversion, else through one expert-sized buffer
+        buf = local[i] if direct else torch.empty(local.shape[1:], dtype=entry.dtype)
+        row = 0
+        for part in entry.parts[first + i]:
+            _read_into(part.file, part.begin, buf[row:row + part.shape[0]].reshape(-1).view(torch.uint8))
+            row += part.shape[0]
+        if not direct:
+            local[i].copy_(buf)
 
 
 def _read_into(file: Path, offset: int, out: torch.Tensor) -> None:

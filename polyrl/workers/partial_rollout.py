@@ -32,6 +32,7 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import replace
 from typing import Any, Literal
 
+from polyrl.batch.routes import cut, joined
 from polyrl.rollout.base import SamplingParams, TokenOutput
 
 
@@ -168,9 +169,22 @@ def merge(first: TokenOutput, rest: TokenOutput, sp: SamplingParams | None = Non
         text=None,
         prompt_tokens=first.prompt_tokens,
         extra={**rest.extra, "min_weight_version": lo, "max_weight_version": hi,
-               "continuations": first.extra.get("continuations", 0) + 1},
+               "continuations": first.extra.get("continuations", 0) + 1, **_merged_routes(first, rest)},
     )
     return _cut_at_straddling_stop(merged, len(first.token_ids), sp, tokenizer)
+
+
+def _merged_routes(first: TokenOutput, rest: TokenOutput) -> dict[str, Any]:
+    """A mixture-of-experts engine's routes of the whole sample (polyrl/batch/routes.py `joined`):
+    every segment's, so the trainer replays the whole response (`actor.router_replay=R3`); none
+    where a segment has none (the trainer routes that sample itself)."""
+    a, b = first.extra.get("routed_experts"), rest.extra.get("routed_experts")
+    if a is None and b is None:
+        return {}
+    if a is None or b is None or len(a) != len(first.token_ids) or len(b) != len(rest.token_ids):
+        return {"routed_experts": None}
+    return {"routed_experts": joined(a, rest.extra.get("prompt_routed_experts"), b),
+            "prompt_routed_experts": first.extra.get("prompt_routed_experts")}
 
 
 def _cut_at_straddling_stop(out: TokenOutput, boundary: int, sp: SamplingParams | None, tokenizer: Any) -> TokenOutput:
@@ -185,9 +199,11 @@ def _cut_at_straddling_stop(out: TokenOutput, boundary: int, sp: SamplingParams 
         text = tokenizer.decode(ids[:k], skip_special_tokens=True)
         hits = [i for i in (text.find(stop) for stop in sp.stop) if i >= 0]
         if hits:
+            routes = out.extra.get("routed_experts")
+            extra = out.extra if routes is None else {**out.extra, "routed_experts": cut(routes, k)}
             return replace(out, token_ids=ids[:k], logprobs=list(out.logprobs[:k]),
                            top_logprobs=None if out.top_logprobs is None else list(out.top_logprobs[:k]),
-                           text=text[:min(hits)], stop_reason="stop")
+                           text=text[:min(hits)], stop_reason="stop", extra=extra)
     if out.stop_reason == "stop":  # the continuation stopped on one: the text ends before it
         text = tokenizer.decode(ids, skip_special_tokens=True)
         hits = [i for i in (text.find(stop) for stop in sp.stop) if i >= 0]

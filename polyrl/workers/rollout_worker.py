@@ -32,7 +32,7 @@ from polyrl.distributed.layout import build_groups
 from polyrl.distributed.role import RolePlan
 from polyrl.rollout.engines.weight_flush import PushResult, push_shares, read_hf_config
 from polyrl.platform import get_platform
-from polyrl.rollout.factory import build_standalone_engine
+from polyrl.rollout.factory import build_disaggregated_engine
 from polyrl.weights import WEIGHT_TRANSPORTS, WeightTransport
 from polyrl.batch import RolloutBatch
 from polyrl.rollout.base import SamplingParams
@@ -57,7 +57,7 @@ def open_transport(role: RolePlan, weights: Any, **context: Any) -> WeightTransp
 def build_replica_engine(cfg: JobConfig, role: RolePlan, device: torch.device, platform: Any) -> Any:
     """The engine of a rollout actor (a replica leader, a streaming replica): loaded from
     model.path, later versions arrive over the transport; seeded by the plan."""
-    return build_standalone_engine(cfg.rollout, cfg.model.path, device, seed=role.engine_seed,
+    return build_disaggregated_engine(cfg.rollout, cfg.model.path, device, seed=role.engine_seed,
                                    platform=platform, trust_remote_code=cfg.model.trust_remote_code,
                                    tokenizer_path=cfg.model.tokenizer_path)
 

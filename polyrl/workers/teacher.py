@@ -23,7 +23,7 @@ from polyrl.batch import Ragged, RolloutBatch
 from polyrl.distributed.role import RolePlan
 from polyrl.platform import Platform, get_platform
 from polyrl.rollout.base import SamplingParams
-from polyrl.rollout.factory import build_standalone_engine
+from polyrl.rollout.factory import build_disaggregated_engine
 from polyrl.training import TrainingEngine, build_engine, sharded_load
 from polyrl.training.config import ActorConfig
 from polyrl.training.model_loading import load_causal_lm
@@ -61,7 +61,7 @@ def teacher_rollout(cfg: JobConfig, device: torch.device, platform: Platform, se
     """Samples of the teacher for data rows (`PromptSample`, tokenized by the student's tokenizer,
     which the teacher shares: polyrl/algorithms/distill.py checks it), by a rollout engine of
     rollout.backend loaded from distill.teacher, shut down after: used once, it is not kept."""
-    engine = build_standalone_engine(cfg.rollout, cfg.distill.teacher, device, seed=seed, platform=platform,
+    engine = build_disaggregated_engine(cfg.rollout, cfg.distill.teacher, device, seed=seed, platform=platform,
                                      trust_remote_code=cfg.model.trust_remote_code,
                                      tokenizer_path=cfg.model.tokenizer_path or cfg.model.path)
     try:

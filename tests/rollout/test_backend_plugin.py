@@ -36,11 +36,11 @@ from polyrl.envplan import BACKENDS, PlanContext, build_plan
 from polyrl.platform import get_platform
 from polyrl.rollout.base import ROLLOUT_ENGINES, SamplingParams
 from polyrl.rollout.config import RolloutConfig
-from polyrl.rollout.factory import build_standalone_engine, require_backend
+from polyrl.rollout.factory import build_disaggregated_engine, require_backend
 
 cfg = RolloutConfig(backend="toy", max_model_len=64, engine_kwargs={"toy": {}})
 require_backend("toy")
-engine = build_standalone_engine(cfg, "builtin:tiny-arith", torch.device("cpu"), seed=1)
+engine = build_disaggregated_engine(cfg, "builtin:tiny-arith", torch.device("cpu"), seed=1)
 out = asyncio.run(engine.generate([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), "r1"))
 plan = build_plan(PlanContext(get_platform("cpu"), "rollout", backend="toy", placement="disaggregated", mode="sync"),
                   {}, {})

@@ -76,19 +76,19 @@ def test_pyproject_extras_name_the_engines():
 
 def test_native_engine_kwargs_reach_the_engine_once(tiny_model):
     # was: `max_num_seqs` in engine_kwargs raised "got multiple values", a null a TypeError
-    from polyrl.rollout.factory import build_standalone_engine
+    from polyrl.rollout.factory import build_disaggregated_engine
 
     cfg = RolloutConfig(max_model_len=64, engine_kwargs={"native": {"max_num_seqs": 3,
                                                                     "max_prefill_tokens": 512}})
-    engine = build_standalone_engine(cfg, tiny_model, "cpu")
+    engine = build_disaggregated_engine(cfg, tiny_model, "cpu")
     assert engine._sched.max_num_seqs == 3 and engine.max_model_len == 64
     assert not engine.batch_invariant
-    invariant = build_standalone_engine(RolloutConfig(max_model_len=64, batch_invariant=True),
+    invariant = build_disaggregated_engine(RolloutConfig(max_model_len=64, batch_invariant=True),
                                         tiny_model, "cpu")
     assert invariant.batch_invariant  # rollout.batch_invariant reaches the engine
     nulled = RolloutConfig(engine_kwargs={"native": {"max_num_seqs": None}})
     with pytest.raises(ValueError, match=r"^rollout.engine_kwargs.native.max_num_seqs is null"):
-        build_standalone_engine(nulled, tiny_model, "cpu")
+        build_disaggregated_engine(nulled, tiny_model, "cpu")
 
 
 def test_colocated_native_engine_takes_the_same_arguments(tiny_model):

@@ -17,7 +17,7 @@ import torch
 from polyrl.builtin import resolve
 from polyrl.modeling import DTYPES, load_tokenizer, torch_dtype
 from polyrl.rollout.config import RolloutConfig
-from polyrl.rollout.factory import build_standalone_engine
+from polyrl.rollout.factory import build_disaggregated_engine
 from polyrl.training import model_loading
 
 SHIPPED = '''
@@ -51,8 +51,8 @@ def test_shipped_tokenizer_code_runs_only_when_trusted(model_with_code):
 
 def test_a_standalone_replica_honours_trust_remote_code(model_with_code):
     cfg = RolloutConfig(max_model_len=64)
-    trusted = build_standalone_engine(cfg, str(model_with_code), torch.device("cpu"), trust_remote_code=True)
-    plain = build_standalone_engine(cfg, str(model_with_code), torch.device("cpu"))
+    trusted = build_disaggregated_engine(cfg, str(model_with_code), torch.device("cpu"), trust_remote_code=True)
+    plain = build_disaggregated_engine(cfg, str(model_with_code), torch.device("cpu"))
     assert type(trusted.tokenizer).__name__ == "ShippedTokenizer"
     assert type(plain.tokenizer).__name__ != "ShippedTokenizer"
 

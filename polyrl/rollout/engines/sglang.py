@@ -20,7 +20,7 @@ aborts each sample by its rid, again until it has ended (a request still being t
 known to SGLang yet).
 
 Weight update: pieces of `update_bucket_mb`, cut on the calling thread from the lazy stream and
-sent one at a time (a hybrid update never holds the whole gathered model), through
+sent one at a time (a colocated update never holds the whole gathered model), through
 `update_weights_from_tensor(flush_cache=False)`, one payload per TP rank (`MultiprocessingSerializer`: GPU tensors travel as CUDA IPC
 handles), then one `flush_cache`. From SGLang 0.5.21 weights load only inside a weight-update
 session: `begin_weight_update` first, `end_weight_update` after the last piece (it runs the
@@ -100,7 +100,7 @@ def push_weight_pieces(run: Callable[[Awaitable[Any]], Any], tm: Any,
 
     Driven from the calling thread: each piece is cut from its (lazy) source here and handed to
     the engine with `run(coroutine)` (which runs it on the engine's loop and waits) before the
-    next one is read, so a hybrid update holds one piece of gathered tensors at a time, never the
+    next one is read, so a colocated update holds one piece of gathered tensors at a time, never the
     whole model. `io` carries SGLang's request types and serializer
     (`UpdateWeightsFromTensorReqInput`, `BeginWeightUpdateReqInput`, `EndWeightUpdateReqInput`,
     `serialize`); `session`: open and close a weight-update session around the pieces (SGLang
@@ -264,7 +264,7 @@ class SGLangEngine(AsyncEngineAdapter):
         from sglang.srt.managers import io_struct
         from sglang.srt.utils import MultiprocessingSerializer
 
-        # read on this thread (a hybrid stream gathers shards with collectives here), quantized
+        # read on this thread (a colocated stream gathers shards with collectives here), quantized
         # (sending side) and cut into pieces lazily: one piece is alive at a time
         pieces = weight_pieces(named_tensors, version, fp8=self.fp8, budget_bytes=self.bucket_bytes)
 

@@ -23,7 +23,7 @@ engine reads the base model from disk once, and an update made only of adapter t
 written as a peft adapter directory (`adapter_files`) and loaded with vLLM's public LoRA API,
 `add_lora(LoRARequest(name, id, path))`; the previous adapter is removed (`remove_lora`) and
 every generation request then carries the new one (`lora_request=`). A new id per version: vLLM
-caches adapters by id. Full-weight updates still work with LoRA on (the hybrid start sends the
+caches adapters by id. Full-weight updates still work with LoRA on (the colocated start sends the
 base weights first): the worker post-processes each layer once, past vLLM's LoRA wrappers
 (`vllm_worker.wrappers_skipped`).
 
@@ -43,7 +43,7 @@ Routes (actor.router_replay=R3, vLLM >= 0.14.0, GPU builds): an engine started w
 sample, which becomes `TokenOutput.extra["routed_experts"]` (routed_experts.py). vLLM's CPU build
 cannot record them (Model Runner V2 needs Triton): asking it is one line before vLLM starts.
 
-Sleep (hybrid placement): level 1 offloads the weights to host memory and drops the KV cache. A
+Sleep (colocated placement): level 1 offloads the weights to host memory and drops the KV cache. A
 weight update while asleep wakes the weights only; `wake_up()` then restores the KV cache.
 """
 

@@ -36,6 +36,7 @@ def extend(model: DecoderModel, tokens: list[int], start: int, slot: int, cache:
     else:
         cos, sin = model.rope(mm.positions)
         x, mask = model.embed(ids, mm)
+    routes = [] if s.moe is not None else None
     for i, lw in enumerate(cw.layers):
         q, k, v = model._qkv(model._norm(x, lw.input_norm), lw, cw, cos, sin)
         q, k, v = (t.transpose(1, 2).to(cache.dtype) for t in (q, k, v))  # [1, heads, S, hd]
@@ -47,5 +48,7 @@ def extend(model: DecoderModel, tokens: list[int], start: int, slot: int, cache:
             q, keys, values, attn_mask=visible, scale=model.scale, enable_gqa=s.num_heads != s.num_kv_heads
         ).to(x.dtype)
         x = cw.matmul.residual_linear(x, attn.transpose(1, 2).flatten(2), lw.o, lw.o_bias)
-        x = model.deep_stack(model._mlp_residual(x, lw, cw), i, mm, mask)
+        x = model.deep_stack(model._mlp_residual(x, lw, cw, routes), i, mm, mask)
+    # a mixture-of-experts model: the last token's expert ids [1, moe layers, k], as prefill keeps
+    model.last_routes = None if routes is None else torch.stack([r[:, -1] for r in routes], 1)
     return model._logits(x[:, -1], cw)[0]

@@ -67,7 +67,8 @@ class DecoderModel:
         self._rows = None if spec.vision is None else section_rows(spec.vision, spec.head_dim, device)
         self.last_routes: torch.Tensor | None = None
         """After a decode step of a mixture-of-experts model: the expert ids [B, moe layers, k]
-        each input token was routed to (the scheduler keeps them per sequence)."""
+        each input token was routed to (the scheduler keeps them per sequence); after a prefill
+        (or extend.py), those of each prompt's last token [P, moe layers, k]."""
 
     # -- vision-language ------------------------------------------------------------------------
 
@@ -151,6 +152,7 @@ class DecoderModel:
             cos, sin = self.rope(mm.positions)  # [P, T, 1, hd]
             valid = torch.arange(T, device=tokens.device)[None, :] < lengths[:, None]
             x, mask = self.embed(tokens, mm, valid)
+        routes = [] if s.moe is not None else None
         for i, lw in enumerate(cw.layers):
             q, k, v = self._qkv(self._norm(x, lw.input_norm), lw, cw, cos, sin)
             # [P, heads, T, hd], in the cache's dtype (fp32 where the matmuls widen bf16 / fp16)
@@ -161,9 +163,11 @@ class DecoderModel:
                 q, k, v, is_causal=True, scale=self.scale, enable_gqa=s.num_heads != s.num_kv_heads
             ).to(x.dtype)
             x = cw.matmul.residual_linear(x, attn.transpose(1, 2).flatten(2), lw.o, lw.o_bias)
-            x = self.deep_stack(self._mlp_residual(x, lw, cw), i, mm, mask)
-        last = x[torch.arange(P, device=x.device), lengths - 1]
-        return self._logits(last, cw)
+            x = self.deep_stack(self._mlp_residual(x, lw, cw, routes), i, mm, mask)
+        last_index = (torch.arange(P, device=x.device), lengths - 1)
+        # the routes of each prompt's last token: what a resumed partial rollout's boundary token used
+        self.last_routes = None if routes is None else torch.stack([r[last_index] for r in routes], 1)
+        return self._logits(x[last_index], cw)
 
     # -- decode ---------------------------------------------------------------------------------
 

@@ -6,9 +6,12 @@ the model's dtype, softmax in float32, top-k of the probabilities, optionally re
 weights cast back to the model's dtype before they scale the experts' outputs.
 
 The experts run batched, never a Python loop per token: the (token, slot) pairs are sorted by
-expert and each projection is one grouped matmul over the contiguous per-expert segments
-(`torch._grouped_mm` on a CPU; elsewhere, or where this torch lacks it, one `mm` per expert that
-received tokens).
+expert once per layer, and each projection multiplies the contiguous per-expert segments. Where
+the engine's matmul packs weights (matmul.py: oneDNN's blocked layout, fp32 on AVX-512 CPUs, bf16
+on avx512_bf16 ones without AMX) each expert's two matrices are packed once and a segment is one
+packed product (`packed_moe`); elsewhere each projection is one grouped matmul over the segments
+(`torch._grouped_mm` on a CPU; on a GPU, or where this torch lacks it, one `mm` per expert that
+received tokens). Experts that received no token cost nothing.
 
 Weights are held fused as transformers holds them in memory ([E, 2I, H] gate/up, [E, H, I] down);
 a checkpoint on disk names each expert apart (`mlp.experts.{e}.gate_proj.weight`), so both
@@ -17,7 +20,7 @@ spellings map onto views of the same tensors (`moe_targets`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -71,7 +74,8 @@ def moe_spec(config: Any, arch: str) -> MoeSpec | None:
 
 @dataclass
 class MoeWeights:
-    """One mixture-of-experts layer's tensors (plain: the experts are not prepacked)."""
+    """One mixture-of-experts layer's tensors. The loaded ones are plain; the forward's copy
+    (`packed_moe`) may add each expert's two matrices in the matmul's packed format."""
 
     router: torch.Tensor  # [E, H]
     gate_up: torch.Tensor  # [E, 2I, H]: gate rows then up rows, as transformers fuses them
@@ -79,10 +83,41 @@ class MoeWeights:
     shared_gate_up: torch.Tensor | None = None  # [2S, H]
     shared_down: torch.Tensor | None = None  # [H, S]
     shared_gate: torch.Tensor | None = None  # [1, H]
+    packed: PackedExperts | None = None
+    """Per expert, gate_up[e] and down[e] packed (None: the grouped matmul over the plain tensors)."""
 
     def matrices(self) -> list[torch.Tensor]:
+        """The plain tensors."""
         return [t for t in (self.router, self.gate_up, self.down, self.shared_gate_up, self.shared_down,
                             self.shared_gate) if t is not None]
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    gate_up: list[torch.Tensor]
+    down: list[torch.Tensor]
+    matmul: Any  # the matmul.py implementation that packed them and multiplies by them
+
+
+def packed_moe(w: MoeWeights, matmul: Any) -> MoeWeights:
+    """The forward's copy of a layer: each expert's two matrices and the shared expert packed
+    where the engine's matmul packs matrices of their shape and dtype (matmul.py's rule over the
+    shape, the dtype and the CPU, never a timing); new tensors, rebuilt after every weight update.
+    Elsewhere (a GPU, a CPU where the rule leaves them plain) the experts keep the grouped matmul
+    over the plain tensors, which beats one plain `F.linear` per expert. Measured (docs/moe.md
+    "Speed"): a decode step gives each expert a few rows, and `_grouped_mm` re-lays every expert's
+    weight out on every call, which the packed copies do once. The router stays plain: its
+    logits pick the top-k, and the trainer computes them with `F.linear`."""
+    if not matmul.packs:
+        return w
+    gate_up = [matmul.pack(t) for t in w.gate_up]
+    if not all(t.is_mkldnn for t in gate_up):
+        return w
+    pack = matmul.pack
+    return replace(w, shared_gate_up=None if w.shared_gate_up is None else pack(w.shared_gate_up),
+                   shared_down=None if w.shared_down is None else pack(w.shared_down),
+                   shared_gate=None if w.shared_gate is None else pack(w.shared_gate),
+                   packed=PackedExperts(gate_up, [pack(t) for t in w.down], matmul))
 
 
 def new_moe_weights(spec: MoeSpec, hidden: int, new: Callable[..., torch.Tensor]) -> MoeWeights:
@@ -165,18 +200,35 @@ def _grouped(x: torch.Tensor, w_t: torch.Tensor, ends: torch.Tensor) -> torch.Te
     return out
 
 
+def _per_expert(x: torch.Tensor, packed: list[torch.Tensor], matmul: Any, counts: list[int]) -> torch.Tensor:
+    """Rows of x sorted by expert (counts[e] rows each) times packed expert e: one product per
+    expert that received tokens, never per token (the element-wise work stays whole)."""
+    pieces, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            pieces.append(matmul.linear(x[start:start + n], packed[e], None))
+        start += n
+    return torch.cat(pieces)
+
+
 def experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w: MoeWeights,
                     act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """sum_j weights[:, j] * expert_{ids[:, j]}(x), for x [N, H]: each projection one grouped
-    matmul over the (token, slot) pairs sorted by expert."""
+    """sum_j weights[:, j] * expert_{ids[:, j]}(x), for x [N, H]: the (token, slot) pairs sorted
+    by expert, each projection one grouped matmul over them (or, packed, one product per expert
+    that received tokens)."""
     N, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    ends = torch.cumsum(torch.bincount(flat, minlength=w.gate_up.shape[0]), 0)
+    counts = torch.bincount(flat, minlength=w.gate_up.shape[0])
     token = order // k
-    h = _grouped(x[token], w.gate_up.transpose(1, 2), ends)
-    gate, up = h.chunk(2, dim=-1)
-    y = _grouped(act(gate) * up, w.down.transpose(1, 2), ends)
+    if w.packed is not None:
+        sizes = counts.tolist()
+        gate, up = _per_expert(x[token], w.packed.gate_up, w.packed.matmul, sizes).chunk(2, dim=-1)
+        y = _per_expert(act(gate) * up, w.packed.down, w.packed.matmul, sizes)
+    else:
+        ends = torch.cumsum(counts, 0)
+        gate, up = _grouped(x[token], w.gate_up.transpose(1, 2), ends).chunk(2, dim=-1)
+        y = _grouped(act(gate) * up, w.down.transpose(1, 2), ends)
     y = y * weights.reshape(-1)[order, None]
     return torch.zeros_like(x).index_add_(0, token, y)
 
@@ -187,12 +239,13 @@ def moe_block(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, act: Callable[[torc
     `routes`: where given, the top-k expert ids [..., k] are appended to it."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
+    linear = F.linear if w.packed is None else w.packed.matmul.linear
     weights, ids = route(flat, w.router, spec)
     if routes is not None:
         routes.append(ids.view(*shape[:-1], spec.top_k))
     out = experts_forward(flat, weights, ids, w, act)
     if w.shared_gate_up is not None:
-        gate, up = F.linear(flat, w.shared_gate_up).chunk(2, dim=-1)
-        shared = F.linear(act(gate) * up, w.shared_down)
-        out = out + torch.sigmoid(F.linear(flat, w.shared_gate)) * shared
+        gate, up = linear(flat, w.shared_gate_up, None).chunk(2, dim=-1)
+        shared = linear(act(gate) * up, w.shared_down, None)
+        out = out + torch.sigmoid(linear(flat, w.shared_gate, None)) * shared
     return out.view(shape)

@@ -44,6 +44,8 @@ class Request:
     images: PromptImages | None = None
     """The prompt's images (vision-language models; `Scheduler.check_images`), else None."""
     seqs: list["Sequence"] = field(default_factory=list)
+    prompt_route: torch.Tensor | None = None
+    """Mixture-of-experts: the expert ids [moe layers, k] of the prompt's last token at prefill."""
     outputs: list[TokenOutput] | None = None
     error: BaseException | None = None
 
@@ -217,6 +219,7 @@ class Scheduler:
                     r.images.positions[:, None, start:].to(device), [features[j]] if features[j] else [])
                 logits[j] = (self.model.extend(r.prompt[start:], start, first, self.cache) if self.invariant
                              else extend(self.model, r.prompt[start:], start, first, self.cache, mm))
+                r.prompt_route = None if self.invariant else _first_route(self.model)
         full = [j for j, start in enumerate(reused) if not start]
         if full:
             T = max(len(reqs[j].prompt) for j in full)
@@ -228,8 +231,10 @@ class Scheduler:
             out = self.model.prefill(tokens.to(device), lengths.to(device),
                                      torch.tensor([firsts[j] for j in full], device=device), self.cache,
                                      *([mm] if mm is not None else []))
+            routes = None if self.invariant else getattr(self.model, "last_routes", None)
             for i, j in enumerate(full):
                 logits[j] = out[i]
+                reqs[j].prompt_route = None if routes is None else routes[i].cpu()
         # The n samples share the prompt's prefill: copy its KV to their slots.
         for r, first in zip(reqs, firsts):
             for j in range(1, r.sampling.n):
@@ -388,7 +393,8 @@ class Scheduler:
             text=text,
             prompt_tokens=len(s.request.prompt),
             extra={"min_weight_version": s.min_version, "max_weight_version": s.max_version,
-                   **({"routed_experts": routed_experts(s.routes, len(s.tokens), self.model.spec.moe)}
+                   **({"routed_experts": routed_experts(s.routes, len(s.tokens), self.model.spec.moe),
+                       "prompt_routed_experts": s.request.prompt_route}
                       if self.model.spec.moe is not None else {})},
         )
 
@@ -433,3 +439,10 @@ def _multimodal(positions: torch.Tensor, parts: list[list[torch.Tensor]]) -> Mul
         return MultimodalInputs(positions)
     levels = [torch.cat(level) for level in zip(*parts)]
     return MultimodalInputs(positions, levels[0], levels[1:])
+
+
+def _first_route(model) -> torch.Tensor | None:
+    """The expert ids [moe layers, k] the model's last one-prompt forward (extend.py) gave its
+    last token; None for a dense model (or a forward that records none)."""
+    routes = getattr(model, "last_routes", None)
+    return None if routes is None else routes[0].cpu()

@@ -27,7 +27,8 @@ import torch
 from polyrl.rollout.base import WeightUpdateError
 from polyrl.rollout.native.loader import ModelSpec
 from polyrl.rollout.native.matmul import PlainMatmul, matmul_for
-from polyrl.rollout.native.moe import MoeWeights, fold_expert_names, moe_targets, new_moe_weights, required_moe_names
+from polyrl.rollout.native.moe import (MoeWeights, fold_expert_names, moe_targets, new_moe_weights, packed_moe,
+                                       required_moe_names)
 from polyrl.rollout.native.vision import build_vision_tower, canonical_name, tower_targets
 
 logger = logging.getLogger(__name__)
@@ -153,7 +154,8 @@ class ModelWeights:
         """New packed copies of every matrix (the plain tensors when the matmul does not pack)."""
         pack = self.matmul.pack
         layers = [replace(lw, qkv=pack(lw.qkv), o=pack(lw.o), gate_up=lw.gate_up if lw.moe else pack(lw.gate_up),
-                          down=lw.down if lw.moe else pack(lw.down))
+                          down=lw.down if lw.moe else pack(lw.down),
+                          moe=lw.moe and packed_moe(lw.moe, self.matmul))
                   for lw in self.layers]
         return ComputeWeights(layers, pack(self.lm_head), self.matmul)
 

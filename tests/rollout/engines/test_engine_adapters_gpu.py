@@ -14,7 +14,7 @@ import torch
 from polyrl.platform import current_platform
 from polyrl.rollout.base import SamplingParams
 from polyrl.rollout.config import RolloutConfig
-from polyrl.rollout.factory import EXTRAS, build_standalone_engine
+from polyrl.rollout.factory import EXTRAS, build_disaggregated_engine
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +29,7 @@ def engine(request):
     cfg = RolloutConfig(backend=request.param, placement="standalone", dtype="bfloat16",
                         gpu_memory_utilization=0.3, max_model_len=128, max_num_seqs=16,
                         enforce_eager=True)
-    eng = build_standalone_engine(cfg, tiny_model, platform.torch_device(0), seed=0)
+    eng = build_disaggregated_engine(cfg, tiny_model, platform.torch_device(0), seed=0)
     yield eng
     eng.shutdown()
 
@@ -85,7 +85,7 @@ def vllm_lora_engine(tiny_model):
         pytest.skip("needs a GPU")
     cfg = RolloutConfig(backend="vllm", placement="standalone", dtype="bfloat16", lora_mode="adapter",
                         gpu_memory_utilization=0.25, max_model_len=128, max_num_seqs=16, enforce_eager=True)
-    eng = build_standalone_engine(cfg, tiny_model, platform.torch_device(0), seed=0)
+    eng = build_disaggregated_engine(cfg, tiny_model, platform.torch_device(0), seed=0)
     yield eng
     eng.shutdown()
 

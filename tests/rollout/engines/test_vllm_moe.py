@@ -43,11 +43,11 @@ def moe_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(vllm_available, moe_dir):
     from polyrl.rollout.config import RolloutConfig
-    from polyrl.rollout.factory import build_standalone_engine
+    from polyrl.rollout.factory import build_disaggregated_engine
 
     cfg = RolloutConfig(backend="vllm", placement="standalone", dtype="float32", max_model_len=64,
                         max_num_seqs=16, enforce_eager=True)
-    eng = build_standalone_engine(cfg, str(moe_dir), torch.device("cpu"))
+    eng = build_disaggregated_engine(cfg, str(moe_dir), torch.device("cpu"))
     yield eng
     eng.shutdown()
 

@@ -22,11 +22,11 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, ignore_eo
 @pytest.fixture(scope="module")
 def engine(vllm_available):
     from polyrl.rollout.config import RolloutConfig
-    from polyrl.rollout.factory import build_standalone_engine
+    from polyrl.rollout.factory import build_disaggregated_engine
 
     cfg = RolloutConfig(backend="vllm", placement="standalone", dtype="float32", max_model_len=64,
                         max_num_seqs=64, enforce_eager=True)
-    eng = build_standalone_engine(cfg, "builtin:tiny-arith", torch.device("cpu"))
+    eng = build_disaggregated_engine(cfg, "builtin:tiny-arith", torch.device("cpu"))
     yield eng
     eng.shutdown()
 

@@ -19,14 +19,14 @@ FLAG = "enable_return_routed_experts"
 def test_asking_the_cpu_build_for_routes_is_polyrls_one_line(vllm_available):
     from polyrl.rollout.config import RolloutConfig
     from polyrl.rollout.engines import vllm as adapter
-    from polyrl.rollout.factory import build_standalone_engine
+    from polyrl.rollout.factory import build_disaggregated_engine
 
     assert adapter._cpu_build()  # vLLM's own platform says so
     model = str(resolve("builtin:tiny-moe"))
     cfg = RolloutConfig(backend="vllm", placement="standalone", dtype="float32", max_model_len=64,
                         enforce_eager=True, engine_kwargs={"vllm": {FLAG: True}})
     with pytest.raises(ValueError) as err:
-        build_standalone_engine(cfg, model, torch.device("cpu"))
+        build_disaggregated_engine(cfg, model, torch.device("cpu"))
     assert str(err.value) == (f"{FLAG}=true: vLLM's CPU build cannot return routed experts (Model Runner V2 "
                               "needs Triton); run vLLM's GPU build for actor.router_replay=R3, or "
                               "rollout.backend=native")

@@ -76,7 +76,7 @@ def engine(vllm_available, hf_model, tmp_path_factory):
         pytest.skip(f"vLLM's Qwen2-VL needs torchvision, which does not import here ({exc}); "
                     "install the CPU build: pip install torchvision --index-url https://download.pytorch.org/whl/cpu")
     from polyrl.rollout.config import RolloutConfig
-    from polyrl.rollout.factory import build_standalone_engine
+    from polyrl.rollout.factory import build_disaggregated_engine
 
     path = tmp_path_factory.mktemp("tiny_vl_vllm")
     hf_model.save_pretrained(str(path))
@@ -84,7 +84,7 @@ def engine(vllm_available, hf_model, tmp_path_factory):
     _TOK.save_pretrained(str(path))
     cfg = RolloutConfig(backend="vllm", placement="standalone", dtype="float32", max_model_len=128,
                         max_num_seqs=16, enforce_eager=True)
-    eng = build_standalone_engine(cfg, str(path), torch.device("cpu"))
+    eng = build_disaggregated_engine(cfg, str(path), torch.device("cpu"))
     yield eng
     eng.shutdown()
 

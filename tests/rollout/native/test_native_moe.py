@@ -101,11 +101,13 @@ def test_unsupported_moe_is_one_line_before_ray(tmp_path):
 
 
 def test_grouped_and_per_expert_products_agree(monkeypatch):
-    """The experts' two paths (moe.py): torch._grouped_mm over the sorted segments, and one mm
-    per expert that received tokens (a torch without it, a GPU) give the same output."""
+    """The experts' paths (moe.py): torch._grouped_mm over the sorted segments, one packed
+    product per expert (where the matmul packs), and one mm per expert that received tokens (a
+    torch without _grouped_mm, a GPU) give the same output."""
     import torch.nn.functional as F
 
     from polyrl.rollout.native import moe
+    from polyrl.rollout.native.matmul import OneDNNPackedMatmul, PlainMatmul, _onednn_works
 
     g = torch.Generator().manual_seed(0)
     E, H, I, k, N = 6, 32, 16, 2, 11
@@ -114,6 +116,11 @@ def test_grouped_and_per_expert_products_agree(monkeypatch):
     x = torch.randn(N, H, generator=g)
     weights, ids = moe.route(x, w.router, moe.MoeSpec(E, k, I, True, (True,)))
     grouped = moe.experts_forward(x, weights, ids, w, F.silu)
+    if _onednn_works(torch.float32):  # the packed experts (oneDNN's layout, one product per expert)
+        packed = moe.packed_moe(w, OneDNNPackedMatmul(batch_hint=4, pack_all=True))
+        assert packed.packed is not None and all(t.is_mkldnn for t in packed.packed.down)
+        torch.testing.assert_close(moe.experts_forward(x, weights, ids, packed, F.silu), grouped, rtol=1e-4, atol=1e-4)
+    assert moe.packed_moe(w, PlainMatmul()) is w  # a matmul that does not pack: the grouped path
     monkeypatch.delattr(torch, "_grouped_mm", raising=False)
     looped = moe.experts_forward(x, weights, ids, w, F.silu)
     torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-5)
