@@ -6,8 +6,11 @@ the top-k expert ids of each MoE layer, stored compactly as uint8 (fewer than 25
 uint16 (Ragged's select / cat / pickling work on the first dimension). Row j holds the routes of response token j *as the model's input*, i.e.
 computed while the token after it was sampled. The dtype's largest value marks a row the engine
 did not route (the last sampled token, which is never fed back; tool or environment tokens of a
-multi-turn sample; an engine that records nothing): the trainer routes those tokens itself, as it
-does every prompt token.
+multi-turn sample, and each assistant turn's last token, fed only by the next turn's prefill
+(polyrl/agents/stats.py); an engine that records nothing): the trainer routes those tokens
+itself, as it does every prompt token. A resumed partial rollout's segments are `joined`: its
+earlier segment's last token takes the routes the continuation's prefill gave it (the engine's
+`TokenOutput.extra["prompt_routed_experts"]`), so the whole response is replayed.
 
 `input_routes` turns a micro-batch's rows into the [b, L, layers, k] int64 replay tensor of the
 padded input layout (-1: the router chooses); the packed layout takes the same tensor's real
@@ -77,9 +80,9 @@ def routes_column(per_sample: Sequence[torch.Tensor]) -> Ragged:
 def engine_routes(outputs: Sequence[Any]) -> Ragged | None:
     """The column from engine outputs (`TokenOutput`s) whose `extra["routed_experts"]` holds each
     sample's [tokens, layers, k] routes; None unless every output has them (an engine that
-    records none, a dense model). A sample whose routes do not cover its tokens one for one (a
-    resumed partial rollout whose earlier segment's were not kept) is marked not routed: the
-    trainer routes it itself."""
+    records none, a dense model). A sample whose routes do not cover its tokens one for one, or
+    that has none (a resumed partial rollout with a segment the engine recorded none for) is
+    marked not routed: the trainer routes it itself."""
     found = [getattr(o, "extra", {}).get("routed_experts") for o in outputs]
     first = next((r for r in found if r is not None), None)
     if first is None:

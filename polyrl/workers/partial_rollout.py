@@ -12,8 +12,10 @@ stops new generation from starting, then either
 
 `generate_resumable` is the caller's side: it runs a batch through the gate and continues
 aborted samples with a new request whose prompt is the original prompt plus the tokens generated
-so far and whose `max_tokens` is what remains; pieces are concatenated (tokens, log-probs) and the
-sample records the oldest and newest policy version that produced any of its tokens.
+so far and whose `max_tokens` is what remains; pieces are concatenated (tokens, log-probs, and a
+mixture-of-experts engine's routes: the earlier piece's last token takes the routes the
+continuation's prefill gave it, so the whole response replays; polyrl/batch/routes.py `joined`)
+and the sample records the oldest and newest policy version that produced any of its tokens.
 
 Seeds: a request that was aborted before producing any token is resubmitted unchanged (same seed,
 same n), so it draws exactly what it would have. A continued sample draws its remaining tokens
@@ -181,10 +183,10 @@ def _merged_routes(first: TokenOutput, rest: TokenOutput) -> dict[str, Any]:
     a, b = first.extra.get("routed_experts"), rest.extra.get("routed_experts")
     if a is None and b is None:
         return {}
+    prompt = {"prompt_routed_experts": first.extra.get("prompt_routed_experts")}
     if a is None or b is None or len(a) != len(first.token_ids) or len(b) != len(rest.token_ids):
-        return {"routed_experts": None}
-    return {"routed_experts": joined(a, rest.extra.get("prompt_routed_experts"), b),
-            "prompt_routed_experts": first.extra.get("prompt_routed_experts")}
+        return {"routed_experts": None, **prompt}
+    return {"routed_experts": joined(a, rest.extra.get("prompt_routed_experts"), b), **prompt}
 
 
 def _cut_at_straddling_stop(out: TokenOutput, boundary: int, sp: SamplingParams | None, tokenizer: Any) -> TokenOutput:
