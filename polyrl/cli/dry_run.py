@@ -1,7 +1,9 @@
 """`polyrl train --dry-run [--json]`: the whole launch plan, with nothing started.
 
-Resolved config, platform, placement, and for the Ray job and every Ray actor its resources,
-environment (value, source, reason) and the engine's launch arguments. `--platform`,
+Resolved config, platform, placement, the weight hand-off (both ends' device and backend), and
+for the Ray job and every Ray actor its resources, environment (value, source, reason) and the
+engine's launch arguments. With ray.enabled=false, the run in this one process instead: its
+worker objects, their threads, device and the environment set here, no Ray. `--platform`,
 `--capability`, `--gpus-per-node` and `--nodes` plan for hardware this machine does not have:
 
     polyrl train --dry-run --platform gb200 -c configs/gsm8k_qwen_gpu.yaml rollout.backend=vllm
@@ -24,7 +26,9 @@ from rich.tree import Tree
 
 from polyrl.distributed.role import RolePlan
 from polyrl.topology.launch_plan import ActorPlan, LaunchPlan
+from polyrl.topology.local_plan import InProcessPlan, plan_here
 from polyrl.topology.run_plan import RunData, RunPlan, resolve
+from polyrl.topology.weights_plan import WeightsPlan, plan_weights
 from polyrl.job import JobConfig
 
 
@@ -35,8 +39,11 @@ def dry_run(cfg: JobConfig, platform: Any, engine_version: str | None, as_json: 
     too big for the planned ranks is refused first, as the run's pre-flight refuses it."""
     check_memory_fits(cfg, platform)
     plan = resolve(cfg, dry_run_data(cfg), platform, engine_version, nodes)
+    local = None if cfg.ray.enabled else plan_here(plan)  # one process, no Ray: its own plan
     if as_json:
-        print(json.dumps(plan_json(plan), indent=2, default=str))
+        print(json.dumps(plan_json(local or plan), indent=2, default=str))
+    elif local is not None:
+        render_in_process(local, Console(soft_wrap=False))
     else:
         render(plan, Console(soft_wrap=False))
     return 1 if plan.launch.errors else 0
@@ -77,8 +84,13 @@ def check_memory_fits(cfg: JobConfig, platform: Any) -> None:
         raise CLIError("; ".join(exc.problems)) from None
 
 
-def plan_json(plan: RunPlan) -> dict[str, Any]:
-    return {"dry_run": True, **plan.as_dict()}
+def plan_json(plan: RunPlan | InProcessPlan) -> dict[str, Any]:
+    """The plan as `--json` prints it: a Ray run's with its weight hand-off (the in-process
+    plan has its own)."""
+    if isinstance(plan, InProcessPlan):
+        return {"dry_run": True, **plan.as_dict()}
+    weights = plan_weights(plan.launch, plan.cfg.weights.shared_memory)
+    return {"dry_run": True, **plan.as_dict(), "weights": weights.as_dict()}
 
 
 # --- human output ---------------------------------------------------------------------------
@@ -101,6 +113,7 @@ def render(run_plan: RunPlan, console: Console) -> None:
     tree.add(Text(f"placement: {s['placement']}, mode {s['mode']}; {s['policy_ranks']} policy "
                   f"rank(s), {rollout}; backend {s['backend']}{version}"))
     tree.add(Text(f"topology: {topology_text(plan)}; training mesh {s['training_mesh']}"))
+    add_weights(tree, plan_weights(plan, run_plan.cfg.weights.shared_memory))
     if p.ray_resource:
         have = (f" of {plan.placement.nodes_available} available"
                 if plan.placement and plan.placement.nodes_available else "")
@@ -148,6 +161,53 @@ def render(run_plan: RunPlan, console: Console) -> None:
         tree.add(Text(f"error: {error}", style="bold red"))
     console.rule(Text("launch plan"))
     console.print(tree)
+
+
+def render_in_process(local: InProcessPlan, console: Console) -> None:
+    """ray.enabled=false: the run in this process (polyrl/topology/local_plan.py), no Ray."""
+    from polyrl.config import to_yaml
+
+    run_plan = local.run
+    console.rule(Text("resolved config"))
+    console.print(Text(to_yaml(run_plan.cfg).rstrip()))
+    plan, p, s = run_plan.launch, run_plan.platform, run_plan.summary()
+    tree = Tree(Text("in-process plan (ray.enabled=false; dry run: nothing loaded or started)", style="bold"))
+    tree.add(Text(f"platform: {p.describe()}" + (" [simulated]" if p.probe.simulated else "")))
+    tree.add(Text(f"placement: {s['placement']}, mode {s['mode']}; one process: the trainer, "
+                  f"{s['policy_ranks']} policy rank and its {s['backend']} engine; no Ray job, no "
+                  "actor, no process group"))
+    tree.add(Text(f"topology: {topology_text(plan)}; training mesh {s['training_mesh']}"))
+    add_weights(tree, local.weights)
+    for worker in local.workers:
+        branch = tree.add(Text(f"{worker.name}: a {worker.cls} object of this process (LocalActor); "
+                               f"torch threads {worker.num_threads} (the process's); device "
+                               f"{worker.device}", style="bold"))
+        branch.add(Text(f"does: {duty_text(worker.plan)}"))
+        branch.add(env_table(worker.env.to_json(), "env set in this process for the run"))
+        engine = worker.plan.engine
+        if engine is not None:
+            title = f"{engine.backend} engine (colocated with training) launch arguments"
+            if engine.error:
+                branch.add(Text(f"{title}: ERROR {engine.error}", style="bold red"))
+            else:
+                branch.add(args_table(engine.args or {}, title))
+    for note in local.notes:
+        tree.add(Text(f"note: {note}", style="yellow"))
+    for error in local.errors:
+        tree.add(Text(f"error: {error}", style="bold red"))
+    console.rule(Text("in-process plan"))
+    console.print(tree)
+
+
+def add_weights(tree: Tree, weights: WeightsPlan) -> None:
+    """The weight hand-off: per row, both ends' device and what carries the bytes."""
+    lines = weights.lines()
+    if len(lines) == 1:
+        tree.add(Text(f"weights: {lines[0]}"))
+        return
+    branch = tree.add(Text(f"weights: {weights.transport}, the first path every receiver can take"))
+    for line in lines:
+        branch.add(Text(line))
 
 
 def group_identical(actors: list[ActorPlan]) -> list[tuple[list[tuple[str, ActorPlan]], ActorPlan]]:

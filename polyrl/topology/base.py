@@ -34,6 +34,7 @@ from polyrl.rewards.reward_model import use_planned_options
 from polyrl.topology.in_process import LocalActor, is_local, local_gather
 from polyrl.placement import PlacementError, plan_placement
 from polyrl.topology.launch_plan import REWARD_ACTOR, ActorPlan, LaunchPlan
+from polyrl.topology.local_plan import InProcessPlan, plan_here
 from polyrl.topology.run_plan import RunPlan
 from polyrl.topology.worker_group import PolicyGroup, Waiter
 from polyrl.workers.policy import PolicyWorker
@@ -158,6 +159,8 @@ class Launch:
     """ray.enabled=false: the actors are objects of this process (polyrl/topology/in_process.py)."""
     saved_env: dict[str, str | None] = field(default_factory=dict)
     """In process: the caller's values of the variables the policy's plan set (None: unset)."""
+    local: InProcessPlan | None = None
+    """In process: the `InProcessPlan` started (polyrl/topology/local_plan.py)."""
 
     def of(self, role: str) -> list[ActorPlan]:
         return [a for a in self.actors if a.role == role]
@@ -214,8 +217,9 @@ def plan_in_process(run_plan: RunPlan) -> Launch:
     launch_plan = run_plan.launch
     if launch_plan.placement_error:
         raise TrainingError(launch_plan.placement_error)
-    (policy,) = [a for a in launch_plan.actors if a.role == "policy"]  # JobConfig allows no other
-    return Launch(list(launch_plan.actors), {}, in_process=True, saved_env=apply_here(policy.env.values()))
+    local = plan_here(run_plan)  # what `polyrl train --dry-run ray.enabled=false` prints
+    return Launch(list(launch_plan.actors), {}, in_process=True, saved_env=apply_here(local.env_values()),
+                  local=local)
 
 
 def _device_nodes(platform: Platform) -> int | None:

@@ -76,3 +76,13 @@ def plan_handoffs(platform: "Platform", device_type: str | None = None) -> list[
     store = End(HOST.type, "ray object store")
     rows.append(Handoff("object_store", "object store", store, store))
     return rows
+
+
+def run_handoffs(platform: "Platform", transport: str, shared_memory: bool = True,
+                 device_type: str | None = None) -> list[Handoff]:
+    """The rows a run of `transport` takes, in the order it tries them (`plan_handoffs`' rows of
+    that transport): the broadcast offers its shared-memory ring first where the ring can carry
+    the bytes and `weights.shared_memory` is on, and takes the backend row when a receiver cannot
+    open it (/dev/shm missing or full, another host)."""
+    return [h for h in plan_handoffs(platform, device_type)
+            if h.transport == transport and (shared_memory or h.path != "shared memory")]

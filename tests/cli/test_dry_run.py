@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from polyrl.cli.main import main
 from polyrl.envplan.rules import FORWARDED_PREFIXES
 from polyrl.rollout import launch_args
@@ -237,3 +239,101 @@ def test_native_engine_kwargs_are_checked_and_shown_as_launched(capsys):
     assert json.loads(capsys.readouterr().out)["errors"] == [
         "policy rank 0: rollout.engine_kwargs.native.max_num_seqs is null; give it a value or "
         "remove the key"]
+
+
+SIMULATED = [("h100", "cuda", "nccl", "NCCL"), ("mi300x", "cuda", "nccl", "RCCL"),
+             ("ascend910", "npu", "hccl", "HCCL"), ("cpu", "cpu", "gloo", "GLOO")]
+
+
+def handoff(kind: str, backend: str, path: str) -> dict:
+    end = {"device": kind, "backend": backend}
+    return {"path": path, "sender": end, "receiver": end}
+
+
+def dry_json(capsys, *args: str) -> dict:
+    assert main(["train", "--dry-run", "--json", "actor.num_cpus_per_worker=1", "rollout.max_model_len=64",
+                 *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("machine, kind, wire, library", SIMULATED)
+def test_the_weight_handoff_is_planned_on_both_ends_per_platform(capsys, monkeypatch, machine, kind, wire,
+                                                                library):
+    """issue 39's hang (a sender packing on cuda, receivers staging on cpu) is a GPU-only fact:
+    the dry run plans each end's device and backend for the platform, colocated and
+    disaggregated, from the transports' own rules (polyrl/weights/handoff.py)."""
+    colocated = dry_json(capsys, "--platform", machine)["weights"]
+    assert colocated == {"transport": "in_place", "senders": ["policy rank 0"],
+                         "receivers": ["policy rank 0's engine"],
+                         "handoffs": [handoff(kind, "none", "engine.update_weights")],
+                         "group": None, "control": None, "via": None}
+    plan = dry_json(capsys, "--platform", machine, "rollout.placement=disaggregated", "rollout.num_replicas=2")
+    weights = plan["weights"]
+    assert (weights["transport"], weights["senders"]) == ("broadcast", ["policy rank 0"])
+    assert weights["receivers"] == ["rollout replica 0 (rank 1)", "rollout replica 1 (rank 2)"]
+    # device bytes go over the device's library; only the CPU's take the shared-memory ring first
+    rows = [handoff(kind, wire, "backend")]
+    if kind == "cpu":
+        rows.insert(0, handoff("cpu", "shared memory", "shared memory"))
+    assert weights["handoffs"] == rows
+    assert weights["group"] == {"kind": "weight_sync", "ranks": [0, 1, 2], "leader": 0, "backend": wire,
+                                "library": library}
+    assert weights["control"] == "gloo"  # offers, votes and manifests ride the group's gloo side
+    # the group the bytes travel in is the process-group plan's own
+    (group,) = [g for g in plan["process_groups"]["groups"] if g["kind"] == "weight_sync"]
+    assert (group["ranks"], group["backend"]) == (weights["group"]["ranks"], wire)
+    store = dry_json(capsys, "--platform", machine, "rollout.placement=disaggregated",
+                     "weights.transport=object_store")["weights"]
+    assert store["handoffs"] == [handoff("cpu", "ray object store", "object store")]
+    assert store["via"] == "weight mailbox"
+    monkeypatch.setenv("COLUMNS", "300")  # one tree line per line
+    assert main(["train", "--dry-run", "--platform", machine, "actor.num_cpus_per_worker=1",
+                 "rollout.max_model_len=64"]) == 0
+    text = capsys.readouterr().out
+    assert f"weights: in_place engine.update_weights: {kind} -> {kind}, policy rank 0 -> policy" in text
+
+
+def test_shared_memory_off_leaves_the_backend_alone(capsys):
+    weights = dry_json(capsys, "rollout.placement=disaggregated", "weights.shared_memory=false")["weights"]
+    assert weights["handoffs"] == [handoff("cpu", "gloo", "backend")]
+
+
+@pytest.mark.parametrize("machine, device", [("h100", "cuda:0"), ("cpu", "cpu")])
+def test_an_in_process_dry_run_shows_the_one_process_not_a_ray_launch(capsys, monkeypatch, machine, device):
+    ray_run = dry_json(capsys, "--platform", machine)
+    plan = dry_json(capsys, "--platform", machine, "ray.enabled=false")
+    assert plan["in_process"] is True
+    assert not {"job", "actors", "devices", "process_groups"} & set(plan)  # it starts none of them
+    (worker,) = plan["workers"]
+    (rank,) = ray_run["actors"]
+    assert (worker["name"], worker["class"], worker["device"]) == ("policy rank 0", "PolicyWorker", device)
+    assert worker["num_threads"] == rank["num_threads"] == 1
+    assert worker["env"] == rank["env"]  # what the Ray actor's runtime env would have set, set here
+    assert worker["engine"] == rank["engine"] and worker["plan"] == rank["plan"]
+    assert plan["weights"]["handoffs"] == ray_run["weights"]["handoffs"]
+    assert any("when exported before polyrl starts" in n for n in plan["notes"])
+    monkeypatch.setenv("COLUMNS", "300")
+    assert main(["train", "--dry-run", "--platform", machine, "ray.enabled=false",
+                 "actor.num_cpus_per_worker=1", "rollout.max_model_len=64"]) == 0
+    text = capsys.readouterr().out
+    assert "no Ray job, no actor, no process group" in text and "ray.init" not in text
+    assert "a PolicyWorker object of this process (LocalActor)" in text and f"device {device}" in text
+
+
+@pytest.mark.parametrize("setting", [
+    ["actor.world_size=2"], ["rollout.placement=disaggregated"], ["trainer.mode=async"],
+    ["distill.teacher=builtin:tiny-arith", "distill.placement=disaggregated"],
+    ["reward.model.path=builtin:tiny-arith"], ["ray.address=auto"]])
+def test_what_one_process_cannot_run_is_refused_by_the_dry_run_as_by_the_run(capsys, tmp_path, setting):
+    """The dry run and the run load the config through the same check (JobConfig), so the
+    dry run's error is the run's, word for word."""
+    args = ["ray.enabled=false", f"trainer.output_dir={tmp_path}", *setting]
+    assert main(["train", "--dry-run", "--json", *args]) == 2
+    dry = capsys.readouterr()
+    assert dry.out == ""
+    assert main(["train", *args]) == 2
+    run = capsys.readouterr()
+    assert dry.err == run.err and "Traceback" not in run.err
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written
+    if setting != ["trainer.mode=async"]:  # refused first as needing disaggregated placement
+        assert "ray.enabled=false runs the whole run in this one process" in run.err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import yaml
@@ -75,9 +76,15 @@ def test_without_data_an_unset_max_model_len_stays_unset_and_the_notes_say_so():
 
 
 @pytest.mark.slow  # loads the bundled model and starts its engine (in this process, no Ray)
-def test_the_dry_run_prints_the_plan_that_start_launches(tmp_path, capsys):
+def test_the_dry_run_prints_the_in_process_plan_that_start_runs(tmp_path, capsys, monkeypatch):
+    """ray.enabled=false: what `--dry-run --json` prints is the in-process plan (polyrl/topology/
+    local_plan.py) `Trainer.start` runs, and the run does what it says: the worker object built
+    from its role plan, the threads, the device, the variables set in this process."""
+    import torch
+
     from polyrl.cli.main import main
     from polyrl.trainer.loop import Trainer
+    from polyrl.workers.policy import PolicyWorker
 
     overrides = ["ray.enabled=false", f"trainer.output_dir={tmp_path}", "trainer.total_steps=1",
                  "actor.num_cpus_per_worker=1"]
@@ -86,19 +93,49 @@ def test_the_dry_run_prints_the_plan_that_start_launches(tmp_path, capsys):
     assert printed.pop("dry_run") is True
     # the dry run loaded the bundled data as the run does: max_model_len is filled in
     assert printed["config"]["rollout"]["max_model_len"] is not None
+    assert printed["in_process"] is True and "job" not in printed and "actors" not in printed
 
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)  # set by the plan, for the run only
+    threads = torch.get_num_threads()
     trainer = Trainer(load_config(JobConfig, files=[EMBEDDED_DEFAULT], overrides=overrides))
     try:
         trainer.setup()
-        plan = trainer.plan
-        assert json.loads(json.dumps(plan.as_dict(), default=str)) == printed
-        # start launched exactly that plan: its actors, its role plans, its mesh, its config
+        plan, local = trainer.plan, trainer.topology.launch.local
+        assert local.run is plan  # the start ran the in-process plan of the run's plan
+        assert json.loads(json.dumps(local.as_dict(), default=str)) == printed
+        # start launched exactly that plan: its worker, role plan, mesh, config and environment
         assert trainer.topology.launch.actors == list(plan.launch.actors)
         (worker,) = trainer.policy.workers
-        assert worker.worker.role is plan.roles("policy")[0]
+        (planned,) = local.workers
+        assert type(worker.worker).__name__ == planned.cls == PolicyWorker.__name__
+        assert worker.worker.role is planned.plan is plan.roles("policy")[0]
+        assert str(worker.worker.device) == planned.device
+        assert torch.get_num_threads() == planned.num_threads  # set for the whole process
+        assert {k: os.environ.get(k) for k in planned.env.values()} == planned.env.values()
+        assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
         assert worker.worker.cfg is plan.cfg and trainer.cfg is plan.cfg
         assert trainer.policy.mesh is plan.mesh  # the driver shards over the plan's mesh
         assert worker.worker.engine.mesh.dims is plan.mesh  # and the rank's engine is laid out by it
+        assert worker.worker.transport is not None and local.weights.transport == plan.cfg.weight_transport
         assert yaml.safe_load((tmp_path / "config.yaml").read_text()) == yaml.safe_load(to_yaml(plan.cfg))
     finally:
         trainer.shutdown()
+        torch.set_num_threads(threads)
+    assert "TOKENIZERS_PARALLELISM" not in os.environ  # the caller's environment is back
+
+
+def test_a_ray_runs_dry_run_prints_its_plan_and_weight_handoff(capsys):
+    """With Ray (the default) `--dry-run --json` prints `RunPlan.as_dict()` of the plan `resolve`
+    gives the run, plus the weight hand-off planned from it (`plan_weights`)."""
+    from polyrl.cli.main import main
+    from polyrl.topology.weights_plan import plan_weights
+
+    overrides = ["actor.num_cpus_per_worker=1", "rollout.max_model_len=64", "trainer.total_steps=2",
+                 "rollout.placement=disaggregated"]
+    assert main(["train", "--dry-run", "--json", *overrides]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    plan = resolve(load_config(JobConfig, files=[EMBEDDED_DEFAULT], overrides=overrides), None)
+    weights = plan_weights(plan.launch, plan.cfg.weights.shared_memory).as_dict()
+    expected = {"dry_run": True, **plan.as_dict(), "weights": weights}
+    assert printed == json.loads(json.dumps(expected, default=str))
+    assert printed["weights"]["transport"] == "broadcast"
