@@ -89,9 +89,12 @@ def describe_capabilities(caps: EngineCapabilities) -> str:
             f"log-probs equal the trainer's in: {dtypes}")
 
 
-def capability_findings(versions: Mapping[str, str | None], backend: str) -> list[Finding]:
+def capability_findings(versions: Mapping[str, str | None], backend: str,
+                        platform: str | None = None) -> list[Finding]:
     """What each installed engine can do (its declared `EngineCapabilities`, polyrl/backends.py),
-    the run's own backend included when it is a plugin named by import path. A plugin that
+    the run's own backend included when it is a plugin named by import path, and one warning per
+    declared capability its build for `platform` (polyrl's platform name) lacks
+    (`EngineCapabilities.unavailable`: runs asking for it there are refused). A plugin that
     cannot be loaded is an error when the run uses it, else a warning."""
     names = ROLLOUT_BACKENDS.names()
     if is_import_path(backend) and backend not in names:
@@ -113,6 +116,12 @@ def capability_findings(versions: Mapping[str, str | None], backend: str) -> lis
             found.append(Finding("warn", f"{name} engine",
                                  f"{spec.distribution or spec.package} {installed} is below the version floor of: "
                                  f"{lacking}; runs asking for them are refused"))
+        for capability, where, why in spec.capabilities.unavailable:
+            if where == platform and getattr(spec.capabilities, capability):
+                label = CAPABILITY_LABELS.get(capability, capability.replace("_", " "))
+                found.append(Finding("warn", f"{name} engine",
+                                     f"{label} unavailable on {platform}: {why}; runs asking for it "
+                                     "here are refused"))
     return found
 
 
@@ -185,7 +194,7 @@ def collect(topology: TopologySpec, env: Mapping[str, str] | None = None,
         else:
             findings.append(Finding("info", name, "not installed"))
     findings.extend(engine_version_findings(versions, backend))
-    findings.extend(capability_findings(versions, backend))
+    findings.extend(capability_findings(versions, backend, platform.name))
     findings.append(check_ray(env.get("RAY_ADDRESS")))
     findings.extend(check_environment(platform, env, topology, backend))
     return findings
