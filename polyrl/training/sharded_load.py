@@ -321,10 +321,11 @@ def _fill_initial(tensor: torch.Tensor, value: torch.Tensor) -> None:
     if is_dtensor(tensor):
         import torch.distributed as dist
 
-        group = tensor.device_mesh.get_group()
-        if dist.get_world_size(group) > 1:
-            value = value.to(local.device).contiguous()
-            dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
+        value = value.to(local.device).contiguous()
+        # each mesh dim in turn (a 2-D mesh under tensor parallelism): all hold the first rank's
+        for group in tensor.device_mesh.get_all_groups():
+            if dist.get_world_size(group) > 1:
+                dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
     if local.dim() > 1:
         value = value[:, column: column + local.shape[1]]
     local.copy_(value[first: first + local.shape[0]] if local.dim() else value)
