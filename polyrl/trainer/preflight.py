@@ -278,7 +278,8 @@ def check_memory(cfg: JobConfig, model_config: Any | None, platform: Any = None)
     knobs = mf.Knobs(world_size=actor.world_size, strategy=actor.strategy, offload=actor.offload,
                      master=DTYPE_BYTES[actor.param_dtype], lora_rank=cfg.model.lora_rank,
                      colocated_engine=cfg.topology.colocated_engine,
-                     expert_parallel=getattr(actor, "expert_parallel_size", 1))
+                     expert_parallel=getattr(actor, "expert_parallel_size", 1),
+                     tensor_parallel=actor.tensor_parallel_size, sequence_parallel=actor.sequence_parallel_size)
     setting = mf.Setting(compute=DTYPE_BYTES[actor.compute_dtype], reference=cfg.algorithm.uses_reference,
                          lora_targets=cfg.model.lora_target_modules,
                          engine=ENGINE_MEMORY.get(rollout.backend, "weights"),
@@ -347,6 +348,8 @@ def memory_message(cfg: JobConfig, shape: Any, knobs: Any, setting: Any, need: f
     parts = ", ".join(f"{name} {value / gib:.1f}" for name, value in terms.items() if value)
     run = (f"actor.strategy={knobs.strategy}, actor.world_size={knobs.world_size}, "
            f"actor.param_dtype={cfg.actor.param_dtype}")
+    if knobs.tensor_parallel > 1:
+        run += f", actor.tensor_parallel_size={knobs.tensor_parallel}"
     if knobs.offload:
         run += ", actor.offload=true"
     if knobs.lora_rank:

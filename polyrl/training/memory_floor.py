@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from polyrl.training.memory_plan import MiB, Shape
+from polyrl.training.memory_plan import MiB, Shape, gathered_units_bytes
 
 FORMULA_MODEL_TYPES = ("qwen2", "llama", "qwen3_moe", "qwen2_moe")
 """config.json model types whose parameters `Shape` counts by formula (no torch, no transformers:
@@ -142,6 +142,14 @@ class Knobs:
     lora_rank: int  # model.lora_rank
     colocated_engine: bool  # rollout.placement=colocated: an engine in every policy rank
     expert_parallel: int = 1  # actor.expert_parallel_size (mixture-of-experts; 1: experts on every rank)
+    tensor_parallel: int = 1  # actor.tensor_parallel_size (fsdp2: every projection sliced over tp ranks)
+    sequence_parallel: int = 1  # actor.sequence_parallel_size: held as given (the floor counts no activations)
+
+    @property
+    def sliced(self) -> bool:
+        """Tensor or expert parallelism, neither of which takes actor.offload or LoRA yet
+        (preflight.py `check_tensor_parallel`, training/expert_parallel.py `check_supported`)."""
+        return self.tensor_parallel > 1 or self.expert_parallel > 1
 
 
 @dataclass(frozen=True)
@@ -201,11 +209,14 @@ def rank_floor(s: Shape, k: Knobs, f: Setting) -> dict[str, dict[str, float]]:
              "teacher": on_device * m * f.teacher / N}
     # step temporaries: foreach AdamW's (the sqrt of the second moments) or, when larger,
     # FSDP2's two gathered layers in the compute dtype (under expert parallelism a layer's
-    # gather holds only the rank's own experts). The state terms need no expert term: every
+    # gather holds only the rank's own experts; under tensor parallelism only the rank's slice:
+    # memory_plan.py `gathered_units_bytes`). The state terms need no expert or tp term: every
     # expert is held once over the N ranks however they are split (E / ep experts, each sharded
-    # over N / ep), so a rank holds P / N of every kind of parameter.
+    # over N / ep), and every projection's 1/tp slice is sharded over the N / tp others, so a
+    # rank holds P / N of every kind of parameter (memory_plan.py `training_bytes` alike).
     gathered = s.gathered_layer_params(k.expert_parallel)
-    transient = max(on_device * m * trainable / N, 2 * f.compute * gathered if k.strategy == "fsdp2" else 0)
+    transient = max(on_device * m * trainable / N,
+                    gathered_units_bytes(gathered, f.compute, k.tensor_parallel) if k.strategy == "fsdp2" else 0)
     if loads_sharded(k.strategy, k.colocated_engine, bool(k.lora_rank)):
         load = on_device * m * P / N
     else:  # whole on the device, then (fsdp2) the shard copied out of it, to the host under offload
@@ -231,8 +242,12 @@ def fits(s: Shape, k: Knobs, f: Setting) -> bool:
 
 
 def fewest_ranks(s: Shape, k: Knobs, f: Setting) -> int | None:
-    """The smallest actor.world_size above k's under which k (made fsdp2) fits, or None."""
+    """The smallest actor.world_size above k's under which k (made fsdp2) fits, or None; a
+    multiple of the tensor- and expert-parallel sizes (the mesh lays them out within the world)."""
+    step = k.sequence_parallel * k.tensor_parallel * k.expert_parallel  # ep divides the data ranks
     for n in range(k.world_size + 1, MAX_RANKS + 1):
+        if n % step:
+            continue
         if fits(s, replace(k, world_size=n, strategy="fsdp2"), f):
             return n
     return None
@@ -240,12 +255,14 @@ def fewest_ranks(s: Shape, k: Knobs, f: Setting) -> int | None:
 
 def fitting_changes(s: Shape, k: Knobs, f: Setting) -> list[str]:
     """Settings that would fit, each computed: more ranks, offload, LoRA, bfloat16 master weights,
-    disaggregated placement; one that fits only with more ranks too says how many."""
+    disaggregated placement, tensor parallelism over the same ranks; one that fits only with more
+    ranks too says how many. Offload and LoRA are not offered under tensor or expert parallelism,
+    which do not take them yet."""
     fsdp2 = [] if k.strategy == "fsdp2" else ["actor.strategy=fsdp2"]
     changes: list[tuple[list[str], Knobs]] = []
-    if f.on_device and not k.offload:
+    if f.on_device and not k.offload and not k.sliced:
         changes.append((fsdp2 + ["actor.offload=true"], replace(k, offload=True, strategy="fsdp2")))
-    if not k.lora_rank:
+    if not k.lora_rank and not k.sliced:
         changes.append((["model.lora_rank>0"], replace(k, lora_rank=8)))
     if k.master > 2:
         changes.append((["actor.param_dtype=bfloat16"], replace(k, master=2)))
@@ -254,12 +271,29 @@ def fitting_changes(s: Shape, k: Knobs, f: Setting) -> list[str]:
     out = []
     if (n := fewest_ranks(s, k, f)) is not None:
         out.append(fsdp2 + [f"actor.world_size>={n}"])
+    if (t := fewest_tensor_parallel(s, k, f)) is not None:
+        out.append(fsdp2 + [f"actor.tensor_parallel_size={t}"])
     for keys, changed in changes:
         if fits(s, changed, f):
             out.append(keys)
         elif (n := fewest_ranks(s, changed, f)) is not None:
             out.append(keys + [f"actor.world_size>={n}"] + [key for key in fsdp2 if key not in keys])
     return [" and ".join(keys) for keys in out]
+
+
+def fewest_tensor_parallel(s: Shape, k: Knobs, f: Setting) -> int | None:
+    """The smallest actor.tensor_parallel_size above 1 under which k (made fsdp2) fits on the
+    same ranks: one that divides actor.world_size and the model's heads, key-value heads and MLP
+    width (training/tensor_parallel.py `check_divisible`), where tp can be on (no offload, LoRA,
+    sequence or expert parallelism, or a tp already set); None otherwise."""
+    if k.sliced or k.sequence_parallel > 1 or k.offload or k.lora_rank:
+        return None
+    for t in (2, 4, 8, 16, 32, 64):
+        if k.world_size % t or s.heads % t or s.kv_heads % t or s.intermediate % t:
+            continue
+        if fits(s, replace(k, tensor_parallel=t, strategy="fsdp2"), f):
+            return t
+    return None
 
 
 def engine_need(s: Shape, f: Setting) -> tuple[float, float]:

@@ -227,6 +227,13 @@ class Shape:
         return 2 * self.layers * self.kv_width * 2
 
 
+def gathered_units_bytes(layer_params: int, compute: int = 2, tp: int = 1) -> float:
+    """FSDP2's two gathered units (the layer computing and the next one prefetched) of
+    `layer_params` parameters each, in the compute dtype: a gather over the sharding ranks
+    yields a rank's tensor-parallel slice (1/tp) of each layer, never the whole layer."""
+    return 2 * compute * layer_params / tp
+
+
 def _device_transient(s: Shape, checkpointing: bool, compute: int = 2, tokens: int = MICRO_BATCH_TOKENS,
                       tp: int = 1) -> float:
     """What the backward adds to the state: activations, the LM head's logits, two gathered units.
@@ -237,7 +244,7 @@ def _device_transient(s: Shape, checkpointing: bool, compute: int = 2, tokens: i
     layers = (s.layers * s.hidden + per_token_layer) if checkpointing else s.layers * per_token_layer
     # the vocabulary-parallel head (tp > 1, training/vocab_parallel.py) always runs in chunks
     head = 8 * tokens * s.vocab if tp == 1 and tokens * s.vocab < 2**28 else 0
-    return tokens * layers * compute + head + 2 * compute * s.layer_params / tp
+    return tokens * layers * compute + head + gathered_units_bytes(s.layer_params, compute, tp)
 
 
 def training_bytes(s: Shape, ranks: int, *, master: int = 4, compute: int = 2, reference: bool = False,
