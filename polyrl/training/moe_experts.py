@@ -57,6 +57,19 @@ def grouped_kernel_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return all(w.shape[-1] * size % 16 == 0 and w.shape[-2] * size % 16 == 0 for w in weights)
 
 
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward hands on a dense gradient: the grouped kernel's backward refuses
+    a broadcast one (stride 0, e.g. the gradient of a plain `.sum()`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 def expert_mlp(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor,
                act_fn) -> torch.Tensor:
     """`down_e(act(gate_e x) * up_e x)` of rows `x` sorted by expert, `counts[e]` rows of expert
@@ -69,7 +82,7 @@ def expert_mlp(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: 
         mm = _grouped_mm()
         offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         gate, up = mm(x, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-        return mm(act_fn(gate) * up, down.transpose(-2, -1), offs=offs)
+        return _DenseGrad.apply(mm(act_fn(gate) * up, down.transpose(-2, -1), offs=offs))
     # one matmul per expert on its segment; unbind's backward stacks the experts' gradients once
     # (indexing the fused tensor per expert would add a whole-tensor gradient per expert)
     w_gate_up, w_down = gate_up.unbind(0), down.unbind(0)

@@ -149,13 +149,20 @@ def test_forward_and_gradients_equal_transformers_loop(hidden, intermediate):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
-def test_an_expert_without_rows_still_gets_a_zero_gradient():
+def test_no_rows_and_a_broadcast_gradient():
+    """No rows at all (a rank of expert parallelism that received none): zero gradients, in the
+    graph; and a plain `.sum()`'s broadcast gradient, which the grouped kernel's backward
+    refuses, handed on dense."""
     gate_up = torch.randn(3, 16, 8, requires_grad=True)
     down = torch.randn(3, 8, 8, requires_grad=True)
     x = torch.randn(0, 8, requires_grad=True)
     moe_experts.expert_mlp(x, [0, 0, 0], gate_up, down, F.silu).sum().backward()
     assert x.grad.shape == (0, 8) and torch.equal(gate_up.grad, torch.zeros_like(gate_up))
     assert torch.equal(down.grad, torch.zeros_like(down))
+    x = torch.randn(5, 8, requires_grad=True)
+    assert moe_experts.grouped_kernel_runs(x, gate_up, down)
+    moe_experts.expert_mlp(x, [2, 0, 3], gate_up, down, F.silu).sum().backward()
+    assert x.grad.abs().sum() > 0 and torch.equal(gate_up.grad[1], torch.zeros_like(gate_up[1]))
 
 
 def test_under_autocast_the_experts_run_in_the_autocast_dtype():
