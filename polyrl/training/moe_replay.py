@@ -25,6 +25,7 @@ import types
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 _ATTR = "_polyrl_router_replay"
@@ -47,6 +48,9 @@ class RouterReplay:
         """[N, layers, k] int64 ids for the current micro-batch's flattened tokens (-1: own)."""
         self.valid: torch.Tensor | None = None
         """[N] bool: real tokens (padding excluded) of the current micro-batch."""
+        self.sp_group: Any = None
+        """Under sequence parallelism, the sp group whose ranks hold the rest of the row: the
+        expert load and the load-balancing loss are the whole row's."""
         self.record_into: Any = None
         """A routes Ragged shaped like the batch's responses: R2's old-policy forward writes the
         trainer's own routes there (`record`)."""
@@ -81,6 +85,7 @@ class RouterReplay:
         mask = mb.attention_mask
         self.valid = mask.reshape(-1).bool() if mask is not None and mask.dim() == 2 else None
         shard = getattr(mb, "sequence_shard", None)
+        self.sp_group = None if shard is None else shard.sp.group
         if shard is not None:  # sequence parallelism: this rank's slice, the row's padding excluded
             self.valid = torch.arange(shard.start, shard.end) < shard.tokens
         self.aux = []
@@ -113,13 +118,21 @@ class RouterReplay:
                     ids = torch.where(use[:, None], replay, own)
         valid = self.valid.to(ids.device) if self.valid is not None and len(self.valid) == len(ids) else None
         chosen = ids if valid is None else ids[valid]
+        counts = torch.bincount(chosen.reshape(-1), minlength=self.num_experts).float()
+        tokens = float(len(chosen))
+        if self.sp_group is not None:  # sequence parallelism: the whole row's counts (every sp rank calls)
+            both = torch.cat([counts, counts.new_tensor([tokens])])
+            dist.all_reduce(both, group=self.sp_group)
+            counts, tokens = both[:-1], float(both[-1])
         load = 0.0
-        if chosen.numel():
-            counts = torch.bincount(chosen.reshape(-1), minlength=self.num_experts).float()
-            load = float(counts.max() / chosen.numel())
+        if tokens:
+            slots = tokens * ids.shape[-1]
+            load = float(counts.max() / slots)
             if torch.is_grad_enabled() and probs.requires_grad:
-                share = counts / chosen.numel()  # f_e, no gradient
-                mean_prob = (probs if valid is None else probs[valid]).mean(0)  # P_e
+                share = counts / slots  # f_e, no gradient
+                # P_e; under sequence parallelism this slice's part of the row's mean: the sp ranks'
+                # gradients sum to the whole row's
+                mean_prob = (probs if valid is None else probs[valid]).sum(0) / tokens
                 self.aux.append(self.num_experts * (share * mean_prob).sum())
         self._layer_stats[layer] = (match, compared, load)
         self._routed[layer] = ids.detach()
@@ -170,16 +183,14 @@ class RouterReplay:
 
     def metrics(self, engine: Any = None) -> dict[str, float]:
         """Since the last reset, summed over the ranks of `engine` (every rank calls this once per
-        update), sp ranks included: `moe/expert_load_max` (under sequence parallelism averaged
-        over the slices), and `moe/route_match` where the batch had routes."""
+        update), sp ranks included: `moe/expert_load_max`, and `moe/route_match` where the batch
+        had routes."""
         self._commit()
         sums = torch.tensor([self.match, self.compared, self.load_sum, float(self.load_count)], dtype=torch.float64)
         if engine is not None and getattr(engine, "world_size", 1) > 1:
             sums = engine.all_reduce(sums)
         sp = getattr(engine, "sp", None)
         if sp is not None:  # the engine reduces over the data ranks; each sp rank routed a slice
-            import torch.distributed as dist
-
             sums = sums.to(self.routers[0].weight.device)
             dist.all_reduce(sums, group=sp.group)
             sums = sums.cpu()
@@ -196,8 +207,6 @@ class RouterReplay:
 def _gather_slices(ids: torch.Tensor, shard: Any) -> torch.Tensor:
     """The packed row's routes [tokens, layers, k] from each sp rank's slice of it (equal slices,
     in rank order; training/ulysses.py), the padding past the row's real tokens dropped."""
-    import torch.distributed as dist
-
     parts = [torch.empty_like(ids) for _ in range(shard.sp.size)]
     dist.all_gather(parts, ids.contiguous(), group=shard.sp.group)
     return torch.cat(parts)[: shard.tokens]

@@ -189,14 +189,16 @@ def random_routes(batch, seed: int):
 
 def replay_sp_rank(rank: int, world_size: int, model_path: str, sp: int) -> dict:
     """One rank of an sp group (both ranks hold the whole batch): R3's log-probs of a batch and
-    two PPO updates (gradient checkpointing on: the recompute replays the slice's routes), then
-    an R2 policy's update, whose old-policy pass records the routes it replays in the second
-    epoch (each rank routes its slice; the record gathers the row)."""
+    two PPO updates with the load-balancing loss (gradient checkpointing on: the recompute
+    replays the slice's routes), then an R2 policy's update, whose old-policy pass records the
+    routes it replays in the second epoch (each rank routes its slice; the record gathers the
+    row)."""
     strategy = "fsdp2" if world_size > 1 else "ddp"
     out: dict = {}
     for mode in ("R3", "R2"):
-        cfg = engine_ranks.actor_config(strategy, world_size=world_size, sequence_parallel_size=sp,
-                                        router_replay=mode, gradient_checkpointing=True)
+        cfg = engine_ranks.actor_config(strategy, world_size=world_size, sequence_parallel_size=sp, packing="on",
+                                        router_replay=mode, gradient_checkpointing=True,
+                                        router_aux_loss_coef=0.1 if mode == "R3" else 0.0)
         engine, actor = engine_ranks.build(model_path, cfg, rank, world_size)
         if mode == "R3":
             out["logprobs"] = engine.logprobs(random_routes(engine_ranks.make_batch(9, 5), 9)).values
@@ -214,7 +216,8 @@ def replay_sp_rank(rank: int, world_size: int, model_path: str, sp: int) -> dict
 @pytest.mark.slow  # ~40 s on 2 cores: one rank, then two
 def test_sequence_parallel_replay_equals_one_rank(moe_path, tmp_path):
     """actor.sequence_parallel_size=2 with R3 (engine routes) and R2 (recorded routes): the routes
-    are cut like the tokens, so two ranks each holding half of every packed row equal one rank."""
+    are cut like the tokens, so two ranks each holding half of every packed row equal one rank;
+    the expert load and the load-balancing loss's gradient are the whole row's."""
     from gloo_world import run_world_ok
 
     one = replay_sp_rank(0, 1, moe_path, 1)
@@ -224,6 +227,6 @@ def test_sequence_parallel_replay_equals_one_rank(moe_path, tmp_path):
         torch.testing.assert_close(got["logprobs"], one["logprobs"], rtol=0, atol=1e-5)
         for mode in ("R3", "R2"):
             for a, b in zip(one[mode], got[mode], strict=True):
-                for key in ("actor/loss", "actor/grad_norm", "moe/route_match"):
+                for key in ("actor/loss", "actor/grad_norm", "moe/route_match", "moe/expert_load_max"):
                     assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (mode, key)
         assert torch.equal(got["recorded"], one["recorded"])  # R2's record, gathered from the slices
