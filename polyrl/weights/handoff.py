@@ -60,21 +60,26 @@ def shared_memory_possible(device_type: str) -> bool:
     return device_type == "cpu"
 
 
-def plan_handoffs(platform: "Platform", device_type: str | None = None) -> list[Handoff]:
-    """Every transport's hand-off for ranks computing on `device_type` devices (default: the
-    platform's, what `Platform.claim_device` gives every rank). A type, not a device: planning
-    for an NPU needs no torch_npu."""
-    from polyrl.weights.object_store import HOST
-
+def plan_handoffs(platform: "Platform", device_type: str | None = None,
+                  transports: tuple[str, ...] = ("in_place", "broadcast", "object_store")) -> list[Handoff]:
+    """Every transport's hand-off (of `transports`) for ranks computing on `device_type` devices
+    (default: the platform's, what `Platform.claim_device` gives every rank). A type, not a
+    device: planning for an NPU needs no torch_npu."""
     kind = device_type or platform.device_type
     wire = device_backend(platform.group_backend(kind), kind)
-    rows = [Handoff("in_place", "engine.update_weights", End(kind, NO_GROUP), End(kind, NO_GROUP))]
-    if shared_memory_possible(kind):
-        shm = End("cpu", "shared memory")
-        rows.append(Handoff("broadcast", "shared memory", shm, shm))
-    rows.append(Handoff("broadcast", "backend", End(kind, wire), End(kind, wire)))
-    store = End(HOST.type, "ray object store")
-    rows.append(Handoff("object_store", "object store", store, store))
+    rows = []
+    if "in_place" in transports:
+        rows.append(Handoff("in_place", "engine.update_weights", End(kind, NO_GROUP), End(kind, NO_GROUP)))
+    if "broadcast" in transports:
+        if shared_memory_possible(kind):
+            shm = End("cpu", "shared memory")
+            rows.append(Handoff("broadcast", "shared memory", shm, shm))
+        rows.append(Handoff("broadcast", "backend", End(kind, wire), End(kind, wire)))
+    if "object_store" in transports:
+        from polyrl.weights.object_store import HOST  # imports Ray: a run in one process has none
+
+        store = End(HOST.type, "ray object store")
+        rows.append(Handoff("object_store", "object store", store, store))
     return rows
 
 
@@ -84,5 +89,5 @@ def run_handoffs(platform: "Platform", transport: str, shared_memory: bool = Tru
     that transport): the broadcast offers its shared-memory ring first where the ring can carry
     the bytes and `weights.shared_memory` is on, and takes the backend row when a receiver cannot
     open it (/dev/shm missing or full, another host)."""
-    return [h for h in plan_handoffs(platform, device_type)
-            if h.transport == transport and (shared_memory or h.path != "shared memory")]
+    return [h for h in plan_handoffs(platform, device_type, (transport,))
+            if shared_memory or h.path != "shared memory"]
