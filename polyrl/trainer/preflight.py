@@ -462,6 +462,12 @@ def check_sequence_parallel(cfg: JobConfig, model_config: Any | None) -> None:
     if not isinstance(heads, int) or heads < 1:
         return  # the config does not say: the engine checks the built model
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    tp = cfg.actor.tensor_parallel_size  # each tp rank splits its 1/tp of the heads (ulysses.check_heads)
+    if tp > 1 and (heads % (k * tp) or kv_heads % (k * tp)):
+        raise ConfigError([f"actor.sequence_parallel_size={k} x actor.tensor_parallel_size={tp}: the model "
+                           f"({cfg.model.path}) has {heads} attention heads and {kv_heads} key-value heads, which "
+                           f"must both divide by {k * tp}; lower actor.sequence_parallel_size or "
+                           "actor.tensor_parallel_size"])
     if heads % k or kv_heads % k:
         divisors = [d for d in range(2, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]
         raise ConfigError([f"actor.sequence_parallel_size={k}: the model ({cfg.model.path}) has {heads} "

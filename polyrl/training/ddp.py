@@ -89,7 +89,7 @@ class DDPEngine:
         self.gradient_ranks, self.gradient_group = dims.gradient_parallel_size, self.mesh.gradient
         self.sp = self.mesh.sequence
         if self.sp is not None:
-            ulysses.check_heads(self.module, self.sp.size)
+            ulysses.check_heads(self.module, self.sp.size, dims.tp)  # tp: each rank splits its own heads
             if batch_invariant.is_enabled(self.module):
                 raise ValueError("actor.sequence_parallel_size > 1 cannot compute log-probs on the batch-invariant "
                                  "forward (rollout.batch_invariant=true); set one of them off")

@@ -30,6 +30,10 @@ Which ranks do what:
 * The tp axis is in neither: a tp group's ranks hold different slices of one parameter, whose
   gradients DTensor already completes inside the forward / backward (`tensor_group`). fsdp2
   shards each slice further over the gradient axes: a 2-D mesh (gradient axes x tp).
+* sp and tp compose: the tp ranks of one (data, sp) coordinate hold the same samples and the
+  same slice of tokens, and each one's Ulysses all-to-all (over its own sp group, the ranks with
+  the same tp index) splits the H/tp heads that rank holds, so the heads must divide by sp x tp
+  (training/ulysses.py `check_heads`).
 
 The module is pure arithmetic, so the dry run shows the groups without starting anything; the
 engines turn them into process groups (training/mesh_groups.py).
@@ -216,10 +220,6 @@ class ParallelDims:
         if self.tp > 1 and self.dp_replicate > 1:
             raise MeshError(f"actor.tensor_parallel_size={self.tp} needs actor.strategy=fsdp2 (ddp replicates whole "
                             "parameters, tp slices them); set actor.strategy=fsdp2")
-        if self.tp > 1 and self.sp > 1:
-            raise MeshError(f"actor.tensor_parallel_size={self.tp} with actor.sequence_parallel_size={self.sp} is not "
-                            "implemented (the Ulysses all-to-all splits the heads tp has already sliced); "
-                            "set one of them to 1")
         if self.ep > 1 and self.tp > 1:
             raise MeshError(f"actor.expert_parallel_size={self.ep} with actor.tensor_parallel_size={self.tp} is not "
                             "implemented; set one of them to 1")

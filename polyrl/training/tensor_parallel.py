@@ -90,7 +90,10 @@ def parallelize(model: torch.nn.Module, tp_mesh, *, tp: int) -> None:
     for name, module in list(base.named_modules()):
         style = next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
         if style is not None:
+            trainable = {n: p.requires_grad for n, p in module.named_parameters()}
             parallelize_module(module, tp_mesh, styles[style]())
+            for n, p in module.named_parameters():  # SequenceParallel's replicas come back trainable
+                p.requires_grad_(trainable[n])  # (a frozen reference's Qwen3 q/k norms would train)
             matched += 1
     if not matched:
         raise TensorParallelError(f"actor.tensor_parallel_size={tp}: no module of {type(model).__name__} matches its "

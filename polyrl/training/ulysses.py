@@ -17,6 +17,12 @@ and computes the same loss. Its backward passes the gradient through unchanged: 
 only its own positions, the all-to-alls carry gradients between the ranks' tokens, and the sum
 of the k ranks' parameter gradients is the unsplit gradient (the engines sum gradients over the
 data and sp axes: mesh.py `gradient_group`).
+
+Under tensor parallelism too (training/tensor_parallel.py) nothing here changes: the projections
+hand each rank its H/tp heads as local tensors, the all-to-all over the rank's sp group (the sp
+ranks of the same tp index) splits those into H/(tp k), and the tp ranks of one sp index hold
+the same token slice, so the vocabulary-parallel head (training/vocab_parallel.py) all-reduces
+over tp the rows of the same positions before `gather_shards` sums the sp pieces.
 """
 
 from __future__ import annotations
@@ -47,13 +53,20 @@ class SequenceShard:
     """The row's real tokens (before the padding to a multiple of k): positions >= it are padding."""
 
 
-def check_heads(model: torch.nn.Module, k: int) -> None:
-    """Heads are what the all-to-all splits: query and key-value heads must divide by k."""
+def check_heads(model: torch.nn.Module, k: int, tp: int = 1) -> None:
+    """Heads are what the all-to-all splits: query and key-value heads must divide by k. Under
+    tensor parallelism a rank holds H/tp of them (training/tensor_parallel.py) and splits those,
+    so the heads must divide by k x tp."""
     config = model.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if heads % k or kv_heads % k:
+    if heads % (k * tp) or kv_heads % (k * tp):
         name = getattr(config, "_name_or_path", "") or type(model).__name__
+        if tp > 1:
+            raise ValueError(f"actor.sequence_parallel_size={k} x actor.tensor_parallel_size={tp}: model {name} has "
+                             f"{heads} attention heads and {kv_heads} key-value heads, which must both divide by "
+                             f"{k * tp} (each tp rank splits its 1/{tp} of them over the sp ranks); lower "
+                             "actor.sequence_parallel_size or actor.tensor_parallel_size")
         raise ValueError(f"actor.sequence_parallel_size={k}: model {name} has {heads} attention heads and "
                          f"{kv_heads} key-value heads, which must both divide by {k}; choose a divisor of {kv_heads}")
 

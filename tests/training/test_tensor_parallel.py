@@ -112,8 +112,7 @@ def test_unsupported_tensor_parallel_settings_are_refused_naming_the_key():
     with pytest.raises(ValueError, match=r"actor.tensor_parallel_size=2 x actor.sequence_parallel_size=1 does not "
                                          r"divide actor.world_size=3"):
         ActorConfig(world_size=3, strategy="fsdp2", tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="with actor.sequence_parallel_size=2 is not implemented"):
-        ActorConfig(world_size=4, strategy="fsdp2", tensor_parallel_size=2, sequence_parallel_size=2)
+    ActorConfig(world_size=4, strategy="fsdp2", tensor_parallel_size=2, sequence_parallel_size=2)  # they compose
     with pytest.raises(MeshError, match="needs actor.strategy=fsdp2"):
         ParallelDims.of("ddp", 2, tensor_parallel_size=2)
 
@@ -205,3 +204,71 @@ def test_preflight_refuses_what_tp_cannot_slice_before_ray_starts():
     lora = JobConfig(actor={"strategy": "fsdp2", "world_size": 2, "tensor_parallel_size": 2}, model={"lora_rank": 8})
     with pytest.raises(ConfigError, match="actor.tensor_parallel_size=2 with model.lora_rank is not implemented"):
         check_tensor_parallel(lora, model)
+
+
+def qwen3_heads_by_four(path: Path) -> str:
+    """A tied Qwen3 whose 8 heads and 4 key-value heads divide by tp x sp = 4 (the tiny test
+    model's 2 key-value heads do not), with per-head q/k norms and an uneven vocabulary of 131."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(2)
+    config = Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                         head_dim=8, intermediate_size=128, vocab_size=131, max_position_embeddings=128,
+                         eos_token_id=1, pad_token_id=0, tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_tp2_by_sp2_on_four_ranks_trains_as_one_rank(tmp_path):
+    """Tensor and sequence parallelism together: each rank's projections give it 4 of the 8
+    query heads (H/tp), which its sp group's all-to-all splits into 2 over the whole row; the
+    frozen reference and a critic on the same mesh too."""
+    model = qwen3_heads_by_four(tmp_path / "qwen3")
+    one = tp_ranks.one_rank(model, extras=True)
+    ranks = run_world_ok(tp_ranks.run, 4, tmp_path,
+                         args=(model, 2, "fsdp2", tp_ranks.engine_ranks.BATCHES, True, 2),
+                         timeout_s=500, backend_timeout_s=400)
+    full = sum(w.numel() * 4 for w in one["weights"].values())
+    # one data shard: every rank the same samples; tp ranks (neighbours) the same token slice
+    assert [r["data_rank"] for r in ranks.values()] == [0, 0, 0, 0]
+    slices = [ranks[i]["token_slice"] for i in range(4)]
+    T = slices[0][2]
+    assert slices[0] == slices[1] == (0, T, T) and slices[2] == slices[3] == (T, 2 * T, T), slices
+    for r in ranks.values():
+        assert r["dims"] == "4 ranks: sp=2 x tp=2"
+        same_run(r, one)
+        # sliced over tp, each slice sharded over the sp ranks (the norms sharded only)
+        assert 0.24 * full <= r["param_bytes"] <= 0.27 * full, (r["param_bytes"], full)
+        torch.testing.assert_close(r["reference"], one["reference"], rtol=TOL, atol=TOL)
+        assert r["reference_trainable"] == 0
+        for a, b in zip(r["critic"], one["critic"]):
+            for k in a:
+                assert a[k] == pytest.approx(b[k], rel=TOL), (k, a, b)
+
+
+def test_heads_must_divide_by_tp_times_sp_in_the_engine_and_the_preflight():
+    """Under tp each rank holds H/tp heads and its sp group splits those: 4 heads and 2 key-value
+    heads take tp=2 or sp=2 alone but not both (the rank's one key-value head cannot be split)."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2Config
+
+    from polyrl.config import ConfigError
+    from polyrl.job import JobConfig
+    from polyrl.trainer.preflight import check_sequence_parallel
+    from polyrl.training.ulysses import check_heads
+
+    gqa = Qwen2Config(num_attention_heads=4, num_key_value_heads=2, intermediate_size=384)
+    model = SimpleNamespace(config=gqa)
+    check_heads(model, 2)
+    check_heads(SimpleNamespace(config=Qwen2Config(num_attention_heads=8, num_key_value_heads=4)), 2, tp=2)
+    with pytest.raises(ValueError, match=r"actor.sequence_parallel_size=2 x actor.tensor_parallel_size=2: model .* "
+                                         r"has 4 attention heads and 2 key-value heads, which must both divide by 4"):
+        check_heads(model, 2, tp=2)
+    both = JobConfig(actor={"strategy": "fsdp2", "world_size": 4, "tensor_parallel_size": 2,
+                            "sequence_parallel_size": 2})
+    with pytest.raises(ConfigError, match=r"actor.sequence_parallel_size=2 x actor.tensor_parallel_size=2: the model "
+                                          r".* must both divide by 4"):
+        check_sequence_parallel(both, gqa)
+    check_sequence_parallel(both, Qwen2Config(num_attention_heads=8, num_key_value_heads=4))

@@ -9,7 +9,7 @@ import weakref
 import torch
 
 import engine_ranks
-from polyrl.batch import shard
+from polyrl.batch import Ragged, scatter_rows, shard
 from polyrl.training.mesh import ParallelDims
 
 
@@ -21,8 +21,9 @@ after training compare at 1e-5 as the log-probs, losses and gradient norms do.""
 
 
 def run(rank: int, world_size: int, model_path: str, tp: int, strategy: str = "fsdp2",
-        batches=engine_ranks.BATCHES, extras: bool = False) -> dict:
-    cfg = engine_ranks.actor_config(strategy, world_size=world_size, tensor_parallel_size=tp, eps=ADAM_EPS)
+        batches=engine_ranks.BATCHES, extras: bool = False, sp: int = 1) -> dict:
+    cfg = engine_ranks.actor_config(strategy, world_size=world_size, tensor_parallel_size=tp, eps=ADAM_EPS,
+                                    sequence_parallel_size=sp)
     dims = ParallelDims.from_actor(cfg)
     engine, actor = engine_ranks.build(model_path, cfg, rank, world_size)
 
@@ -32,13 +33,17 @@ def run(rank: int, world_size: int, model_path: str, tp: int, strategy: str = "f
     out: dict = {"dims": dims.describe(), "data_rank": dims.data_rank(rank), "metrics": []}
     probe = engine_ranks.make_batch(5, 5)  # the whole batch on every rank: comparable to one rank
     out["logprobs"] = engine.logprobs(probe).values
-    # entropy with its gradient: the forward the entropy bonus differentiates
-    mb = next(engine.micro_batches(probe))
-    lp, ent = engine.forward(mb, with_entropy=True, entropy_grad=True)
-    # real response tokens only (a padded micro-batch's plain head computes padding too)
-    real = torch.arange(ent.shape[1]).unsqueeze(0) < mb.response_lengths.cpu().unsqueeze(1)
-    out["entropy"] = ent.detach()[real]
-    (ent.sum() * 0.0).backward()  # a zero-loss backward: every rank moves the same collectives
+    # entropy with its gradient (the forward the entropy bonus differentiates) of every response
+    # token, put in place by sample: the same whether the engine padded or packed (sp) its rows
+    entropy = Ragged.full_like(probe.response_ids, 0.0, torch.float32)
+    for i, mb in enumerate(engine.micro_batches(probe)):
+        shard_ = getattr(mb, "sequence_shard", None)  # sequence parallelism: this rank's slice of the row
+        if i == 0:
+            out["token_slice"] = None if shard_ is None else (shard_.start, shard_.end, int(mb.input_ids.shape[1]))
+        lp, ent = engine.forward(mb, with_entropy=True, entropy_grad=True)
+        scatter_rows(entropy, mb, ent.detach().float().cpu())
+        (ent.sum() * 0.0).backward()  # a zero-loss backward: every rank moves the same collectives
+    out["entropy"] = entropy.values
     engine.model.zero_grad(set_to_none=True)
     for seed, n in batches:
         m = actor.update(mine(seed, n), num_mini_batches=1, use_rollout_logprobs=False)
@@ -71,7 +76,7 @@ def run(rank: int, world_size: int, model_path: str, tp: int, strategy: str = "f
         reference = _deferred_reference(model_path, cfg, rank, world_size)
         out["reference"] = reference.logprobs(probe).values
         out["reference_trainable"] = sum(p.requires_grad for p in reference.model.parameters())
-        out["critic"] = critic_updates(rank, world_size, model_path, tp, strategy)
+        out["critic"] = critic_updates(rank, world_size, model_path, tp, strategy, sp)
     out["param_bytes"] = engine.state_bytes()["params"] if hasattr(engine, "state_bytes") else None
     return out
 
@@ -95,11 +100,11 @@ def _deferred_reference(model_path: str, cfg, rank: int, world_size: int):
                         group=dist.group.WORLD if dist.is_initialized() else None, horizon=None)
 
 
-def critic_updates(rank: int, world_size: int, model_path: str, tp: int, strategy: str) -> list[dict]:
+def critic_updates(rank: int, world_size: int, model_path: str, tp: int, strategy: str, sp: int = 1) -> list[dict]:
     """engine_ranks.critic_updates on the tp mesh: the value head (a one-output Linear, in no
     plan) whole on every rank over the sliced trunk."""
     cfg = engine_ranks.actor_config(strategy, ppo_epochs=1, world_size=world_size, tensor_parallel_size=tp,
-                                    eps=ADAM_EPS)
+                                    eps=ADAM_EPS, sequence_parallel_size=sp)
     dims = ParallelDims.from_actor(cfg)
     return engine_ranks.train_critic(cfg, model_path, rank, world_size, dp=dims.data_parallel_size,
                                      data_rank=dims.data_rank(rank))
