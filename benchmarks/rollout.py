@@ -11,6 +11,7 @@ weights, which run faster than plain `F.linear`, so this is the stricter of the 
     python benchmarks/rollout.py                # ~3 minutes on 2 cores
     python benchmarks/rollout.py --quick --json # < 1 minute; last stdout line is JSON
     python benchmarks/rollout.py --profile 4M:float32 --threads 1   # where a decode step's time goes
+    python benchmarks/rollout.py --profile moe:bfloat16 --threads 1 # the same for benchmarks/_moe.py's models
     python benchmarks/rollout.py --breakdown 30M:bfloat16 --threads 1 # the same, timed directly
     polyrl bench rollout --against vllm [--quick] [--json]  # native vs real vLLM (CPU build), a grid
     polyrl bench rollout --contention [--quick] [--json]    # both engines idle, then beside a busy process
@@ -31,6 +32,7 @@ the baseline tuned by hand for the load, which no default does.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -227,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads for both engines (default: torch's choice)")
     parser.add_argument("--profile", metavar="SIZE:DTYPE", default=None,
-                        help="instead of benchmarking, profile the engine on one case, e.g. 30M:bfloat16")
+                        help="instead of benchmarking, profile the engine on one case, e.g. 30M:bfloat16 "
+                             "(or moe:bfloat16, dense-active:..., dense-total:...: the --moe cells)")
     parser.add_argument("--breakdown", metavar="SIZE:DTYPE", default=None,
                         help="instead of benchmarking, time one decode step's parts directly (B=64, L=96)")
     parser.add_argument("--against", choices=("hf", "vllm"), default="hf",
@@ -344,9 +347,12 @@ def moe_cells(dtypes: list[str], quick: bool, as_json: bool) -> int:
                   f"{sizes['dense-total'][0] / 1e6:.1f}M (equal total) {best['dense-total']:7.0f} tok/s "
                   f"({row['vs_dense_total']:.2f}x)", flush=True)
     end = machine()
+    # every expert receives tokens at 64 sequences x top-2 over 16: a decode step reads all the weights
+    per_token = {name: total * 4 / (num_prompts * n) / 1e6 for name, (total, _) in sizes.items()}
     print(f"workload: {num_prompts} prompts x n={n}, prompt {prompt_len} tokens, {new_tokens} new tokens; "
-          f"moe {sizes['moe'][0] / 1e6:.1f}M total / {sizes['moe'][1] / 1e6:.1f}M active; "
-          f"load average at the end {end['load_average']}")
+          f"moe {sizes['moe'][0] / 1e6:.1f}M total / {sizes['moe'][1] / 1e6:.1f}M active; weight MB read per "
+          f"decoded token (fp32; bf16 half): " + ", ".join(f"{k} {v:.2f}" for k, v in per_token.items())
+          + f"; load average at the end {end['load_average']}")
     if as_json:
         print(json.dumps({"start": start, "end": end, "results": results}))
     return 0
@@ -535,11 +541,18 @@ def _breakdown(case: str) -> int:
 
 
 def _profile(case: str) -> int:
-    name, dtype_name = _case(case, "--profile")
+    from _moe import MOE_MODELS, build
+
+    name, _, dtype_name = case.partition(":")
+    if name in MOE_MODELS and dtype_name in DTYPES:  # moe, dense-active, dense-total: the --moe cells
+        shape, write = MOE_MODELS[name], functools.partial(build, name)
+    else:
+        name, dtype_name = _case(case, "--profile")
+        shape, write = MODELS[name], functools.partial(build_model, MODELS[name])
     gen = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        build_model(MODELS[name], Path(tmp))
-        prompts = torch.randint(1, MODELS[name]["vocab_size"], (16, 32), generator=gen).tolist()
+        write(Path(tmp))
+        prompts = torch.randint(1, shape["vocab_size"], (16, 32), generator=gen).tolist()
         shares = profile_breakdown(PolyrlRunner(tmp, dtype_name, prompts, 4, 128))
     top = shares.pop("top ops")
     for group, share in shares.items():
