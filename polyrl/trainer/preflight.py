@@ -482,8 +482,7 @@ def check_tensor_parallel(cfg: JobConfig, model_config: Any | None) -> None:
     k = cfg.actor.tensor_parallel_size
     if k <= 1:
         return
-    unsupported = {"model.lora_rank": cfg.model.lora_rank > 0, "rollout.batch_invariant": cfg.rollout.batch_invariant,
-                   "actor.offload": cfg.actor.offload}
+    unsupported = {"rollout.batch_invariant": cfg.rollout.batch_invariant, "actor.offload": cfg.actor.offload}
     for key, on in unsupported.items():
         if on:
             raise ConfigError([f"actor.tensor_parallel_size={k} with {key} is not implemented; "

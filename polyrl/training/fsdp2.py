@@ -119,6 +119,9 @@ class FSDP2Engine(DDPEngine):
         self._dummy: MicroBatch | None = None
         # parameters are sharded over every rank whose gradients are summed: data and sp axes
         self.shard_group = self.gradient_group
+        # checkpoints: every rank holding a block, under tp the tp ranks too (over the shard group
+        # alone each tp slice would write the same files as the others)
+        self.state_group = group if self.mesh.tensor is not None else self.shard_group
         self.compiled = False  # actor.compile compiles ddp only (on is refused for fsdp2 in config)
         self._setup_packing()
         # gradient checkpointing (PolicyWorker enables it before this): transformers checkpoints
@@ -164,8 +167,7 @@ class FSDP2Engine(DDPEngine):
         """Slice the model over the tp ranks (training/tensor_parallel.py) and return the 2-D
         mesh fsdp2 shards the slices over; refuses what is not implemented with tp."""
         tp = self.mesh.dims.tp
-        refused = {"model.lora_rank > 0 (LoRA)": self.lora,
-                   "a vision-language model": is_vlm_config(getattr(self.module, "config", None)),
+        refused = {"a vision-language model": is_vlm_config(getattr(self.module, "config", None)),
                    "rollout.batch_invariant=true": batch_invariant.is_enabled(self.module),
                    "actor.offload=true": self.cfg.offload}
         for what, present in refused.items():
@@ -322,7 +324,7 @@ class FSDP2Engine(DDPEngine):
         schedule and counters; `policy/` (rank 0): the model in Hugging Face format."""
         self._drain()
         self.root.reshard()
-        checkpoint_io.save_sharded(directory, self.model, self.optimizer, self.shard_group)
+        checkpoint_io.save_sharded(directory, self.model, self.optimizer, self.state_group)
         if self.rank == 0 and self.scheduler is not None:
             torch.save({"scheduler": self.scheduler.state_dict(), "nonfinite_in_a_row": self.nonfinite_in_a_row},
                        directory / checkpoint_io.ENGINE_FILE)
@@ -344,7 +346,7 @@ class FSDP2Engine(DDPEngine):
                              "resume it with actor.strategy=ddp")
         self._drain()
         self.root.reshard()
-        checkpoint_io.load_sharded(directory, self.model, self.optimizer, self.shard_group)
+        checkpoint_io.load_sharded(directory, self.model, self.optimizer, self.state_group)
         if self.scheduler is not None:
             saved = checkpoint_io.engine_state(directory)
             self.scheduler.load_state_dict(saved["scheduler"])

@@ -139,6 +139,13 @@ def is_lora(model: torch.nn.Module) -> bool:
     return peft is not None and isinstance(model, peft.PeftModel)
 
 
+def is_lora_layer(module: torch.nn.Module | None) -> bool:
+    """Whether `module` is one of peft's LoRA layers (a wrapped linear layer: `base_layer`,
+    `lora_A`, `lora_B`)."""
+    peft = sys.modules.get("peft")  # as is_lora: never import it here
+    return peft is not None and module is not None and isinstance(module, peft.tuners.lora.LoraLayer)
+
+
 def adapter_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """What the optimizer gets: the parameters that require grad (the adapters)."""
     return [p for p in model.parameters() if p.requires_grad]

@@ -140,6 +140,22 @@ def test_plans_come_from_the_model_config_else_polyrls():
     assert model_plan(llama) == DEFAULT_PLAN
 
 
+def test_tp_refuses_a_lora_adapter_on_the_lm_head_naming_the_key():
+    """The head is sliced by vocabulary rows and never called as a module: its adapter would not
+    run (LoRA on the projections: tests/training/test_tensor_parallel_lora.py)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from polyrl.training.lora import LoraConfig, apply_lora
+    from polyrl.training.tensor_parallel import parallelize
+
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=2, intermediate_size=64, vocab_size=64,
+                                         tie_word_embeddings=False))
+    wrapped = apply_lora(model, LoraConfig(lora_rank=2, lora_target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(TensorParallelError, match="LoRA adapter on the LM head.*model.lora_target_modules"):
+        parallelize(wrapped.get_base_model(), None, tp=2)
+
+
 def test_vocab_parallel_head_in_chunks_equals_the_plain_log_softmax_and_its_gradients():
     """The chunked forward and recomputing backward of training/vocab_parallel.py on a one-rank
     group (the cross-rank reductions are the 2- and 4-rank tests'): rows in chunks of 3."""
@@ -201,9 +217,12 @@ def test_preflight_refuses_what_tp_cannot_slice_before_ray_starts():
     with pytest.raises(ConfigError, match="actor.tensor_parallel_size=4 does not divide the model's num_key_value_heads=2"):
         check_tensor_parallel(cfg, model)
     check_tensor_parallel(JobConfig(actor={"strategy": "fsdp2", "world_size": 2, "tensor_parallel_size": 2}), model)
-    lora = JobConfig(actor={"strategy": "fsdp2", "world_size": 2, "tensor_parallel_size": 2}, model={"lora_rank": 8})
-    with pytest.raises(ConfigError, match="actor.tensor_parallel_size=2 with model.lora_rank is not implemented"):
-        check_tensor_parallel(lora, model)
+    # LoRA composes with tp (tests/training/test_tensor_parallel_lora.py); offload does not yet
+    check_tensor_parallel(JobConfig(actor={"strategy": "fsdp2", "world_size": 2, "tensor_parallel_size": 2},
+                                    model={"lora_rank": 8}), model)
+    offload = JobConfig(actor={"strategy": "fsdp2", "world_size": 2, "tensor_parallel_size": 2, "offload": True})
+    with pytest.raises(ConfigError, match="actor.tensor_parallel_size=2 with actor.offload is not implemented"):
+        check_tensor_parallel(offload, model)
 
 
 def qwen3_heads_by_four(path: Path) -> str:
