@@ -21,7 +21,7 @@ cannot avoid and the fraction of plain-matmul peak each side reaches (`roofline_
     python benchmarks/grpo.py                    # = polyrl bench grpo: ~3 min on an idle 2-core machine
     python benchmarks/grpo.py --quick --json     # ~1 min (4M only, 4 steps); last line is JSON
     python benchmarks/grpo.py --threads 1        # steadier on a busy machine (and CPU-s ~ wall)
-    python benchmarks/grpo.py --contention       # each pair again beside one busy process (pinned to a core)
+    python benchmarks/grpo.py --contention       # every second step beside one busy process (pinned to a core)
     python benchmarks/grpo.py --sizes moe        # the mixture-of-experts cell (a ~32M / ~7.5M-active Qwen3-MoE)
 
 `--contention`: in the same run, every second step (TRL's and polyrl's) beside one busy
@@ -348,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="torch threads of each trainer (default: all cores)")
     parser.add_argument("--contention", action="store_true",
-                        help="each pair again beside one busy process pinned to a core")
+                        help="every second step beside one busy process pinned to a core (idle and "
+                             "loaded steps alternate in one run)")
     parser.add_argument("--profile", metavar="SIZE:DTYPE", default=None,
                         help="instead: where one step's time goes, e.g. 30M:bfloat16 (benchmarks/grpo_profile.py)")
     args = parser.parse_args(argv)
