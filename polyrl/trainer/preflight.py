@@ -46,6 +46,7 @@ def check_job(cfg: JobConfig, train_set: Sequence[Any], val_set: Sequence[Any] |
     check_tensor_parallel(cfg, model_config)
     check_router_replay(cfg, model_config)
     check_expert_parallel(cfg, model_config)
+    check_colocated_teacher(cfg)
     check_vision(cfg, train_set, val_set, model_config)
 
 
@@ -171,6 +172,53 @@ def check_expert_parallel(cfg: JobConfig, model_config: Any | None) -> None:
     if experts % ep:
         raise ConfigError([f"actor.expert_parallel_size={ep} does not divide the model's num_experts={experts}; "
                            f"set it to a divisor of {experts}"])
+
+
+def check_colocated_teacher(cfg: JobConfig) -> None:
+    """distill.placement=colocated builds the teacher on every policy rank with the policy's mesh
+    (polyrl/workers/policy.py `teacher_engine(cfg, cfg.actor, ...)`): under
+    actor.tensor_parallel_size its heads, key-value heads and MLP width must divide by tp
+    (training/tensor_parallel.py `check_divisible`), and under actor.expert_parallel_size a
+    Qwen3-MoE / Qwen2-MoE teacher's num_experts by ep. A dense teacher under ep keeps its MLPs
+    whole (training/fsdp2.py: a frozen model without experts is not split). A teacher on its own
+    ranks (distill.placement=disaggregated) runs without tp or ep (workers/teacher.py)."""
+    from polyrl.config.vocabulary import COLOCATED
+    from polyrl.distributed.topologies import teacher_placement_of
+
+    tp, ep = cfg.actor.tensor_parallel_size, cfg.actor.expert_parallel_size
+    if teacher_placement_of(cfg) != COLOCATED or (tp == 1 and ep == 1):
+        return
+    config = teacher_config(cfg)
+    if config is None:
+        return  # a teacher that is not there is reported by the checks that load it
+    where = f"distill.teacher={cfg.distill.teacher} (distill.placement=colocated: on the policy's mesh)"
+    if tp > 1:
+        from polyrl.training.tensor_parallel import TensorParallelError, check_divisible
+
+        try:
+            check_divisible(language_config(config), tp)
+        except TensorParallelError as exc:
+            raise ConfigError([f"{where}: {exc}, or set distill.placement=disaggregated"]) from None
+    experts = getattr(config, "num_experts", None)
+    if ep > 1 and getattr(config, "model_type", None) in ("qwen3_moe", "qwen2_moe") and experts and experts % ep:
+        raise ConfigError([f"{where}: actor.expert_parallel_size={ep} does not divide the teacher's "
+                           f"num_experts={experts}; set it to a divisor of both the policy's and {experts}, "
+                           "or set distill.placement=disaggregated"])
+
+
+def teacher_config(cfg: JobConfig) -> Any | None:
+    """distill.teacher's transformers config, or None where it cannot be read here."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from polyrl.builtin import resolve
+
+    try:
+        directory = Path(resolve(cfg.distill.teacher)).expanduser()
+        return AutoConfig.from_pretrained(str(directory), trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def check_platform(cfg: JobConfig) -> None:

@@ -142,9 +142,13 @@ class FSDP2Engine(DDPEngine):
         elif cfg.offload:
             logger.info("actor.offload=true on a CPU device: parameters and optimizer state are "
                         "already in host memory; nothing to offload")
-        # expert parallelism: each rank's experts sharded on their own mesh first (expert_parallel.py)
+        # expert parallelism: each rank's experts sharded on their own mesh first (expert_parallel.py).
+        # A frozen model without experts (horizon None: a dense distillation teacher held on an
+        # MoE policy's ranks, distill.placement=colocated) has none to split: its MLPs stay whole
+        # in the plain sharding below; a trained one is refused there (expert_parallel.check_supported)
+        frozen_dense = horizon is None and not expert_parallel.expert_modules(model)
         self.expert_mesh = (expert_parallel.shard_experts(self, model, device, kwargs)
-                            if getattr(cfg, "expert_parallel_size", 1) > 1 else None)
+                            if getattr(cfg, "expert_parallel_size", 1) > 1 and not frozen_dense else None)
         for layer in layers:
             fully_shard(layer, **kwargs)
         fully_shard(self.root, **kwargs)
