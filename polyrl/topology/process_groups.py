@@ -108,19 +108,42 @@ def plan_world(cfg: Any, platform: Platform, actors: Sequence[Any], mesh: Parall
 
 
 def mesh_groups(dims: ParallelDims) -> list[tuple[str, tuple[int, ...], str]]:
-    """(kind, ranks, purpose) of the training mesh's own groups (polyrl/training/mesh.py), which
-    the engines create beside the trainer group only with sequence parallelism
-    (polyrl/training/mesh_groups.py). The trainer ranks are the world's first ranks in every
-    topology, so a mesh rank is its global rank."""
-    if not dims.sequence_parallel:
-        return []
-    out = [("mesh_data", ranks, f"the data axes of the mesh ({dims.describe()}): ranks with different "
-                                "samples, whose token counts and metrics are summed")
-           for ranks in dims.groups_along(DATA_AXES) if len(ranks) > 1]
-    out += [("mesh_sp", ranks, f"one sequence-parallel group of {dims.sp} ranks: each holds 1/{dims.sp} "
-                              "of every packed row's tokens (DeepSpeed-Ulysses all-to-all of heads around "
-                              "attention)")
-            for ranks in dims.groups_along(("sp",))]
+    """(kind, ranks, purpose) of the training mesh's own groups beside the trainer group, exactly
+    the ones the engines create: the data, sp, gradient and tp groups with sequence or tensor
+    parallelism (polyrl/training/mesh_groups.py), the expert and expert-shard groups with expert
+    parallelism (polyrl/training/expert_parallel.py). A group of every trainer rank is the
+    trainer group itself, a set of ranks already listed is that same group, and one rank forms
+    none, so none of these is listed again. The trainer ranks are
+    the world's first ranks in every topology, so a mesh rank is its global rank."""
+    seen = {tuple(range(dims.world_size))}
+
+    def listed(kind: str, groups: list[tuple[int, ...]], purpose: str) -> list[tuple[str, tuple[int, ...], str]]:
+        # one process group per set of ranks (made once, shared: `_group`): a set already listed
+        # under another axis (dp_shard x tp's data and gradient groups) is that same group
+        new = [ranks for ranks in groups if len(ranks) > 1 and ranks not in seen]
+        seen.update(new)
+        return [(kind, ranks, purpose) for ranks in new]
+
+    out = []
+    if dims.sequence_parallel or dims.tensor_parallel:
+        out += listed("mesh_data", dims.groups_along(DATA_AXES),
+                      f"the data axes of the mesh ({dims.describe()}): ranks with different samples, "
+                      "whose token counts and metrics are summed")
+        out += listed("mesh_sp", dims.groups_along(("sp",)),
+                      f"one sequence-parallel group of {dims.sp} ranks: each holds 1/{dims.sp} of every "
+                      "packed row's tokens (DeepSpeed-Ulysses all-to-all of heads around attention)")
+        out += listed("mesh_gradient", dims.groups_along((*DATA_AXES, "sp")),
+                      "every axis but tp: gradients summed and parameters sharded (FSDP2) over it")
+        out += listed("mesh_tp", dims.groups_along(("tp",)),
+                      f"one tensor-parallel group of {dims.tp} ranks: each holds 1/{dims.tp} of every "
+                      "sliced projection and of the vocabulary (DTensor collectives in forward and backward)")
+    if dims.ep > 1:
+        ranks = range(dims.world_size)
+        out += listed("mesh_ep", sorted({dims.expert_group(r) for r in ranks}),
+                      f"one expert-parallel group of {dims.ep} ranks: each holds 1/{dims.ep} of every MoE "
+                      "layer's experts; tokens go to their experts' rank by all-to-all")
+        out += listed("mesh_expert_shard", sorted({dims.expert_shard_group(r) for r in ranks}),
+                      "the ranks holding the same experts: FSDP2 shards them and sums their gradients here")
     return out
 
 

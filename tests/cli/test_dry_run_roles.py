@@ -48,3 +48,32 @@ def test_the_tree_says_what_each_actor_does(capsys, monkeypatch):
     assert "does: trains; sends each weight version (broadcast); in a world of 3 ranks" in text
     assert "does: trains; in a world of 3 ranks" in text  # rank 1: not the weight-sync leader
     assert "does: hosts its replica's rollout engine; receives each weight version (broadcast)" in text
+
+
+def test_tensor_and_expert_parallel_groups_are_the_ones_the_engines_create(capsys):
+    """Under tp the engines create the data and tp groups (polyrl/training/mesh_groups.py), under
+    ep the expert and expert-shard groups (polyrl/training/expert_parallel.py): the dry run lists
+    each set of ranks once, the whole trainer set being the trainer group itself."""
+    from polyrl.topology.process_groups import mesh_groups
+    from polyrl.training.mesh import ParallelDims
+
+    p = plan(capsys, "actor.world_size=4", "actor.tensor_parallel_size=2", "actor.strategy=fsdp2",
+             "data.train_batch_size=8")
+    assert p["placement"]["training_mesh"] == "4 ranks: dp_shard=2 x tp=2"
+    groups = [(g["kind"], g["ranks"]) for g in p["process_groups"]["groups"]]
+    # dp_shard x tp: each data group is also its gradient group (one process group)
+    assert groups == [("trainer", [0, 1, 2, 3]), ("mesh_data", [0, 2]), ("mesh_data", [1, 3]),
+                      ("mesh_tp", [0, 1]), ("mesh_tp", [2, 3])]
+
+    def kinds(dims):
+        return [(kind, ranks) for kind, ranks, _ in mesh_groups(dims)]
+
+    assert kinds(ParallelDims.of("fsdp2", 8, 2, 2)) == [
+        ("mesh_data", (0, 4)), ("mesh_data", (1, 5)), ("mesh_data", (2, 6)), ("mesh_data", (3, 7)),
+        ("mesh_sp", (0, 2)), ("mesh_sp", (1, 3)), ("mesh_sp", (4, 6)), ("mesh_sp", (5, 7)),
+        ("mesh_gradient", (0, 2, 4, 6)), ("mesh_gradient", (1, 3, 5, 7)),
+        ("mesh_tp", (0, 1)), ("mesh_tp", (2, 3)), ("mesh_tp", (4, 5)), ("mesh_tp", (6, 7))]
+    assert kinds(ParallelDims.of("fsdp2", 4, expert_parallel_size=2)) == [
+        ("mesh_ep", (0, 1)), ("mesh_ep", (2, 3)), ("mesh_expert_shard", (0, 2)), ("mesh_expert_shard", (1, 3))]
+    assert kinds(ParallelDims.of("fsdp2", 2, expert_parallel_size=2)) == []  # the trainer group itself
+    assert kinds(ParallelDims.of("fsdp2", 4)) == []  # one axis: the trainer group alone
