@@ -146,10 +146,15 @@ class Knobs:
     sequence_parallel: int = 1  # actor.sequence_parallel_size: held as given (the floor counts no activations)
 
     @property
-    def sliced(self) -> bool:
-        """Tensor or expert parallelism, neither of which takes actor.offload or LoRA yet
-        (preflight.py `check_tensor_parallel`, training/expert_parallel.py `check_supported`)."""
+    def offload_refused(self) -> bool:
+        """Tensor or expert parallelism, neither of which takes actor.offload yet (preflight.py
+        `check_tensor_parallel`, training/expert_parallel.py `check_supported`)."""
         return self.tensor_parallel > 1 or self.expert_parallel > 1
+
+    @property
+    def lora_refused(self) -> bool:
+        """Expert parallelism does not take LoRA yet (training/expert_parallel.py `check_supported`)."""
+        return self.expert_parallel > 1
 
 
 @dataclass(frozen=True)
@@ -256,13 +261,13 @@ def fewest_ranks(s: Shape, k: Knobs, f: Setting) -> int | None:
 def fitting_changes(s: Shape, k: Knobs, f: Setting) -> list[str]:
     """Settings that would fit, each computed: more ranks, offload, LoRA, bfloat16 master weights,
     disaggregated placement, tensor parallelism over the same ranks; one that fits only with more
-    ranks too says how many. Offload and LoRA are not offered under tensor or expert parallelism,
-    which do not take them yet."""
+    ranks too says how many. Offload is not offered under tensor or expert parallelism, nor LoRA
+    under expert parallelism, which do not take them yet."""
     fsdp2 = [] if k.strategy == "fsdp2" else ["actor.strategy=fsdp2"]
     changes: list[tuple[list[str], Knobs]] = []
-    if f.on_device and not k.offload and not k.sliced:
+    if f.on_device and not k.offload and not k.offload_refused:
         changes.append((fsdp2 + ["actor.offload=true"], replace(k, offload=True, strategy="fsdp2")))
-    if not k.lora_rank and not k.sliced:
+    if not k.lora_rank and not k.lora_refused:
         changes.append((["model.lora_rank>0"], replace(k, lora_rank=8)))
     if k.master > 2:
         changes.append((["actor.param_dtype=bfloat16"], replace(k, master=2)))
@@ -284,9 +289,10 @@ def fitting_changes(s: Shape, k: Knobs, f: Setting) -> list[str]:
 def fewest_tensor_parallel(s: Shape, k: Knobs, f: Setting) -> int | None:
     """The smallest actor.tensor_parallel_size above 1 under which k (made fsdp2) fits on the
     same ranks: one that divides actor.world_size and the model's heads, key-value heads and MLP
-    width (training/tensor_parallel.py `check_divisible`), where tp can be on (no offload, LoRA,
-    sequence or expert parallelism, or a tp already set); None otherwise."""
-    if k.sliced or k.sequence_parallel > 1 or k.offload or k.lora_rank:
+    width (training/tensor_parallel.py `check_divisible`), where tp can be on (no offload or
+    expert parallelism; none suggested beside sequence parallelism or a tp already set); None
+    otherwise."""
+    if k.offload_refused or k.sequence_parallel > 1 or k.offload:
         return None
     for t in (2, 4, 8, 16, 32, 64):
         if k.world_size % t or s.heads % t or s.kv_heads % t or s.intermediate % t:
