@@ -53,7 +53,7 @@ def test_standalone_teacher_is_checked_before_ray_too(train_here, tmp_path):
 
 def test_teacher_ranks_with_a_colocated_teacher_are_refused(train_here):
     out = train_here("distill.teacher=builtin:tiny-arith", "distill.world_size=2")
-    assert_one_line_before_ray(out, "distill.world_size", "distill.placement=standalone")
+    assert_one_line_before_ray(out, "distill.world_size", "distill.placement=disaggregated")
 
 
 def test_recipe_distils_the_bundled_model_purely():
