@@ -8,6 +8,13 @@ training job). Two loads:
 - `unpinned`: one competitor the scheduler moves where it likes.
 
 Both take one core's worth of CPU; on a 2-core machine they leave one free core.
+
+A competitor runs in a session of its own (`start_new_session`), as another job on the machine
+does. Linux groups a session's processes for the scheduler (autogroup, on by default on desktop
+and many server kernels: /proc/sys/kernel/sched_autogroup_enabled), and a machine's CPU time is
+shared between the groups first: a competitor inside the benchmark's own session would take half
+of the benchmark's group share wherever other jobs load the machine (on an idle one the two are
+the same), which no neighbour in another session does.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ def competitor(load: str):
     if load not in LOADS:
         raise ValueError(f"load {load!r}: choose from {', '.join(LOADS)}")
     core = str(max(os.sched_getaffinity(0))) if load == "pinned" else "-"
-    proc = subprocess.Popen([sys.executable, "-c", _SPIN, core], stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-c", _SPIN, core], stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         time.sleep(SETTLE_S)
         if proc.poll() is not None:
