@@ -29,8 +29,9 @@ parametrization of `gate_up_proj` / `down_proj` (LoRA on the experts, polyrl/tra
 applies; expert parallelism replaces this forward with its all-to-all dispatch
 (training/expert_parallel.py), which runs its own experts through `expert_mlp`.
 
-On devices other than the CPU the call goes to transformers' own grouped forward unchanged:
-the grouped kernel's conditions there (dtype, compute capability) were not tested here.
+On devices other than the CPU, and inside torch.compile (`actor.compile`), the call goes to
+transformers' own grouped forward unchanged: the grouped kernel's conditions on a GPU (dtype,
+compute capability) and this forward's `.tolist()` under a compiler were not tested here.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' `*MoeExperts.forward` (tokens [N, H], top-k ids and weights [N, k]) with the
     pairs sorted by expert once (module doc)."""
-    if hidden_states.device.type != "cpu":
+    if hidden_states.device.type != "cpu" or torch.compiler.is_compiling():
+        # (actor.compile traces transformers' forward, as before this module: not run compiled here)
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
