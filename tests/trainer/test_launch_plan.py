@@ -54,8 +54,11 @@ def test_hybrid_h100_two_policy_ranks():
         # hybrid: the engine is colocated on every policy rank, built by the native builder
         assert a.engine.args == {"model_path": launch_args_model(), "dtype": "float32",
                                  "max_model_len": 64, "max_num_seqs": 256}
+        # Ray starts workers at nice 15 unless told: every actor runs at the driver's priority
+        # (polyrl/distributed/ray_launch.py WORKER_NICENESS_VAR)
         assert a.ray_options() == {"num_cpus": 1, "num_gpus": 1,
-                                   "runtime_env": {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}}
+                                   "runtime_env": {"env_vars": {"TOKENIZERS_PARALLELISM": "false",
+                                                                "RAY_worker_niceness": "0"}}}
 
 
 def launch_args_model():
