@@ -87,3 +87,29 @@ def test_a_horizon_in_trainer_steps_would_floor_early():
         right.step()
     assert wrong.get_last_lr()[0] == 0.0
     assert right.get_last_lr()[0] == pytest.approx(LR / 2)
+
+
+def test_fused_adamw_where_every_parameter_has_the_kernel():
+    """The kernel is a rule of the parameters' devices, never of timing: fused on CPU (torch's
+    fused AdamW), foreach on a device without the fused kernel; one step of each agrees."""
+    from polyrl.training.optim import kernel
+
+    cpu = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    assert kernel(cpu) == {"fused": True}
+    assert kernel([torch.nn.Parameter(torch.empty(3, device="meta"))]) == {"foreach": True}
+    assert kernel([]) == {"foreach": True}
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in cpu]
+    start = [p.detach().clone() for p in cpu]
+    fused, _ = build_optimizer(cpu, ActorConfig(lr=1e-2), horizon=10)
+    plain = torch.optim.AdamW(twin, lr=1e-2, betas=ActorConfig().betas, eps=ActorConfig().eps,
+                              weight_decay=ActorConfig().weight_decay, foreach=True)
+    assert fused.defaults["fused"] and not plain.defaults.get("fused")
+    for _ in range(3):
+        for p, q in zip(cpu, twin):
+            p.grad = torch.full_like(p, 0.5)
+            q.grad = p.grad.clone()
+        fused.step()
+        plain.step()
+    for p, q, p0 in zip(cpu, twin, start):
+        assert (p - p0).abs().min() > 1e-3  # three steps of lr 1e-2 moved every element
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
