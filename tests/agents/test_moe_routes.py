@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import native
+from conftest import ANSWER, BAD_CALL, CALL, native  # at import: another directory's conftest is `conftest` later
 from polyrl.agents import AgentConfig, run_trajectories_sync
 from polyrl.batch.routes import not_routed
 from polyrl.training.moe_replay import replay_of
@@ -26,7 +26,6 @@ EXPERTS = 6
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
     from agent_models import byte_level_tokenizer
-    from conftest import ANSWER, BAD_CALL, CALL
     from moe_models import moe_config
     from transformers import AutoModelForCausalLM
 

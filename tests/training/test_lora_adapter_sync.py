@@ -87,6 +87,7 @@ def test_config_and_launch_arguments():
     from polyrl.rollout.config import RolloutConfig
 
     rollout = RolloutConfig(backend="vllm", lora_mode="adapter")
-    args = vllm_args(rollout, "/models/base", get_platform("cpu"))
+    args = vllm_args(rollout, "/models/base", get_platform("cpu"), colocated=True)
     assert args["enable_lora"] is True and args["load_format"] == "auto"
-    assert "enable_lora" not in vllm_args(RolloutConfig(backend="vllm"), "/models/base", get_platform("cpu"))
+    assert "enable_lora" not in vllm_args(RolloutConfig(backend="vllm"), "/models/base", get_platform("cpu"),
+                                          colocated=True)
