@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from gloo_world import run_world_ok
 from polyrl.distributed.collectives import (
@@ -89,7 +88,16 @@ def test_vision_language_detection():
     assert not is_vision_language({"vision_config": None})
 
 
-def test_text_models_answer_yes_without_a_collective():
-    # No process group exists here: a collective would raise.
-    assert not dist.is_initialized()
+def test_text_models_answer_yes_without_a_collective(monkeypatch):
+    # any rank query or collective raises here (whether or not an earlier test in this process
+    # left a process group behind): a text model's answer needs neither
+    from polyrl.distributed import collectives
+
+    def no_collective(*_, **__):
+        raise AssertionError("a text model's answer took a collective")
+
+    monkeypatch.setattr(collectives.dist, "get_rank", no_collective)
+    monkeypatch.setattr(collectives, "broadcast_from_leader", no_collective)
     assert negotiate_partial_loading(Engine(1), {"model_type": "qwen2"}, group=None) is True
+    with pytest.raises(AssertionError, match="took a collective"):  # a VLM does ask
+        negotiate_partial_loading(Engine(1), {"model_type": "qwen2_vl", "vision_config": {}}, group=None)
