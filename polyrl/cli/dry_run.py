@@ -141,12 +141,7 @@ def render(run_plan: RunPlan, console: Console) -> None:
         else:
             branch.add(Text("env: the job env, nothing added"))
         if actor.engine is not None:
-            where = "colocated with training" if actor.role == "policy" else "own actor"
-            title = f"{actor.engine.backend} engine ({where}) launch arguments"
-            if actor.engine.error:
-                branch.add(Text(f"{title}: ERROR {actor.engine.error}", style="bold red"))
-            else:
-                branch.add(args_table(actor.engine.args or {}, title))
+            add_engine(branch, actor.engine, "colocated with training" if actor.role == "policy" else "own actor")
     if plan.world is not None:
         w = plan.world
         groups = tree.add(Text(f"process groups: one torch.distributed world of {w.size} ranks, "
@@ -155,10 +150,7 @@ def render(run_plan: RunPlan, console: Console) -> None:
             nodes = f" on node(s) {', '.join(map(str, sorted(set(g.nodes))))}" if g.nodes else ""
             groups.add(Text(f"{g.kind}: ranks {ranks_text(g.ranks)} (leader {g.leader}){nodes}, "
                             f"{g.backend} ({g.library}): {g.purpose}"))
-    for note in plan.notes:
-        tree.add(Text(f"note: {note}", style="yellow"))
-    for error in plan.errors:
-        tree.add(Text(f"error: {error}", style="bold red"))
+    add_notes(tree, plan.notes, plan.errors)
     console.rule(Text("launch plan"))
     console.print(tree)
 
@@ -184,19 +176,27 @@ def render_in_process(local: InProcessPlan, console: Console) -> None:
                                f"{worker.device}", style="bold"))
         branch.add(Text(f"does: {duty_text(worker.plan)}"))
         branch.add(env_table(worker.env.to_json(), "env set in this process for the run"))
-        engine = worker.plan.engine
-        if engine is not None:
-            title = f"{engine.backend} engine (colocated with training) launch arguments"
-            if engine.error:
-                branch.add(Text(f"{title}: ERROR {engine.error}", style="bold red"))
-            else:
-                branch.add(args_table(engine.args or {}, title))
-    for note in local.notes:
-        tree.add(Text(f"note: {note}", style="yellow"))
-    for error in local.errors:
-        tree.add(Text(f"error: {error}", style="bold red"))
+        if worker.plan.engine is not None:
+            add_engine(branch, worker.plan.engine, "colocated with training")
+    add_notes(tree, local.notes, local.errors)
     console.rule(Text("in-process plan"))
     console.print(tree)
+
+
+def add_engine(branch: Tree, engine, where: str) -> None:
+    """An engine's launch arguments, or the error that stops its launch."""
+    title = f"{engine.backend} engine ({where}) launch arguments"
+    if engine.error:
+        branch.add(Text(f"{title}: ERROR {engine.error}", style="bold red"))
+    else:
+        branch.add(args_table(engine.args or {}, title))
+
+
+def add_notes(tree: Tree, notes, errors) -> None:
+    for note in notes:
+        tree.add(Text(f"note: {note}", style="yellow"))
+    for error in errors:
+        tree.add(Text(f"error: {error}", style="bold red"))
 
 
 def add_weights(tree: Tree, weights: WeightsPlan) -> None:
