@@ -77,6 +77,18 @@ def test_tp2_trains_as_one_rank_qwen3_moe_untied_uneven_vocab(tmp_path):
 
 
 @pytest.mark.slow
+def same_four_rank_run(r: dict, one: dict, full: int) -> None:
+    """A 4-rank tp=2 run's rank equals one rank, holds about a quarter of the parameters, and
+    its frozen reference and critic (value head whole over the sliced trunk) equal one rank's."""
+    same_run(r, one)
+    assert 0.24 * full <= r["param_bytes"] <= 0.27 * full, (r["param_bytes"], full)
+    torch.testing.assert_close(r["reference"], one["reference"], rtol=TOL, atol=TOL)
+    assert r["reference_trainable"] == 0
+    for a, b in zip(r["critic"], one["critic"]):
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=TOL), (k, a, b)
+
+
 def test_tp2_by_dp_shard2_on_four_ranks_trains_as_one_rank(tiny_model, tmp_path):
     one = tp_ranks.one_rank(tiny_model, extras=True)
     ranks = run_world_ok(tp_ranks.run, 4, tmp_path, args=(tiny_model, 2, "fsdp2", tp_ranks.engine_ranks.BATCHES, True),
@@ -85,14 +97,7 @@ def test_tp2_by_dp_shard2_on_four_ranks_trains_as_one_rank(tiny_model, tmp_path)
     assert [r["data_rank"] for r in ranks.values()] == [0, 0, 1, 1]  # tp ranks are neighbours
     for r in ranks.values():
         assert r["dims"] == "4 ranks: dp_shard=2 x tp=2"
-        same_run(r, one)
-        assert 0.24 * full <= r["param_bytes"] <= 0.27 * full, (r["param_bytes"], full)
-        # the frozen reference and a critic (value head whole over the sliced trunk) on the same mesh
-        torch.testing.assert_close(r["reference"], one["reference"], rtol=TOL, atol=TOL)
-        assert r["reference_trainable"] == 0
-        for a, b in zip(r["critic"], one["critic"]):
-            for k in a:
-                assert a[k] == pytest.approx(b[k], rel=TOL), (k, a, b)
+        same_four_rank_run(r, one, full)
 
 
 def test_mesh_with_tp_keeps_tp_out_of_data_and_gradient_groups():
@@ -256,14 +261,8 @@ def test_tp2_by_sp2_on_four_ranks_trains_as_one_rank(tmp_path):
     assert slices[0] == slices[1] == (0, T, T) and slices[2] == slices[3] == (T, 2 * T, T), slices
     for r in ranks.values():
         assert r["dims"] == "4 ranks: sp=2 x tp=2"
-        same_run(r, one)
-        # sliced over tp, each slice sharded over the sp ranks (the norms sharded only)
-        assert 0.24 * full <= r["param_bytes"] <= 0.27 * full, (r["param_bytes"], full)
-        torch.testing.assert_close(r["reference"], one["reference"], rtol=TOL, atol=TOL)
-        assert r["reference_trainable"] == 0
-        for a, b in zip(r["critic"], one["critic"]):
-            for k in a:
-                assert a[k] == pytest.approx(b[k], rel=TOL), (k, a, b)
+        # sliced over tp, each slice sharded over the other axis (the norms sharded only)
+        same_four_rank_run(r, one, full)
 
 
 def test_heads_must_divide_by_tp_times_sp_in_the_engine_and_the_preflight():

@@ -8,7 +8,6 @@ on the meta device, each rank reading its own blocks, the adapters' first values
 
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 
 import engine_ranks
 from gloo_world import run_world_ok
-from tp_ranks import ADAM_EPS
+from tp_ranks import ADAM_EPS, gathered_weights
 
 pytestmark = pytest.mark.slow  # two gloo ranks that each build a peft model twice, and a resume
 
@@ -82,13 +81,7 @@ def lora_run(rank: int, world_size: int, model_path: str, tp: int, ckpt: str) ->
     with adapters_disabled(engine.model):
         out["reference"] = engine.logprobs(probe).values
     out["adapter"] = {k: v.clone() for k, v in engine.adapter_stream()}  # rollout.lora_mode=adapter
-    refs, live_peak, weights = [], 0, {}  # merged, gathered one tensor at a time
-    for name, t in engine.named_weights():
-        weights[name] = t.detach().clone()
-        refs.append(weakref.ref(t))
-        live_peak = max(live_peak, sum(r() is not None for r in refs))
-        del t
-    out["weights"], out["live_peak"] = weights, live_peak
+    out["weights"], out["live_peak"] = gathered_weights(engine)  # merged, one tensor at a time
     native = NativeEngine(model_path, max_model_len=32)  # the built-in engine, synced in place
     build_transport(WeightSyncConfig(), COLOCATED, engine=native).send(engine.weight_stream(), 1)
     out["native"] = {n: v.clone() for n, (v, _) in native._weights.targets.items()}

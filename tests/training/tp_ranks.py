@@ -49,13 +49,8 @@ def run(rank: int, world_size: int, model_path: str, tp: int, strategy: str = "f
         m = actor.update(mine(seed, n), num_mini_batches=1, use_rollout_logprobs=False)
         out["metrics"].append({k: m[k] for k in engine_ranks.SHARE_KEYS})
     # weight sync: full tensors one at a time; how many are alive at once when none is kept
-    refs, live_peak, weights = [], 0, {}
-    for name, t in engine.named_weights():
-        weights[name] = t.detach().clone()
-        refs.append(weakref.ref(t))
-        live_peak = max(live_peak, sum(r() is not None for r in refs))
-        del t
-    out["weights"], out["live_peak"] = weights, live_peak
+    out["weights"], out["live_peak"] = gathered_weights(engine)
+    weights = out["weights"]
     out["specs_match"] = [(n, tuple(w.shape), w.dtype) for n, w in weights.items()] == [
         (n, tuple(s), d) for n, s, d in engine.weight_specs()]
     # the stream a transport sends, with buckets of 2 KiB: a bigger parameter comes in row slices,
@@ -108,3 +103,15 @@ def critic_updates(rank: int, world_size: int, model_path: str, tp: int, strateg
     dims = ParallelDims.from_actor(cfg)
     return engine_ranks.train_critic(cfg, model_path, rank, world_size, dp=dims.data_parallel_size,
                                      data_rank=dims.data_rank(rank))
+
+
+def gathered_weights(engine) -> tuple[dict, int]:
+    """The engine's weight stream copied, and the most of its tensors alive at once while it
+    streams (1: gathered one parameter at a time, never the whole model)."""
+    refs, live_peak, weights = [], 0, {}
+    for name, t in engine.named_weights():
+        weights[name] = t.detach().clone()
+        refs.append(weakref.ref(t))
+        live_peak = max(live_peak, sum(r() is not None for r in refs))
+        del t
+    return weights, live_peak
