@@ -35,7 +35,14 @@ def test_json_per_world_size_and_fsdp2_shards_the_step(memory, capsys):
     model_mib = report["num_params"] * 4 / 2**20
     assert one["step_mib"] > 3 * model_mib
     # FSDP2 shards the load and the training state: about half of each per rank at N=2
-    assert two["load_mib"] < 0.6 * one["load_mib"] and two["step_mib"] < 0.6 * one["step_mib"]
+    assert two["load_mib"] < 0.6 * one["load_mib"]
+    # The step's peak: a rank at N=2 holds half the parameters + AdamW state, so its peak sits at
+    # least half of that state below one rank's (measured 179 -> 105 MiB, state 108 MiB: 74 MiB
+    # below, bound 54). Not a ratio of the peaks: the activations and the gathered layer vary with
+    # the machine's load (a loaded CI run measured 0.614x against a 0.6 ratio bound). Without the
+    # sharding, about the activations' half would come off (estimated from the same numbers: ~35 MiB).
+    state = one["ranks"][0]["state"]
+    assert two["step_mib"] < one["step_mib"] - 0.5 * (state["params"] + state["optimizer"])
     assert two["ranks"][0]["state"]["optimizer"] < 0.51 * one["ranks"][0]["state"]["optimizer"]
     assert report["goal"] == {"world_size": 4, "max_ratio": 0.3, "met": None}  # N=4 not run
 
