@@ -79,7 +79,7 @@ def init_ray(
 
     if ray.is_initialized():
         return plan
-    runtime_env = with_worker_priority(plan.runtime_env())
+    runtime_env = plan.runtime_env()
     # a `ray job submit` driver: Ray refuses a ray.init runtime env that names a variable of the
     # job's --runtime-env again, even with the same value; the job already gives it to every worker
     submitted = submitted_env_vars(os.environ)
@@ -185,28 +185,6 @@ def actor_options(
     plan: EnvPlan, resources: Mapping[str, Any], **extra: Any
 ) -> dict[str, Any]:
     """Ray `.options(...)` for an actor of the plan's role: its resources plus its runtime env
-    (the driver's CPU priority included, `with_worker_priority`)."""
-    return {**dict(resources), "runtime_env": with_worker_priority(plan.runtime_env()), **extra}
-
-
-WORKER_NICENESS_VAR = "RAY_worker_niceness"
-"""Ray's `worker_niceness` setting, read by each worker process from its own environment: a
-worker raises its nice value by it when it starts (Ray's default 15; Ray's job manager gives a
-submitted job's driver 0 the same way)."""
-
-
-def with_worker_priority(runtime_env: dict[str, Any], environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """`runtime_env` with WORKER_NICENESS_VAR = 0 in its env_vars: polyrl's ranks, replicas and
-    teachers run at the driver's CPU priority, not Ray's nice 15.
-
-    Why: a process at nice 15 gets ~3% of a core it shares with any nice-0 process (the kernel's
-    weights 36 against 1024), so on a machine with other work on it (a laptop, a CI runner, a
-    shared node) a training rank starved while the same work in a normal process went on at half
-    speed (docs/benchmarks.md, "GRPO step under contention"). Ray nices its workers to keep its
-    own daemons responsive beside many busy tasks; a polyrl job runs few actors, one per reserved
-    CPU share, and their threads follow the free cores (polyrl/rollout/native/threads.py).
-    A value in your environment (or the plan's) is kept: `RAY_worker_niceness=15` restores Ray's."""
-    environ = os.environ if environ is None else environ
-    env_vars = dict(runtime_env.get("env_vars") or {})
-    env_vars.setdefault(WORKER_NICENESS_VAR, environ.get(WORKER_NICENESS_VAR, "0"))
-    return {**runtime_env, "env_vars": env_vars}
+    (exactly the plan's variables, the job's included: the driver's CPU priority among them,
+    rule `ray-worker-priority` in polyrl/envplan/rules.py)."""
+    return {**dict(resources), "runtime_env": plan.runtime_env(), **extra}

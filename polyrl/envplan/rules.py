@@ -71,7 +71,27 @@ class EnvRule:
 _GPU = frozenset({"cuda", "rocm", "npu"})
 _ENGINES = ENGINE_PROCESS_BACKENDS  # the GPU engines, from the one backend list (live view)
 
+WORKER_NICENESS_VAR = "RAY_worker_niceness"
+"""Ray's `worker_niceness` setting (default 15), read by each Ray worker process from its own
+environment: the worker raises its nice value by it when it starts (Ray's job manager gives a
+submitted job's driver 0 the same way, in its environment)."""
+
 RULES: tuple[EnvRule, ...] = (
+    # Ray nices its workers to keep its own daemons responsive beside many busy tasks; a polyrl
+    # job runs few actors, one per reserved CPU share, whose threads follow the free cores
+    # (polyrl/rollout/native/threads.py). The job's variable, so the ray.init runtime env and
+    # every actor's (an actor's plan includes the job's variables) carry it.
+    EnvRule(
+        id="ray-worker-priority",
+        variables={WORKER_NICENESS_VAR: "0"},
+        reason="Ray starts its workers at nice 15, and a process at nice 15 gets ~3% of a core it "
+        "shares with any nice-0 process (kernel weights 36 against 1024): beside other work on the "
+        "machine a training rank kept 0.35 of its idle speed at nice 15 and 0.82 at 0 "
+        "(docs/benchmarks.md, \"GRPO step under contention\"), so polyrl's actors run at the "
+        "driver's priority. Set RAY_worker_niceness=15 to restore Ray's",
+        link="https://github.com/ray-project/ray/blob/master/src/ray/common/ray_config_def.h",
+        roles=frozenset({"job"}),
+    ),
     # NCCL_CUMEM_ENABLE must be one value in every process of a weight-sync NCCL group (vLLM:
     # "all processes that interact with vllm workers"): it is the job's, so every role (trainer,
     # rollout replicas, teachers) inherits the same value, or the user's where they set one.

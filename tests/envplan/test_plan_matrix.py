@@ -12,6 +12,7 @@ import pytest
 
 from polyrl.config.vocabulary import COLOCATED, DISAGGREGATED
 from polyrl.envplan import BACKENDS, MODES, PLACEMENTS, ROLES, PlanContext, build_plan
+from polyrl.envplan.rules import WORKER_NICENESS_VAR
 from polyrl.platform import SIMULATED_PROBES, get_platform
 
 HARDWARE = ["cpu", "h100", "gb200", "gb300", "mi300x", "ascend910"]
@@ -33,7 +34,9 @@ def platform_of(hw: str):
 def expected(hw: str, role: str, backend: str, opt_in: bool, placement: str = COLOCATED,
              hands_devices: bool = False) -> dict[str, tuple[str, str]]:
     p = platform_of(hw)
-    out = {"TOKENIZERS_PARALLELISM": ("false", "polyrl-default")}
+    out = {"TOKENIZERS_PARALLELISM": ("false", "polyrl-default"),
+           # every Ray worker of the job at the driver's priority, not Ray's nice 15 (issue 42)
+           "RAY_worker_niceness": ("0", "rule:ray-worker-priority")}
     if p.name == "rocm":
         out["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] = ("0", "platform-default")
     if opt_in and p.name == "cuda" and p.capability >= (10, 0):
@@ -196,3 +199,20 @@ def test_a_users_malloc_setting_wins_over_the_cpu_rule():
     assert plan.entries["MALLOC_MMAP_MAX_"].value == "65536"
     assert plan.entries["MALLOC_MMAP_MAX_"].source == "user-env"
     assert plan.entries["MALLOC_TRIM_THRESHOLD_"].source == "rule:cpu-malloc-keep-heap"
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_worker_priority_is_a_rule_and_a_users_value_is_kept(role):
+    """RAY_worker_niceness=0 is the job's rule, so every role's runtime env carries it (the
+    ray.init one and each actor's); a value in the user's environment is kept (15: Ray's own), and
+    the config's `env:` wins over both."""
+    ctx = PlanContext(platform_of("cpu"), role, placement=COLOCATED, mode="sync")
+    planned = build_plan(ctx, {}, {})[WORKER_NICENESS_VAR]
+    assert (planned.value, planned.source) == ("0", "rule:ray-worker-priority")
+    assert "nice 15" in planned.reason and "RAY_worker_niceness=15" in planned.reason
+    assert build_plan(ctx, {}, {}).runtime_env()["env_vars"][WORKER_NICENESS_VAR] == "0"
+    kept = build_plan(ctx, {WORKER_NICENESS_VAR: "15"}, {})[WORKER_NICENESS_VAR]
+    assert (kept.value, kept.source) == ("15", "user-env")
+    assert "rule:ray-worker-priority would be 0" in kept.reason
+    config = build_plan(ctx, {WORKER_NICENESS_VAR: "15"}, {WORKER_NICENESS_VAR: "5"})[WORKER_NICENESS_VAR]
+    assert (config.value, config.source) == ("5", "config")

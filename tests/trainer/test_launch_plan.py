@@ -9,13 +9,15 @@ import os
 import pytest
 
 from polyrl.config import load_config
-from polyrl.envplan.rules import FORWARDED_PREFIXES
+from polyrl.envplan.rules import FORWARDED_PREFIXES, WORKER_NICENESS_VAR
 from polyrl.platform import SIMULATED_PROBES, get_platform
 from polyrl.rollout import launch_args
 from polyrl.job import JobConfig
 from polyrl.topology.launch_plan import plan_actors, plan_launch
 
 TOK = ("false", "polyrl-default")  # TOKENIZERS_PARALLELISM, in every process
+# and every Ray worker at the driver's priority, not Ray's nice 15 (polyrl/envplan/rules.py)
+EVERY = {"TOKENIZERS_PARALLELISM": TOK, WORKER_NICENESS_VAR: ("0", "rule:ray-worker-priority")}
 NOSET = "RAY_EXPERIMENTAL_NOSET_"
 
 
@@ -23,7 +25,8 @@ NOSET = "RAY_EXPERIMENTAL_NOSET_"
 def clean_env(monkeypatch):
     """No NCCL_*, HF_*, ... from the machine running the tests: plans are compared exactly."""
     for name in list(os.environ):
-        if name.startswith(FORWARDED_PREFIXES) or name.startswith(("RAY_ACCEL", NOSET)):
+        if name.startswith(FORWARDED_PREFIXES) or name.startswith(("RAY_ACCEL", NOSET)) \
+                or name == WORKER_NICENESS_VAR:
             monkeypatch.delenv(name)
 
 
@@ -50,12 +53,12 @@ def test_hybrid_h100_two_policy_ranks():
     for a in actors:
         assert a.resources == {"num_cpus": 1, "num_gpus": 1}
         assert a.num_threads == 1
-        assert env_of(a.env) == {"TOKENIZERS_PARALLELISM": TOK}
+        assert env_of(a.env) == EVERY
         # hybrid: the engine is colocated on every policy rank, built by the native builder
         assert a.engine.args == {"model_path": launch_args_model(), "dtype": "float32",
                                  "max_model_len": 64, "max_num_seqs": 256}
         # Ray starts workers at nice 15 unless told: every actor runs at the driver's priority
-        # (polyrl/distributed/ray_launch.py WORKER_NICENESS_VAR)
+        # (the env plan's rule ray-worker-priority), and its runtime env is exactly its plan
         assert a.ray_options() == {"num_cpus": 1, "num_gpus": 1,
                                    "runtime_env": {"env_vars": {"TOKENIZERS_PARALLELISM": "false",
                                                                 "RAY_worker_niceness": "0"}}}
@@ -77,7 +80,7 @@ def test_standalone_h100_vllm_two_replicas_user_cumem_survives(monkeypatch):
                      ("rollout replica 0 (rank 1)", "rollout", 1, 0),
                      ("rollout replica 1 (rank 2)", "rollout", 2, 1)]
     user_cumem = ("1", "user-env")
-    assert env_of(plan.job.env) == {"POLYRL_RUN": ("a", "config"), "TOKENIZERS_PARALLELISM": TOK,
+    assert env_of(plan.job.env) == {"POLYRL_RUN": ("a", "config"), **EVERY,
                                     "NCCL_CUMEM_ENABLE": user_cumem}
     policy, *rollout = plan.actors
     assert env_of(policy.env) == env_of(plan.job.env) and policy.engine is None
@@ -85,7 +88,7 @@ def test_standalone_h100_vllm_two_replicas_user_cumem_survives(monkeypatch):
         assert a.resources == {"num_cpus": 1, "num_gpus": 1}
         # issue 15: an actor reserving a GPU keeps Ray's visibility (no RAY_EXPERIMENTAL_NOSET_*)
         assert env_of(a.env) == {"POLYRL_RUN": ("a", "config"), "NCCL_CUMEM_ENABLE": user_cumem,
-                                 "TOKENIZERS_PARALLELISM": TOK}
+                                 **EVERY}
         assert a.engine.args == launch_args.engine_launch_args(
             cfg.rollout, launch_args_model(), plan.platform, "0.11.0", colocated=False)
         assert a.engine.args["load_format"] == "auto"  # R4: standalone reads the checkpoint
@@ -114,7 +117,7 @@ def test_gb200_nvls_mnnvl_only_with_opt_in(monkeypatch, opt_in):
             "NCCL_MNNVL_ENABLE": ("0", "rule:blackwell-nvls-mnnvl-off"),
             "TLLM_DISABLE_NVLS_MNNVL": ("1", "user-env")} if opt_in else {}
     cumem = {"NCCL_CUMEM_ENABLE": ("1", "rule:nccl-cumem-mnnvl")}  # NVL72: every process (issue 39)
-    assert env_of(plan.job.env) == {**rule, **cumem, "TOKENIZERS_PARALLELISM": TOK}
+    assert env_of(plan.job.env) == {**rule, **cumem, **EVERY}
     assert [a.name for a in plan.actors] == ["policy rank 0", "rollout replica 0 (rank 1)",
                                              "rollout replica 0 (rank 2)", "rollout replica 1 (rank 3)",
                                              "rollout replica 1 (rank 4)"]
@@ -128,7 +131,7 @@ def test_gb200_nvls_mnnvl_only_with_opt_in(monkeypatch, opt_in):
                 } if a.name in bundles else {}
         assert env_of(a.env) == {**{k: v for k, v in rule.items() if k != "TLLM_DISABLE_NVLS_MNNVL"},
                                  **cumem,
-                                 "TOKENIZERS_PARALLELISM": TOK, **host,
+                                 **EVERY, **host,
                                  **({"TLLM_DISABLE_NVLS_MNNVL": ("1", "user-env")} if opt_in else {})}
         assert a.resources["num_gpus"] == 0.5 and a.bundle_resources["num_gpus"] == 1
         assert (a.engine is not None) == bool(host) and a.hands is None
@@ -155,7 +158,7 @@ def test_mi300x_rocm_standalone_sglang(monkeypatch):
     zero = ("0", "platform-default")  # R3: job-level, ROCm only
     assert env_of(plan.job.env) == {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": zero,
                                     "NCCL_CUMEM_ENABLE": ("0", "rule:nccl-cumem-off"),  # every process (issue 39)
-                                    "TOKENIZERS_PARALLELISM": TOK, "SGLANG_USE_AITER": ("0", "user-env")}
+                                    **EVERY, "SGLANG_USE_AITER": ("0", "user-env")}
     original = {"SGLANG_RETURN_ORIGINAL_LOGPROB": ("1", "rule:sglang-original-logprobs")}
     assert env_of(plan.actors[0].env) == {**env_of(plan.job.env), **original}
     for a in plan.actors[1:]:
@@ -163,7 +166,7 @@ def test_mi300x_rocm_standalone_sglang(monkeypatch):
         assert env_of(a.env) == {
             "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": zero,
             "NCCL_CUMEM_ENABLE": ("0", "rule:nccl-cumem-off"),  # RCCL too (issue 15)
-            "SGLANG_USE_AITER": ("0", "user-env"), "TOKENIZERS_PARALLELISM": TOK, **original}
+            "SGLANG_USE_AITER": ("0", "user-env"), **EVERY, **original}
         assert a.ray_options()["runtime_env"]["env_vars"]["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] == "0"
     if "sglang" in launch_args.BUILDERS:
         assert plan.actors[1].engine.args["attention_backend"] == "aiter"
@@ -183,12 +186,12 @@ def test_sglang_attention_backend_default_and_user_value():
 def test_ascend_npu_resource_and_visibility():
     hybrid = plan_actors(job(), machine("ascend910"))
     assert hybrid[0].resources == {"num_cpus": 1, "resources": {"NPU": 1}}
-    assert env_of(hybrid[0].env) == {"TOKENIZERS_PARALLELISM": TOK}
+    assert env_of(hybrid[0].env) == EVERY
     cfg = job("rollout.placement=standalone", "rollout.num_replicas=2", "rollout.backend=vllm")
     plan = plan_launch(cfg, machine("ascend910"))
     for a in plan.actors[1:]:
         assert a.resources == {"num_cpus": 1, "resources": {"NPU": 1}}
-        assert env_of(a.env) == {"TOKENIZERS_PARALLELISM": TOK}
+        assert env_of(a.env) == EVERY
     assert plan.devices_needed == 3
     assert [a.devices.ids for a in plan.actors] == [(0,), (1,), (2,)]
 
@@ -199,7 +202,7 @@ def test_cpu_native_standalone_and_ray_init():
     assert [a.resources for a in plan.actors] == [{"num_cpus": 1}] * 3
     malloc = {"MALLOC_MMAP_MAX_": ("0", "rule:cpu-malloc-keep-heap"),  # the CPU allocator rule
               "MALLOC_TRIM_THRESHOLD_": (str(16 * 2**30), "rule:cpu-malloc-keep-heap")}
-    assert all(env_of(a.env) == {"TOKENIZERS_PARALLELISM": TOK, **malloc} for a in plan.actors)
+    assert all(env_of(a.env) == {**EVERY, **malloc} for a in plan.actors)
     assert plan.actors[0].engine is None
     assert plan.actors[1].engine.args["max_model_len"] == 64
     assert plan.job.ray_init == {"num_cpus": max(os.cpu_count() or 1, 3), "namespace": "polyrl"}

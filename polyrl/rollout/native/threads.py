@@ -16,7 +16,7 @@ idle share, and so does this process's own CPU time (it is the time we are about
 in the `nice` column counts as idle for a process at nice 0 (niced work yields to it), as busy
 for a niced one (another niced process is its equal, and one at nice 0 takes ~97% of a core it
 shares with a nice-15 one: Ray's default worker niceness, which polyrl's actors do not keep,
-polyrl/distributed/ray_launch.py `with_worker_priority`). The sum is the number of
+the env plan's rule `ray-worker-priority` in polyrl/envplan/rules.py). The sum is the number of
 free cores `free`; a core counts when at least `FREE_SHARE` of it is free, so the engine uses
 floor(free + 1 - FREE_SHARE) threads, at least 1, at most the cores it may run on, the cgroup's
 CPU quota and the thread count the process had when the engine was built (a rank's reservation,
