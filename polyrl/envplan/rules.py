@@ -84,11 +84,11 @@ RULES: tuple[EnvRule, ...] = (
     EnvRule(
         id="ray-worker-priority",
         variables={WORKER_NICENESS_VAR: "0"},
-        reason="Ray starts its workers at nice 15, and a process at nice 15 gets ~3% of a core it "
-        "shares with any nice-0 process (kernel weights 36 against 1024): beside other work on the "
-        "machine a training rank kept 0.35 of its idle speed at nice 15 and 0.82 at 0 "
-        "(docs/benchmarks.md, \"GRPO step under contention\"), so polyrl's actors run at the "
-        "driver's priority. Set RAY_worker_niceness=15 to restore Ray's",
+        reason="Ray starts its workers at nice 15, where a process gets ~3% of a core it shares "
+        "with any nice-0 one (kernel weights 36 against 1024): beside other work a training rank "
+        "kept 0.35 of its idle speed, at nice 0 0.82 (docs/benchmarks.md, \"GRPO step under "
+        "contention\"); polyrl's actors run at the driver's priority. RAY_worker_niceness=15 "
+        "restores Ray's",
         link="https://github.com/ray-project/ray/blob/master/src/ray/common/ray_config_def.h",
         roles=frozenset({"job"}),
     ),

@@ -209,7 +209,7 @@ def test_worker_priority_is_a_rule_and_a_users_value_is_kept(role):
     ctx = PlanContext(platform_of("cpu"), role, placement=COLOCATED, mode="sync")
     planned = build_plan(ctx, {}, {})[WORKER_NICENESS_VAR]
     assert (planned.value, planned.source) == ("0", "rule:ray-worker-priority")
-    assert "nice 15" in planned.reason and "RAY_worker_niceness=15" in planned.reason
+    assert "nice 15" in planned.reason and "RAY_worker_niceness=15 restores" in planned.reason
     assert build_plan(ctx, {}, {}).runtime_env()["env_vars"][WORKER_NICENESS_VAR] == "0"
     kept = build_plan(ctx, {WORKER_NICENESS_VAR: "15"}, {})[WORKER_NICENESS_VAR]
     assert (kept.value, kept.source) == ("15", "user-env")
