@@ -128,3 +128,48 @@ def test_grouped_and_per_expert_products_agree(monkeypatch):
     ref = torch.stack([sum(weights[n, j] * F.linear(F.silu(F.linear(x[n], w.gate_up[e, :I])) * F.linear(x[n], w.gate_up[e, I:]),
                                                  w.down[e]) for j, e in enumerate(ids[n].tolist())) for n in range(N)])
     torch.testing.assert_close(grouped, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_packed_experts_bookkeeping_on_one_thread_keeps_the_bits_and_the_callers_threads(monkeypatch):
+    """At decode sizes (moe.py ONE_THREAD_PAIRS) the routing, sort, gather and scatter run on one
+    thread and the packed products on the caller's count: the block's output and routes are
+    bit-identical to running all of it at the caller's count, the caller's count is back after
+    it, and above the size nothing is switched."""
+    import torch.nn.functional as F
+
+    from polyrl.rollout.native import moe
+    from polyrl.rollout.native.matmul import OneDNNPackedMatmul, _onednn_works
+
+    if not _onednn_works(torch.float32):
+        pytest.skip("this torch build has no oneDNN packing: the grouped path has no thread switch")
+    g = torch.Generator().manual_seed(0)
+    E, H, I, k = 16, 64, 32, 2
+    spec = moe.MoeSpec(E, k, I, True, (True,))
+    w = moe.packed_moe(moe.MoeWeights(router=torch.randn(E, H, generator=g), gate_up=torch.randn(E, 2 * I, H, generator=g),
+                                      down=torch.randn(E, H, I, generator=g)), OneDNNPackedMatmul(batch_hint=64, pack_all=True))
+    counts: list[int] = []
+    set_threads = torch.set_num_threads
+
+    def recording(n):
+        counts.append(n)
+        set_threads(n)
+
+    before = torch.get_num_threads()
+    try:
+        set_threads(2)
+        for rows in (64, moe.ONE_THREAD_PAIRS // k + 1):  # a decode step's 64 sequences; a prefill
+            x = torch.randn(rows, H, generator=g)
+            monkeypatch.setattr(moe, "ONE_THREAD_PAIRS", 0)  # nothing switched: the reference
+            ref_routes: list = []
+            ref = moe.moe_block(x, w, spec, F.silu, ref_routes)
+            monkeypatch.undo()
+            monkeypatch.setattr(torch, "set_num_threads", recording)
+            counts.clear()
+            routes: list = []
+            out = moe.moe_block(x, w, spec, F.silu, routes)
+            monkeypatch.undo()
+            assert torch.equal(out, ref) and torch.equal(routes[0], ref_routes[0])
+            assert torch.get_num_threads() == 2
+            assert counts == ([1, 2] * 4 if rows * k <= moe.ONE_THREAD_PAIRS else [])
+    finally:
+        set_threads(before)
