@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(plan.to_json(), indent=2, sort_keys=True))
         return 0
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     c = plan.context
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(col, overflow="fold")
     for name, entry in plan.entries.items():
         reason = entry.reason + (f" ({entry.link})" if entry.link else "")
-        table.add_row(name, entry.value, entry.source, reason)
+        # escaped: a reason's "[batch, response, vocab]" is text, not rich markup
+        table.add_row(*(escape(cell) for cell in (name, entry.value, entry.source, reason)))
     Console().print(table)
     return 0

@@ -67,6 +67,9 @@ def test_env_table_and_bad_flags(polyrl_here):
     out = polyrl("env", "--platform", "cuda", "--backend", "vllm", "--placement", "standalone")
     assert out.returncode == 0
     assert "NCCL_CUMEM_ENABLE" in out.stdout and "rule:nccl-cumem-off" in out.stdout
+    # a reason's brackets are text, not rich markup (the CPU plan's malloc rule names a shape)
+    cpu = polyrl_here("env", "--platform", "cpu", env={"COLUMNS": "400"})
+    assert "[batch, response, vocab]" in cpu.stdout
 
     def bad(*args) -> str:
         out = polyrl_here("env", *args)
