@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -51,40 +52,116 @@ def check_lora_fits(hf_config: Any, cfg: LoraConfig, trust_remote_code: bool = F
 
     with torch.device("meta"):
         model = vlm.model_class(hf_config).from_config(hf_config, trust_remote_code=trust_remote_code)
-    targeted_layers(model, cfg)
+    lora_targets(model, cfg)
 
 
 def targeted_layers(model: torch.nn.Module, cfg: LoraConfig) -> dict[str, torch.nn.Linear]:
     """The linear layers `cfg` puts adapters on; raises LoraError naming model.lora_target_modules
     (with the names that exist) or model.lora_rank (with the layers it does not fit)."""
+    return lora_targets(model, cfg)[0]
+
+
+# The fused expert tensors of transformers 5's mixture-of-experts blocks (Qwen3-MoE, Qwen2-MoE,
+# docs/moe.md): `mlp.experts.gate_up_proj` [E, 2I, H] (each expert's gate and up rows) and
+# `mlp.experts.down_proj` [E, H, I]. A target name of the per-expert projections selects them.
+_FUSED_EXPERTS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+
+
+def fused_experts(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The fused expert tensors by full parameter name (none in a dense model)."""
+    return {name: p for name, p in model.named_parameters()
+            if p.ndim == 3 and name.rpartition(".")[2] in set(_FUSED_EXPERTS.values())}
+
+
+def lora_targets(model: torch.nn.Module, cfg: LoraConfig
+                 ) -> tuple[dict[str, torch.nn.Linear], dict[str, torch.nn.Parameter]]:
+    """(linear layers, fused expert tensors) that `cfg` puts adapters on, by full name. all-linear:
+    every linear layer but the output head (and a frozen vision tower), and every expert tensor;
+    a list: the linear layers of those names, and the expert tensors they name (gate_up_proj,
+    down_proj, or the per-expert names: gate_proj with up_proj, down_proj). Raises LoraError
+    naming the key and the fix."""
     layers = linear_layers(model)
-    short_names = sorted({name.rpartition(".")[2] for name in layers})
+    experts = fused_experts(model)
+    short_names = sorted({name.rpartition(".")[2] for name in (*layers, *experts)})
     if cfg.lora_target_modules == "all-linear":
         from polyrl.training import vlm
 
         head = _output_head(model)
         # peft's all-linear keeps the head out; a vision-language model's frozen tower too (training/vlm.py)
         frozen = vlm.lora_excluded(model, getattr(cfg, "train_vision_tower", False))
-        chosen = {n: m for n, m in layers.items() if n != head and n not in frozen}
+        # an MoE block's gates take none, as its router (not a linear layer) takes none: Qwen2-MoE's
+        # shared_expert_gate has one output, so no rank above 1 fits it
+        gates = {n for n in layers if experts and n.endswith("_gate")}
+        chosen = {n: m for n, m in layers.items() if n != head and n not in frozen and n not in gates}
+        chosen_experts = dict(experts)
     else:
-        chosen = {}
-        for target in cfg.lora_target_modules:
+        targets = list(cfg.lora_target_modules)
+        if experts and ("gate_proj" in targets) != ("up_proj" in targets):
+            named, other = ("gate_proj", "up_proj") if "gate_proj" in targets else ("up_proj", "gate_proj")
+            raise LoraError(f"model.lora_target_modules: this mixture-of-experts model holds each expert's "
+                            f"gate_proj and up_proj as one tensor (mlp.experts.gate_up_proj), so '{named}' "
+                            f"needs '{other}' beside it; name both or neither")
+        chosen, chosen_experts = {}, {}
+        for target in targets:
             hits = {n: m for n, m in layers.items() if n == target or n.endswith("." + target)}
-            if not hits:
+            fused = _FUSED_EXPERTS.get(target, target)
+            expert_hits = {n: p for n, p in experts.items() if n == fused or n.endswith("." + fused)}
+            if not hits and not expert_hits:
                 raise LoraError(f"model.lora_target_modules: '{target}' matches no linear layer of "
                                 f"this model; its linear layers are named {', '.join(short_names)} "
                                 "(or use all-linear)")
             chosen.update(hits)
-    if not chosen:
+            chosen_experts.update(expert_hits)
+    if not chosen and not chosen_experts:
         raise LoraError("model.lora_target_modules: no linear layer to adapt; linear layers of this "
                         f"model: {', '.join(short_names) or '(none)'}")
-    too_small = sorted({f"{n.rpartition('.')[2]} ({m.in_features}x{m.out_features})"
-                        for n, m in chosen.items() if cfg.lora_rank > min(m.in_features, m.out_features)})
+    if (chosen_experts or _through_weight(chosen, experts)) and cfg.lora_dropout > 0:
+        raise LoraError(f"model.lora_dropout={cfg.lora_dropout}: peft's adapters on a mixture-of-experts "
+                        "model's fused expert tensors (and the MLPs beside them) take no dropout; set "
+                        "model.lora_dropout=0")
+    sides = {f"{n.rpartition('.')[2]} ({m.in_features}x{m.out_features})": min(m.in_features, m.out_features)
+             for n, m in chosen.items()}
+    sides.update({f"experts.{n.rpartition('.')[2]} ({p.shape[2]}x{p.shape[1]})": min(p.shape[1:])
+                  for n, p in chosen_experts.items()})
+    too_small = sorted(name for name, side in sides.items() if cfg.lora_rank > side)
     if too_small:
         raise LoraError(f"model.lora_rank={cfg.lora_rank} is larger than layer(s) {', '.join(too_small)} "
                         "(a rank can be at most the smaller side); lower model.lora_rank or leave "
                         "those out of model.lora_target_modules")
-    return chosen
+    return chosen, chosen_experts
+
+
+def peft_lora_config(model: torch.nn.Module, cfg: LoraConfig) -> Any:
+    """peft's LoraConfig for exactly `lora_targets(model, cfg)`.
+
+    With transformers 5, peft rewrites a target module whose name ends in gate_proj / up_proj /
+    down_proj on a Qwen3-MoE / Qwen2-MoE into the fused expert tensors (`target_parameters`), on
+    every get_peft_model and every PeftModel.from_pretrained of a saved adapter; a dense MLP's
+    projections of those names (a layer of `mlp_only_layers` / `decoder_sparse_step`, Qwen2-MoE's
+    shared expert) would get no adapter. So on a model with fused experts those linear layers
+    are targeted through their weight (`target_parameters`, peft's `ParamWrapper`: W + B @ A x
+    alpha / rank, the same factors and saved names as a LoRA linear layer), which peft leaves as
+    it is, and the experts by their full names. The experts' gate_up_proj holds two projections
+    (gate and up), so it gets rank 2r at alpha 2 x alpha (the same scaling), as peft gives it."""
+    import peft
+
+    layers, experts = lora_targets(model, cfg)
+    through_weight = _through_weight(layers, fused_experts(model))
+    rank_pattern, alpha_pattern = {}, {}
+    for name in experts:
+        if name.endswith(".gate_up_proj"):
+            rank_pattern[name], alpha_pattern[name] = 2 * cfg.lora_rank, 2 * cfg.alpha
+    # full module paths, not short names: what we validated is exactly what peft adapts
+    return peft.LoraConfig(
+        r=cfg.lora_rank, lora_alpha=cfg.alpha, lora_dropout=cfg.lora_dropout, bias="none",
+        target_modules=sorted(set(layers) - through_weight),
+        target_parameters=sorted([*experts, *(f"{n}.weight" for n in through_weight)]) or None,
+        rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
+
+
+def _through_weight(layers: dict[str, torch.nn.Linear], experts: dict) -> set[str]:
+    """The linear layers peft would rewrite into a fused expert tensor (see peft_lora_config)."""
+    return {n for n in layers if experts and n.rpartition(".")[2] in _FUSED_EXPERTS}
 
 
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> Any:
@@ -94,18 +171,42 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> Any:
 
     if not cfg.enabled:
         raise LoraError("apply_lora needs model.lora_rank > 0")
-    chosen = targeted_layers(model, cfg)
-    # full module paths, not short names: what we validated is exactly what peft adapts
-    peft_cfg = peft.LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.alpha, lora_dropout=cfg.lora_dropout,
-                               target_modules=sorted(chosen), bias="none")
+    layers, experts = lora_targets(model, cfg)
     rng = torch.get_rng_state()
-    wrapped = peft.get_peft_model(model, peft_cfg)
+    with warnings.catch_warnings():
+        # peft matches rank_pattern against the adapted modules' names only, so it warns that the
+        # experts' gate_up_proj entries were ignored while it applies them (adapted_targets and
+        # tests/training/test_moe_lora_dense_layers.py check the ranks)
+        warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match")
+        wrapped = peft.get_peft_model(model, peft_lora_config(model, cfg))
     if sharded_load.is_deferred(model):  # peft moved its adapters to the meta device: values to fill
         sharded_load.set_initial_values(model, _adapter_init(wrapped.get_base_model(), rng))
     for name, param in wrapped.named_parameters():
         if param.requires_grad and "lora_" not in name:  # peft's contract; fail loudly if it changes
             raise LoraError(f"peft left a base parameter trainable: {name}")
+    adapted, wanted = adapted_targets(wrapped), {*layers, *experts}
+    if adapted != wanted:  # peft rewrote a target (see peft_lora_config); fail loudly
+        raise LoraError(f"peft adapted {sorted(adapted - wanted)[:4]} and not {sorted(wanted - adapted)[:4]} of "
+                        "model.lora_target_modules (a peft version that renames targets?)")
     return wrapped
+
+
+def adapted_targets(model: torch.nn.Module) -> set[str]:
+    """Full names (as in the base model) of the linear layers and expert tensors holding an adapter."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
+    out = set()
+    for name, module in model.get_base_model().named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        owner = name
+        while ".base_layer" in owner:
+            owner = owner.replace(".base_layer", "")
+        if isinstance(module, ParamWrapper) and module.parameter_name != "weight":
+            out.add(f"{owner}.{module.parameter_name}")
+        else:
+            out.add(owner)
+    return out
 
 
 def _adapter_init(model: torch.nn.Module, rng: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -113,21 +214,30 @@ def _adapter_init(model: torch.nn.Module, rng: torch.Tensor) -> dict[str, torch.
     state it started from (`rng`), in its order: per adapted layer, `lora_A` and `lora_B` built
     as `nn.Linear` (each drawing its default init), then `reset_lora_parameters` draws A again
     and zeroes B. On a meta model peft draws the same values and then moves them to the meta
-    device; tests/training/test_sharded_load.py checks these equal a loaded model's."""
+    device; tests/training/test_sharded_load.py checks these equal a loaded model's, and
+    tests/training/test_moe_lora_dense_layers.py an MoE model's (experts and dense MLPs)."""
     import math
 
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer, ParamWrapper
 
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+    # peft draws the target modules' adapters first, then the target parameters' (ParamWrapper:
+    # fused experts, an MoE model's dense MLPs) module by module, a nested wrapper's innermost first
+    wrapped: dict[str, list] = {}
+    for name, layer in layers:
+        if isinstance(layer, ParamWrapper):
+            wrapped.setdefault(name.replace(".base_layer", ""), []).insert(0, (name, layer))
+    order = [(n, m) for n, m in layers if not isinstance(m, ParamWrapper)] + \
+        [entry for chain in wrapped.values() for entry in chain]
     out: dict[str, torch.Tensor] = {}
     with torch.random.fork_rng(devices=[]):
         torch.set_rng_state(rng)
-        for name, layer in model.named_modules():
-            if not isinstance(layer, LoraLayer):
-                continue
+        for name, layer in order:
             for adapter, meta_a in layer.lora_A.items():
                 meta_b = layer.lora_B[adapter]
-                a = torch.nn.Linear(layer.in_features, layer.r[adapter], bias=False)
-                torch.nn.Linear(layer.r[adapter], layer.out_features, bias=False)  # its draw, then zeroed
+                # the meta factors' shapes: [r, in] / [out, r], or an expert tensor's [r x E, in] / [out, r x E]
+                a = torch.nn.Linear(meta_a.weight.shape[1], meta_a.weight.shape[0], bias=False)
+                torch.nn.Linear(meta_b.weight.shape[1], meta_b.weight.shape[0], bias=False)  # its draw, then zeroed
                 torch.nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))
                 out[f"{name}.lora_A.{adapter}.weight"] = a.weight.detach().to(meta_a.weight.dtype)
                 out[f"{name}.lora_B.{adapter}.weight"] = torch.zeros(meta_b.weight.shape, dtype=meta_b.weight.dtype)
@@ -301,6 +411,12 @@ def load_adapter(model: torch.nn.Module, directory: str | Path) -> None:
         raise LoraError(f"{directory} holds a rank-{saved['r']} adapter on {len(saved['target_modules'])} "
                         f"modules, this run has rank {ours.r} on {len(ours.target_modules)}; resume with "
                         "the model.lora_rank / model.lora_target_modules it was written with")
+    saved_params, our_params = set(saved.get("target_parameters") or []), set(ours.target_parameters or [])
+    if saved_params != our_params:  # e.g. written before a mixture-of-experts model's dense MLPs had adapters
+        raise LoraError(f"{directory} holds adapters on the parameters {sorted(saved_params)[:4]}, this run "
+                        f"on {sorted(our_params)[:4]} (polyrl adapts a mixture-of-experts model's fused experts "
+                        "and its dense MLP layers by name, docs/moe.md); an adapter from an older polyrl "
+                        "does not resume: start a run from its merged policy/ as model.path")
     result = set_peft_model_state_dict(model, load_file(str(directory / ADAPTER_FILE)))
     unexpected = list(getattr(result, "unexpected_keys", []) or [])
     if unexpected:

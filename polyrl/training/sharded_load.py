@@ -212,8 +212,11 @@ def _owner(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def checkpoint_name(name: str) -> str:
-    """A parameter's name in the checkpoint: peft's wrapped layer keeps its weight under `base_layer`."""
-    return name.replace(".base_layer.", ".")
+    """A parameter's name in the checkpoint: peft's wrapped layer keeps its weight under `base_layer`
+    (nested on fused experts with two adapted tensors: `experts.base_layer.base_layer.gate_up_proj`)."""
+    while ".base_layer." in name:
+        name = name.replace(".base_layer.", ".")
+    return name
 
 
 def _persistent_buffers(model: torch.nn.Module):
