@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from polyrl.algorithms import entropy_from_logits
 from polyrl.batch import MicroBatch
 from polyrl.training import batch_invariant, moe_replay, vlm, vocab_parallel
 from polyrl.training.ulysses import gather_shards, own_positions
@@ -106,18 +105,85 @@ def response_logprobs(
     picked = hidden.reshape(-1, H)[index[real] if compact else index]  # [n, H] or [b, R, H]
     targets = mb.target_ids[real] if compact else mb.target_ids
     logits = head(picked).float()  # [..., V]
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if entropy_grad:
-        entropy = entropy_from_logits(logits)
-    elif with_entropy:
-        with torch.no_grad():  # from the log-softmax already computed: no second softmax pass
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    logprobs, entropy = logits_logprobs(logits, targets, with_entropy=with_entropy or entropy_grad,
+                                        entropy_grad=entropy_grad)
     if compact:
         logprobs = logprobs.new_zeros(b, R).masked_scatter(real, logprobs)
         entropy = None if entropy is None else entropy.new_zeros(b, R).masked_scatter(real, entropy)
     return gather_shards(mb, logprobs), gather_shards(mb, entropy)
+
+
+def logits_logprobs(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool = True,
+                    entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 logits [..., V], targets [...] -> (log p(target) [...], entropy [...] or None), the
+    entropy with gradient only when `entropy_grad`. **Consumes `logits`**: their buffer is reused
+    (the LM head's fresh output, which nothing else reads: a matmul's backward keeps its inputs).
+
+    One autograd node (`_LogitsLogProbs`) in place of `log_softmax`, `gather` and the entropy's
+    ops. On a CPU the [..., V] passes of this path cost more in fresh buffers (page faults, cold
+    cache lines) than in arithmetic; autograd's ops write five such buffers per micro-batch (the
+    log-softmax, its exp, their product, the gather's zero-filled gradient and the log-softmax's
+    gradient, which takes the exp again), this writes one, the probabilities, whose buffer the
+    backward turns into the logits' gradient (docs/moe.md "Speed"). Under torch.compile
+    (`actor.compile`) autograd's ops run: inductor fuses them itself."""
+    with_entropy = with_entropy or entropy_grad
+    if torch.compiler.is_compiling():
+        logp = torch.log_softmax(logits, dim=-1)
+        logprob = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        if not with_entropy:
+            return logprob, None
+        entropy = -(logp.exp() * logp).sum(-1)
+        return logprob, entropy if entropy_grad else entropy.detach()
+    with torch.autocast(logits.device.type, enabled=False):  # float32 throughout (autocast would
+        # run the entropy's row-wise dot product in its lower dtype)
+        logprob, entropy, _ = _LogitsLogProbs.apply(logits, targets, with_entropy, entropy_grad)
+    return logprob, entropy if with_entropy else None
+
+
+class _LogitsLogProbs(torch.autograd.Function):
+    """(log p(target), entropy or an empty tensor, the logits' buffer) of `logits_logprobs`; the
+    third output is the consumed logits (autograd requires a tensor changed in place to be
+    returned; it holds scratch and is dropped)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, with_entropy, entropy_grad):
+        ctx.set_materialize_grads(False)
+        p = torch.softmax(logits, dim=-1)
+        # log-sum-exp without another exp pass: p's largest entry is exp(max - lse) = 1 / sum
+        lse = logits.amax(-1, keepdim=True).sub_(p.amax(-1, keepdim=True).log_())
+        logp = logits.sub_(lse)  # in place: the logits' buffer now holds log p
+        ctx.mark_dirty(logits)
+        logprob = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        entropy = logprob.new_empty(0)
+        if with_entropy and entropy_grad:  # the backward reads log p: a temporary product
+            entropy = torch.linalg.vecdot(p, logp).neg_()
+            ctx.save_for_backward(p, targets, logp, entropy)
+        else:
+            if with_entropy:  # log p is not read again: the product in its buffer
+                entropy = logp.mul_(p).sum(-1).neg_()
+            ctx.save_for_backward(p, targets)
+            ctx.mark_non_differentiable(entropy)
+        ctx.entropy_grad, ctx.spent = entropy_grad, False
+        return logprob, entropy, logits
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy, _grad_scratch):
+        if ctx.spent:
+            raise RuntimeError("logits_logprobs: its backward turns the saved probabilities into the logits' "
+                               "gradient, so it runs once per graph (retain_graph=True is not supported)")
+        ctx.spent = True
+        p, targets, *rest = ctx.saved_tensors
+        if grad_logprob is None:
+            grad_logprob = p.new_zeros(targets.shape)
+        g = grad_logprob.unsqueeze(-1)
+        if ctx.entropy_grad and grad_entropy is not None:
+            logp, entropy = rest
+            # d log p_t / dz = onehot_t - p;  d H / dz = -p (log p + H)
+            grad = p.mul_((logp + entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1)).add_(g)).neg_()
+        else:
+            grad = p.mul_(g.neg())
+        grad.scatter_add_(-1, targets.unsqueeze(-1), g)
+        return grad, None, None, None
 
 
 def _fusable(head: torch.nn.Module) -> bool:

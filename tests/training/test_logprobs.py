@@ -187,3 +187,61 @@ def test_packed_loss_and_gradients_equal_padded(autocast, varlen):
     packs = plan_packed([5, 30, 7, 12, 3, 20], 32)
     assert sorted(i for p in packs for i in p) == list(range(6))
     assert all(sum([5, 30, 7, 12, 3, 20][i] for i in p) <= 32 for p in packs)
+
+
+def _reference(logits, targets):
+    """autograd's own ops: log-softmax, gather, entropy."""
+    logp = torch.log_softmax(logits, -1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_plain_head_node_equals_autograd_ops(entropy_grad):
+    """`logits_logprobs` (the plain path's one autograd node, which consumes its logits): values in
+    float32 against float64 (logits up to ~60, a [rows, len, V] and a [n, V] shape), gradients in
+    float64 against autograd's (with the entropy term when it has gradient), and the entropy
+    without gradient unless asked. (Not gradcheck: it runs each backward several times.)"""
+    from polyrl.training.logprobs import logits_logprobs
+
+    g = torch.Generator().manual_seed(7)
+    for shape in ((3, 4, 97), (9, 97)):
+        logits = torch.randn(shape, generator=g, dtype=torch.float64) * 20
+        targets = torch.randint(0, 97, shape[:-1], generator=g)
+        ref_lp, ref_ent = _reference(logits, targets)
+        lp, ent = logits_logprobs(logits.float(), targets, entropy_grad=entropy_grad)
+        assert lp.dtype == ent.dtype == torch.float32 and lp.shape == ent.shape == shape[:-1]
+        torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-5)
+        torch.testing.assert_close(ent.double(), ref_ent, rtol=0, atol=2e-5)
+        x = logits.clone().requires_grad_()
+        lp, ent = logits_logprobs(x * 1, targets, entropy_grad=entropy_grad)  # (* 1: a non-leaf to consume)
+        assert lp.requires_grad and ent.requires_grad == entropy_grad
+        lp, ent = logits_logprobs(x * 1, targets, with_entropy=False)
+        assert ent is None
+
+    small = torch.randn(2, 3, 11, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 11, (2, 3), generator=g)
+    weights = torch.randn(2, 2, 3, generator=g, dtype=torch.float64)
+
+    def loss(fn):
+        def run(x):
+            lp, ent = fn(x * 1, targets)
+            return (lp * weights[0]).sum() + ((ent * weights[1]).sum() if entropy_grad else 0.0)
+        return run
+
+    ours = loss(lambda x, t: logits_logprobs(x, t, entropy_grad=entropy_grad))
+    grad, = torch.autograd.grad(ours(small), small)
+    ref = loss(lambda x, t: (lambda lp, e: (lp, e if entropy_grad else e.detach()))(*_reference(x, t)))
+    ref_grad, = torch.autograd.grad(ref(small), small)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-10)
+
+
+def test_plain_head_node_backward_runs_once():
+    """The backward turns the saved probabilities into the logits' gradient: a second backward
+    through the same graph is refused in one line rather than computing a wrong gradient."""
+    from polyrl.training.logprobs import logits_logprobs
+
+    x = torch.randn(4, 13, requires_grad=True)
+    lp, _ = logits_logprobs(x * 1, torch.zeros(4, dtype=torch.long))
+    lp.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph=True is not supported"):
+        lp.sum().backward()
