@@ -17,7 +17,7 @@ class LoraConfig(Config):
     """LoRA scaling numerator (updates are scaled by lora_alpha / lora_rank); null: 2 x lora_rank."""
     lora_target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """Module names that get adapters (e.g. [q_proj, v_proj]), or all-linear: every linear layer
-    but the output head."""
+    but the output head (on a mixture-of-experts model also the experts' fused tensors; docs/moe.md)."""
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on the adapters' input during training."""
     lora_lr_scale: float = Field(10.0, gt=0)

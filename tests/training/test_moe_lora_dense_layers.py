@@ -137,6 +137,14 @@ def test_dense_adapters_train_sync_export_and_resume(qwen3_moe, tmp_path):
     want = {n: p for n, p in model.named_parameters() if p.requires_grad}
     got = {n: p for n, p in fresh.named_parameters() if p.requires_grad}
     assert want.keys() == got.keys() and all(torch.equal(want[n], got[n]) for n in want)
+    # an adapter written before the dense MLPs had adapters (the experts by short name) does not
+    # resume: its tensors and optimizer state miss the dense layers'
+    config = tmp_path / "ckpt" / "adapter_config.json"
+    config.write_text(config.read_text().replace('"target_parameters": [', '"target_parameters": ["down_proj", '
+                                                                            '"gate_up_proj"], "was": ['))
+    with pytest.raises(LoraError, match=r"holds adapters on the parameters \['down_proj', 'gate_up_proj'\].*"
+                                        r"start a run from its merged policy/"):
+        load_adapter(apply_lora(load_causal_lm(qwen3_moe), cfg), tmp_path / "ckpt")
 
 
 def test_deferred_load_draws_the_moe_adapters_peft_draws(qwen3_moe):
@@ -152,3 +160,55 @@ def test_deferred_load_draws_the_moe_adapters_peft_draws(qwen3_moe):
     params = dict(wrapped.get_base_model().named_parameters())
     assert set(drawn) == {n for n in params if ".lora_" in n}
     assert all(torch.equal(drawn[n], params[n]) for n in drawn)
+
+
+def deferred_and_whole(rank: int, world_size: int, model_path: str) -> dict:
+    """This rank's LoRA policy (fsdp2) loaded deferred (each rank reading its shards, the adapters
+    drawn by `_adapter_init`) and whole (rank 0's values broadcast): log-probs, merged weights and
+    adapters after one update."""
+    import torch.distributed as dist
+
+    from polyrl.algorithms import AlgorithmConfig
+    from polyrl.algorithms.off_policy import OffPolicyConfig
+    from polyrl.batch import shard
+    from polyrl.platform import get_platform
+    from polyrl.training import build_engine, sharded_load
+    from polyrl.workers.actor import PPOActor
+
+    platform = get_platform("cpu")
+    device = platform.torch_device(0)
+    cfg = engine_ranks.actor_config("fsdp2", ppo_epochs=1)
+    batch = engine_ranks.make_batch(5, 7)
+    out = {}
+    for deferred in (True, False):
+        torch.manual_seed(100 + rank)
+        model = apply_lora(load_causal_lm(model_path, deferred=deferred), LoraConfig(lora_rank=4))
+        assert sharded_load.is_deferred(model) == deferred
+        if not deferred:
+            for p in model.parameters():
+                dist.broadcast(p.data, src=0)
+        engine = build_engine(model, cfg, platform, device, rank=rank, world_size=world_size,
+                              group=dist.group.WORLD, horizon=8)
+        actor = PPOActor(engine, cfg, AlgorithmConfig(), OffPolicyConfig().resolve(on_policy=True), device)
+        actor.update(shard(batch, world_size)[rank], num_mini_batches=1, use_rollout_logprobs=False)
+        out[deferred] = {"logprobs": engine.logprobs(batch).values.clone(),
+                         "merged": engine_ranks.full_weights(engine),
+                         "adapters": {k: v.clone() for k, v in engine.adapter_tensors()}}
+    return out
+
+
+@pytest.mark.slow  # one 2-rank world
+def test_fsdp2_deferred_load_of_moe_adapters_equals_the_whole_load(qwen3_moe, tmp_path):
+    """The sharded load finds the experts' weights under peft's nested wrappers
+    (`experts.base_layer.base_layer.gate_up_proj`) and starts every adapter as the whole load does."""
+    from gloo_world import run_world_ok
+
+    ranks = run_world_ok(deferred_and_whole, 2, tmp_path, args=(qwen3_moe,), timeout_s=300, backend_timeout_s=240)
+    for r in ranks.values():
+        new, old = r[True], r[False]
+        assert torch.equal(new["logprobs"], old["logprobs"])
+        for group in ("merged", "adapters"):
+            assert sorted(new[group]) == sorted(old[group]) and new[group]
+            assert all(torch.equal(new[group][k], v) for k, v in old[group].items()), group
+        dense_b = [v for k, v in new["adapters"].items() if "layers.1.mlp" in k and "lora_B" in k]
+        assert len(dense_b) == 3 and all(v.abs().max() > 0 for v in dense_b)
