@@ -98,6 +98,9 @@ class PackedExperts:
     gate_up: list[torch.Tensor]
     down: list[torch.Tensor]
     matmul: Any  # the matmul.py implementation that packed them and multiplies by them
+    batched: bool = False
+    """Whether one `torch.bmm` over the plain weights gives these products to the bit (`bmm_matches_packed`):
+    then a decode step on more than one thread may take it (`_padded_products`)."""
 
 
 def packed_moe(w: MoeWeights, matmul: Any) -> MoeWeights:
@@ -115,10 +118,43 @@ def packed_moe(w: MoeWeights, matmul: Any) -> MoeWeights:
     if not all(t.is_mkldnn for t in gate_up):
         return w
     pack = matmul.pack
+    batched = bmm_matches_packed(matmul, w.gate_up.dtype, tuple(w.gate_up.shape[1:]), tuple(w.down.shape[1:]))
     return replace(w, shared_gate_up=None if w.shared_gate_up is None else pack(w.shared_gate_up),
                    shared_down=None if w.shared_down is None else pack(w.shared_down),
                    shared_gate=None if w.shared_gate is None else pack(w.shared_gate),
-                   packed=PackedExperts(gate_up, [pack(t) for t in w.down], matmul))
+                   packed=PackedExperts(gate_up, [pack(t) for t in w.down], matmul, batched))
+
+
+def bmm_matches_packed(matmul: Any, dtype: torch.dtype, gate_up: tuple[int, int], down: tuple[int, int]) -> bool:
+    """Whether `torch.bmm` over experts' plain [out, in] weights of these shapes, on two threads,
+    gives the packed products of `matmul` on one thread bit for bit (a probe with random numbers,
+    once per shape; `_BMM_PROBES`). Where it does (bf16 on an avx512_bf16 CPU without AMX, where
+    both are oneDNN's bf16 kernels summing in the same order), a decode step may switch between
+    them by its thread count and still compute the same numbers (threads.py promises that).
+    Measured on the bench machine: bf16 matches at the bench's shapes, fp32 only at small ones
+    (64-wide; at 384 BLAS's bmm and oneDNN's packed product sum in other orders), so the answer
+    is probed per shape, never assumed per dtype."""
+    key = (type(matmul), getattr(matmul, "batch_hint", None), dtype, gate_up, down)
+    if key not in _BMM_PROBES:
+        _BMM_PROBES[key] = _probe_bmm(matmul, dtype, gate_up, down)
+    return _BMM_PROBES[key]
+
+
+_BMM_PROBES: dict[tuple, bool] = {}
+
+
+def _probe_bmm(matmul: Any, dtype: torch.dtype, gate_up: tuple[int, int], down: tuple[int, int]) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    for out_features, in_features in (gate_up, down):
+        weights = torch.randn(2, out_features, in_features, generator=gen).to(dtype)
+        rows = torch.randn(2, 7, in_features, generator=gen).to(dtype)
+        with _threads(1):
+            packed = [matmul.linear(rows[e, :n], matmul.pack(weights[e]), None) for e, n in enumerate((7, 3))]
+        with _threads(max(2, torch.get_num_threads())):
+            batched = torch.bmm(rows, weights.transpose(1, 2))
+        if not all(torch.equal(batched[e, :n], p) for e, (n, p) in enumerate(zip((7, 3), packed))):
+            return False
+    return True
 
 
 def new_moe_weights(spec: MoeSpec, hidden: int, new: Callable[..., torch.Tensor]) -> MoeWeights:
@@ -228,25 +264,72 @@ def _threads(count: int | None):
 def _packed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w: MoeWeights,
                     act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """`experts_forward` with packed experts: one product per expert that received tokens, never
-    per token, each on all the threads; the rest on one thread at decode sizes (`ONE_THREAD_PAIRS`)."""
+    per token, each on all the threads (or, `_padded_products`, one bmm over all experts); the
+    rest on one thread at decode sizes (`ONE_THREAD_PAIRS`)."""
     k = ids.shape[1]
-    mm, small = w.packed.matmul, 1 if ids.numel() <= ONE_THREAD_PAIRS else None
+    threads = torch.get_num_threads()
+    small = 1 if ids.numel() <= ONE_THREAD_PAIRS else None
     with _threads(small):
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        sizes = torch.bincount(flat, minlength=len(w.packed.gate_up)).tolist()
+        counts = torch.bincount(flat, minlength=len(w.packed.gate_up))
+        sizes = counts.tolist()
         token = order // k
-        live = [e for e, n in enumerate(sizes) if n]
-        live_sizes = [sizes[e] for e in live]
-        rows = x.index_select(0, token).split(live_sizes)
-    hidden = [mm.linear(r, w.packed.gate_up[e], None) for e, r in zip(live, rows)]
+        rows = x.index_select(0, token)
+    if w.packed.batched and threads > 1 and len(sizes) * max(sizes) <= PADDED_ROWS_LIMIT * flat.numel():
+        y = _padded_products(rows, flat.index_select(0, order), counts, max(sizes), w, act, small)
+    else:
+        y = _per_expert_products(rows, sizes, w, act, small)
+    with _threads(small):
+        y = y * weights.reshape(-1).index_select(0, order).unsqueeze(1)
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+
+def _per_expert_products(rows: torch.Tensor, sizes: list[int], w: MoeWeights,
+                         act: Callable[[torch.Tensor], torch.Tensor], small: int | None) -> torch.Tensor:
+    """Rows sorted by expert (sizes[e] each) through their experts: two packed products per
+    expert that received tokens."""
+    mm = w.packed.matmul
+    live = [e for e, n in enumerate(sizes) if n]
+    live_sizes = [sizes[e] for e in live]
+    hidden = [mm.linear(r, w.packed.gate_up[e], None) for e, r in zip(live, rows.split(live_sizes))]
     with _threads(small):
         gate, up = torch.cat(hidden).chunk(2, dim=-1)
-        rows = (act(gate) * up).split(live_sizes)
-    out = [mm.linear(r, w.packed.down[e], None) for e, r in zip(live, rows)]
+        pieces = (act(gate) * up).split(live_sizes)
+    out = [mm.linear(r, w.packed.down[e], None) for e, r in zip(live, pieces)]
     with _threads(small):
-        y = torch.cat(out) * weights.reshape(-1).index_select(0, order).unsqueeze(1)
-        return torch.zeros_like(x).index_add_(0, token, y)
+        return torch.cat(out)
+
+
+PADDED_ROWS_LIMIT = 3
+"""`_padded_products` is taken while the padded rows (experts x the fullest expert's rows) are at
+most this many times the real ones: a decode step's experts are bound by reading their weights,
+and one bf16 bmm over 16 experts of [512, 384] took 543 / 603 / 686 / 753 us a layer at 8 / 13 /
+16 / 24 rows each (one thread, bench machine), so padding up to ~3x costs little; beyond it few
+experts hold tokens and the packed products read only theirs."""
+
+
+def _padded_products(rows: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor, most: int, w: MoeWeights,
+                     act: Callable[[torch.Tensor], torch.Tensor], small: int | None) -> torch.Tensor:
+    """The same as `_per_expert_products`, bit for bit where `PackedExperts.batched`: every
+    expert's rows padded with zeros to the fullest expert's count `most`, each projection one
+    `torch.bmm` over all the experts' plain weights. Taken on more than one thread where the
+    padding at most triples the rows (`PADDED_ROWS_LIMIT`: every expert, or nearly, received
+    tokens, so the bmm reads about the weights the packed products read): 2 products a layer where the packed path
+    runs one per expert, each a parallel region of its own (docs/moe.md "Speed": bf16 on two
+    threads, the experts of six layers 5.3 -> 4.2 ms)."""
+    E, H = counts.shape[0], rows.shape[1]
+    with _threads(small):
+        slot = torch.arange(rows.shape[0]) - (torch.cumsum(counts, 0) - counts).index_select(0, experts)
+        where = experts * most + slot
+        padded = rows.new_zeros(E * most, H).index_copy_(0, where, rows).view(E, most, H)
+    hidden = torch.bmm(padded, w.gate_up.transpose(1, 2))
+    with _threads(small):
+        gate, up = hidden.chunk(2, dim=-1)
+        activated = act(gate) * up
+    out = torch.bmm(activated, w.down.transpose(1, 2))
+    with _threads(small):
+        return out.view(E * most, H).index_select(0, where)
 
 
 def experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w: MoeWeights,

@@ -170,6 +170,54 @@ def test_packed_experts_bookkeeping_on_one_thread_keeps_the_bits_and_the_callers
             monkeypatch.undo()
             assert torch.equal(out, ref) and torch.equal(routes[0], ref_routes[0])
             assert torch.get_num_threads() == 2
-            assert counts == ([1, 2] * 4 if rows * k <= moe.ONE_THREAD_PAIRS else [])
+            if rows * k <= moe.ONE_THREAD_PAIRS:  # the routing and the experts' steps, each on one thread
+                assert len(counts) >= 8 and counts == [1, 2] * (len(counts) // 2)
+            else:
+                assert counts == []
     finally:
         set_threads(before)
+
+
+def test_bf16_decode_on_two_threads_takes_one_bmm_per_projection_with_the_same_bits(monkeypatch):
+    """Where one torch.bmm over the plain expert weights gives the packed products to the bit
+    (moe.py `bmm_matches_packed`: bf16 on an avx512_bf16 CPU without AMX), a decode step on two
+    threads multiplies all experts with one bmm per projection (`_padded_products`); its output
+    and routes equal the one-thread step's (per-expert packed products) bit for bit, so the
+    thread count still changes no number. A batch whose padding would more than triple the rows
+    (one sequence: 2 of 16 experts hold tokens) keeps the per-expert products."""
+    import torch.nn.functional as F
+
+    from polyrl.rollout.native import moe
+    from polyrl.rollout.native.matmul import matmul_for
+
+    g = torch.Generator().manual_seed(0)
+    E, H, I, k = 16, 64, 32, 2
+    spec = moe.MoeSpec(E, k, I, True, (True,))
+
+    def layer(dtype):
+        w = moe.MoeWeights(router=torch.randn(E, H, generator=g).to(dtype),
+                           gate_up=torch.randn(E, 2 * I, H, generator=g).to(dtype),
+                           down=torch.randn(E, H, I, generator=g).to(dtype))
+        return moe.packed_moe(w, matmul_for(w.gate_up, 64))
+
+    w = layer(torch.bfloat16)
+    if w.packed is None or not w.packed.batched:
+        pytest.skip("bf16 experts are not packed, or bmm does not give the packed bits, on this CPU")
+    taken: list[int] = []
+    padded = moe._padded_products
+    monkeypatch.setattr(moe, "_padded_products", lambda rows, *a: taken.append(rows.shape[0]) or padded(rows, *a))
+    before = torch.get_num_threads()
+    try:
+        for sequences in (64, 1):
+            x = torch.randn(sequences, H, generator=g).to(torch.bfloat16)
+            out = {}
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                routes: list = []
+                out[threads] = (moe.moe_block(x, w, spec, F.silu, routes), routes[0])
+            assert torch.equal(out[1][0], out[2][0]) and torch.equal(out[1][1], out[2][1])
+            if sequences == 64:
+                assert E * torch.bincount(out[1][1].reshape(-1), minlength=E).max() <= moe.PADDED_ROWS_LIMIT * sequences * k
+        assert taken == [64 * k]  # the 64-sequence step on two threads only
+    finally:
+        torch.set_num_threads(before)
