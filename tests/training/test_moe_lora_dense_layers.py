@@ -80,6 +80,27 @@ def logprobs_of(model: torch.nn.Module, batch) -> torch.Tensor:
     return torch.cat(rows)
 
 
+def test_qwen2_moe_shared_expert_adapters_merge_into_the_engine(tmp_path):
+    """Qwen2-MoE: the shared expert's and the dense layer's adapters (random B) fold into the
+    merged weights, which the native engine serves with the adapted policy's log-probs (1e-5)."""
+    from polyrl.training.lora import merged_named_weights
+
+    path = build_moe_model(tmp_path, "qwen2_moe")
+    model = apply_lora(load_causal_lm(path), LoraConfig(lora_rank=4))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    merged = dict(merged_named_weights(model))
+    base = dict(load_causal_lm(path).named_parameters())
+    for name in ("model.layers.0.mlp.shared_expert.up_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        assert not torch.equal(merged[name], base[name]), name
+    engine = NativeEngine(path, max_model_len=64, tokenizer=False)
+    engine.update_weights(merged, version=1)
+    batch = sampled_batch(engine, n=1)
+    assert (logprobs_of(model.get_base_model().eval(), batch) - batch.rollout_logprobs.values).abs().max() <= 1e-5
+
+
 def test_dense_adapters_train_sync_export_and_resume(qwen3_moe, tmp_path):
     """One LoRA update (ddp, fp32, nonzero lr): the dense layer's adapters trained (B != 0), the
     merged weights synced to the native engine reproduce the trainer's log-probs within 1e-5; the
