@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from polyrl.batch import MicroBatch
-from polyrl.training import batch_invariant, moe_replay, vlm, vocab_parallel
+from polyrl.training import batch_invariant, fused_norm, moe_replay, vlm, vocab_parallel
 from polyrl.training.ulysses import gather_shards, own_positions
 from polyrl.training.varlen import packed_forward_kwargs, use_varlen_attention
 
@@ -57,6 +57,7 @@ def response_logprobs(
         return batch_invariant.invariant_response_logprobs(model, mb, with_entropy, entropy_grad)
     kwargs = packed_forward_kwargs(mb)
     moe_replay.begin(model, mb)  # mixture-of-experts: the routes to replay (training/moe_replay.py)
+    fused_norm.use_fused_rms_norm(model)  # RMSNorm as one autograd node (CPU, float32; training/fused_norm.py)
     if kwargs:  # a packed row with segment boundaries (polyrl/batch/packed.py)
         use_varlen_attention(model)
     elif getattr(mb, "position_ids", None) is not None:  # packed with a dense block-diagonal mask
