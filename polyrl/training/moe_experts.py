@@ -115,7 +115,8 @@ def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
         x = hidden_states.index_select(0, token).to(dtype)
         y = expert_mlp(x, counts, gate_up.to(dtype), down.to(dtype), self.act_fn)
         y = y * top_k_weights.reshape(-1).index_select(0, order).to(y.dtype)[:, None]
-        return hidden_states.new_zeros(hidden_states.shape).index_add(0, token, y.to(hidden_states.dtype))
+        # in place into fresh zeros (index_add, not in place, would copy them first)
+        return hidden_states.new_zeros(hidden_states.shape).index_add_(0, token, y.to(hidden_states.dtype))
 
 
 def register() -> None:
