@@ -158,8 +158,10 @@ class FSDP2Engine(DDPEngine):
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)
         if sharded_load.is_deferred(self.module):  # built on the meta device: read this rank's shards only
+            # initial values (LoRA adapters, a value head) broadcast over every trainer rank: the
+            # tp ranks too, which a parameter in no tp plan (an MoE's experts) is not sharded over
             sharded_load.materialize(self.module, torch.device("cpu") if "offload_policy" in kwargs else device,
-                                     root=self.root)
+                                     root=self.root, group=group)
         if horizon is not None:
             self.optimizer, self.scheduler = build_optimizer(model.parameters(), cfg, horizon)
         # the announce/drain handshake on a CPU group: no device sync per micro-batch

@@ -25,8 +25,12 @@ experts (dim 0), so a rank reads only its own experts' tensors.
 Parameters the checkpoint does not hold start from values drawn on the CPU when the model is
 built (`set_initial_values`): LoRA adapters (polyrl/training/lora.py `apply_lora`, which draws
 them exactly as peft would on a loaded model) and a critic's value head (`deferred_value_model`).
-Every rank takes the values of its group's first rank, as the whole load broadcasts them. Under
-peft a parameter's checkpoint name is its name without peft's `.base_layer`.
+Every rank takes the values of the trainer group's first rank, as the whole load broadcasts them:
+over the whole group `materialize` is given, not a tensor's own mesh, which under tensor
+parallelism misses the tp ranks of a parameter in no tp plan (an MoE layer's experts and their
+adapters, a critic's value head: sharded over the data ranks alone, replicated over tp, so each
+tp rank would keep its own draw). Under peft a parameter's checkpoint name is its name without
+peft's `.base_layer`.
 """
 
 from __future__ import annotations
@@ -256,11 +260,14 @@ def _modules_with_computed_buffers(model: torch.nn.Module) -> list[torch.nn.Modu
 
 
 @torch.no_grad()
-def materialize(model: torch.nn.Module, device: torch.device, root: torch.nn.Module | None = None) -> None:
+def materialize(model: torch.nn.Module, device: torch.device, root: torch.nn.Module | None = None,
+                group=None) -> None:
     """Storage on `device` for what this rank holds of `model` (its shards once FSDP2 has
     sharded it, else everything) and the checkpoint's values in it (or the initial values of
-    what the checkpoint does not hold). `root`: the outermost module to allocate through (the
-    FSDP2 root unit wrapping `model`); `model` names the tensors."""
+    what the checkpoint does not hold, as `group`'s first rank drew them). `root`: the outermost
+    module to allocate through (the FSDP2 root unit wrapping `model`); `model` names the tensors.
+    `group`: every rank holding a part or a replica of `model` (FSDP2: the trainer ranks, tp
+    included); None: this process alone."""
     root = root or model
     model = _owner(model)  # peft's wrapper: its base model holds every parameter
     stored: dict[str, StoredTensor] = getattr(model, _SOURCE)
@@ -272,7 +279,7 @@ def materialize(model: torch.nn.Module, device: torch.device, root: torch.nn.Mod
         _set_parameter(model, name, model.get_parameter(src))
     for name, tensor in list(model.named_parameters()) + list(_persistent_buffers(model)):
         if name in initial:
-            _fill_initial(tensor, initial[name])
+            _fill_initial(tensor, initial[name], group)
         else:
             _fill(tensor, stored[checkpoint_name(name)])
     for module in _modules_with_computed_buffers(model):
@@ -317,18 +324,18 @@ def _local_rows(tensor: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Ten
     return local, offset[0] if offset else 0, offset[1] if len(offset) > 1 else 0
 
 
-def _fill_initial(tensor: torch.Tensor, value: torch.Tensor) -> None:
-    """This rank's rows of `value`, as its group's first rank drew it (the whole load broadcasts
-    those from the leader: the same values on every rank, whatever each rank's RNG)."""
+def _fill_initial(tensor: torch.Tensor, value: torch.Tensor, group) -> None:
+    """This rank's rows of `value`, as `group`'s first rank drew it (broadcast whole from that
+    rank: the same values on every rank, whatever each rank's RNG). Over the whole group, not
+    the tensor's mesh: a parameter in no tp plan is on the data ranks' mesh alone, and its tp
+    replicas must start equal too (tests/training/test_tensor_parallel_lora.py, an MoE's experts)."""
     local, first, column = _local_rows(tensor, tuple(value.shape))
-    if is_dtensor(tensor):
+    if group is not None:
         import torch.distributed as dist
 
-        value = value.to(local.device).contiguous()
-        # each mesh dim in turn (a 2-D mesh under tensor parallelism): all hold the first rank's
-        for group in tensor.device_mesh.get_all_groups():
-            if dist.get_world_size(group) > 1:
-                dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
+        if dist.get_world_size(group) > 1:
+            value = value.to(local.device).contiguous()
+            dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
     if local.dim() > 1:
         value = value[:, column: column + local.shape[1]]
     local.copy_(value[first: first + local.shape[0]] if local.dim() else value)
