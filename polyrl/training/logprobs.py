@@ -106,8 +106,7 @@ def response_logprobs(
     picked = hidden.reshape(-1, H)[index[real] if compact else index]  # [n, H] or [b, R, H]
     targets = mb.target_ids[real] if compact else mb.target_ids
     logits = head(picked).float()  # [..., V]
-    logprobs, entropy = logits_logprobs(logits, targets, with_entropy=with_entropy or entropy_grad,
-                                        entropy_grad=entropy_grad)
+    logprobs, entropy = logits_logprobs(logits, targets, with_entropy=with_entropy, entropy_grad=entropy_grad)
     if compact:
         logprobs = logprobs.new_zeros(b, R).masked_scatter(real, logprobs)
         entropy = None if entropy is None else entropy.new_zeros(b, R).masked_scatter(real, entropy)

@@ -131,8 +131,9 @@ def lora_targets(model: torch.nn.Module, cfg: LoraConfig
     return chosen, chosen_experts
 
 
-def peft_lora_config(model: torch.nn.Module, cfg: LoraConfig) -> Any:
-    """peft's LoraConfig for exactly `lora_targets(model, cfg)`.
+def peft_lora_config(model: torch.nn.Module, cfg: LoraConfig, layers: dict[str, torch.nn.Linear],
+                     experts: dict[str, torch.nn.Parameter]) -> Any:
+    """peft's LoraConfig for exactly `layers, experts = lora_targets(model, cfg)`.
 
     With transformers 5, peft rewrites a target module whose name ends in gate_proj / up_proj /
     down_proj on a Qwen3-MoE / Qwen2-MoE into the fused expert tensors (`target_parameters`), on
@@ -145,7 +146,6 @@ def peft_lora_config(model: torch.nn.Module, cfg: LoraConfig) -> Any:
     (gate and up), so it gets rank 2r at alpha 2 x alpha (the same scaling), as peft gives it."""
     import peft
 
-    layers, experts = lora_targets(model, cfg)
     through_weight = _through_weight(layers, fused_experts(model))
     rank_pattern, alpha_pattern = {}, {}
     for name in experts:
@@ -178,7 +178,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> Any:
         # experts' gate_up_proj entries were ignored while it applies them (adapted_targets and
         # tests/training/test_moe_lora_dense_layers.py check the ranks)
         warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match")
-        wrapped = peft.get_peft_model(model, peft_lora_config(model, cfg))
+        wrapped = peft.get_peft_model(model, peft_lora_config(model, cfg, layers, experts))
     if sharded_load.is_deferred(model):  # peft moved its adapters to the meta device: values to fill
         sharded_load.set_initial_values(model, _adapter_init(wrapped.get_base_model(), rng))
     for name, param in wrapped.named_parameters():
@@ -199,9 +199,7 @@ def adapted_targets(model: torch.nn.Module) -> set[str]:
     for name, module in model.get_base_model().named_modules():
         if not isinstance(module, LoraLayer):
             continue
-        owner = name
-        while ".base_layer" in owner:
-            owner = owner.replace(".base_layer", "")
+        owner = name.replace(".base_layer", "")  # every level of a nested wrapper
         if isinstance(module, ParamWrapper) and module.parameter_name != "weight":
             out.add(f"{owner}.{module.parameter_name}")
         else:

@@ -20,7 +20,6 @@ spellings map onto views of the same tensors (`moe_targets`).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -28,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from polyrl.batch.routes import encode, routes_dtype
+from polyrl.rollout.native.threads import torch_threads
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 """The mixture-of-experts decoders the engine runs (the router shapes implemented here)."""
@@ -148,9 +148,9 @@ def _probe_bmm(matmul: Any, dtype: torch.dtype, gate_up: tuple[int, int], down: 
     for out_features, in_features in (gate_up, down):
         weights = torch.randn(2, out_features, in_features, generator=gen).to(dtype)
         rows = torch.randn(2, 7, in_features, generator=gen).to(dtype)
-        with _threads(1):
+        with torch_threads(1):
             packed = [matmul.linear(rows[e, :n], matmul.pack(weights[e]), None) for e, n in enumerate((7, 3))]
-        with _threads(max(2, torch.get_num_threads())):
+        with torch_threads(max(2, torch.get_num_threads())):
             batched = torch.bmm(rows, weights.transpose(1, 2))
         if not all(torch.equal(batched[e, :n], p) for e, (n, p) in enumerate(zip((7, 3), packed))):
             return False
@@ -247,20 +247,6 @@ machine (docs/moe.md "Speed"), a mul 5.7 -> 17 us, a cat of 16 pieces 8 -> 17 us
 element or row is computed alone); a rule over the shape, never a timing."""
 
 
-@contextlib.contextmanager
-def _threads(count: int | None):
-    """The block runs at `count` torch threads (None: as it is), the caller's count after it."""
-    before = torch.get_num_threads()
-    if count is None or count == before:
-        yield
-        return
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _packed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w: MoeWeights,
                     act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """`experts_forward` with packed experts: one product per expert that received tokens, never
@@ -269,7 +255,7 @@ def _packed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     k = ids.shape[1]
     threads = torch.get_num_threads()
     small = 1 if ids.numel() <= ONE_THREAD_PAIRS else None
-    with _threads(small):
+    with torch_threads(small):
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=len(w.packed.gate_up))
@@ -280,7 +266,7 @@ def _packed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
         y = _padded_products(rows, flat.index_select(0, order), counts, max(sizes), w, act, small)
     else:
         y = _per_expert_products(rows, sizes, w, act, small)
-    with _threads(small):
+    with torch_threads(small):
         y = y * weights.reshape(-1).index_select(0, order).unsqueeze(1)
         return torch.zeros_like(x).index_add_(0, token, y)
 
@@ -293,11 +279,11 @@ def _per_expert_products(rows: torch.Tensor, sizes: list[int], w: MoeWeights,
     live = [e for e, n in enumerate(sizes) if n]
     live_sizes = [sizes[e] for e in live]
     hidden = [mm.linear(r, w.packed.gate_up[e], None) for e, r in zip(live, rows.split(live_sizes))]
-    with _threads(small):
+    with torch_threads(small):
         gate, up = torch.cat(hidden).chunk(2, dim=-1)
         pieces = (act(gate) * up).split(live_sizes)
     out = [mm.linear(r, w.packed.down[e], None) for e, r in zip(live, pieces)]
-    with _threads(small):
+    with torch_threads(small):
         return torch.cat(out)
 
 
@@ -319,16 +305,16 @@ def _padded_products(rows: torch.Tensor, experts: torch.Tensor, counts: torch.Te
     runs one per expert, each a parallel region of its own (docs/moe.md "Speed": bf16 on two
     threads, the experts of six layers 5.3 -> 4.2 ms)."""
     E, H = counts.shape[0], rows.shape[1]
-    with _threads(small):
+    with torch_threads(small):
         slot = torch.arange(rows.shape[0]) - (torch.cumsum(counts, 0) - counts).index_select(0, experts)
         where = experts * most + slot
         padded = rows.new_zeros(E * most, H).index_copy_(0, where, rows).view(E, most, H)
     hidden = torch.bmm(padded, w.gate_up.transpose(1, 2))
-    with _threads(small):
+    with torch_threads(small):
         gate, up = hidden.chunk(2, dim=-1)
         activated = act(gate) * up
     out = torch.bmm(activated, w.down.transpose(1, 2))
-    with _threads(small):
+    with torch_threads(small):
         return out.view(E * most, H).index_select(0, where)
 
 
@@ -358,7 +344,7 @@ def moe_block(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, act: Callable[[torc
     flat = x.reshape(-1, shape[-1])
     linear = F.linear if w.packed is None else w.packed.matmul.linear
     small = w.packed is not None and flat.shape[0] * spec.top_k <= ONE_THREAD_PAIRS
-    with _threads(1 if small else None):  # a decode step's routing: see ONE_THREAD_PAIRS
+    with torch_threads(1 if small else None):  # a decode step's routing: see ONE_THREAD_PAIRS
         weights, ids = route(flat, w.router, spec)
     if routes is not None:
         routes.append(ids.view(*shape[:-1], spec.top_k))

@@ -261,12 +261,23 @@ class FreeCoreThreads:
         """The block runs at the count decided on entry (a training rank's update: one decision
         per update); the thread's own count comes back after it."""
         self.refresh()
-        before = self.apply()
-        try:
+        with torch_threads(self.count):
             yield self.count
-        finally:
-            if torch.get_num_threads() != before:
-                torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int | None):
+    """The block runs at `count` torch intra-op threads (None: as it is); the calling thread's
+    count comes back after it."""
+    before = torch.get_num_threads()
+    if count is None or count == before:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _niceness() -> int:
